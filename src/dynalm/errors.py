@@ -1,0 +1,43 @@
+"""User-facing errors: each one carries a one-line message naming what was wrong.
+
+The CLI prints ``DynaError`` as ``error: <message>`` and exits non-zero; the HTTP
+server maps them to OpenAI-style error JSON with ``http_status``.
+"""
+
+from __future__ import annotations
+
+
+class DynaError(Exception):
+    """Base class of every error a user can cause (bad file, bad name, bad request)."""
+
+    http_status = 400
+
+
+class ModelNotFound(DynaError):
+    """A model name or path that resolves to nothing."""
+
+    http_status = 404
+
+
+class ModelFormatError(DynaError):
+    """A file that is not a valid GGUF, or is truncated/corrupt."""
+
+
+class UnsupportedModel(DynaError):
+    """A valid file we cannot run: unknown architecture, unsupported tensor type."""
+
+
+class PullError(DynaError):
+    """Downloading a model failed from every source."""
+
+
+class PromptTooLong(DynaError):
+    """The prompt (plus requested tokens) does not fit the context window."""
+
+
+class InvalidRequest(DynaError):
+    """A parameter out of range or of the wrong kind."""
+
+
+class DeviceUnavailable(DynaError):
+    """A forced backend (e.g. --gpu) that cannot run on this machine."""
