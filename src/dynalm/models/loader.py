@@ -1,0 +1,79 @@
+"""Loading a GGUF file into a runnable model: weights, hyper-parameters, tokenizer,
+chat template and the DynaIR graph of its forward pass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dynalm.core.quant import quant_format
+from dynalm.errors import ModelFormatError
+from dynalm.ir.graph import Graph, TensorType
+from dynalm.models.arch import build_graph, family_of
+from dynalm.models.chat_template import ChatTemplate
+from dynalm.models.gguf_file import GGUFFile
+from dynalm.models.hparams import HParams, read_hparams
+from dynalm.models.tokenizer import Tokenizer
+
+
+class GGUFWeights:
+    """The executor's view of a GGUF file's tensors (memory-mapped, never copied)."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+
+    def raw(self, name: str) -> np.ndarray:
+        return self.gguf.raw(name)
+
+    def tensor_type(self, name: str) -> int:
+        return self.gguf.tensors[name].ggml_type
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self.gguf.tensors[name].shape
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    gguf: GGUFFile
+    hparams: HParams
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    graph: Graph
+    weights: GGUFWeights
+
+    @property
+    def name(self) -> str:
+        return str(self.gguf.metadata.get("general.name") or self.path.stem)
+
+    @property
+    def n_params(self) -> int:
+        return sum(int(np.prod(t.shape)) for t in self.gguf.tensors.values())
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.tokenizer.eog_ids | self.chat_template.stop_token_ids
+
+
+def load_model(path: str | os.PathLike) -> LoadedModel:
+    gguf = GGUFFile(path)
+    try:
+        meta = gguf.metadata
+        family_of(gguf.architecture)  # refuse unknown architectures before anything else
+        if "token_embd.weight" not in gguf.tensors:
+            raise ModelFormatError(f"{gguf.path.name}: no token_embd.weight tensor")
+        hp = read_hparams(meta, n_vocab=gguf.tensors["token_embd.weight"].shape[0])
+        weight_types = {
+            name: TensorType(quant_format(t.ggml_type).name, t.shape)
+            for name, t in gguf.tensors.items()
+        }
+        graph = build_graph(hp, weight_types)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
+    except Exception:
+        gguf.close()
+        raise
+    return LoadedModel(Path(path), gguf, hp, tokenizer, template, graph, GGUFWeights(gguf))

@@ -1,0 +1,328 @@
+"""Tokenizer built from GGUF metadata, on top of HF `tokenizers`.
+
+A GGUF carries no ``tokenizer.json``: it stores the vocabulary (``tokenizer.ggml.tokens``), token
+kinds, merges or scores and the special ids under llama.cpp's key names. We rebuild the equivalent
+HF tokenizer from them, the way transformers' GGUF loader does, with the pre-tokenizer split that
+llama.cpp picks from ``tokenizer.ggml.pre``:
+
+* ``gpt2``: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM ...).
+* ``llama``: sentencepiece BPE with byte fallback (``<0x..>`` tokens), spaces written as "▁" and
+  an optional "▁" prefix; merges come from the file or are recovered from the token scores.
+
+Control, user-defined and unknown tokens are matched whole in the input text, so a prompt holding
+``<|im_start|>`` gets that single id. `StreamDecoder` turns ids into text one token at a time.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from dynalm.errors import ModelFormatError, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+# llama.cpp token kinds (tokenizer.ggml.token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")
+
+# tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied one after the other
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("default", "gpt2", "mpt", "olmo", "jais"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+        (r"\p{N}", _GPT2_SPLIT),
+    ),
+    **dict.fromkeys(_LLAMA3_PRES, (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
+}
+
+# Tokens that end a turn in common templates; llama.cpp treats them as end-of-generation too.
+_EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
+)
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (bytes that print stand for themselves)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = (b for b in range(256) if b not in printable)
+    table = {b: chr(b) for b in printable}
+    table.update({b: chr(256 + i) for i, b in enumerate(extra)})
+    return table
+
+
+@lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    return {c: b for b, c in _byte_alphabet().items()}
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Recover sentencepiece BPE merges: every split of a token into two tokens, best score first.
+
+    Same order as transformers' ``generate_merges`` (so ids match its GGUF tokenizer): pairs of one
+    token by (left id, right id), then a stable sort by (score, len(left), len(right)), descending.
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores, strict=True))
+    merges = []
+    for tok, score in score_of.items():
+        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok))]
+        pairs = sorted(
+            (p for p in pairs if p[0] in vocab and p[1] in vocab),
+            key=lambda p: (vocab[p[0]], vocab[p[1]]),
+        )
+        merges.extend((lt, rt, score) for lt, rt in pairs)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(lt, rt) for lt, rt, _ in merges]
+
+
+def _int_or_none(value: int | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _byte_level_bpe(
+    tokens: list[str], types: list[int], merges: list[tuple[str, str]] | None, pre: str
+) -> HFTokenizer:
+    """GPT-2 style byte-level BPE, split first by the regexes llama.cpp uses for ``pre``."""
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # a normal token written with characters outside the byte alphabet is respelled (as HF does)
+    vocab = {
+        tok
+        if ty != _NORMAL or set(tok) <= spelled
+        else "".join(alphabet[b] for b in tok.encode()): i
+        for i, (tok, ty) in enumerate(zip(tokens, types, strict=True))
+    }
+    splits = _PRE_SPLITS.get(pre)
+    if splits is None:
+        log.warning("unknown tokenizer.ggml.pre %r: using the GPT-2 split", pre)
+        splits = _PRE_SPLITS["default"]
+    hf = HFTokenizer(
+        models.BPE(vocab, merges or [], fuse_unk=False, ignore_merges=pre in _LLAMA3_PRES)
+    )
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], merges: list[tuple[str, str]] | None, metadata: dict, space_prefix: bool
+) -> HFTokenizer:
+    """Sentencepiece BPE with byte fallback, "▁" for spaces (as transformers' LlamaTokenizer)."""
+    if merges is None:
+        scores = metadata.get("tokenizer.ggml.scores")
+        scores = [0.0] * len(tokens) if scores is None else [float(s) for s in scores]
+        if len(scores) != len(tokens):
+            raise ModelFormatError(
+                f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+            )
+        merges = _merges_from_scores(tokens, scores)
+    unk_id = _int_or_none(metadata.get("tokenizer.ggml.unknown_token_id"))
+    hf = HFTokenizer(
+        models.BPE(
+            {tok: i for i, tok in enumerate(tokens)},
+            merges,
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    hf.decoder = decoders.Sequence(steps)
+    return hf
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, built once from its GGUF metadata."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        token_types: list[int],
+        *,
+        byte_level: bool,
+        strip_space_prefix: bool,
+        bos_id: int | None,
+        eos_id: int | None,
+        pad_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        eog_ids: frozenset[int],
+    ) -> None:
+        self._hf = hf
+        self._types = token_types
+        self.byte_level = byte_level
+        self.strip_space_prefix = strip_space_prefix
+        self.vocab_size = len(token_types)
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.eog_ids = eog_ids
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict) -> Tokenizer:
+        """Build the tokenizer a GGUF describes (``tokenizer.ggml.*`` keys of its metadata)."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind not in ("gpt2", "llama"):
+            raise UnsupportedModel(
+                f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)"
+            )
+        tokens = list(metadata["tokenizer.ggml.tokens"])
+        types_raw = metadata.get("tokenizer.ggml.token_type")
+        types = [_NORMAL] * len(tokens) if types_raw is None else [int(t) for t in types_raw]
+        if len(types) != len(tokens):
+            raise ModelFormatError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+            )
+        merges_raw = metadata.get("tokenizer.ggml.merges")
+        merges = None if merges_raw is None else [tuple(m.split(" ", 1)) for m in merges_raw]
+
+        if kind == "gpt2":
+            hf = _byte_level_bpe(
+                tokens, types, merges, metadata.get("tokenizer.ggml.pre", "default")
+            )
+            space_prefix = False
+        else:
+            space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+            hf = _sentencepiece_bpe(tokens, merges, metadata, space_prefix)
+
+        special = [
+            AddedToken(tok, special=ty != _USER_DEFINED, normalized=False)
+            for tok, ty in zip(tokens, types, strict=True)
+            if ty in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+        ]
+        hf.add_special_tokens([t for t in special if t.special])
+        hf.add_tokens([t for t in special if not t.special])
+
+        bos_id = _int_or_none(metadata.get("tokenizer.ggml.bos_token_id"))
+        eos_id = _int_or_none(metadata.get("tokenizer.ggml.eos_token_id"))
+        eog_keys = ("eos", "eot", "eom")
+        eog = [_int_or_none(metadata.get(f"tokenizer.ggml.{k}_token_id")) for k in eog_keys]
+        eog += [hf.token_to_id(t) for t in _EOG_TEXTS]
+        return cls(
+            hf,
+            types,
+            byte_level=kind == "gpt2",
+            strip_space_prefix=space_prefix,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=_int_or_none(metadata.get("tokenizer.ggml.padding_token_id")),
+            # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            eog_ids=frozenset(i for i in eog if i is not None),
+        )
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it are always parsed as one id.
+
+        ``add_special`` adds BOS/EOS as the model asks (``add_bos`` / ``add_eos``).
+        """
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if add_special and self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of ``ids``; ``skip_special`` drops control and unknown tokens, not user-defined."""
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token as the vocabulary spells it (byte-level spelling for ``gpt2``)."""
+        return self._hf.token_to_id(token)
+
+    def id_to_token(self, id: int) -> str:
+        """The vocabulary's spelling of token ``id``."""
+        return self._hf.id_to_token(id)
+
+    def is_special(self, id: int) -> bool:
+        """True for the tokens ``skip_special`` drops (control and unknown)."""
+        return self._types[id] in (_UNKNOWN, _CONTROL)
+
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes token ``id`` stands for, before any leading-space stripping."""
+        tok = self._hf.id_to_token(id)
+        if self.byte_level:
+            # like HF's ByteLevel decoder: a token spelled outside the byte alphabet is taken as is
+            of_char = _byte_of_char()
+            return bytes(of_char[c] for c in tok) if set(tok) <= of_char.keys() else tok.encode()
+        if m := _BYTE_TOKEN.fullmatch(tok):
+            return bytes([int(m.group(1), 16)])
+        return tok.replace("▁", " ").encode()
+
+
+class StreamDecoder:
+    """Incremental detokeniser for streaming.
+
+    Never emits broken UTF-8 (bytes of an incomplete character wait for the next token), strips
+    the sentencepiece prefix space once at the start, and joins byte-fallback tokens, so that the
+    concatenation of all pushed pieces plus `flush` equals ``tokenizer.decode(all ids)``. (The one
+    exception is invalid byte sequences in a sentencepiece vocabulary: HF writes one U+FFFD per
+    byte token of an invalid run, we write one per maximal invalid subsequence.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._strip = tokenizer.strip_space_prefix
+        self._cache: dict[int, bytes] = {}
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        if self._skip and self._tok.is_special(token_id):
+            return ""
+        data = self._cache.get(token_id)
+        if data is None:
+            data = self._cache[token_id] = self._tok.token_bytes(token_id)
+        return self._emit(self._utf8.decode(data))
+
+    def flush(self) -> str:
+        """End of stream: return what was held back (an incomplete character becomes U+FFFD)."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        if self._strip and text:
+            self._strip = False
+            if text[0] == " ":
+                return text[1:]
+        return text

@@ -1,0 +1,222 @@
+"""Chat templates render as transformers' ``apply_chat_template`` does: SmolLM2's own template, and
+each fallback against the canonical Hugging Face template it stands in for."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+from transformers import PreTrainedTokenizerFast
+
+from dynalm.errors import InvalidRequest
+from dynalm.models.chat_template import ChatTemplate
+from dynalm.models.tokenizer import Tokenizer
+
+# The canonical templates of the model cards the fallbacks mimic.
+HF_CHATML = (  # transformers' chat templating docs
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+HF_LLAMA3 = (  # meta-llama/Meta-Llama-3-8B-Instruct
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+HF_GEMMA3 = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
+    [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "  And 3+3?  \n"},
+    ],
+    [{"role": "user", "content": "héllo 😀 <b>bold</b>\n\nnew paragraph"}],
+    [
+        {"role": "system", "content": "Be kind.\nAlways."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ],
+]
+
+
+def _metadata_strings(path: Path, keys: tuple[str, ...]) -> dict:
+    fields = gguf.GGUFReader(path).fields
+    return {k: fields[k].contents() for k in keys}
+
+
+def hf_render(template: str, messages: list[dict], bos: str, eos: str) -> str:
+    """transformers' apply_chat_template(tokenize=False, add_generation_prompt=True)."""
+    backend = HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
+    return hf.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+
+
+def family_tokenizer(arch: str, specials: list[str], bos: int, eos: int) -> tuple[dict, Tokenizer]:
+    """A byte-level tokenizer whose control tokens are ``specials`` (ids 0..)."""
+    letters = [chr(c) for c in range(33, 127)]
+    metadata = {
+        "general.architecture": arch,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [*specials, *letters],
+        "tokenizer.ggml.token_type": np.array([3] * len(specials) + [1] * len(letters)),
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": bos,
+        "tokenizer.ggml.eos_token_id": eos,
+    }
+    return metadata, Tokenizer.from_gguf_metadata(metadata)
+
+
+@pytest.fixture(scope="session")
+def smol_template(smollm2_gguf: Path) -> tuple[ChatTemplate, str, str, str]:
+    keys = ("tokenizer.chat_template", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+    meta = _metadata_strings(smollm2_gguf, keys)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bos, eos = tokens[meta[keys[1]]], tokens[meta[keys[2]]]
+    metadata, tok = family_tokenizer("llama", tokens, meta[keys[1]], meta[keys[2]])
+    template = ChatTemplate.from_gguf_metadata(
+        {**metadata, "tokenizer.chat_template": meta[keys[0]]}, tok
+    )
+    return template, meta[keys[0]], bos, eos
+
+
+def test_smollm2_template_matches_transformers(smol_template) -> None:
+    template, source, bos, eos = smol_template
+    assert template.source == source and "<|im_start|>" in source
+    assert template.stop_token_ids == {2}  # <|im_end|>
+    for messages in CONVERSATIONS:
+        assert template.render(messages) == hf_render(source, messages, bos, eos)
+    no_prompt = template.render(CONVERSATIONS[0], add_generation_prompt=False)
+    assert not no_prompt.endswith("assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("arch", "specials", "canonical", "stop"),
+    [
+        ("qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], HF_CHATML, "<|im_end|>"),
+        ("llama", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], HF_CHATML, "<|im_end|>"),
+        (
+            "llama",
+            [
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ],
+            HF_LLAMA3,
+            "<|eot_id|>",
+        ),
+        (
+            "gemma3",
+            ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+            HF_GEMMA3,
+            None,
+        ),
+    ],
+)
+def test_fallbacks_match_canonical_templates(
+    arch: str, specials: list[str], canonical: str, stop: str | None
+) -> None:
+    bos, eos = (2, 1) if arch.startswith("gemma") else (0, 1)
+    metadata, tok = family_tokenizer(arch, specials, bos, eos)
+    template = ChatTemplate.from_gguf_metadata(metadata, tok)
+    for messages in CONVERSATIONS:
+        assert template.render(messages) == hf_render(
+            canonical, messages, specials[bos], specials[eos]
+        )
+    expected_stop = stop or "<end_of_turn>"
+    assert tok.token_to_id(expected_stop) in template.stop_token_ids
+
+
+def test_raise_exception_is_invalid_request() -> None:
+    template = ChatTemplate("{{ raise_exception('no ' + messages[0]['role'] + ' here') }}")
+    with pytest.raises(InvalidRequest, match="^no user here$"):
+        template.render([{"role": "user", "content": "x"}])
+    _, tok = family_tokenizer("gemma3", ["<pad>", "<eos>", "<bos>"], 2, 1)
+    gemma = ChatTemplate.from_gguf_metadata({"general.architecture": "gemma3"}, tok)
+    with pytest.raises(InvalidRequest, match="alternate"):
+        gemma.render([{"role": "assistant", "content": "first"}])
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ messages.__class__.__base__.__subclasses__() }}",
+        "{% set _ = messages.append(1) %}",
+        "{{ cycler.__init__.__globals__ }}",
+    ],
+)
+def test_sandbox_blocks_escapes(source: str) -> None:
+    with pytest.raises(InvalidRequest, match="chat template"):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+def test_template_errors_name_the_problem() -> None:
+    with pytest.raises(InvalidRequest, match="does not parse"):
+        ChatTemplate("{% for m in messages %}")
+    with pytest.raises(InvalidRequest, match="chat template failed"):
+        ChatTemplate("{{ messages[0]['content'] + 1 }}").render([{"role": "user", "content": "x"}])
+
+
+def test_globals_and_filters() -> None:
+    source = (
+        "{{ bos_token }}|{{ eos_token }}|{{ messages[0] | tojson }}|{{ strftime_now('%Y') }}"
+        "|{{ tools is none }}|{{ extra_var }}{% for m in messages %}{% break %}{% endfor %}"
+    )
+    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    out = template.render([{"role": "user", "content": "é<&>"}], extra_var=7)
+    year = datetime.now().strftime("%Y")
+    assert out == f'<s>|</s>|{{"role": "user", "content": "é<&>"}}|{year}|True|7'
