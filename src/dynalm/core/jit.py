@@ -1,0 +1,155 @@
+"""The LLVM JIT: host detection, compile-and-cache of generated IR, callable function pointers.
+
+Kernels are generated in Python as LLVM IR text, compiled for the host CPU (its name and
+feature flags, opt level 3) and loaded into one process-wide MCJIT engine. Compiled object
+code is kept on disk under ``$DYNALM_CACHE/jit`` (default ``~/.cache/dynalm/jit``), keyed by
+the IR text, the CPU name, its features and the llvmlite version, so a second process skips
+LLVM entirely; the IR text is stored beside each object for debugging.
+
+This module and ``core`` are the only places that deal in raw addresses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import llvmlite
+import llvmlite.binding as llvm
+
+# Feature flags worth reporting: the ones our kernels choose between.
+_REPORTED = (
+    "sse4.2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512vnni",
+    "avxvnni",
+    "neon",
+    "dotprod",
+)
+
+
+@cache
+def _target_machine() -> llvm.TargetMachine:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    target = llvm.Target.from_triple(llvm.get_process_triple())
+    return target.create_target_machine(
+        cpu=llvm.get_host_cpu_name(),
+        features=llvm.get_host_cpu_features().flatten(),
+        opt=3,
+        codemodel="jitdefault",
+    )
+
+
+@cache
+def host_features() -> dict[str, object]:
+    """The host as the JIT sees it: CPU name, triple, kernel ISA and the relevant features."""
+    _target_machine()
+    flags = llvm.get_host_cpu_features()
+    have = sorted(f for f in _REPORTED if flags.get(f, False))
+    return {
+        "cpu": llvm.get_host_cpu_name(),
+        "triple": llvm.get_process_triple(),
+        "isa": "avx2" if {"avx2", "fma", "f16c"} <= set(have) else "generic",
+        "features": have,
+        "llvmlite": llvmlite.__version__,
+    }
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DYNALM_CACHE")
+    return Path(root) / "jit" if root else Path.home() / ".cache" / "dynalm" / "jit"
+
+
+class _Engine:
+    """One MCJIT engine for the process; modules are added as object code."""
+
+    def __init__(self) -> None:
+        self._tm = _target_machine()
+        self._ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self._tm)
+        self._lock = threading.Lock()
+        self._loaded: dict[str, dict[str, int]] = {}
+
+    def _key(self, ir: str) -> str:
+        host = host_features()
+        text = "\0".join(
+            [ir, str(host["cpu"]), llvm.get_host_cpu_features().flatten(), llvmlite.__version__]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _object_code(self, ir: str, key: str) -> bytes:
+        path = cache_dir() / f"{key}.o"
+        try:
+            return path.read_bytes()
+        except OSError:
+            pass
+        mod = llvm.parse_assembly(ir)
+        mod.verify()
+        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pto.loop_vectorization = True
+        pto.slp_vectorization = True
+        pb = llvm.create_pass_builder(self._tm, pto)
+        pb.getModulePassManager().run(mod, pb)
+        obj = self._tm.emit_object(mod)
+        self._store(path, obj, ir)
+        return obj
+
+    @staticmethod
+    def _store(path: Path, obj: bytes, ir: str) -> None:
+        # Write-then-rename so concurrent processes never read a half-written object.
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for data, final in ((ir.encode(), path.with_suffix(".ll")), (obj, path)):
+                fd, tmp = tempfile.mkstemp(dir=path.parent)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, final)
+        except OSError:
+            pass  # a read-only cache only costs compile time
+
+    def compile(self, ir: str, names: Sequence[str]) -> dict[str, int]:
+        key = self._key(ir)
+        with self._lock:
+            if key not in self._loaded:
+                obj = self._object_code(ir, key)
+                self._ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
+                self._ee.finalize_object()
+                self._loaded[key] = {}
+            addrs = self._loaded[key]
+            for name in names:
+                if name not in addrs:
+                    addrs[name] = self._ee.get_function_address(name)
+                    if not addrs[name]:
+                        raise LookupError(f"JIT module has no function {name!r}")
+            return {name: addrs[name] for name in names}
+
+
+@cache
+def _engine() -> _Engine:
+    return _Engine()
+
+
+def compile_ir(ir: str, names: Sequence[str]) -> dict[str, int]:
+    """Compile (or load from the disk cache) an IR module; return its functions' addresses.
+
+    Function names must be unique across all modules of the process (include a hash of the
+    generating parameters in them).
+    """
+    return _engine().compile(ir, names)
+
+
+def cfunc(address: int, restype: type | None, *argtypes: type) -> ctypes._CFuncPtr:
+    """Wrap a compiled function's address for calling from Python (the GIL is released)."""
+    return ctypes.CFUNCTYPE(restype, *argtypes)(address)

@@ -1,0 +1,107 @@
+"""QuantMatmul against the numpy reference: dequantise (dynalm.core.quant), fp64 matmul.
+
+Every supported format x mode x path (GEMV T=1, small batches, prefill-sized T) on shapes
+whose N is not a multiple of any tile. Budgets: ``exact`` max error <= 1e-5 of the output
+rms (fp32 summation order only); ``auto`` rms error < 1e-2 of the output rms (int8
+activations, as ggml's Q8_0/Q8_1 vec_dot types).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from dynalm.core import matmul
+from dynalm.core.matmul import QuantMatmul
+from dynalm.core.quant import dequantize
+
+FORMATS = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+N = 67
+
+
+@cache
+def weights(ggml_type: T, n: int, k: int) -> np.ndarray:
+    rng = np.random.default_rng(k * 100 + int(ggml_type))
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.1, 2, (n, 1))
+    w = w.astype(np.float32)
+    if ggml_type == T.F32:
+        return w.view(np.uint8)
+    if ggml_type == T.F16:
+        return w.astype(np.float16).view(np.uint8)
+    return quants.quantize(w, ggml_type)
+
+
+def activations(t_rows: int, k: int) -> np.ndarray:
+    x = np.random.default_rng(t_rows + k).standard_normal((t_rows, k)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: the int8 quantiser must not divide by zero
+    return x
+
+
+def check(y: np.ndarray, raw: np.ndarray, ggml_type: T, x: np.ndarray, mode: str) -> None:
+    w = dequantize(raw, ggml_type, x.shape[1]).astype(np.float64)
+    ref = x.astype(np.float64) @ w.T
+    rms = np.sqrt(np.mean(ref**2))
+    err = y - ref
+    if mode == "exact" or ggml_type in (T.F32, T.F16):
+        assert np.abs(err).max() <= 1e-5 * rms
+    else:
+        assert np.sqrt(np.mean(err**2)) < 1e-2 * rms
+
+
+@pytest.mark.parametrize("mode", ["exact", "auto"])
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [64, 576, 1536])
+def test_matches_reference(ggml_type: T, mode: str, k: int) -> None:
+    raw = weights(ggml_type, N, k)
+    mm = QuantMatmul(raw, ggml_type, k, mode=mode)
+    for t_rows in (1, 3, 8, 33, 128):
+        x = activations(t_rows, k)
+        check(mm(x), raw, ggml_type, x, mode)
+
+
+@pytest.mark.parametrize("mode", ["exact", "auto"])
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q4_1, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+def test_portable_kernels(ggml_type: T, mode: str) -> None:
+    raw = weights(ggml_type, N, 576)
+    mm = QuantMatmul(raw, ggml_type, 576, mode=mode, isa="generic")
+    for t_rows in (1, 8):
+        x = activations(t_rows, 576)
+        check(mm(x), raw, ggml_type, x, mode)
+
+
+def test_threads_split_rows_identically(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matmul, "_PARALLEL_MIN_BYTES", 0)
+    raw = weights(T.Q4_1, 203, 576)
+    x = activations(5, 576)
+    one = QuantMatmul(raw, T.Q4_1, 576, mode="auto", threads=1)(x)
+    for threads in (2, 3):
+        assert np.array_equal(QuantMatmul(raw, T.Q4_1, 576, mode="auto", threads=threads)(x), one)
+
+
+def test_reused_buffers_see_new_values_and_shapes() -> None:
+    raw = weights(T.Q8_0, N, 576)
+    mm = QuantMatmul(raw, T.Q8_0, 576, mode="auto")
+    x = activations(4, 576)
+    out = np.empty((4, N), np.float32)
+    assert mm(x, out) is out
+    x *= -2  # same array object, new contents
+    mm(x, out)
+    check(out, raw, T.Q8_0, x, "auto")
+    x1 = activations(1, 576)
+    check(mm(x1), raw, T.Q8_0, x1, "auto")
+    with pytest.raises(ValueError):
+        mm(x, np.empty((3, N), np.float32))
+
+
+def test_refuses_what_it_cannot_run() -> None:
+    assert QuantMatmul.supported(T.Q4_1, "auto")
+    assert not QuantMatmul.supported(T.IQ2_XXS, "exact")
+    assert not QuantMatmul.supported(T.Q4_1, "fast")
+    with pytest.raises(ValueError):
+        QuantMatmul(weights(T.Q4_1, N, 64), T.Q4_1, 64, mode="fast")
+    with pytest.raises(ValueError):
+        QuantMatmul(weights(T.Q4_1, N, 64), T.Q4_1, 64)(np.zeros((1, 64), np.float64))
