@@ -1,0 +1,38 @@
+# Two entry points on a fresh machine:
+#   make demo  - venv + install + pull smollm2:135m + answer one prompt, streamed
+#   make test  - venv + install test extras + the test model + the whole suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export DYNALM_HOME ?= $(CURDIR)/.models
+export DYNALM_CACHE ?= $(CURDIR)/.cache/dynalm
+export NUMBA_CACHE_DIR ?= $(CURDIR)/.cache/numba
+TEST_MODEL := $(DYNALM_HOME)/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPT ?= Why is the sky blue? Answer in two sentences.
+
+.PHONY: install install-test demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+
+$(TEST_MODEL): | install
+	$(BIN)/dynalm pull smollm2:135m
+
+demo: install $(TEST_MODEL)
+	$(BIN)/dynalm run smollm2:135m "$(PROMPT)" --verbose
+
+lint: install-test
+	$(BIN)/ruff check src tests benchmarks
+
+test: install-test $(TEST_MODEL) lint
+	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -1,0 +1,272 @@
+"""The ``dynalm`` command line: pull · run · list · show · rm.
+
+stdout carries only what a command produces (the generated text for ``run``), so
+it can be piped; banners, statistics and errors go to stderr. A user error is
+one line, ``error: ...``, and a non-zero exit; ``--verbose`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from dynalm.runtime.generator import Generator
+    from dynalm.runtime.sampling import SamplingParams
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="DynaLM: run LLMs on your own machine.",
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Mode(str, Enum):
+    auto = "auto"
+    exact = "exact"
+    safe = "safe"
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+@contextmanager
+def user_errors(verbose: bool) -> Iterator[None]:
+    """Turn failures into one line on stderr and exit status 1 (traceback with --verbose)."""
+    from dynalm.errors import DynaError
+
+    try:
+        yield
+    except DynaError as e:
+        if verbose:
+            err.print_exception()
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(1) from None
+    except (OSError, ValueError, RuntimeError) as e:
+        if verbose:
+            err.print_exception()
+        err.print(f"[red]error:[/] {type(e).__name__}: {e}")
+        raise typer.Exit(2) from None
+
+
+def _configure(verbose: bool, threads: int | None) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr
+    )
+    if threads:  # must happen before numpy loads its BLAS
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="Catalog name, e.g. smollm2:135m")],
+    verbose: Verbose = False,
+) -> None:
+    """Download a model into the store (idempotent, verified by sha256)."""
+    _configure(verbose, None)
+    from dynalm.runtime.store_commands import pull_command
+
+    with user_errors(verbose):
+        pull_command(model)
+
+
+@app.command("list")
+def list_models(verbose: Verbose = False) -> None:
+    """List the models in the store."""
+    from dynalm.runtime.store_commands import list_command
+
+    with user_errors(verbose):
+        list_command()
+
+
+@app.command()
+def rm(model: str, verbose: Verbose = False) -> None:
+    """Delete a model from the store."""
+    from dynalm.runtime.store_commands import rm_command
+
+    with user_errors(verbose):
+        rm_command(model)
+
+
+@app.command()
+def show(
+    model: Annotated[str | None, typer.Argument(help="Model name or GGUF path")] = None,  # noqa: UP007
+    graph: Annotated[bool, typer.Option("--graph", help="Print the DynaIR graph.")] = False,
+    system: Annotated[bool, typer.Option("--system", help="Describe this machine.")] = False,
+    verbose: Verbose = False,
+) -> None:
+    """Describe a model (architecture, size, quant types, template) or the system."""
+    _configure(verbose, None)
+    with user_errors(verbose):
+        if system:
+            from dynalm.show import describe_system
+
+            typer.echo(describe_system())
+            return
+        if model is None:
+            raise typer.BadParameter("give a MODEL or --system")
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.registry import ModelStore
+        from dynalm.show import describe_model
+
+        loaded = load_model(ModelStore().resolve(model))
+        typer.echo(str(loaded.graph) if graph else describe_model(loaded))
+
+
+def _read_prompt(prompt: str | None) -> str | None:
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    return prompt
+
+
+def _stream(generator: Generator, prompt_ids: list[int], params: SamplingParams) -> str:
+    """Write the answer to stdout as it is generated; returns it."""
+    pieces = []
+    for event in generator.generate(prompt_ids, params):
+        if event.text:
+            pieces.append(event.text)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    return "".join(pieces)
+
+
+def _chat(generator: Generator, params: SamplingParams, system: str | None, verbose: bool) -> None:
+    """Interactive multi-turn chat: /bye or Ctrl-D exits; Ctrl-C stops the answer."""
+    model = generator.model
+    messages = [{"role": "system", "content": system}] if system else []
+    err.print("[dim]Chat with the model. /bye or Ctrl-D to exit, Ctrl-C stops an answer.[/]")
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            err.print()
+            return
+        except KeyboardInterrupt:
+            err.print("\n[dim]Use Ctrl-D or /bye to exit.[/]")
+            continue
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
+        try:
+            answer = _stream(generator, ids, params)
+        except KeyboardInterrupt:
+            answer = ""
+            err.print("\n[dim](stopped)[/]")
+        sys.stdout.write("\n\n")
+        messages.append({"role": "assistant", "content": answer})
+        if verbose:
+            err.print(f"[dim]{generator.stats.summary()}[/]")
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
+    prompt: Annotated[
+        str | None,
+        typer.Argument(  # noqa: UP007
+            help="The prompt; '-' reads stdin; none starts an interactive chat"
+        ),
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,  # noqa: UP007
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, no template.")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = 40,
+    top_p: Annotated[float, typer.Option(help="1 = off.")] = 0.9,
+    min_p: Annotated[float, typer.Option(help="0 = off.")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.1,
+    seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,  # noqa: UP007
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,  # noqa: UP007
+    ctx: Annotated[int, typer.Option(help="Context window in tokens.")] = 4096,
+    threads: Annotated[
+        int | None,
+        typer.Option(  # noqa: UP007
+            help="CPU threads (default: physical cores)."
+        ),
+    ] = None,
+    mode: Annotated[Mode, typer.Option(help="auto | exact | safe")] = Mode.auto,
+    backend: Annotated[Backend, typer.Option(help="auto | cpu | gpu")] = Backend.auto,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")] = False,
+    gpu: Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")] = False,
+    verbose: Verbose = False,
+) -> None:
+    """Generate from a prompt (streamed to stdout), or chat interactively."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        import time
+
+        from dynalm.core.device import select_device
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.generator import Generator
+        from dynalm.runtime.registry import ModelStore
+        from dynalm.runtime.sampling import SamplingParams
+
+        if cpu and gpu:
+            raise typer.BadParameter("--cpu and --gpu exclude each other")
+        chosen = "gpu" if gpu else "cpu" if cpu else backend.value
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=list(stop or []),
+        ).validate()
+        device = select_device(chosen, mode.value, threads)
+        t0 = time.perf_counter()
+        loaded = load_model(ModelStore().resolve(model))
+        generator = Generator(loaded, device, ctx=ctx)
+        if verbose:
+            err.print(
+                f"[dim]loaded {loaded.name} on {device.describe()} in "
+                f"{time.perf_counter() - t0:.2f} s[/]"
+            )
+        text = _read_prompt(prompt)
+        if text is None:
+            _chat(generator, params, system, verbose)
+            return
+        if raw:
+            ids = loaded.tokenizer.encode(text, add_special=True)
+        else:
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": text})
+            ids = loaded.tokenizer.encode(loaded.chat_template.render(messages), add_special=False)
+        try:
+            answer = _stream(generator, ids, params)
+        except KeyboardInterrupt:
+            answer = ""
+            err.print("\n[dim](stopped)[/]")
+        if not answer.endswith("\n"):
+            sys.stdout.write("\n")
+        if verbose:
+            err.print(f"[dim]{generator.stats.summary()}[/]")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

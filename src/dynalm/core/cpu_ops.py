@@ -1,0 +1,168 @@
+"""CPU implementations of the DynaIR ops (numpy; matmuls go through core.weights).
+
+Every op writes into a planned output buffer (``out``), so a step allocates only
+numpy temporaries inside ops, never the activations themselves. The attention op
+reads keys and values through each sequence's page table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class KVStorage(Protocol):
+    """Paged KV memory as the attention op sees it (owned by the runtime)."""
+
+    page_size: int
+    k: list[np.ndarray]  # per layer: [n_pages * page_size, n_kv_heads, head_dim]
+    v: list[np.ndarray]
+
+
+@dataclass
+class AttentionBatch:
+    """Where the step's tokens belong: a flat ragged batch of sequences.
+
+    Sequence ``s`` owns tokens ``query_start[s]:query_start[s+1]`` of the step; after
+    the step it holds ``seq_lens[s]`` tokens of context, stored in the pages listed
+    by ``page_tables[s]``; token ``t`` of the step is written to KV slot
+    ``slots[t]`` (page * page_size + offset).
+    """
+
+    kv: KVStorage
+    query_start: np.ndarray  # int64 [S + 1]
+    seq_lens: np.ndarray  # int64 [S]
+    page_tables: list[np.ndarray]  # S arrays of page ids
+    slots: np.ndarray  # int64 [T]
+
+
+def rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:
+    ms = np.einsum("ij,ij->i", x, x) / x.shape[1]
+    np.multiply(x, (1.0 / np.sqrt(ms + eps))[:, None], out=out)
+    out *= w
+
+
+def head_rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float, head_dim: int) -> None:
+    heads = x.reshape(x.shape[0], -1, head_dim)
+    ms = np.einsum("thd,thd->th", heads, heads) / head_dim
+    np.multiply(heads, (1.0 / np.sqrt(ms + eps))[..., None], out=out.reshape(heads.shape))
+    out.reshape(heads.shape)[...] *= w
+
+
+class RopeTable:
+    """cos/sin of position x frequency for one (base, scale, dims) setting, grown on demand."""
+
+    def __init__(
+        self, rope_dim: int, base: float, scale: float, freq_factors: np.ndarray | None = None
+    ):
+        inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.astype(np.float64)
+        self.inv_freq = inv_freq / scale
+        self.cos = self.sin = np.zeros((0, rope_dim // 2), np.float32)
+
+    def lookup(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        need = int(positions.max()) + 1 if positions.size else 0
+        if need > len(self.cos):
+            n = max(need, 2 * len(self.cos), 256)
+            angles = np.outer(np.arange(n, dtype=np.float64), self.inv_freq)
+            self.cos, self.sin = (
+                np.cos(angles).astype(np.float32),
+                np.sin(angles).astype(np.float32),
+            )
+        return self.cos[positions], self.sin[positions]
+
+
+def rope(
+    out: np.ndarray,
+    x: np.ndarray,
+    positions: np.ndarray,
+    table: RopeTable,
+    head_dim: int,
+    rope_dim: int,
+    neox: bool,
+) -> None:
+    heads = x.reshape(x.shape[0], -1, head_dim)
+    res = out.reshape(heads.shape)
+    if rope_dim < head_dim:
+        res[..., rope_dim:] = heads[..., rope_dim:]
+    cos, sin = table.lookup(positions)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = rope_dim // 2
+    # NeoX pairs element i with i + d/2; the GGUF llama layout pairs 2i with 2i + 1.
+    if neox:
+        a, b = heads[..., :half], heads[..., half:rope_dim]
+        ra, rb = res[..., :half], res[..., half:rope_dim]
+    else:
+        a, b = heads[..., 0:rope_dim:2], heads[..., 1:rope_dim:2]
+        ra, rb = res[..., 0:rope_dim:2], res[..., 1:rope_dim:2]
+    a, b = a.copy(), b.copy()  # out may alias x's storage pattern; read before writing
+    ra[...] = a * cos - b * sin
+    rb[...] = b * cos + a * sin
+
+
+def silu(out: np.ndarray, x: np.ndarray) -> None:
+    np.negative(x, out=out)
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(x, out, out=out)
+
+
+def gelu_tanh(out: np.ndarray, x: np.ndarray) -> None:
+    inner = x * x * x
+    inner *= 0.044715
+    inner += x
+    inner *= math.sqrt(2.0 / math.pi)
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    np.multiply(x, inner, out=out)
+    out *= 0.5
+
+
+def attention(
+    out: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    positions: np.ndarray,
+    batch: AttentionBatch,
+    layer: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    window: int,
+) -> None:
+    """Store this step's k/v in the layer's pages, then causal (optionally windowed)
+    attention of each sequence's queries over its whole paged context."""
+    kv = batch.kv
+    k_store, v_store = kv.k[layer], kv.v[layer]
+    t_total = q.shape[0]
+    k_store[batch.slots] = k.reshape(t_total, n_kv_heads, head_dim)
+    v_store[batch.slots] = v.reshape(t_total, n_kv_heads, head_dim)
+    group = n_heads // n_kv_heads
+    page_offsets = np.arange(kv.page_size)
+    for s in range(len(batch.seq_lens)):
+        a, b = int(batch.query_start[s]), int(batch.query_start[s + 1])
+        n_ctx = int(batch.seq_lens[s])
+        n_pages = -(-n_ctx // kv.page_size)
+        slots = (batch.page_tables[s][:n_pages, None] * kv.page_size + page_offsets).ravel()
+        slots = slots[:n_ctx]
+        keys = k_store[slots].astype(np.float32, copy=False)  # [L, kv, d]
+        values = v_store[slots].astype(np.float32, copy=False)
+        queries = q[a:b].reshape(b - a, n_kv_heads, group, head_dim)
+        scores = np.einsum("tkgd,lkd->kgtl", queries, keys) * np.float32(scale)
+        qpos = positions[a:b, None]
+        kpos = np.arange(n_ctx)[None, :]
+        masked = kpos > qpos
+        if window:
+            masked |= kpos <= qpos - window
+        scores[..., masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        ctx = np.einsum("kgtl,lkd->tkgd", scores, values)
+        out[a:b] = ctx.reshape(b - a, n_heads * head_dim)

@@ -1,0 +1,120 @@
+"""Devices: where weights live and how the IR's ops run.
+
+The CPU device is the stable one. GPU devices (CUDA/Metal/Vulkan) are in preview
+and not part of this build, so ``--backend auto`` runs on the CPU and ``--gpu``
+says why it cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from dynalm.core import quant
+from dynalm.core.matmul import QuantMatmul
+from dynalm.errors import DeviceUnavailable, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "exact", "safe")
+BACKENDS = ("auto", "cpu", "gpu")
+
+MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [T, K], out [T, N])
+
+# Dequantise this many bytes of fp32 weights at a time in the tiled matmul, so a
+# tile stays in the L2 cache while BLAS multiplies it.
+_TILE_BYTES = 512 * 1024
+
+
+def physical_cores() -> int:
+    """Cores without SMT siblings (the right default thread count for kernels)."""
+    try:
+        siblings = set()
+        for cpu in os.listdir("/sys/devices/system/cpu"):
+            path = f"/sys/devices/system/cpu/{cpu}/topology/thread_siblings_list"
+            if cpu.startswith("cpu") and os.path.exists(path):
+                with open(path) as f:
+                    siblings.add(f.read().strip())
+        return max(1, len(siblings)) if siblings else (os.cpu_count() or 1)
+    except OSError:
+        return os.cpu_count() or 1
+
+
+class CpuDevice:
+    """Runs DynaIR ops with numpy and quantised-weight matmuls.
+
+    ``safe``: every weight dequantised to fp32 at load, plain numpy (the oracle).
+    ``exact``: weights stay quantised; fp32 activations; the JIT kernels of
+    ``core.matmul`` dequantise weights in registers (formats without a kernel yet
+    dequantise cache-sized row tiles and multiply them with BLAS).
+    ``auto``: the fastest validated path; equal to ``exact`` until the int8 kernels land.
+    """
+
+    name = "cpu"
+
+    def __init__(self, mode: str = "auto", threads: int | None = None):
+        if mode not in MODES:
+            raise InvalidRequest(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+        self.mode = mode
+        self.threads = threads or physical_cores()
+
+    def describe(self) -> str:
+        return f"cpu ({self.threads} threads, mode {self.mode})"
+
+    def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A small weight (norm scale, bias) as fp32."""
+        return quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
+
+    def matmul(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> MatmulFn:
+        """``out = x @ W.T`` for a weight ``W`` of ``shape`` ``[N, K]`` stored in ``raw``."""
+        n_rows, n_cols = shape
+        if self.mode == "safe" or ggml_type == GGMLQuantizationType.F32:
+            dense = quant.dequantize(raw, ggml_type, n_cols)
+            return lambda x, out: np.matmul(x, dense.T, out=out)
+        # Until the int8 kernels are validated for auto (see tests), auto runs exact kernels.
+        if QuantMatmul.supported(ggml_type, "exact") and n_cols % 32 == 0:
+            return QuantMatmul(raw, ggml_type, n_cols, mode="exact", threads=self.threads)
+        # Formats without a JIT kernel yet: dequantise L2-sized row tiles, multiply with BLAS.
+        tile_rows = max(1, _TILE_BYTES // (4 * n_cols))
+        tiles = [(r, min(n_rows, r + tile_rows)) for r in range(0, n_rows, tile_rows)]
+
+        def tiled(x: np.ndarray, out: np.ndarray) -> None:
+            for r0, r1 in tiles:
+                w = quant.dequantize(raw[r0:r1], ggml_type, n_cols)
+                np.matmul(x, w.T, out=out[:, r0:r1])
+
+        return tiled
+
+    def embedding(
+        self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]
+    ) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Row lookup: ``out[i] = table[ids[i]]``, dequantising only the rows asked for."""
+        n_cols = shape[1]
+        if self.mode == "safe":
+            dense = quant.dequantize(raw, ggml_type, n_cols)
+            return lambda ids, out: np.take(dense, ids, axis=0, out=out)
+
+        def lookup(ids: np.ndarray, out: np.ndarray) -> None:
+            out[...] = quant.dequantize(raw[ids], ggml_type, n_cols)
+
+        return lookup
+
+
+def select_device(
+    backend: str = "auto",
+    mode: str = "auto",
+    threads: int | None = None,
+) -> CpuDevice:
+    """Pick the device for ``--backend``; ``gpu`` fails with the reason, ``auto`` falls back."""
+    if backend not in BACKENDS:
+        raise InvalidRequest(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    if backend in ("gpu", "auto"):
+        reason = "no GPU backend (CUDA, Metal, Vulkan) is built into this DynaLM yet"
+        if backend == "gpu":
+            raise DeviceUnavailable(f"--gpu: {reason}; use --cpu")
+        log.info("backend auto: using the CPU (%s)", reason)
+    return CpuDevice(mode, threads)

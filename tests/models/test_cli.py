@@ -1,0 +1,172 @@
+"""The `dynalm` CLI end to end, as a user runs it (a real subprocess each time).
+
+Good input: the answer streams to stdout, nothing else does. Bad input: one line on
+stderr naming the problem, a non-zero exit, no traceback (unless --verbose).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+DYNALM = [sys.executable, "-m", "dynalm.cli"]
+
+
+def dynalm(
+    *args: str, stdin: str | None = None, home: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if home is not None:
+        env["DYNALM_HOME"] = str(home)
+    return subprocess.run(
+        [*DYNALM, *args], input=stdin, capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    assert result.stdout == ""
+
+
+def write_gguf(path: Path, arch: str, tensor_type: gguf.GGMLQuantizationType | None = None) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    data = np.zeros((4, 32), np.float32)
+    if tensor_type is None:
+        writer.add_tensor("token_embd.weight", data)
+    else:  # raw bytes of the right size for a type we do not support
+        size, nbytes = gguf.GGML_QUANT_SIZES[tensor_type]
+        raw = np.zeros((4, 256 // size * nbytes), np.uint8)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+GREEDY = ["--temperature", "0", "--max-tokens", "12"]
+
+
+def test_run_streams_only_the_answer(smollm2_gguf: Path):
+    result = dynalm("run", str(smollm2_gguf), "What is the capital of France?", *GREEDY)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "capital of France?" not in result.stdout  # never the prompt
+
+
+def test_run_reads_stdin_and_verbose_reports_speed(smollm2_gguf: Path):
+    result = dynalm(
+        "run", str(smollm2_gguf), "-", *GREEDY, "--verbose", stdin="What is the capital of France?"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tokens/s" in result.stderr and "tokens/s" not in result.stdout
+
+
+def test_same_seed_same_output(smollm2_gguf: Path):
+    args = (
+        "run",
+        str(smollm2_gguf),
+        "Tell me a story.",
+        "--max-tokens",
+        "16",
+        "--seed",
+        "7",
+        "--temperature",
+        "1.0",
+    )
+    first, second = dynalm(*args), dynalm(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+def test_interactive_chat_on_a_terminal(smollm2_gguf: Path):
+    """On a terminal, no prompt starts a multi-turn chat that /bye ends."""
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen(
+        [*DYNALM, "run", str(smollm2_gguf), *GREEDY],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(terminal)
+    os.write(controller, b"What is the capital of France?\nAnd of Italy?\n/bye\n")
+    out, err = proc.communicate(timeout=300)
+    os.close(controller)
+    assert proc.returncode == 0, err
+    answers = [a for a in out.replace(">>> ", "").split("\n\n") if a.strip()]
+    assert len(answers) == 2 and "Paris" in answers[0], out
+
+
+def test_missing_file(tmp_path: Path):
+    assert_one_line_error(dynalm("run", str(tmp_path / "nope.gguf"), "hi"), "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path: Path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("hello, I am a text file\n")
+    assert_one_line_error(dynalm("run", str(path), "hi"), "not a GGUF")
+
+
+def test_truncated_gguf(tmp_path: Path, smollm2_gguf: Path):
+    path = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        path.write_bytes(f.read(5_000_000))
+    assert_one_line_error(dynalm("run", str(path), "hi"), "truncated")
+
+
+def test_unsupported_tensor_type(tmp_path: Path):
+    path = write_gguf(tmp_path / "iq.gguf", "llama", gguf.GGMLQuantizationType.IQ2_XXS)
+    assert_one_line_error(dynalm("run", str(path), "hi"), "IQ2_XXS")
+
+
+def test_unknown_architecture(tmp_path: Path):
+    path = write_gguf(tmp_path / "mamba.gguf", "mamba")
+    assert_one_line_error(dynalm("run", str(path), "hi"), "unknown architecture 'mamba'")
+
+
+def test_unknown_catalog_name(tmp_path: Path):
+    assert_one_line_error(dynalm("run", "nosuchmodel:7b", "hi", home=tmp_path), "nosuchmodel")
+
+
+def test_prompt_longer_than_ctx(smollm2_gguf: Path):
+    result = dynalm("run", str(smollm2_gguf), "word " * 200, "--ctx", "64")
+    assert_one_line_error(result, "context")
+
+
+def test_gpu_says_why(smollm2_gguf: Path):
+    assert_one_line_error(dynalm("run", str(smollm2_gguf), "hi", "--gpu"), "GPU")
+
+
+def test_verbose_error_shows_traceback(tmp_path: Path):
+    result = dynalm("run", str(tmp_path / "nope.gguf"), "hi", "--verbose")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+@pytest.mark.parametrize("flag", [["--graph"], []])
+def test_show(smollm2_gguf: Path, flag: list[str]):
+    result = dynalm("show", str(smollm2_gguf), *flag)
+    assert result.returncode == 0, result.stderr
+    if flag:
+        assert "matmul %" in result.stdout and "tensor<q4_1, [576, 576]>" in result.stdout
+    else:
+        for needle in ("llama", "q4_1", "8192", "272", "im_start"):
+            assert needle in result.stdout
+
+
+def test_show_system():
+    result = dynalm("show", "--system")
+    assert result.returncode == 0 and "cores" in result.stdout

@@ -1,0 +1,152 @@
+"""Fidelity per family: tiny random-weight GGUFs (llama, qwen2, gemma3) give the same logits
+as transformers' own implementation of that family, in fp32 and with Q8_0 weights.
+
+Each model is written the way llama.cpp's converter writes that family (see `tiny_models`),
+loaded with `load_model` and run by the `Generator` in ``safe`` and ``exact`` modes: every
+position of a 20-token input in one pass, and the same input as a 12-token prefill followed
+by 8 single-token steps on the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from tiny_models import (
+    SPECS,
+    VOCAB,
+    TinySpec,
+    dequantize_weights,
+    reference_model,
+    write_gguf,
+)
+from transformers import PreTrainedModel
+
+from dynalm.core.device import CpuDevice
+from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.generator import Generator
+
+FAMILIES = sorted(SPECS)
+MODES = ("safe", "exact")
+TOL = 1e-3
+N_TOKENS, N_PREFILL = 20, 12
+IDS: list[int] = np.random.default_rng(1234).integers(0, VOCAB, N_TOKENS).tolist()
+
+
+@dataclasses.dataclass
+class Case:
+    spec: TinySpec
+    reference: PreTrainedModel
+    ref_logits: np.ndarray  # [N_TOKENS, VOCAB]
+    model: LoadedModel
+
+
+def reference_logits(model: PreTrainedModel, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].to(torch.float32).numpy()
+
+
+def _case(spec: TinySpec, path: Path, qtype: GGMLQuantizationType) -> Case:
+    reference = reference_model(spec)
+    write_gguf(reference, spec, path, qtype)
+    if qtype != GGMLQuantizationType.F32:
+        dequantize_weights(reference, qtype)
+    return Case(spec, reference, reference_logits(reference, IDS), load_model(path))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def f32_case(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Case]:
+    family: str = request.param
+    path = tmp_path_factory.mktemp("tiny") / f"{family}-f32.gguf"
+    case = _case(SPECS[family], path, GGMLQuantizationType.F32)
+    yield case
+    case.model.gguf.close()
+
+
+def _max_diff(got: np.ndarray, want: np.ndarray) -> float:
+    assert got.shape == want.shape
+    assert np.isfinite(got).all()
+    return float(np.abs(got - want).max())
+
+
+def _all_positions(model: LoadedModel, mode: str) -> np.ndarray:
+    gen = Generator(model, CpuDevice(mode), ctx=64)
+    return gen.forward(IDS, all_logits=True)
+
+
+def _continued(model: LoadedModel, mode: str) -> np.ndarray:
+    """Prefill the first N_PREFILL tokens, then feed the rest one at a time over the cache."""
+    gen = Generator(model, CpuDevice(mode), ctx=64)
+    rows = [gen.forward(IDS[:N_PREFILL], all_logits=True)]
+    rows += [gen.forward([tok])[None] for tok in IDS[N_PREFILL:]]
+    return np.concatenate(rows)
+
+
+def test_gguf_is_written_like_llama_cpp(f32_case: Case) -> None:
+    spec, model = f32_case.spec, f32_case.model
+    hp = model.hparams
+    assert hp.arch == spec.family
+    assert (hp.n_layers, hp.d_model, hp.d_ff) == (spec.n_layers, 64, 128)
+    assert (hp.n_heads, hp.n_kv_heads, hp.head_dim) == (4, 2, 16)
+    assert hp.rope_base == spec.rope_theta
+    assert hp.sliding_window == spec.sliding_window
+    assert ("output.weight" in model.gguf.tensors) == (not spec.tied)
+    assert ("blk.0.attn_q.bias" in model.gguf.tensors) == (spec.family == "qwen2")
+    assert model.tokenizer.decode(model.tokenizer.encode("héllo!", add_special=False)) == "héllo!"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_all_positions_match_transformers(f32_case: Case, mode: str) -> None:
+    diff = _max_diff(_all_positions(f32_case.model, mode), f32_case.ref_logits)
+    assert diff <= TOL, f"{f32_case.spec.family} ({mode}): max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kv_cache_continuation_matches_transformers(f32_case: Case, mode: str) -> None:
+    diff = _max_diff(_continued(f32_case.model, mode), f32_case.ref_logits)
+    assert diff <= TOL, f"{f32_case.spec.family} ({mode}): max |diff| {diff:.3g}"
+
+
+def test_gemma3_exercises_local_and_global_layers() -> None:
+    """The gemma3 case is only a test of the sliding window if the window changes the logits."""
+    spec = SPECS["gemma3"]
+    reference = reference_model(spec)
+    types = reference.config.layer_types
+    assert types[5] == "full_attention"
+    assert all(t == "sliding_attention" for i, t in enumerate(types) if i != 5)
+    assert reference.config.query_pre_attn_scalar == reference.config.head_dim
+    windowed = reference_logits(reference, IDS)
+    wide = reference_model(dataclasses.replace(spec, sliding_window=N_TOKENS))
+    unwindowed = reference_logits(wide, IDS)
+    w = spec.sliding_window
+    assert np.abs(windowed[:w] - unwindowed[:w]).max() <= 1e-5
+    assert np.abs(windowed[w:] - unwindowed[w:]).max(axis=1).min() > 100 * TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q8_0_matches_dequantised_reference(family: str, tmp_path: Path) -> None:
+    q8 = GGMLQuantizationType.Q8_0
+    case = _case(SPECS[family], tmp_path / f"{family}-q8_0.gguf", q8)
+    try:
+        types = {name: t.ggml_type for name, t in case.model.gguf.tensors.items()}
+        assert types["token_embd.weight"] == q8
+        assert types["blk.0.ffn_down.weight"] == q8
+        assert types["output_norm.weight"] == GGMLQuantizationType.F32
+        # the rounding must matter, or matching the rounded reference proves nothing
+        unrounded = reference_logits(reference_model(SPECS[family]), IDS)
+        assert np.abs(unrounded - case.ref_logits).max() > 100 * TOL
+        for mode in MODES:
+            diff = _max_diff(_all_positions(case.model, mode), case.ref_logits)
+            assert diff <= TOL, f"{family} q8_0 ({mode}): max |diff| {diff:.3g}"
+            diff = _max_diff(_continued(case.model, mode), case.ref_logits)
+            assert diff <= TOL, f"{family} q8_0 continued ({mode}): max |diff| {diff:.3g}"
+    finally:
+        case.model.gguf.close()

@@ -1,0 +1,126 @@
+"""SmolLM2-135M Q4_1 against transformers' fp32-dequantised reference (the accuracy contract).
+
+`exact` must match the reference: top-1 agreement >= 99 % of positions, max |Δ log-prob|
+over the reference's top-5 <= 0.01, identical 32-token greedy continuations; `safe`
+must equal `exact` within 1e-4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dynalm.core.device import CpuDevice
+from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.generator import Generator
+from dynalm.runtime.sampling import SamplingParams
+
+CHATS = [
+    [{"role": "user", "content": "Why is the sky blue?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ],
+    [
+        {"role": "user", "content": "What is 12 times 7?"},
+        {"role": "assistant", "content": "84."},
+        {"role": "user", "content": "And divided by 4?"},
+    ],
+]
+TEXTS = [
+    "The history of the Roman Empire begins with",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Photosynthesis is the process by which plants",
+]
+CONTINUATION = 32
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path) -> LoadedModel:
+    return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf: Path) -> torch.nn.Module:
+    torch.set_num_threads(2)
+    ref = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    return ref.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(model: LoadedModel) -> list[list[int]]:
+    tok, template = model.tokenizer, model.chat_template
+    chats = [tok.encode(template.render(m), add_special=False) for m in CHATS]
+    return chats + [tok.encode(t, add_special=True) for t in TEXTS]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _dynalm_logits(model: LoadedModel, mode: str, ids: list[int]) -> np.ndarray:
+    return Generator(model, CpuDevice(mode), ctx=512).forward(ids, all_logits=True)
+
+
+@pytest.fixture(scope="module")
+def reference_runs(
+    reference: torch.nn.Module, prompts: list[list[int]]
+) -> list[tuple[np.ndarray, list[int]]]:
+    """Per prompt: reference logits at every prompt position, and its greedy continuation."""
+    runs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            logits = reference(x).logits[0].numpy()
+            out = reference.generate(
+                x,
+                max_new_tokens=CONTINUATION,
+                do_sample=False,
+                attention_mask=torch.ones_like(x),
+                pad_token_id=2,
+                eos_token_id=None,
+            )
+            runs.append((logits, out[0, len(ids) :].tolist()))
+    return runs
+
+
+def test_exact_matches_reference_logits(model, prompts, reference_runs):
+    agree = total = 0
+    worst = 0.0
+    for ids, (ref_logits, _) in zip(prompts, reference_runs, strict=True):
+        ours = _dynalm_logits(model, "exact", ids)
+        agree += int((ours.argmax(-1) == ref_logits.argmax(-1)).sum())
+        total += len(ids)
+        ref_lp, our_lp = _log_softmax(ref_logits), _log_softmax(ours)
+        top5 = np.argsort(-ref_lp, axis=-1)[:, :5]
+        diff = np.abs(np.take_along_axis(ref_lp, top5, -1) - np.take_along_axis(our_lp, top5, -1))
+        worst = max(worst, float(diff.max()))
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+    assert worst <= 0.01, f"max |Δ log-prob| over the reference top-5 = {worst:.4g}"
+
+
+def test_exact_greedy_continuations_identical(model, prompts, reference_runs):
+    greedy = SamplingParams(max_tokens=CONTINUATION, temperature=0, repeat_penalty=1.0)
+    for ids, (_, ref_tokens) in zip(prompts, reference_runs, strict=True):
+        gen = Generator(model, CpuDevice("exact"), ctx=512)
+        ours = [
+            e.token for e in gen.generate(ids, greedy, stop_ids=frozenset()) if e.token is not None
+        ]
+        assert ours == ref_tokens, (
+            model.tokenizer.decode(ours) + " != " + model.tokenizer.decode(ref_tokens)
+        )
+
+
+def test_safe_equals_exact(model, prompts):
+    for ids in prompts[:3]:
+        safe = _dynalm_logits(model, "safe", ids)
+        exact = _dynalm_logits(model, "exact", ids)
+        np.testing.assert_allclose(safe, exact, atol=1e-4, rtol=0)

@@ -1,0 +1,255 @@
+"""Tiny random-weight models of several families, as transformers modules and as GGUF files.
+
+`reference_model` builds a small transformers model of a family (``llama``, ``qwen2``,
+``gemma3``) with every parameter drawn at random, norms included (transformers initialises
+them to 0 or 1, which would hide a wrong norm convention). `write_gguf` writes it the way
+llama.cpp's ``convert_hf_to_gguf.py`` does for that family, with a minimal byte-level
+``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
+
+* tensor names from gguf-py's own HF -> GGUF name map of the architecture;
+* llama: q/k rows permuted (``permute(w, n_head)``) from HF's rotate-half layout into
+  llama.cpp's adjacent-pair layout;
+* gemma3: ``+ 1`` added to every RMSNorm weight (q/k norms too), since Gemma's norm
+  multiplies by ``1 + w``; the head is always tied to the embeddings;
+* ``{arch}.*`` hyper-parameters as the converter names them.
+
+With ``qtype`` other than F32 the 2-D weights are stored quantised; `dequantize_weights`
+puts the same rounding into the reference model, so both compute the same math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 300
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One tiny model: its family and the traits the tests vary."""
+
+    family: str  # llama | qwen2 | gemma3
+    n_layers: int
+    rope_theta: float
+    tied: bool  # the head shares token_embd.weight (no output.weight in the GGUF)
+    sliding_window: int = 0  # gemma3 only
+    seed: int = 0
+
+
+SPECS: dict[str, TinySpec] = {
+    "llama": TinySpec("llama", n_layers=3, rope_theta=50000.0, tied=False, seed=1),
+    "qwen2": TinySpec("qwen2", n_layers=2, rope_theta=1_000_000.0, tied=True, seed=2),
+    # 7 layers: 0-4 and 6 are local (sliding window 4), 5 is global; llama.cpp's rule
+    # is that layer i is local when (i + 1) % 6 != 0.
+    "gemma3": TinySpec(
+        "gemma3", n_layers=7, rope_theta=200_000.0, tied=True, sliding_window=4, seed=3
+    ),
+}
+
+_ARCH = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+}
+
+_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+GEMMA_LOCAL_ROPE_BASE = 10000.0  # llama.cpp (and DynaLM) hard-code gemma3's local base
+
+
+def _config(spec: TinySpec) -> PretrainedConfig:
+    common = dict(
+        _DIMS,
+        num_hidden_layers=spec.n_layers,
+        tie_word_embeddings=spec.tied,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=None,
+    )
+    if spec.family == "llama":
+        return LlamaConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}
+        )
+    if spec.family == "qwen2":
+        # Qwen2's q/k/v projections always carry biases
+        return Qwen2Config(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}
+        )
+    if spec.family == "gemma3":
+        assert spec.tied, "llama.cpp's gemma3 always ties the head to the embeddings"
+        layer_types = [
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(spec.n_layers)
+        ]
+        return Gemma3TextConfig(
+            **common,
+            layer_types=layer_types,
+            sliding_window=spec.sliding_window,
+            query_pre_attn_scalar=_DIMS["head_dim"],  # llama.cpp scales by 1/sqrt(head_dim)
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA_LOCAL_ROPE_BASE},
+            },
+        )
+    raise ValueError(f"unknown family {spec.family!r}")
+
+
+_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def reference_model(spec: TinySpec, std: float = 0.5) -> PreTrainedModel:
+    """The transformers model of ``spec``, fp32, eager attention, every parameter ~ N(0, std)."""
+    torch.manual_seed(spec.seed)
+    config = _config(spec)
+    config._attn_implementation = "eager"
+    model = _MODEL_CLASSES[spec.family](config).to(torch.float32).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # tied parameters are listed once
+            param.normal_(0.0, std)
+    if spec.family == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    if spec.tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+    return model
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: HF rotate-half rows -> interleaved rope pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _quantizable(gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> bool:
+    return qtype != GGMLQuantizationType.F32 and w.ndim == 2 and gguf_name.endswith(".weight")
+
+
+def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray]:
+    """The model's tensors under their GGUF names, transformed as the converter does (fp32)."""
+    cfg = model.config
+    names = gguf.get_tensor_name_map(_ARCH[spec.family], cfg.num_hidden_layers)
+    out: dict[str, np.ndarray] = {}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and spec.tied:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"no GGUF name for {hf_name}"
+        w = tensor.detach().to(torch.float32).numpy().copy()
+        if spec.family == "llama" and hf_name.endswith("q_proj.weight"):
+            w = _permute(w, cfg.num_attention_heads)
+        elif spec.family == "llama" and hf_name.endswith("k_proj.weight"):
+            w = _permute(w, cfg.num_key_value_heads)
+        if spec.family == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w + 1.0
+        out[name] = w
+    return out
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's 256 byte-level characters, in byte order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_gguf(
+    model: PreTrainedModel,
+    spec: TinySpec,
+    path: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+) -> Path:
+    """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``."""
+    cfg = model.config
+    arch = gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{spec.family}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if spec.family == "llama":
+        writer.add_rope_dimension_count(cfg.head_dim)
+    if spec.family == "gemma3":
+        writer.add_sliding_window(cfg.sliding_window)
+    writer.add_file_type(
+        gguf.LlamaFileType.MOSTLY_Q8_0
+        if qtype == GGMLQuantizationType.Q8_0
+        else gguf.LlamaFileType.ALL_F32
+    )
+
+    tokens = _byte_tokens() + SPECIAL_TOKENS
+    tokens += [f"<|extra_{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * (len(tokens) - 256)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([])  # no merges: every byte is its own token
+    writer.add_bos_token_id(EOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+
+    for name, w in gguf_tensors(model, spec).items():
+        if _quantizable(name, w, qtype):
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def dequantize_weights(model: PreTrainedModel, qtype: GGMLQuantizationType) -> None:
+    """Round the reference's weights exactly as `write_gguf` stores them with ``qtype``.
+
+    Quantisation blocks run along rows, so llama's q/k row permutation commutes with it.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights come once
+            w = param.detach().numpy()
+            if _quantizable(name, w, qtype):
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+                param.copy_(torch.from_numpy(rounded.reshape(w.shape)))
