@@ -1,11 +1,17 @@
-"""Quantised matmul throughput on SmolLM2-135M shapes, side by side with numpy.
+"""Quantised matmul throughput on SmolLM2-135M shapes, side by side, as ratios.
 
-Q4_1 weights (random, with the real layout): GEMV (T=1) as GB/s of weight bytes read,
-prefill (T=512) as tokens/s, and one decode step's matmuls (30 layers + output) in ms.
-The baseline is numpy dequantise + BLAS per call; numpy on pre-dequantised fp32 weights
-(``--mode safe``) is shown as well. Machines are shared: compare the ratios, not absolutes.
+Random weights with the real layouts (Q4_1 layers and a Q8_0 tied output, like the
+published file; ``--format`` swaps the layer format). Reported, with runs of the
+variants alternated so machine noise hits them alike:
 
-    python benchmarks/matmul_bench.py [--threads N] [--mode auto|exact] [--repeat R]
+* per shape, GEMV (T=1) on 1 and N threads: microseconds and GB/s of weight bytes;
+* one decode step's matmuls (30 layers x 7 + output), 1 vs N threads, in ms;
+* prefill (T=512) of all layer matmuls, JIT vs numpy dequantise + BLAS, in seconds.
+
+``--mode auto`` runs int8 kernels only for the formats ``CpuDevice`` validated (the Q8_0
+output stays exact), as the engine does.
+
+    python benchmarks/matmul_bench.py [--threads N] [--mode auto|exact] [--format q4_k]
 """
 
 from __future__ import annotations
@@ -17,78 +23,112 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from dynalm.core.matmul import QuantMatmul
-from dynalm.core.quant import dequantize
+from dynalm.core.matmul import AUTO_VALIDATED, QuantMatmul
+from dynalm.core.quant import dequantize, quant_format, random_blocks
 
-Q4_1 = int(GGMLQuantizationType.Q4_1)
 # (name, N, K, count per decode step) for SmolLM2-135M: 30 layers, tied 49152-token output.
-SHAPES = [
+LAYER_SHAPES = [
     ("attn_q/o", 576, 576, 60),
     ("attn_k/v", 192, 576, 60),
     ("ffn_gate/up", 1536, 576, 60),
     ("ffn_down", 576, 1536, 30),
-    ("output", 49152, 576, 1),
 ]
+OUTPUT = ("output", 49152, 576, 1)
+Q8_0, Q5_0 = int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q5_0)
 
 
-def random_q4_1(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_1 rows: 20-byte blocks of (f16 d, f16 m, 16 nibble bytes)."""
-    blocks = rng.integers(0, 256, (n, k // 32, 20), dtype=np.uint8)
-    blocks[:, :, 0:2] = np.full((n, k // 32), 0.01, np.float16).view(np.uint8).reshape(n, -1, 2)
-    blocks[:, :, 2:4] = np.full((n, k // 32), -0.08, np.float16).view(np.uint8).reshape(n, -1, 2)
-    return blocks.reshape(n, -1)
+def random_weights(ggml_type: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    fmt = quant_format(ggml_type)
+    return random_blocks(ggml_type, n * k // fmt.block_size, rng).reshape(n, -1)
 
 
-def best(fn: Callable[[], object], repeat: int) -> float:
-    """Best wall time of ``repeat`` runs (best-of is the least noisy on a shared machine)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def alternate(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Best wall time of each function, running them in turn ``repeat`` times."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mode", default="auto", choices=["auto", "exact"])
+    ap.add_argument("--format", default="q4_1")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=512)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    layer_type = int(GGMLQuantizationType[args.format.upper()])
+    nt = args.threads
 
-    print(f"Q4_1 {args.mode}, threads={args.threads or 'default'}; best of {args.repeat}")
-    head = f"{'shape':<12} {'N x K':>12} | {'T=1 us':>8} {'GB/s':>6} {'numpy us':>9} {'ratio':>6}"
-    head += f" | {'T=' + str(args.prefill) + ' tok/s':>13} {'numpy tok/s':>12} {'ratio':>6}"
-    print(head)
-    step_ms = step_np_ms = 0.0
-    for name, n, k, count in SHAPES:
-        raw = random_q4_1(n, k, rng)
-        mm = QuantMatmul(raw, Q4_1, k, mode=args.mode, threads=args.threads)
-        w32 = dequantize(raw, Q4_1, k)
-        x1 = rng.standard_normal((1, k)).astype(np.float32)
-        xp = rng.standard_normal((args.prefill, k)).astype(np.float32)
-        y1 = np.empty((1, n), np.float32)
-        yp = np.empty((args.prefill, n), np.float32)
+    def layer_format(name: str, k: int) -> int:
+        """``--format`` for layers; rows that are not whole K-quant super-blocks fall back
+        to Q5_0 as llama.cpp's quantiser does (SmolLM2's K=576 does)."""
+        if name == "output":
+            return Q8_0
+        return Q5_0 if k % quant_format(layer_type).block_size else layer_type
 
-        t1 = best(lambda mm=mm, x1=x1, y1=y1: mm(x1, y1), args.repeat)
-        np1 = best(lambda raw=raw, k=k, x1=x1: x1 @ dequantize(raw, Q4_1, k).T, 3)
-        tp = best(lambda mm=mm, xp=xp, yp=yp: mm(xp, yp), max(2, args.repeat // 5))
-        npp = best(lambda raw=raw, k=k, xp=xp: xp @ dequantize(raw, Q4_1, k).T, 3)
-        safe = best(lambda w32=w32, x1=x1: x1 @ w32.T, args.repeat)
-        step_ms += count * t1 * 1e3
-        step_np_ms += count * safe * 1e3
-        print(
-            f"{name:<12} {f'{n}x{k}':>12} | {t1 * 1e6:8.1f} {raw.nbytes / t1 / 1e9:6.1f} "
-            f"{np1 * 1e6:9.0f} {np1 / t1:6.1f} | {args.prefill / tp:13.0f} "
-            f"{args.prefill / npp:12.0f} {npp / tp:6.1f}"
-        )
+    def mode(ggml_type: int) -> str:
+        """The kernel mode CpuDevice picks: auto only for formats it validated."""
+        return args.mode if ggml_type in AUTO_VALIDATED else "exact"
+
+    print(f"{args.format} layers + q8_0 output, {args.mode}, 1 vs {nt} threads, best of runs")
+    print(f"{'shape':<12} {'N x K':>12} | {'1t us':>7} {'GB/s':>5} | {f'{nt}t us':>7} {'GB/s':>5}")
+    prefill = []
+    for name, n, k, count in [*LAYER_SHAPES, OUTPUT]:
+        ggml_type = layer_format(name, k)
+        raw = random_weights(ggml_type, n, k, rng)
+        mms = [QuantMatmul(raw, ggml_type, k, mode=mode(ggml_type), threads=t) for t in (1, nt)]
+        x1, y1 = rng.standard_normal((1, k)).astype(np.float32), np.empty((1, n), np.float32)
+        t1, tn = alternate([lambda m=m, x=x1, y=y1: m(x, y) for m in mms], args.repeat * 5)
+        gb = raw.nbytes / 1e9
+        print(f"{name:<12} {f'{n}x{k}':>12} | {t1 * 1e6:7.1f} {gb / t1:5.1f} | ", end="")
+        print(f"{tn * 1e6:7.1f} {gb / tn:5.1f}")
+        if name != "output":
+            xp = rng.standard_normal((args.prefill, k)).astype(np.float32)
+            yp = np.empty((args.prefill, n), np.float32)
+            prefill.append((mms[1], raw, ggml_type, k, xp, yp, count))
+
+    # A decode step reads distinct weights (96 MB for Q4_1), as a real one streams them.
+    step, total = [], 0
+    for name, n, k, count in [*LAYER_SHAPES, OUTPUT]:
+        ggml_type = layer_format(name, k)
+        x1, y1 = rng.standard_normal((1, k)).astype(np.float32), np.empty((1, n), np.float32)
+        for _ in range(count):
+            raw = random_weights(ggml_type, n, k, rng)
+            total += raw.nbytes
+            mms = [QuantMatmul(raw, ggml_type, k, mode=mode(ggml_type), threads=t) for t in (1, nt)]
+            step.append((mms, x1, y1))
+
+    def decode(which: int) -> None:
+        for mms, x, y in step:
+            mms[which](x, y)
+
+    d1, dn = alternate([lambda: decode(0), lambda: decode(1)], args.repeat)
+    print(f"decode step, all matmuls ({total / 1e6:.0f} MB), ms (GB/s): ", end="")
+    print(f"1 thread {d1 * 1e3:.2f} ({total / d1 / 1e9:.1f}), {nt} threads ", end="")
+    print(f"{dn * 1e3:.2f} ({total / dn / 1e9:.1f}); ratio {d1 / dn:.2f}")
+
+    def pp_jit() -> None:
+        for mm, _, _, _, xp, yp, count in prefill:
+            for _ in range(count):
+                mm(xp, yp)
+
+    def pp_numpy() -> None:
+        for _, raw, ggml_type, k, xp, yp, count in prefill:
+            for _ in range(count):
+                np.matmul(xp, dequantize(raw, ggml_type, k).T, out=yp)
+
+    pj, pn = alternate([pp_jit, pp_numpy], max(1, args.repeat // 10))
     print(
-        f"decode step, all matmuls: {step_ms:.2f} ms "
-        f"(numpy on pre-dequantised fp32 weights: {step_np_ms:.2f} ms, "
-        f"ratio {step_np_ms / step_ms:.1f})"
+        f"prefill T={args.prefill}, all layer matmuls: {pj:.3f} s ({args.prefill / pj:.0f} "
+        f"tok/s) vs numpy dequantise + BLAS {pn:.3f} s; ratio {pn / pj:.2f}"
     )
 
 

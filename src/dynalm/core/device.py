@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from dynalm.core import quant
-from dynalm.core.matmul import QuantMatmul
+from dynalm.core.matmul import AUTO_VALIDATED, QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class CpuDevice:
     ``exact``: weights stay quantised; fp32 activations; the JIT kernels of
     ``core.matmul`` dequantise weights in registers (formats without a kernel yet
     dequantise cache-sized row tiles and multiply them with BLAS).
-    ``auto``: the fastest validated path; equal to ``exact`` until the int8 kernels land.
+    ``auto``: the fastest validated path: the int8 kernels for formats in
+    ``matmul.AUTO_VALIDATED``, ``exact`` kernels for the rest.
     """
 
     name = "cpu"
@@ -69,15 +70,26 @@ class CpuDevice:
         """A small weight (norm scale, bias) as fp32."""
         return quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
 
+    def matmul_kernel(self, ggml_type: int) -> str:
+        """Which matmul serves a weight type in this mode: "numpy" (fp32 weights),
+        "jit-exact" / "jit-auto" (``QuantMatmul``) or "tiled" (dequantised row tiles + BLAS)."""
+        if self.mode == "safe" or ggml_type == GGMLQuantizationType.F32:
+            return "numpy"
+        # auto takes the int8 kernels only where tests/models/test_auto_mode.py validated them.
+        if self.mode == "auto" and ggml_type in AUTO_VALIDATED:
+            return "jit-auto"
+        return "jit-exact" if QuantMatmul.supported(ggml_type, "exact") else "tiled"
+
     def matmul(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> MatmulFn:
         """``out = x @ W.T`` for a weight ``W`` of ``shape`` ``[N, K]`` stored in ``raw``."""
         n_rows, n_cols = shape
-        if self.mode == "safe" or ggml_type == GGMLQuantizationType.F32:
+        kernel = self.matmul_kernel(ggml_type)
+        if kernel == "numpy":
             dense = quant.dequantize(raw, ggml_type, n_cols)
             return lambda x, out: np.matmul(x, dense.T, out=out)
-        # Until the int8 kernels are validated for auto (see tests), auto runs exact kernels.
-        if QuantMatmul.supported(ggml_type, "exact") and n_cols % 32 == 0:
-            return QuantMatmul(raw, ggml_type, n_cols, mode="exact", threads=self.threads)
+        if kernel.startswith("jit-") and n_cols % 32 == 0:
+            mode = kernel.removeprefix("jit-")
+            return QuantMatmul(raw, ggml_type, n_cols, mode=mode, threads=self.threads)
         # Formats without a JIT kernel yet: dequantise L2-sized row tiles, multiply with BLAS.
         tile_rows = max(1, _TILE_BYTES // (4 * n_cols))
         tiles = [(r, min(n_rows, r + tile_rows)) for r in range(0, n_rows, tile_rows)]

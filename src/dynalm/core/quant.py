@@ -225,6 +225,27 @@ def quant_format(ggml_type: int) -> QuantFormat:
     return row
 
 
+# Byte offsets of the fp16 scale fields in each block (for ``random_blocks``).
+_F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0]} | {
+    "q2_k": [80, 82],
+    "q3_k": [108],
+    "q4_k": [0, 2],
+    "q5_k": [0, 2],
+    "q6_k": [208],
+}
+
+
+def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid blocks with random quants and small fp16 scales, for kernel tests and benchmarks
+    of formats gguf cannot quantise (uint8 ``[n_blocks, type_size]``; quantised types only)."""
+    fmt = quant_format(ggml_type)
+    blocks = rng.integers(0, 256, (n_blocks, fmt.type_size), dtype=np.uint8)
+    for at in _F16_FIELDS[fmt.name]:
+        scale = rng.uniform(0.002, 0.02, n_blocks).astype(np.float16)
+        blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
 def dequantize(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
     """Dequantise ``raw`` (uint8 ``[..., row_bytes]``) to float32 ``[..., n_cols]``."""
     fmt = quant_format(ggml_type)
