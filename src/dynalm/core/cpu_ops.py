@@ -1,4 +1,4 @@
-"""CPU implementations of the DynaIR ops (numpy; matmuls go through core.weights).
+"""The DynaIR ops on the CPU in numpy: the reference the JIT kernels are tested against.
 
 Every op writes into a planned output buffer (``out``), so a step allocates only
 numpy temporaries inside ops, never the activations themselves. The attention op
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -18,8 +19,13 @@ class KVStorage(Protocol):
     """Paged KV memory as the attention op sees it (owned by the runtime)."""
 
     page_size: int
-    k: list[np.ndarray]  # per layer: [n_pages * page_size, n_kv_heads, head_dim]
-    v: list[np.ndarray]
+
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store fp32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at ``slots`` (quantising
+        if the pages are quantised)."""
+
+    def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
 
 
 @dataclass
@@ -37,6 +43,17 @@ class AttentionBatch:
     seq_lens: np.ndarray  # int64 [S]
     page_tables: list[np.ndarray]  # S arrays of page ids
     slots: np.ndarray  # int64 [T]
+
+    @cached_property
+    def kernel_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The layout as attention kernels read it, built once per step: the page tables
+        as one int64 ``[S, max_pages]`` array, and each token's sequence index ``[T]``."""
+        widest = max((len(p) for p in self.page_tables), default=0)
+        pages = np.zeros((len(self.page_tables), max(widest, 1)), np.int64)
+        for s, table in enumerate(self.page_tables):
+            pages[s, : len(table)] = table
+        seq_of = np.repeat(np.arange(len(self.seq_lens), dtype=np.int64), np.diff(self.query_start))
+        return pages, seq_of
 
 
 def rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:
@@ -64,15 +81,17 @@ class RopeTable:
         self.inv_freq = inv_freq / scale
         self.cos = self.sin = np.zeros((0, rope_dim // 2), np.float32)
 
+    def ensure(self, n_positions: int) -> bool:
+        """Cover positions ``0 .. n_positions - 1``; True if the tables were reallocated."""
+        if n_positions <= len(self.cos):
+            return False
+        n = max(n_positions, 2 * len(self.cos), 256)
+        angles = np.outer(np.arange(n, dtype=np.float64), self.inv_freq)
+        self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        return True
+
     def lookup(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        need = int(positions.max()) + 1 if positions.size else 0
-        if need > len(self.cos):
-            n = max(need, 2 * len(self.cos), 256)
-            angles = np.outer(np.arange(n, dtype=np.float64), self.inv_freq)
-            self.cos, self.sin = (
-                np.cos(angles).astype(np.float32),
-                np.sin(angles).astype(np.float32),
-            )
+        self.ensure(int(positions.max()) + 1 if positions.size else 0)
         return self.cos[positions], self.sin[positions]
 
 
@@ -122,6 +141,12 @@ def gelu_tanh(out: np.ndarray, x: np.ndarray) -> None:
     out *= 0.5
 
 
+def gated(out: np.ndarray, gate: np.ndarray, up: np.ndarray, activation: str) -> None:
+    """The gated FFN's ``act(gate) * up`` (SwiGLU for "silu", GeGLU for "gelu_tanh")."""
+    {"silu": silu, "gelu_tanh": gelu_tanh}[activation](out, gate)
+    out *= up
+
+
 def attention(
     out: np.ndarray,
     q: np.ndarray,
@@ -139,10 +164,13 @@ def attention(
     """Store this step's k/v in the layer's pages, then causal (optionally windowed)
     attention of each sequence's queries over its whole paged context."""
     kv = batch.kv
-    k_store, v_store = kv.k[layer], kv.v[layer]
     t_total = q.shape[0]
-    k_store[batch.slots] = k.reshape(t_total, n_kv_heads, head_dim)
-    v_store[batch.slots] = v.reshape(t_total, n_kv_heads, head_dim)
+    kv.write(
+        layer,
+        batch.slots,
+        k.reshape(t_total, n_kv_heads, head_dim),
+        v.reshape(t_total, n_kv_heads, head_dim),
+    )
     group = n_heads // n_kv_heads
     page_offsets = np.arange(kv.page_size)
     for s in range(len(batch.seq_lens)):
@@ -151,8 +179,7 @@ def attention(
         n_pages = -(-n_ctx // kv.page_size)
         slots = (batch.page_tables[s][:n_pages, None] * kv.page_size + page_offsets).ravel()
         slots = slots[:n_ctx]
-        keys = k_store[slots].astype(np.float32, copy=False)  # [L, kv, d]
-        values = v_store[slots].astype(np.float32, copy=False)
+        keys, values = kv.read(layer, slots)  # [L, kv, d] fp32
         queries = q[a:b].reshape(b - a, n_kv_heads, group, head_dim)
         scores = np.einsum("tkgd,lkd->kgtl", queries, keys) * np.float32(scale)
         qpos = positions[a:b, None]

@@ -1,24 +1,33 @@
 """The executor: binds a planned graph to a device and its weights once, then runs steps.
 
-Binding resolves every node to a kernel closure with its weights already prepared
-by the device (dequantised, repacked or memory-mapped, as the mode wants) and
-its output assigned to a planned buffer. A step then only slices the buffers to
-the step's token count and calls the closures in order.
+Binding turns every node into a zero-argument call: weights prepared by the device
+(dequantised, repacked or memory-mapped, as the mode wants), JIT kernels
+(``core.elementwise``) bound to the planned buffers' addresses, numpy and matmul calls
+reading their operands from a table of views. A step copies its inputs into planned
+input buffers and calls the list in order; only when the step's token count changes
+are the views re-sliced and the kernels' row counts rewritten. Nothing is allocated,
+looked up or closed over per op.
+
+``--mode safe`` binds the numpy references of ``core.cpu_ops`` instead of the JIT
+kernels: the oracle the fast path is tested against.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from dynalm.core import cpu_ops
+from dynalm.core import attention, cpu_ops, elementwise
 from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
 from dynalm.ir.graph import Graph, Node
 from dynalm.ir.planner import Plan, plan_buffers
+
+Call = Callable[[], None]
+_GATES = {"swiglu": "silu", "geglu": "gelu_tanh"}
 
 
 class WeightSource(Protocol):
@@ -27,44 +36,69 @@ class WeightSource(Protocol):
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
 
 
-@dataclass
-class _Step:
-    """Everything a bound op needs at run time."""
-
-    kernel: Callable[..., None]  # kernel(out, *args, ctx)
-    out: int  # value id
-    args: tuple[int, ...]  # value ids
-    out_rows: str  # "T" or "S": which count sizes the output
-
-
-@dataclass
-class StepContext:
-    tokens: np.ndarray
-    positions: np.ndarray
-    batch: AttentionBatch
-
-
 class Executor:
+    """Runs a graph step by step. ``profile``: when set to a dict, ``run`` adds each op's
+    wall time (seconds, keyed by op name) to it; ``ops`` lists the op of every call."""
+
     def __init__(
         self, graph: Graph, device: CpuDevice, weights: WeightSource, max_tokens: int = 512
     ):
         self.graph = graph
         self.device = device
         self.plan: Plan = plan_buffers(graph)
+        self.profile: dict[str, float] | None = None
         self._weights = weights
+        self._native = device.mode != "safe"
         self._prepared: dict[tuple[str, str], object] = {}
         self._rope_tables: dict[tuple, cpu_ops.RopeTable] = {}
-        self._buffers: list[np.ndarray] = []
+        self._rope_positions = 256  # positions the rope tables cover (they grow on demand)
+        self._batch: AttentionBatch | None = None
         self._reserve(max_tokens)
-        self._steps = [self._bind(node) for node in graph.nodes]
-        self._inputs = {name: v.id for name, v in graph.inputs.items()}
-        self._logits = graph.outputs["logits"].id
 
     def _reserve(self, rows: int) -> None:
         self._capacity = rows
         self._buffers = [np.empty((rows, w), np.float32) for w in self.plan.slot_widths]
+        self._inputs = {name: np.zeros(rows, np.int64) for name in self.graph.inputs}
+        self._bind_all()
 
     # -- binding -------------------------------------------------------------------
+    def _bind_all(self) -> None:
+        """Bind every node against full-capacity buffers; ``_resize`` then fits a step."""
+        graph, slot_of = self.graph, self.plan.slot_of
+        self._full: dict[int, np.ndarray] = {v.id: self._inputs[n] for n, v in graph.inputs.items()}
+        rows_of = {v.id: str(v.type.shape[0]) for v in graph.inputs.values()}
+        for node in graph.nodes:
+            self._full[node.out.id] = self._buffers[slot_of[node.out.id]]
+            rows_of[node.out.id] = str(node.out.type.shape[0])
+        # One view per (buffer, row symbol): values sharing a slot share its view.
+        self._sliced: list[tuple[np.ndarray, str]] = []
+        self._view_of: dict[int, int] = {}
+        where: dict[tuple[int, str], int] = {}
+        for vid, array in self._full.items():
+            key = (id(array), rows_of[vid])
+            if key not in where:
+                where[key] = len(self._sliced)
+                self._sliced.append((array, rows_of[vid]))
+            self._view_of[vid] = where[key]
+        self._views: list[np.ndarray] = [a for a, _ in self._sliced]
+        # The JIT kernels' argument blocks, one row each (a node binds at most one kernel),
+        # so that a new step shape rewrites every kernel's count in one assignment.
+        self._blocks = np.zeros((len(graph.nodes), elementwise.MAX_WORDS), np.int64)
+        self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
+        self._calls: list[Call] = [self._bind(node) for node in graph.nodes]
+        self._per_row = np.array([per_row for per_row, _ in self._counted], np.int64)
+        self._on_tokens = np.array([rows == "T" for _, rows in self._counted], bool)
+        self.ops: list[str] = [node.op for node in graph.nodes]
+        self._logits = self._view_of[graph.outputs["logits"].id]
+        self._shape: tuple[int, int] | None = None  # (T, S) the views are sliced for
+
+    def _resize(self, n_tokens: int, n_logits: int) -> None:
+        rows = {"T": n_tokens, "S": n_logits}
+        self._views[:] = [a[: rows[sym]] for a, sym in self._sliced]
+        counts = np.where(self._on_tokens, n_tokens, n_logits) * self._per_row
+        self._blocks[: len(counts), 0] = counts
+        self._shape = (n_tokens, n_logits)
+
     def _prepare(self, name: str, use: str) -> object:
         """A weight prepared for one use (matmul, embedding, vector); done once."""
         key = (name, use)
@@ -80,72 +114,120 @@ class Executor:
             self._prepared[key] = prepare(raw, qtype, shape)
         return self._prepared[key]
 
-    def _bind(self, node: Node) -> _Step:
-        a = node.attrs
+    def _kernel(
+        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
+    ) -> elementwise.BoundKernel:
+        """``bind(*args)`` a JIT kernel over full buffers, its argument block a row of
+        ``_blocks``, so that ``_resize`` sets its count."""
+        block = self._blocks[len(self._counted)]
+        kernel = bind(*args, block=block)
+        self._counted.append((int(block[0]) // self._capacity, rows))
+        return kernel
+
+    def _add(self, out: int, x: int, y: int, rows: str) -> Call:
+        """``out = x + y`` by value id."""
+        if self._native:
+            full = self._full
+            return self._kernel(elementwise.add, full[out], full[x], full[y], rows=rows)
+        v, o, a, b = self._views, self._view_of[out], self._view_of[x], self._view_of[y]
+        return lambda: np.add(v[a], v[b], out=v[o])
+
+    def _rope_table(self, node: Node) -> cpu_ops.RopeTable:
+        a, w = node.attrs, [wt.name for wt in node.weights]
+        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None)
+        if key not in self._rope_tables:
+            factors = self._prepare(w[0], "vector") if w else None
+            self._rope_tables[key] = cpu_ops.RopeTable(
+                a["rope_dim"], a["base"], a["scale"], factors
+            )
+        table = self._rope_tables[key]
+        table.ensure(self._rope_positions)
+        return table
+
+    def _bind(self, node: Node) -> Call:
+        a, op, native = node.attrs, node.op, self._native
         w = [wt.name for wt in node.weights]
-        op = node.op
+        v, full = self._views, self._full
+        args = [self._view_of[x.id] for x in node.args]
+        o = self._view_of[node.out.id]
+        out, ins = full[node.out.id], [full[x.id] for x in node.args]
+        rows = str(node.out.type.shape[0])
         if op == "embed":
             lookup = self._prepare(w[0], "embedding")
-            kernel = lambda out, ids, ctx: lookup(ids, out)  # noqa: E731
-        elif op == "matmul":
+            return lambda: lookup(v[args[0]], v[o])
+        if op in ("matmul", "matmul_add"):
             mm = self._prepare(w[0], "matmul")
-            bias = self._prepare(w[1], "vector") if len(w) > 1 else None
+            x = args[0]
+            after = []
+            if len(w) > 1:
+                bias = self._prepare(w[1], "vector")
+                after.append(lambda: np.add(v[o], bias, out=v[o]))
+            if op == "matmul_add":  # the fused residual: out += x_residual
+                after.append(self._add(node.out.id, node.out.id, node.args[1].id, rows))
+            if not after:
+                return lambda: mm(v[x], v[o])
 
-            def kernel(out, x, ctx, mm=mm, bias=bias):
-                mm(x, out)
-                if bias is not None:
-                    out += bias
-        elif op == "rms_norm":
+            def matmul_then(mm=mm, x=x, after=tuple(after)) -> None:
+                mm(v[x], v[o])
+                for f in after:
+                    f()
+
+            return matmul_then
+        if op in ("rms_norm", "head_rms_norm"):
             weight = self._prepare(w[0], "vector")
-            kernel = lambda out, x, ctx: cpu_ops.rms_norm(out, x, weight, a["eps"])  # noqa: E731
-        elif op == "head_rms_norm":
-            weight = self._prepare(w[0], "vector")
-            kernel = lambda out, x, ctx: cpu_ops.head_rms_norm(  # noqa: E731
-                out, x, weight, a["eps"], a["head_dim"]
-            )
-        elif op == "rope":
-            factors = self._prepare(w[0], "vector") if w else None
-            key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None)
-            if key not in self._rope_tables:
-                self._rope_tables[key] = cpu_ops.RopeTable(
-                    a["rope_dim"], a["base"], a["scale"], factors
+            if native:
+                width = a.get("head_dim", out.shape[1])  # a head norm is a norm of head rows
+                x, y = ins[0].reshape(-1, width), out.reshape(-1, width)
+                return self._kernel(elementwise.rms_norm, y, x, weight, a["eps"], rows=rows)
+            if op == "rms_norm":
+                return lambda: cpu_ops.rms_norm(v[o], v[args[0]], weight, a["eps"])
+            return lambda: cpu_ops.head_rms_norm(v[o], v[args[0]], weight, a["eps"], a["head_dim"])
+        if op == "rope":
+            table = self._rope_table(node)
+            shape = (a["head_dim"], a["rope_dim"], a["neox"])
+            if native:
+                tables = (table.cos, table.sin)
+                return self._kernel(elementwise.rope, out, *ins, *tables, *shape, rows=rows)
+            return lambda: cpu_ops.rope(v[o], v[args[0]], v[args[1]], table, *shape)
+        if op == "attention":
+            q, k, vv = args
+            pos = self._view_of[self.graph.inputs["positions"].id]
+            layer, n_kv, head_dim = a["layer"], a["n_kv_heads"], a["head_dim"]
+            if native and attention.supported(head_dim, "f32"):
+                paged = attention.PagedAttention(
+                    a["n_heads"], n_kv, head_dim, a["scale"], a["window"], self.device.threads
                 )
-            table = self._rope_tables[key]
-            kernel = lambda out, x, pos, ctx: cpu_ops.rope(  # noqa: E731
-                out, x, pos, table, a["head_dim"], a["rope_dim"], a["neox"]
-            )
-        elif op == "attention":
-            kernel = lambda out, q, k, v, ctx: cpu_ops.attention(  # noqa: E731
-                out,
-                q,
-                k,
-                v,
-                ctx.positions,
-                ctx.batch,
-                a["layer"],
-                a["n_heads"],
-                a["n_kv_heads"],
-                a["head_dim"],
-                a["scale"],
-                a["window"],
-            )
-        elif op == "add":
-            kernel = lambda out, x, y, ctx: np.add(x, y, out=out)  # noqa: E731
-        elif op == "mul":
-            kernel = lambda out, x, y, ctx: np.multiply(x, y, out=out)  # noqa: E731
-        elif op == "scale":
+
+                def attend() -> None:
+                    batch, n = self._batch, len(v[q])
+                    kv_shape = (n, n_kv, head_dim)
+                    batch.kv.write(
+                        layer, batch.slots, v[k].reshape(kv_shape), v[vv].reshape(kv_shape)
+                    )
+                    pages, seq_of = batch.kernel_tables
+                    paged(v[o], v[q], layer, batch.kv, pages, seq_of, v[pos])
+
+                return attend
+            attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
+            return lambda: cpu_ops.attention(v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs)
+        if op == "add":
+            return self._add(node.out.id, node.args[0].id, node.args[1].id, rows)
+        if op in _GATES:
+            if native:
+                return self._kernel(elementwise.gated, out, *ins, _GATES[op], rows=rows)
+            return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], _GATES[op])
+        if op == "mul":
+            return lambda: np.multiply(v[args[0]], v[args[1]], out=v[o])
+        if op == "scale":
             factor = np.float32(a["factor"])
-            kernel = lambda out, x, ctx: np.multiply(x, factor, out=out)  # noqa: E731
-        elif op == "silu":
-            kernel = lambda out, x, ctx: cpu_ops.silu(out, x)  # noqa: E731
-        elif op == "gelu_tanh":
-            kernel = lambda out, x, ctx: cpu_ops.gelu_tanh(out, x)  # noqa: E731
-        elif op == "select_rows":
-            kernel = lambda out, x, rows, ctx: np.take(x, rows, axis=0, out=out)  # noqa: E731
-        else:
-            raise NotImplementedError(f"the CPU device has no kernel for op '{op}'")
-        rows = node.out.type.shape[0]
-        return _Step(kernel, node.out.id, tuple(v.id for v in node.args), str(rows))
+            return lambda: np.multiply(v[args[0]], factor, out=v[o])
+        if op == "silu":
+            return lambda: cpu_ops.silu(v[o], v[args[0]])
+        if op == "gelu_tanh":
+            return lambda: cpu_ops.gelu_tanh(v[o], v[args[0]])
+        if op == "select_rows":
+            return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
+        raise NotImplementedError(f"the CPU device has no kernel for op '{op}'")
 
     # -- running -------------------------------------------------------------------
     def run(
@@ -160,16 +242,27 @@ class Executor:
         n_tokens, n_logits = len(tokens), len(logit_rows)
         if n_tokens > self._capacity:
             self._reserve(n_tokens)
-        env: dict[int, np.ndarray] = {
-            self._inputs["tokens"]: tokens,
-            self._inputs["positions"]: positions,
-            self._inputs["logit_rows"]: logit_rows,
-        }
-        ctx = StepContext(tokens, positions, batch)
-        slot_of, buffers = self.plan.slot_of, self._buffers
-        for step in self._steps:
-            rows = n_tokens if step.out_rows == "T" else n_logits
-            out = buffers[slot_of[step.out]][:rows]
-            step.kernel(out, *(env[i] for i in step.args), ctx)
-            env[step.out] = out
-        return env[self._logits]
+        need = int(positions.max()) + 1 if n_tokens else 0
+        if need > self._rope_positions and self._rope_tables:
+            self._rope_positions = max(need, 2 * self._rope_positions)
+            self._bind_all()  # the JIT rope kernels hold the tables' addresses
+        ins = self._inputs
+        ins["tokens"][:n_tokens] = tokens
+        ins["positions"][:n_tokens] = positions
+        ins["logit_rows"][:n_logits] = logit_rows
+        if self._shape != (n_tokens, n_logits):
+            self._resize(n_tokens, n_logits)
+        self._batch = batch
+        if self.profile is None:
+            for call in self._calls:
+                call()
+        else:
+            self._run_profiled(self.profile)
+        return self._views[self._logits]
+
+    def _run_profiled(self, profile: dict[str, float]) -> None:
+        clock = time.perf_counter
+        for op, call in zip(self.ops, self._calls, strict=True):
+            t0 = clock()
+            call()
+            profile[op] = profile.get(op, 0.0) + clock() - t0

@@ -1,0 +1,160 @@
+"""Rewrite passes over DynaIR graphs, each a named function checked by the verifier.
+
+The architecture builders stay declarative (one op per line of the model's math);
+the passes turn that graph into fewer, fused ops for the executor:
+
+* ``fuse-gated``: ``mul(silu(g), u)`` -> ``swiglu(g, u)`` and
+  ``mul(gelu_tanh(g), u)`` -> ``geglu(g, u)`` (one kernel, no intermediate);
+* ``fuse-residual``: ``add(x, matmul(h, W))`` -> ``matmul_add(h, x, W)``, the residual
+  added into the matmul's output buffer (one executor step instead of two).
+
+A pass returns a new graph and never mutates its input. :func:`verify` runs before the
+first pass and after every pass, so a broken rewrite is reported by name.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dynalm.ir.graph import Graph, Node
+
+# Value operands per op (weights are checked by the builder / loader, not here).
+ARITY = {
+    "embed": 1,
+    "rms_norm": 1,
+    "head_rms_norm": 1,
+    "matmul": 1,
+    "matmul_add": 2,
+    "rope": 2,
+    "attention": 3,
+    "add": 2,
+    "mul": 2,
+    "scale": 1,
+    "silu": 1,
+    "gelu_tanh": 1,
+    "swiglu": 2,
+    "geglu": 2,
+    "select_rows": 2,
+}
+_SAME_SHAPE = {"add", "mul", "swiglu", "geglu"}  # operands shaped like the result
+_GATES = {"silu": "swiglu", "gelu_tanh": "geglu"}
+
+
+class GraphError(ValueError):
+    """A graph that breaks SSA or typing rules (a bug in a builder or a pass)."""
+
+
+def verify(graph: Graph) -> None:
+    """SSA (each value defined once, before use), known ops with the right operand
+    count, element-wise operands shaped like their result, matmul widths matching."""
+    defined = {v.id for v in graph.inputs.values()}
+    if len(defined) != len(graph.inputs):
+        raise GraphError("two graph inputs share a value")
+    for i, node in enumerate(graph.nodes):
+        where = f"node {i} ({node.op} -> {node.out})"
+        if node.op not in ARITY:
+            raise GraphError(f"{where}: unknown op")
+        if len(node.args) != ARITY[node.op]:
+            raise GraphError(f"{where}: {len(node.args)} operands, expected {ARITY[node.op]}")
+        for arg in node.args:
+            if arg.id not in defined:
+                raise GraphError(f"{where}: uses {arg} before it is defined")
+        if node.out.id in defined:
+            raise GraphError(f"{where}: {node.out} is defined twice")
+        defined.add(node.out.id)
+        if node.op in _SAME_SHAPE and any(a.type.shape != node.out.type.shape for a in node.args):
+            shapes = ", ".join(str(a.type) for a in node.args)
+            raise GraphError(f"{where}: operands {shapes} do not match {node.out.type}")
+        if node.op in ("matmul", "matmul_add"):
+            n, k = node.weights[0].type.shape
+            residual = node.args[1:] and node.args[1].type != node.out.type
+            if node.args[0].type.shape[-1] != k or node.out.type.shape[-1] != n or residual:
+                raise GraphError(
+                    f"{where}: {node.args[0].type} x {node.weights[0]} gives {node.out.type}"
+                )
+    for name, out in graph.outputs.items():
+        if out.id not in defined:
+            raise GraphError(f"output {name!r} ({out}) is never defined")
+
+
+def _uses(graph: Graph) -> Counter[int]:
+    """How often each value is read (graph outputs count as reads)."""
+    uses = Counter(a.id for node in graph.nodes for a in node.args)
+    uses.update(v.id for v in graph.outputs.values())
+    return uses
+
+
+def _fuse_pairs(
+    graph: Graph, match: Callable[[Node, dict[int, Node]], tuple[Node, Node] | None]
+) -> Graph:
+    """Replace each ``(producer, consumer)`` pair found by ``match`` with the fused node it
+    returns: the producer is dropped and the fused node takes the consumer's place, where
+    all operands of both are already defined. ``match`` only sees producers whose value
+    is read once (by that consumer), so dropping them is safe."""
+    uses = _uses(graph)
+    producers = {n.out.id: n for n in graph.nodes if uses[n.out.id] == 1}
+    dropped: set[int] = set()
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        found = match(node, producers)
+        if found is None:
+            nodes.append(node)
+            continue
+        producer, fused = found
+        dropped.add(producer.out.id)
+        nodes.append(fused)
+    nodes = [n for n in nodes if n.out.id not in dropped]
+    return Graph(graph.name, dict(graph.inputs), nodes, dict(graph.outputs))
+
+
+def fuse_gated(graph: Graph) -> Graph:
+    """``mul(act(g), u)`` -> ``swiglu(g, u)`` / ``geglu(g, u)``."""
+
+    def match(node: Node, producers: dict[int, Node]) -> tuple[Node, Node] | None:
+        if node.op != "mul":
+            return None
+        for act, other in (node.args, node.args[::-1]):
+            p = producers.get(act.id)
+            if p is not None and p.op in _GATES:
+                return p, Node(_GATES[p.op], node.out, (p.args[0], other))
+        return None
+
+    return _fuse_pairs(graph, match)
+
+
+def fuse_residual(graph: Graph) -> Graph:
+    """``add(x, matmul(h, W))`` -> ``matmul_add(h, x, W)`` (= ``h @ W^T [+ bias] + x``)."""
+
+    def match(node: Node, producers: dict[int, Node]) -> tuple[Node, Node] | None:
+        if node.op != "add":
+            return None
+        for residual, branch in (node.args, node.args[::-1]):
+            p = producers.get(branch.id)
+            if p is not None and p.op == "matmul":
+                return p, Node("matmul_add", node.out, (p.args[0], residual), p.weights)
+        return None
+
+    return _fuse_pairs(graph, match)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[Graph], Graph]
+
+
+OPTIMIZE = (Pass("fuse-gated", fuse_gated), Pass("fuse-residual", fuse_residual))
+
+
+def optimize(graph: Graph, passes: tuple[Pass, ...] = OPTIMIZE) -> Graph:
+    """Run ``passes`` in order, verifying the input and every pass's result."""
+    verify(graph)
+    for p in passes:
+        graph = p.run(graph)
+        try:
+            verify(graph)
+        except GraphError as e:
+            raise GraphError(f"after pass {p.name}: {e}") from None
+    return graph

@@ -1,0 +1,105 @@
+"""The JIT paged-attention kernel against the numpy reference (cpu_ops.attention)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynalm.core import cpu_ops
+from dynalm.core.attention import PagedAttention
+from dynalm.runtime.kv_cache import PagePool
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+
+
+def ragged_step(
+    dtype: str,
+    seqs: list[tuple[list[int], int, int]],
+    seed: int = 0,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+):
+    """A pool whose sequences (pages, context length, new tokens) hold random earlier keys,
+    plus the step's random q/k/v for the new tokens."""
+    rng = np.random.default_rng(seed)
+    pool = PagePool(1, kv_heads, head_dim, 32, PAGE, dtype)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    for pages, n_ctx, n_new in seqs:
+        earlier = pool.slots(pages, 0, n_ctx - n_new)
+        pool.write(
+            0,
+            earlier,
+            rand(len(earlier), kv_heads, head_dim),
+            rand(len(earlier), kv_heads, head_dim),
+        )
+    n_tokens = sum(n for *_, n in seqs)
+    positions = np.concatenate([np.arange(c - n, c) for _, c, n in seqs]).astype(np.int64)
+    batch = cpu_ops.AttentionBatch(
+        kv=pool,
+        query_start=np.cumsum([0] + [n for *_, n in seqs]),
+        seq_lens=np.array([c for _, c, _ in seqs]),
+        page_tables=[np.asarray(p, np.int64) for p, _, _ in seqs],
+        slots=np.concatenate([pool.slots(p, c - n, c) for p, c, n in seqs]),
+    )
+    q = rand(n_tokens, heads * head_dim)
+    k, v = rand(n_tokens, kv_heads * head_dim), rand(n_tokens, kv_heads * head_dim)
+    return pool, batch, positions, q, k, v
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_numpy(dtype: str, window: int, threads: int):
+    # a prefill chunk inside a 3-page context, a decode token, and a 1-token sequence
+    seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1), ([2], 1, 1)]
+    pool, batch, positions, q, k, v = ragged_step(dtype, seqs)
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, HEADS, KV_HEADS, HEAD_DIM, 0.125, window)
+    out = np.full_like(q, np.nan)
+    kernel = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, 0.125, window, threads)
+    pages, seq_of = batch.kernel_tables
+    kernel(out, q, 0, pool, pages, seq_of, positions)
+    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 2, 32), (4, 4, 64), (16, 2, 32), (6, 1, 128)],
+)
+def test_long_context_and_other_geometries(
+    dtype: str, window: int, heads: int, kv_heads: int, head_dim: int
+):
+    # many key blocks with a partial last one, a window across blocks, query heads per
+    # work item 1 to 4 (a group of 6 or 8 splits in two), and enough work for 2 threads
+    seqs = [([1, 3], 23, 1), ([4, 0, 6, 2, 9, 11, 13], 100, 8)]
+    pool, batch, positions, q, k, v = ragged_step(dtype, seqs, 1, heads, kv_heads, head_dim)
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, heads, kv_heads, head_dim, 0.1, window)
+    out = np.full_like(q, np.nan)
+    kernel = PagedAttention(heads, kv_heads, head_dim, 0.1, window, 2)
+    pages, seq_of = batch.kernel_tables
+    kernel(out, q, 0, pool, pages, seq_of, positions)
+    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_result_of_a_token_does_not_depend_on_the_batch():
+    seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1)]
+    pool, batch, positions, q, k, v = ragged_step("f16", seqs)
+    cpu_ops.attention(
+        np.zeros_like(q), q, k, v, positions, batch, 0, HEADS, KV_HEADS, HEAD_DIM, 0.125, 0
+    )  # writes the step's keys
+    kernel = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
+    pages, seq_of = batch.kernel_tables
+    together = np.zeros_like(q)
+    kernel(together, q, 0, pool, pages, seq_of, positions)
+    alone = np.zeros_like(q[5:])
+    kernel(
+        alone, np.ascontiguousarray(q[5:]), 0, pool, pages, seq_of[5:].copy(), positions[5:].copy()
+    )
+    assert np.array_equal(together[5:], alone)

@@ -1,0 +1,102 @@
+"""The JIT element-wise kernels (core.elementwise) against the numpy references of
+core.cpu_ops, on odd widths (vector body + scalar tail) and 1 and 3 rows.
+
+Budgets: add and RoPE are exact (same fp32 operations); RMSNorm differs only in the
+summation order of the mean square (<= 2e-6 relative); the gated activations use a
+polynomial exp (<= 1e-6 of the output's scale).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynalm.core import cpu_ops, elementwise
+
+WIDTHS = [1, 7, 37, 576]
+ROWS = [1, 3]
+
+
+def rand(*shape: int, scale: float = 1.0, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add(rows: int, width: int):
+    x, y = rand(rows, width, seed=1), rand(rows, width, seed=2)
+    out = np.empty_like(x)
+    elementwise.add(out, x, y)()
+    np.testing.assert_array_equal(out, x + y)
+    expected = x + y
+    elementwise.add(x, x, y)()  # in place, as the fused residual runs it
+    np.testing.assert_array_equal(x, expected)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [*WIDTHS, 1536])
+def test_gated(activation: str, rows: int, width: int):
+    gate, up = rand(rows, width, scale=4, seed=3), rand(rows, width, seed=4)
+    specials = [-200.0, 200.0, 0.0, -1e-20][: gate.size]  # exp clamps: no NaN or inf
+    gate.flat[: len(specials)] = specials
+    expected = np.empty_like(gate)
+    with np.errstate(over="ignore"):
+        cpu_ops.gated(expected, gate, up, activation)
+    out = np.empty_like(gate)
+    elementwise.gated(out, gate, up, activation)()
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rms_norm(rows: int, width: int):
+    x, w = rand(rows, width, scale=3, seed=5), rand(width, seed=6)
+    expected, out = np.empty_like(x), np.empty_like(x)
+    cpu_ops.rms_norm(expected, x, w, 1e-6)
+    elementwise.rms_norm(out, x, w, 1e-6)()
+    np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_per_head_is_a_norm_of_head_rows():
+    rows, heads, head_dim = 3, 4, 10
+    x, w = rand(rows, heads * head_dim, seed=7), rand(head_dim, seed=8)
+    expected, out = np.empty_like(x), np.empty_like(x)
+    cpu_ops.head_rms_norm(expected, x, w, 1e-6, head_dim)
+    elementwise.rms_norm(out.reshape(-1, head_dim), x.reshape(-1, head_dim), w, 1e-6)()
+    np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_fewer_rows_than_bound():
+    """The executor binds full buffers and lowers the count per step."""
+    x, w = rand(3, 37, seed=9), rand(37, seed=10)
+    out = np.zeros_like(x)
+    kernel = elementwise.rms_norm(out, x, w, 1e-5)
+    kernel.block[0] = 1
+    kernel()
+    expected = np.empty_like(x[:1])
+    cpu_ops.rms_norm(expected, x[:1], w, 1e-5)
+    np.testing.assert_allclose(out[:1], expected, rtol=2e-6)
+    assert not out[1:].any()
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 64), (10, 6), (18, 18)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope(neox: bool, head_dim: int, rope_dim: int, rows: int):
+    heads = 3
+    x = rand(rows, heads * head_dim, seed=11)
+    positions = np.array([7, 0, 300][:rows], np.int64)
+    table = cpu_ops.RopeTable(rope_dim, 10000.0, 1.0)
+    table.ensure(512)
+    expected, out = np.empty_like(x), np.empty_like(x)
+    cpu_ops.rope(expected, x, positions, table, head_dim, rope_dim, neox)
+    elementwise.rope(out, x, positions, table.cos, table.sin, head_dim, rope_dim, neox)()
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_refuses_non_contiguous_arrays():
+    x = rand(4, 16)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        elementwise.add(x[:, :8], x[:, :8], x[:, 8:])
