@@ -41,3 +41,10 @@ class InvalidRequest(DynaError):
 
 class DeviceUnavailable(DynaError):
     """A forced backend (e.g. --gpu) that cannot run on this machine."""
+
+
+class QueueFull(DynaError):
+    """The engine's waiting queue is full (or it is shutting down): retry later."""
+
+    http_status = 503
+    retry_after = 1  # seconds, for the Retry-After header

@@ -12,6 +12,7 @@ import numpy as np
 from dynalm.core.quant import quant_format
 from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph, TensorType
+from dynalm.ir.passes import optimize
 from dynalm.models.arch import build_graph, family_of
 from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.gguf_file import GGUFFile
@@ -70,7 +71,7 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
             name: TensorType(quant_format(t.ggml_type).name, t.shape)
             for name, t in gguf.tensors.items()
         }
-        graph = build_graph(hp, weight_types)
+        graph = optimize(build_graph(hp, weight_types))  # fused ops for the executor
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
     except Exception:

@@ -1,26 +1,43 @@
 """Paged KV cache: one shared pool of fixed-size pages, reference counted.
 
 A page holds ``page_size`` tokens of keys and values for every layer. Sequences
-hold page tables (lists of page ids), never contiguous buffers, so pages can be
+hold lists of page ids (page tables), never contiguous buffers, so pages can be
 shared between sequences (prefix sharing) and returned individually.
+
+Storage dtypes: ``f32``, ``f16``, and ``q8_0`` (int8 values with one f16 scale per
+32 values of a slot's kv head, like GGUF Q8_0: 34 bytes per 32 values, ~53 % of f16).
+Values are quantised on write and dequantised on read, one gather per sequence.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from dynalm.errors import InvalidRequest
 
-KV_DTYPES = {"f32": np.float32, "f16": np.float16}
+KV_DTYPES = ("f32", "f16", "q8_0")
+Q8_BLOCK = 32  # values per q8_0 scale
 
 
 class OutOfPages(Exception):
-    """The pool has no free page left (the scheduler preempts or waits)."""
+    """The pool has no free page left (the scheduler evicts, preempts or waits)."""
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of keys + values one token takes in a pool of ``dtype``."""
+    per_value = {"f32": 4.0, "f16": 2.0, "q8_0": 1.0 + 2.0 / Q8_BLOCK}[dtype]
+    return int(2 * n_layers * n_kv_heads * head_dim * per_value)
 
 
 class PagePool:
-    """KV memory for all sequences: ``k[layer]``/``v[layer]`` are
-    ``[n_pages * page_size, n_kv_heads, head_dim]`` arrays indexed by slot."""
+    """KV memory for all sequences, indexed by slot (``page * page_size + offset``).
+
+    ``k[layer]``/``v[layer]`` are ``[n_pages * page_size, n_kv_heads, head_dim]`` arrays
+    (int8 for q8_0, with ``k_scale``/``v_scale`` ``[..., head_dim / 32]`` in f16). With
+    ``n_layers=0`` the pool only does the page bookkeeping (unit tests, simulation).
+    """
 
     def __init__(
         self,
@@ -29,27 +46,40 @@ class PagePool:
         head_dim: int,
         n_pages: int,
         page_size: int = 16,
-        dtype: str = "f32",
+        dtype: str = "f16",
     ):
         if dtype not in KV_DTYPES:
             raise InvalidRequest(
                 f"unknown KV cache dtype '{dtype}' (choose from {', '.join(KV_DTYPES)})"
             )
+        if dtype == "q8_0" and head_dim % Q8_BLOCK:
+            raise InvalidRequest(f"q8_0 KV needs head_dim divisible by 32, got {head_dim}")
         if n_pages < 1:
             raise InvalidRequest("the KV cache must hold at least one page")
         self.page_size = page_size
         self.n_pages = n_pages
         self.dtype = dtype
         shape = (n_pages * page_size, n_kv_heads, head_dim)
-        self.k = [np.zeros(shape, KV_DTYPES[dtype]) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, KV_DTYPES[dtype]) for _ in range(n_layers)]
+        store = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[dtype]
+        self.k = [np.zeros(shape, store) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, store) for _ in range(n_layers)]
+        scale_shape = (*shape[:2], head_dim // Q8_BLOCK)
+        n_scaled = n_layers if dtype == "q8_0" else 0
+        self.k_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
+        self.v_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
         self.refcount = np.zeros(n_pages, np.int32)
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV memory (values and scales)."""
+        return sum(a.nbytes for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))
 
     @property
     def n_free(self) -> int:
         return len(self._free)
 
+    # -- page bookkeeping ---------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")
@@ -57,43 +87,56 @@ class PagePool:
         self.refcount[pages] = 1
         return pages
 
-    def retain(self, pages: list[int]) -> None:
-        self.refcount[pages] += 1
+    def retain(self, pages: Sequence[int]) -> None:
+        for page in pages:  # one at a time: a page may appear twice
+            self.refcount[page] += 1
 
-    def release(self, pages: list[int]) -> None:
+    def release(self, pages: Sequence[int]) -> int:
+        """Drop one reference to each page; returns how many became free."""
+        freed = 0
         for page in pages:
             self.refcount[page] -= 1
             assert self.refcount[page] >= 0, f"page {page} released twice"
             if self.refcount[page] == 0:
                 self._free.append(page)
+                freed += 1
+        return freed
 
-
-class PageTable:
-    """The pages of one sequence, in token order; grows a page at a time."""
-
-    def __init__(self, pool: PagePool):
-        self.pool = pool
-        self.pages: list[int] = []
-
-    @property
-    def capacity(self) -> int:
-        return len(self.pages) * self.pool.page_size
-
-    def reserve(self, n_tokens: int) -> None:
-        """Make room for ``n_tokens`` tokens in total (raises OutOfPages)."""
-        missing = -(-n_tokens // self.pool.page_size) - len(self.pages)
-        if missing > 0:
-            self.pages += self.pool.allocate(missing)
-
-    def slots(self, start: int, stop: int) -> np.ndarray:
-        """KV slots of token positions ``start..stop-1``."""
+    def slots(self, pages: Sequence[int], start: int, stop: int) -> np.ndarray:
+        """KV slots of token positions ``start..stop-1`` of a sequence with ``pages``."""
         pos = np.arange(start, stop)
-        pages = np.asarray(self.pages, np.int64)
-        return pages[pos // self.pool.page_size] * self.pool.page_size + pos % self.pool.page_size
+        table = np.asarray(pages, np.int64)
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def as_array(self) -> np.ndarray:
-        return np.asarray(self.pages, np.int64)
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy-on-write: page ``dst`` gets ``src``'s keys and values in every layer."""
+        a, b = src * self.page_size, dst * self.page_size
+        for arr in (*self.k, *self.v, *self.k_scale, *self.v_scale):
+            arr[b : b + self.page_size] = arr[a : a + self.page_size]
 
-    def free(self) -> None:
-        self.pool.release(self.pages)
-        self.pages = []
+    # -- what the attention op calls ----------------------------------------------
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k``/``v`` ``[T, n_kv_heads, head_dim]`` (fp32) at ``slots``."""
+        if self.dtype != "q8_0":
+            self.k[layer][slots] = k
+            self.v[layer][slots] = v
+            return
+        for x, store, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            blocks = x.reshape(*x.shape[:2], x.shape[2] // Q8_BLOCK, Q8_BLOCK)
+            d = np.abs(blocks).max(axis=-1) / 127.0
+            inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+            store[layer][slots] = np.rint(blocks * inv[..., None]).reshape(x.shape)
+            scales[layer][slots] = d
+
+    def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
+        if self.dtype != "q8_0":
+            k, v = self.k[layer][slots], self.v[layer][slots]
+            return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
+        out = []
+        for store, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            q = store[layer][slots].astype(np.float32)
+            blocks = q.reshape(*q.shape[:2], q.shape[2] // Q8_BLOCK, Q8_BLOCK)
+            blocks *= scales[layer][slots].astype(np.float32)[..., None]
+            out.append(q)
+        return out[0], out[1]

@@ -75,8 +75,11 @@ class Sampler:
         return logits
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        return self.pick(self.apply_penalties(logits, history))
+
+    def pick(self, logits: np.ndarray) -> int:
+        """Draw the next token from already penalised logits."""
         p = self.params
-        logits = self.apply_penalties(logits, history)
         if p.temperature == 0:
             return int(np.argmax(logits))
         candidates = np.arange(logits.size)

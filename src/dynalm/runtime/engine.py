@@ -1,0 +1,418 @@
+"""The engine: continuous batching of many requests over one model.
+
+Each ``step`` asks the scheduler which tokens to compute, runs the model ONCE over
+them as a flat ragged batch (decode tokens and prefill chunks of every scheduled
+sequence concatenated, with positions and page tables), then samples the next
+token of every sequence whose chunk reached its end: each request has its own
+sampler (and seed), incremental detokeniser and stop-string matcher.
+
+``Engine`` is driven by one thread (its ``step`` loop); ``add_request`` and
+``abort`` may be called from any thread. ``AsyncEngine`` runs that loop in a
+background thread and hands outputs to asyncio consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynalm.core.cpu_ops import AttentionBatch
+from dynalm.core.device import CpuDevice
+from dynalm.errors import InvalidRequest, PromptTooLong, QueueFull
+from dynalm.ir.executor import Executor
+from dynalm.models.loader import LoadedModel
+from dynalm.models.tokenizer import StreamDecoder
+from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token
+from dynalm.runtime.radix_cache import RadixCache
+from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher
+from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_KV_CAP = 2 << 30  # bytes: the default pool never exceeds this (beyond one full context)
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class EngineConfig:
+    ctx: int = 4096  # most tokens per sequence (prompt + generated)
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 16  # most sequences in the running batch
+    max_queue: int = 256  # most waiting requests before QueueFull
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: max_num_seqs * ctx tokens, capped at 2 GiB
+    kv_cache_dtype: str = "f16"  # f32 | f16 | q8_0
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the ``top_logprobs`` most likely tokens,
+    from the penalised, pre-temperature distribution (as OpenAI reports them)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the previous output
+    token_ids: list[int]  # new tokens (a stop token is included, its text is not)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens reused from the prefix cache
+    completion_tokens: int  # generated so far
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # pages held by requests / all pages (cache-only pages count as free)
+    num_pages: int
+    num_free_pages: int
+    num_cached_pages: int  # pages held by the prefix cache
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Per-request sampling and text state (the scheduler only sees the Request)."""
+
+    request: Request
+    sampler: Sampler
+    decoder: StreamDecoder
+    stops: StopMatcher
+    stop_ids: frozenset[int]
+    logprobs: int | None
+
+
+def flat_batch(
+    pool: PagePool, seqs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]]
+) -> tuple[np.ndarray, np.ndarray, AttentionBatch]:
+    """Tokens, positions and attention layout of one step over ``seqs``, each given as
+    ``(token_ids, start, stop, pages)``: tokens ``start:stop`` are computed."""
+    tokens = np.concatenate([np.asarray(ids[a:b], np.int64) for ids, a, b, _ in seqs])
+    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b, _ in seqs])
+    batch = AttentionBatch(
+        kv=pool,
+        query_start=np.cumsum([0] + [b - a for _, a, b, _ in seqs]),
+        seq_lens=np.array([b for _, _, b, _ in seqs], np.int64),
+        page_tables=[np.asarray(pages, np.int64) for *_, pages in seqs],
+        slots=np.concatenate([pool.slots(pages, a, b) for _, a, b, pages in seqs]),
+    )
+    return tokens, positions, batch
+
+
+def _token_logprob(penalized: np.ndarray, token: int, top: int) -> TokenLogprob:
+    shifted = penalized - penalized.max()
+    lp = shifted - np.log(np.exp(shifted).sum())
+    best = np.argpartition(-lp, top - 1)[:top] if top else np.zeros(0, np.int64)
+    best = best[np.argsort(-lp[best], kind="stable")]
+    return TokenLogprob(token, float(lp[token]), [(int(t), float(lp[t])) for t in best])
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, device: CpuDevice, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        hp = model.hparams
+        if config.ctx < 2:
+            raise InvalidRequest(f"--ctx must be at least 2, got {config.ctx}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_queue", "page_size"):
+            if getattr(config, name) < 1:
+                raise InvalidRequest(f"{name} must be at least 1, got {getattr(config, name)}")
+        per_token = kv_bytes_per_token(
+            hp.n_layers, hp.n_kv_heads, hp.head_dim, config.kv_cache_dtype
+        )
+        if config.kv_cache_memory is None:
+            n_tokens = max(
+                config.ctx, min(config.max_num_seqs * config.ctx, _DEFAULT_KV_CAP // per_token)
+            )
+        else:
+            n_tokens = config.kv_cache_memory // per_token
+            if n_tokens < config.ctx:
+                raise InvalidRequest(
+                    f"--kv-cache-memory {config.kv_cache_memory} holds {n_tokens} tokens, "
+                    f"less than one full context ({config.ctx}); raise it or lower --ctx"
+                )
+        self.model = model
+        self.config = config
+        self.pool = PagePool(
+            hp.n_layers,
+            hp.n_kv_heads,
+            hp.head_dim,
+            n_pages=-(-n_tokens // config.page_size),
+            page_size=config.page_size,
+            dtype=config.kv_cache_dtype,
+        )
+        self.cache = RadixCache(self.pool, enabled=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            KVCacheManager(self.pool, self.cache),
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_queue,
+        )
+        self.executor = Executor(
+            model.graph, device, model.weights, max_tokens=config.max_num_batched_tokens
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._aborts: set[str] = set()
+        self._ready: list[RequestOutput] = []  # outputs decided outside a step
+        self._lock = threading.Lock()  # guards the queues against add/abort from other threads
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        logprobs: int | None = None,
+        stop_ids: frozenset[int] | None = None,
+    ) -> None:
+        """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull."""
+        ctx = self.config.ctx
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) >= ctx:
+            raise PromptTooLong(
+                f"the prompt has {len(prompt_ids)} tokens but the context is {ctx} "
+                "(raise --ctx or shorten the prompt)"
+            )
+        n_vocab = self.model.hparams.n_vocab
+        if min(prompt_ids) < 0 or max(prompt_ids) >= n_vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {n_vocab})")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        req = Request(request_id, list(prompt_ids), min(params.max_tokens, ctx - len(prompt_ids)))
+        stream = _Stream(
+            req,
+            Sampler(params),  # validates params
+            StreamDecoder(self.model.tokenizer),
+            StopMatcher(params.stop),
+            self.model.stop_token_ids if stop_ids is None else stop_ids,
+            logprobs,
+        )
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequest(f"request id '{request_id}' is already in use")
+            if req.max_tokens == 0:
+                self._ready.append(self._output(stream, "", [], "length"))
+                return
+            self.scheduler.add(req)
+            self._streams[request_id] = stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step (its pages go back); unknown ids are ignored."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._streams or self._ready)
+
+    @property
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._streams)
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once over the flat batch, sample; returns the outputs
+        of every request that produced tokens or finished."""
+        with self._lock:
+            outputs, self._ready = self._ready, []
+            for rid in self._aborts:
+                if rid in self._streams:
+                    outputs.append(self._finish(self._streams[rid], "", [], "abort"))
+            self._aborts.clear()
+            sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return outputs
+        logits = self._run(sched.chunks)
+        with self._lock:
+            self.scheduler.advance(sched)
+            sampling = [c.request for c in sched.chunks if c.samples]
+            for req, row in zip(sampling, logits, strict=True):
+                outputs.append(self._sample(self._streams[req.request_id], row))
+        return outputs
+
+    def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        seqs = [(c.request.token_ids, c.start, c.start + c.n, c.request.pages) for c in chunks]
+        tokens, positions, batch = flat_batch(self.pool, seqs)
+        last_rows = batch.query_start[1:] - 1
+        rows = last_rows[np.array([c.samples for c in chunks])]
+        return self.executor.run(tokens, positions, rows, batch)
+
+    def _sample(self, stream: _Stream, row: np.ndarray) -> RequestOutput:
+        req = stream.request
+        penalized = stream.sampler.apply_penalties(row, req.token_ids)
+        token = stream.sampler.pick(penalized)
+        req.append(token)
+        lp = None if stream.logprobs is None else _token_logprob(penalized, token, stream.logprobs)
+        text, matched, reason = "", False, None
+        if token in stream.stop_ids:
+            reason = "stop"
+        else:
+            text, matched = stream.stops.push(stream.decoder.push(token))
+            if matched:
+                reason = "stop"
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.ctx:
+                reason = "length"
+        if reason is None:
+            return self._output(stream, text, [token], None, lp)
+        if not matched:  # text held back for a possible stop string or UTF-8 character
+            text += stream.stops.push(stream.decoder.flush())[0] + stream.stops.flush()
+        return self._finish(stream, text, [token], reason, lp)
+
+    def _finish(
+        self,
+        stream: _Stream,
+        text: str,
+        tokens: list[int],
+        reason: str,
+        lp: TokenLogprob | None = None,
+    ) -> RequestOutput:
+        self.scheduler.finish(stream.request, reason)
+        del self._streams[stream.request.request_id]
+        return self._output(stream, text, tokens, reason, lp)
+
+    @staticmethod
+    def _output(
+        stream: _Stream,
+        text: str,
+        tokens: list[int],
+        reason: str | None,
+        lp: TokenLogprob | None = None,
+    ) -> RequestOutput:
+        req = stream.request
+        return RequestOutput(
+            request_id=req.request_id,
+            text=text,
+            token_ids=tokens,
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.num_cached_tokens,
+            completion_tokens=req.num_output_tokens,
+            logprobs=None if stream.logprobs is None else [lp] if lp else [],
+        )
+
+    # -- state ----------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        s, pool = self.scheduler, self.pool
+        held = pool.n_pages - pool.n_free - self.cache.evictable_pages
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_usage=max(0, held) / pool.n_pages,
+            num_pages=pool.n_pages,
+            num_free_pages=pool.n_free,
+            num_cached_pages=self.cache.n_pages,
+            prefix_queried_tokens=s.prefix_queried_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached prefix no request uses; returns the pages freed."""
+        with self._lock:
+            return self.cache.evict(self.pool.n_pages)
+
+
+class AsyncEngine:
+    """Runs ``Engine.step`` in a background thread while requests exist and streams each
+    request's outputs to its asyncio consumer."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._consumers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._accepting = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dynalm-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                if self._stop:
+                    return
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs: list[RequestOutput | BaseException] = list(self.engine.step())
+            except Exception as e:  # a bug in a step: fail every request, keep serving
+                log.exception("engine step failed")
+                for rid in self.engine.request_ids:
+                    self.engine.abort(rid)
+                outputs = [e]
+            for out in outputs:
+                targets = (
+                    list(self._consumers) if isinstance(out, BaseException) else [out.request_id]
+                )
+                consumer = [self._consumers.get(rid) for rid in targets]
+                for loop, queue in filter(None, consumer):
+                    with contextlib.suppress(RuntimeError):  # that event loop is closed
+                        loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        **kw: object,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes; cancelling the consumer
+        (client disconnect) aborts it. Raises what ``Engine.add_request`` raises."""
+        if not self._accepting:
+            raise QueueFull("the server is shutting down")
+        if request_id in self._consumers:
+            raise InvalidRequest(f"request id '{request_id}' is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        # Listen before adding: the engine thread may produce the first output at once.
+        self._consumers[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.engine.add_request(request_id, prompt_ids, params, **kw)  # type: ignore[arg-type]
+        except BaseException:
+            del self._consumers[request_id]
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._consumers.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+                self._wake.set()
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Stop admitting; finish (``drain``) or abort in-flight requests; stop the thread.
+        Blocks until done: from a coroutine, call it through ``asyncio.to_thread``."""
+        self._accepting = False
+        if not drain:
+            for rid in self.engine.request_ids:
+                self.engine.abort(rid)
+        self._stop = True
+        self._wake.set()
+        self._thread.join()

@@ -1,0 +1,235 @@
+"""Continuous-batching scheduler (vLLM v1 style) and the KV manager it drives.
+
+There is no prefill phase and no decode phase: each request has
+``num_computed_tokens`` chasing ``num_tokens`` (prompt + generated), and one token
+budget per step is shared by the running requests (a decode token each, or the
+next chunk of a long prompt) and then by waiting requests admitted in arrival
+order. Prefix-cache hits simply start a request with tokens already computed.
+When pages run out, the most recently admitted running request is preempted: its
+pages go back (full ones stay in the prefix cache) and it is recomputed later,
+keeping the tokens it generated.
+
+Everything here works on token ids and page ids only, so it is unit-tested
+without a model: the engine runs the model over what ``schedule`` returns and
+then calls ``advance`` and ``finish``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dynalm.errors import QueueFull
+from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.radix_cache import Node, RadixCache
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence's token-level state."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int  # most tokens to generate
+    token_ids: list[int] = field(init=False)  # prompt + generated
+    num_computed_tokens: int = 0  # tokens whose keys/values are in ``pages``
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    cache_node: Node | None = None  # the locked end of this request's cached path
+    num_cached_pages: int = 0  # leading pages already offered to the prefix cache
+    _admitted: bool = False
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+
+
+class KVCacheManager:
+    """Pages of requests: prefix matches, growth with copy-on-write, caching, release."""
+
+    def __init__(self, pool: PagePool, cache: RadixCache):
+        self.pool = pool
+        self.cache = cache
+        self.page_size = pool.page_size
+
+    def match(self, req: Request) -> int:
+        """Start ``req`` from its longest cached prefix (leaving at least its last token
+        to compute, whose logits are needed); returns the tokens reused."""
+        hit = self.cache.match(req.token_ids[: req.num_tokens - 1])
+        self.pool.retain(hit.pages)
+        self.cache.lock(hit.node)
+        req.pages, req.cache_node = hit.pages, hit.node
+        req.num_computed_tokens = hit.n_tokens
+        return hit.n_tokens
+
+    def _needs_copy(self, req: Request) -> bool:
+        """Whether the page the next token goes into is shared (copy it before writing)."""
+        idx = req.num_computed_tokens // self.page_size
+        return idx < len(req.pages) and self.pool.refcount[req.pages[idx]] > 1
+
+    def allocate(self, req: Request, n_tokens: int) -> bool:
+        """Make room for ``n_tokens`` tokens in total, evicting unused cached prefixes if
+        needed; False (nothing changed) when the pool cannot hold them."""
+        grow = -(-n_tokens // self.page_size) - len(req.pages)
+        need = max(0, grow) + self._needs_copy(req)
+        if need > self.pool.n_free:
+            self.cache.evict(need - self.pool.n_free)
+            need = max(0, grow) + self._needs_copy(req)  # eviction may have unshared it
+            if need > self.pool.n_free:
+                return False
+        if self._needs_copy(req):
+            idx = req.num_computed_tokens // self.page_size
+            (fresh,) = self.pool.allocate(1)
+            self.pool.copy_page(req.pages[idx], fresh)
+            self.pool.release([req.pages[idx]])
+            req.pages[idx] = fresh
+        if grow > 0:
+            req.pages += self.pool.allocate(grow)
+        return True
+
+    def cache_full_pages(self, req: Request) -> None:
+        """Put the request's computed whole pages into the prefix cache, moving its lock
+        to the end of that path."""
+        n_full = req.num_computed_tokens // self.page_size
+        if n_full == req.num_cached_pages or not self.cache.enabled:
+            return
+        req.num_cached_pages = n_full
+        node = self.cache.insert(req.token_ids[: n_full * self.page_size], req.pages[:n_full])
+        if node is not req.cache_node:
+            self.cache.lock(node)
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+            req.cache_node = node
+
+    def free(self, req: Request) -> None:
+        self.pool.release(req.pages)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.pages, req.cache_node = [], None
+        req.num_computed_tokens = req.num_cached_pages = 0
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``start:start + n`` of ``request`` are computed this step."""
+
+    request: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so its logits give the next one."""
+        return self.start + self.n == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.n for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 16,
+        max_queue: int = 256,
+    ):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        """Queue a request (FCFS); raises QueueFull when ``max_queue`` are waiting."""
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting; retry later")
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        # Admit in arrival order; not after a preemption (memory is short this step).
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted
+        ):
+            req = self.waiting[0]
+            hit = self.kv.match(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req, req.num_computed_tokens + n):
+                self.kv.free(req)
+                break
+            self.waiting.popleft()
+            if not req._admitted:
+                req._admitted, req.num_cached_tokens = True, hit
+            self.prefix_queried_tokens += req.num_tokens
+            self.prefix_hit_tokens += hit
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)  # its whole computed pages stay in the prefix cache
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The model ran ``out``: its tokens are computed (call before appending the
+        sampled tokens)."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens = chunk.start + chunk.n
+            self.kv.cache_full_pages(chunk.request)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Take ``req`` out of the queues and give back its pages."""
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)

@@ -1,0 +1,736 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine.
+
+Chat and completions share one path: an HTTP request becomes ``n`` engine requests per
+prompt (`_Generation`), merged into one stream of outputs; the two endpoints differ
+only in how outputs are written (`_ChatFormat`, `_CompletionFormat`), either as
+server-sent events or collected into one response.
+
+A request is answered only once each of its engine requests produced a first output,
+so what the engine refuses at admission (prompt over the context, queue full) is the
+right HTTP status instead of a broken stream. A client that disconnects at any point
+cancels its engine requests; `AsyncEngine` then aborts them and frees their pages.
+SIGTERM / SIGINT: new requests get 503, in-flight ones get ``SHUTDOWN_GRACE_S`` to
+finish before they are aborted, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from dynalm.errors import DynaError, InvalidRequest
+from dynalm.models.loader import LoadedModel
+from dynalm.models.tokenizer import Tokenizer
+from dynalm.runtime import protocol as p
+from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
+from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
+from dynalm.runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # what a 503 asks clients to wait, unless the error says otherwise
+SHUTDOWN_GRACE_S = 30  # after SIGTERM, in-flight requests get this long before being aborted
+
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error response: an HTTP status and the fields of OpenAI's error JSON."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int = RETRY_AFTER_S,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, sent with a 503
+
+    @classmethod
+    def of(cls, e: Exception) -> APIError:
+        """The response for any exception; internal errors never show their details."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, DynaError):
+            code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).lower()
+            retry_after = getattr(e, "retry_after", RETRY_AFTER_S)
+            return cls(e.http_status, str(e), code=code, retry_after=retry_after)
+        log.error("internal error", exc_info=e)
+        return cls(500, "internal server error (see the server log)")
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return p.error_body(self.message, kind, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+# ---------------------------------------------------------------- one HTTP request
+
+
+@dataclass
+class _Choice:
+    """What one engine request produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    chars: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.chars += len(out.text)
+        self.logprobs.extend(out.logprobs or ())
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        self.finish_reason = out.finish_reason
+
+
+class _Generation:
+    """The engine requests behind one HTTP request (``n`` per prompt), merged into one stream.
+
+    Each engine request is pumped by its own task into one queue; `close` cancels the
+    tasks, which makes `AsyncEngine.generate` abort whatever has not finished.
+    """
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        request_id: str,
+        jobs: Sequence[tuple[list[int], SamplingParams]],
+        n: int,
+        top_logprobs: int | None,
+    ) -> None:
+        self.n = n
+        self.choices = [_Choice(i) for i in range(len(jobs))]
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+        self._ready: deque[tuple[int, RequestOutput | Exception | None]] = deque()
+        self._live = len(jobs)
+        self._tasks = [
+            asyncio.create_task(
+                self._pump(server, i, f"{request_id}-{i}", prompt, params, top_logprobs)
+            )
+            for i, (prompt, params) in enumerate(jobs)
+        ]
+
+    async def _pump(
+        self,
+        server: OpenAIServer,
+        index: int,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        top_logprobs: int | None,
+    ) -> None:
+        tracker = server.metrics.track()
+        try:
+            async for out in server.async_engine.generate(
+                request_id, prompt, params, logprobs=top_logprobs
+            ):
+                tracker.observe(out)
+                self._queue.put_nowait((index, out))
+            self._queue.put_nowait((index, None))
+        except asyncio.CancelledError:
+            tracker.aborted()
+            raise
+        except Exception as e:  # handed to the consumer, which turns it into a response
+            self._queue.put_nowait((index, e))
+
+    async def admitted(self) -> None:
+        """Wait for the first output of every engine request; raise the first refusal."""
+        waiting = set(range(len(self.choices)))
+        while waiting:
+            index, out = item = await self._queue.get()
+            if isinstance(out, Exception):
+                raise out
+            waiting.discard(index)
+            self._ready.append(item)
+
+    async def outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Every output in arrival order, with the choice it updated, until all finish."""
+        while self._live:
+            index, out = self._ready.popleft() if self._ready else await self._queue.get()
+            if out is None:
+                self._live -= 1
+                continue
+            if isinstance(out, Exception):
+                raise out
+            choice = self.choices[index]
+            choice.add(out)
+            yield choice, out
+
+    async def collect(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    def close(self) -> None:
+        """Cancel whatever still runs (synchronous: it may run inside a cancelled scope)."""
+        for task in self._tasks:
+            task.cancel()
+
+    def usage(self) -> p.Usage:
+        # n copies of a prompt count it once, as OpenAI does; the first copy's numbers stand
+        firsts = self.choices[:: self.n]
+        prompt = sum(c.prompt_tokens for c in firsts)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return p.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=p.PromptTokensDetails(
+                cached_tokens=sum(c.cached_tokens for c in firsts)
+            ),
+        )
+
+
+# ---------------------------------------------------------------- response formats
+
+
+class _Format:
+    """How one endpoint writes outputs: streamed chunks and the collected response."""
+
+    id_prefix = ""
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer, logprobs: bool) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_name
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
+
+    def _common(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        data = self.tokenizer.token_bytes(token_id)
+        return data.decode("utf-8", errors="replace"), list(data)
+
+    def opening(self, index: int) -> BaseModel | None:
+        """The chunk that opens a choice's stream, if the format has one."""
+        return None
+
+    def chunk(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        finish_reason: str | None = None,
+    ) -> BaseModel:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self, gen: _Generation) -> BaseModel:
+        raise NotImplementedError
+
+
+class _ChatFormat(_Format):
+    id_prefix = "chatcmpl"
+
+    def _logprobs(self, lps: Sequence[TokenLogprob] | None) -> p.ChatLogprobs | None:
+        if not self.logprobs or lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token, data = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": data}
+
+        return p.ChatLogprobs(
+            content=[
+                p.ChatTokenLogprob(
+                    **entry(lp.token_id, lp.logprob),
+                    top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top_logprobs],
+                )
+                for lp in lps
+            ]
+        )
+
+    def opening(self, index: int) -> BaseModel:
+        delta = {"role": "assistant", "content": ""}
+        return p.ChatCompletionChunk(
+            **self._common(), choices=[p.ChatStreamChoice(index=index, delta=delta)]
+        )
+
+    def chunk(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        finish_reason: str | None = None,
+    ) -> BaseModel:
+        streamed = p.ChatStreamChoice(
+            index=choice.index,
+            delta={"content": text} if finish_reason is None else {},
+            logprobs=self._logprobs(logprobs),
+            finish_reason=finish_reason,
+        )
+        return p.ChatCompletionChunk(**self._common(), choices=[streamed])
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.ChatCompletionChunk(**self._common(), choices=[], usage=usage)
+
+    def response(self, gen: _Generation) -> BaseModel:
+        choices = [
+            p.ChatChoice(
+                index=c.index,
+                message=p.AssistantMessage(content="".join(c.text)),
+                logprobs=self._logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in gen.choices
+        ]
+        return p.ChatCompletion(**self._common(), choices=choices, usage=gen.usage())
+
+
+class _CompletionFormat(_Format):
+    id_prefix = "cmpl"
+
+    def _logprobs(
+        self, lps: Sequence[TokenLogprob] | None, offset: int
+    ) -> p.CompletionLogprobs | None:
+        """The legacy format; ``offset`` is where the first token's text starts."""
+        if not self.logprobs or lps is None:
+            return None
+        out = p.CompletionLogprobs()
+        for lp in lps:
+            token = self._token(lp.token_id)[0]
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self._token(t)[0]: v for t, v in lp.top_logprobs})
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def chunk(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        finish_reason: str | None = None,
+    ) -> BaseModel:
+        streamed = p.CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=self._logprobs(logprobs, choice.chars - len(text)),
+            finish_reason=finish_reason,
+        )
+        return p.Completion(**self._common(), choices=[streamed])
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.Completion(**self._common(), choices=[], usage=usage)
+
+    def response(self, gen: _Generation) -> BaseModel:
+        choices = [
+            p.CompletionChoice(
+                index=c.index,
+                text="".join(c.text),
+                logprobs=self._logprobs(c.logprobs, 0),
+                finish_reason=c.finish_reason,
+            )
+            for c in gen.choices
+        ]
+        return p.Completion(**self._common(), choices=choices, usage=gen.usage())
+
+
+def _event(data: BaseModel | dict[str, Any]) -> str:
+    body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {body}\n\n"
+
+
+async def _sse(gen: _Generation, fmt: _Format, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI's event stream: an opening chunk per choice, content, a finishing chunk per
+    choice, the usage chunk if asked, ``[DONE]``. A failure after the headers went out
+    can only be reported in the stream."""
+    try:
+        for choice in gen.choices:
+            if (opening := fmt.opening(choice.index)) is not None:
+                yield _event(opening)
+        async for choice, out in gen.outputs():
+            if out.text or out.logprobs:
+                yield _event(fmt.chunk(choice, out.text, out.logprobs))
+            if out.finished:
+                yield _event(fmt.chunk(choice, "", None, out.finish_reason or "stop"))
+        if include_usage:
+            yield _event(fmt.usage_chunk(gen.usage()))
+    except Exception as e:
+        yield _event(APIError.of(e).body())
+    yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that cancels its engine requests however the response ends."""
+
+    def __init__(self, gen: _Generation, content: AsyncIterator[str]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise `ClientGone`."""
+
+    async def disconnected() -> None:
+        # the body is read by now, so the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    finished = False
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finished = task.done()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not finished:
+        raise ClientGone
+    return task.result()
+
+
+# ---------------------------------------------------------------- the application
+
+
+class OpenAIServer:
+    """The endpoints over one model and one engine; `app` is the ASGI application."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: LoadedModel,
+        names: Sequence[str],
+        *,
+        api_key: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.names = list(dict.fromkeys(names))  # the first is the name /v1/models shows
+        self.ctx = engine.config.ctx
+        self.api_key = api_key
+        self.metrics = ServerMetrics(engine, self.names[0])
+        self.draining = False  # set on SIGTERM: refuse new work while in-flight requests end
+        self.async_engine: AsyncEngine  # created in the event loop, at startup
+        self.app = self._build_app()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.async_engine = AsyncEngine(self.engine)
+        try:
+            yield
+        finally:
+            self.draining = True
+            # uvicorn has let in-flight responses finish (or cancelled them): abort leftovers
+            await asyncio.to_thread(self.async_engine.shutdown, drain=False)
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="DynaLM", lifespan=self._lifespan)
+        guarded = [Depends(self._authorize)]
+        app.post("/v1/chat/completions", dependencies=guarded)(self.chat_completions)
+        app.post("/v1/completions", dependencies=guarded)(self.completions)
+        app.get("/v1/models", dependencies=guarded)(self.list_models)
+        app.post("/tokenize", dependencies=guarded)(self.tokenize)
+        app.post("/detokenize", dependencies=guarded)(self.detokenize)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+
+        async def api_error(_: Request, e: Exception) -> Response:
+            return APIError.of(e).response()
+
+        async def invalid_body(_: Request, e: Exception) -> Response:
+            assert isinstance(e, RequestValidationError)
+            error = e.errors()[0]
+            where = ".".join(str(x) for x in error["loc"] if x != "body")
+            if error["type"] == "json_invalid":
+                message = "the request body is not valid JSON"
+            else:
+                message = f"{where or 'body'}: {error['msg']}"
+            return APIError(400, message, param=where or None).response()
+
+        async def http_error(_: Request, e: Exception) -> Response:
+            assert isinstance(e, HTTPException)
+            return APIError(e.status_code, str(e.detail)).response()
+
+        async def client_gone(_: Request, e: Exception) -> Response:
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+
+        app.add_exception_handler(APIError, api_error)
+        app.add_exception_handler(DynaError, api_error)
+        app.add_exception_handler(RequestValidationError, invalid_body)
+        app.add_exception_handler(HTTPException, http_error)
+        app.add_exception_handler(ClientGone, client_gone)
+        app.add_exception_handler(Exception, api_error)
+        return app
+
+    # --- checks
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer KEY)",
+                code="invalid_api_key",
+            )
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist (this server has {', '.join(self.names)})",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        if bad := [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]:
+            raise InvalidRequest(
+                f"{what}: token id {bad[0]} is outside the vocabulary "
+                f"(0..{self.tokenizer.vocab_size - 1})"
+            )
+
+    # --- generation
+
+    def _chat_ids(
+        self, messages: Sequence[p.ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        rendered = self.model.chat_template.render(
+            [
+                # "developer" is OpenAI's new name for "system"; templates know only the old one
+                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in messages
+            ],
+            add_generation_prompt=add_generation_prompt,
+        )
+        return self.tokenizer.encode(rendered, add_special=False)
+
+    def _prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        single = isinstance(prompt, str) or isinstance(prompt[0], int)
+        prompts: list[Any] = [prompt] if single else list(prompt)
+        out = []
+        for item in prompts:
+            if isinstance(item, str):
+                out.append(self.tokenizer.encode(item, add_special=True))
+            else:
+                self._check_ids(item, "prompt")
+                out.append(list(item))
+        return out
+
+    def _params(self, req: p.SamplingRequest, prompt: list[int], copy: int) -> SamplingParams:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        self._check_ids(list(bias), "logit_bias")
+        return SamplingParams(
+            # OpenAI's default: as much as the context leaves
+            max_tokens=req.max_tokens or max(1, self.ctx - len(prompt)),
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            repeat_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            # n copies with one seed must still differ from each other
+            seed=None if req.seed is None else req.seed + copy,
+            stop=list(req.stop),
+            logit_bias=bias,
+        ).validate()
+
+    async def _generate(
+        self,
+        request: Request,
+        req: p.SamplingRequest,
+        prompts: list[list[int]],
+        fmt: _Format,
+    ) -> Response:
+        jobs = [(prompt, self._params(req, prompt, j)) for prompt in prompts for j in range(req.n)]
+        gen = _Generation(self, fmt.id, jobs, req.n, req.top_logprob_count)
+        try:
+            await _until_disconnect(request, gen.admitted())
+            if req.stream:
+                return _EventStream(gen, _sse(gen, fmt, req.include_usage))
+            await _until_disconnect(request, gen.collect())
+        except BaseException:
+            gen.close()
+            raise
+        return JSONResponse(fmt.response(gen).model_dump(mode="json"))
+
+    def _admit(self, model: str | None) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        self._check_model(model)
+
+    # --- endpoints
+
+    async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI's chat completions: the model's chat template renders the messages."""
+        self._admit(body.model)
+        ids = self._chat_ids(body.messages, add_generation_prompt=True)
+        fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs)
+        return await self._generate(request, body, [ids], fmt)
+
+    async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
+        """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
+        self._admit(body.model)
+        fmt = _CompletionFormat(self.names[0], self.tokenizer, body.logprobs is not None)
+        return await self._generate(request, body, self._prompt_ids(body.prompt), fmt)
+
+    async def list_models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.names[0], max_model_len=self.ctx)])
+
+    async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
+        """Token ids of a prompt, or of messages rendered with the chat template."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(body.prompt or "", add_special=body.add_special_tokens)
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.ctx, tokens=ids)
+
+    async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        self._check_model(body.model)
+        self._check_ids(body.tokens, "tokens")
+        return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+    async def health(self) -> Response:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------- running it
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn that turns away new requests as soon as a signal asks it to stop, and exits
+    normally afterwards (plain uvicorn re-raises the signal, so SIGTERM would end the
+    process with status 143 after an otherwise clean shutdown)."""
+
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer) -> None:
+        super().__init__(config)
+        self.api = api
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.api.draining = True
+        super().handle_exit(sig, frame)
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread (tests run servers in threads)
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(api: OpenAIServer, *, verbose: bool = False) -> UvicornServer:
+    config = uvicorn.Config(
+        api.app,
+        log_level="info" if verbose else "warning",
+        access_log=verbose,
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    return UvicornServer(config, api)
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def serve(
+    engine: Engine,
+    model: LoadedModel,
+    names: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    verbose: bool = False,
+) -> None:
+    """Serve until SIGTERM / SIGINT; the URL goes to stderr once the port is bound."""
+    api = OpenAIServer(engine, model, names, api_key=api_key)
+    sock = bind_socket(host, port)
+    print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
+    make_server(api, verbose=verbose).run(sockets=[sock])
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``512MiB``, ``1.5GB`` or ``1000000``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
+    if not m:
+        raise InvalidRequest(f"cannot read '{text}' as a size (e.g. 512MiB, 2GB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])

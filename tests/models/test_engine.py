@@ -1,0 +1,238 @@
+"""The engine on SmolLM2: continuous batching gives each request exactly the tokens it
+gets alone; the prefix cache and copy-on-write reuse pages without changing answers;
+preemption recomputes identically; aborted requests leak nothing; q8_0 KV pages."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dynalm.core.device import CpuDevice
+from dynalm.errors import InvalidRequest, PromptTooLong
+from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
+from dynalm.runtime.generator import Generator
+from dynalm.runtime.kv_cache import kv_bytes_per_token
+from dynalm.runtime.sampling import SamplingParams
+
+TEXTS = [
+    "The history of the Roman Empire begins with",
+    "Photosynthesis is the process by which plants",
+    "def fibonacci(n):\n",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "The capital of Japan is",
+    "Water boils at a temperature of",
+    "My favourite programming language is",
+]
+SYSTEM = (
+    "You are Marlowe, the help-desk assistant of the Northwind Public Library. "
+    "The library opens at nine in the morning and closes at eight in the evening on "
+    "weekdays; on Saturdays it closes at five and on Sundays it stays closed. Members may "
+    "borrow up to twelve items at once: books for three weeks, films and music for one "
+    "week, and magazines for one week. Renewals can be made twice online unless another "
+    "member has reserved the item. Late returns cost twenty cents a day for adults and "
+    "nothing for children. The reading room on the second floor is silent; group study "
+    "rooms on the third floor can be booked for two hours a day. Printing costs ten cents "
+    "a page in black and white and fifty cents in colour. Library cards are free for "
+    "residents of the county and cost thirty dollars a year for everyone else. Lost cards "
+    "are replaced for two dollars. The children's section hosts story time every Tuesday "
+    "and Thursday at ten. Wireless internet is free; the network name is Northwind-Guest "
+    "and needs no password. Answer briefly and politely, in one or two sentences, and "
+    "never invent rules that are not listed here. If you do not know, say so and suggest "
+    "asking at the front desk. Parking behind the building is free for the first two "
+    "hours; bicycles can be locked at the racks by the main entrance. Volunteers who shelve "
+    "books on weekends receive a free tote bag at the end of each season."
+)
+GREEDY = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0)
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path) -> LoadedModel:
+    return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def device() -> CpuDevice:
+    return CpuDevice("auto")
+
+
+def encode(model: LoadedModel, text: str) -> list[int]:
+    return model.tokenizer.encode(text, add_special=True)
+
+
+def chat(model: LoadedModel, question: str) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
+
+
+def run(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[RequestOutput]]:
+    """Add all prompts at once and step until done; each request's outputs."""
+    ids = [f"req-{next(_ids)}" for _ in prompts]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params, stop_ids=frozenset())
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return [outs[rid] for rid in ids]
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for out in outputs for t in out.token_ids]
+
+
+def assert_no_leak(engine: Engine) -> None:
+    """Every page is free or held only by the prefix cache; evicting it frees them all."""
+    pool, cache = engine.pool, engine.cache
+    assert pool.n_pages - pool.n_free == cache.n_pages == cache.evictable_pages
+    assert (pool.refcount <= 1).all()
+    engine.reset_prefix_cache()
+    assert pool.n_free == pool.n_pages
+
+
+def test_batch_invariance(model, device):
+    """8 different greedy requests run concurrently get the same tokens as each alone."""
+    engine = Engine(model, device, EngineConfig(ctx=256, enable_prefix_caching=False))
+    prompts = [encode(model, t) for t in TEXTS]
+    alone = [tokens(run(engine, [p])[0]) for p in prompts]
+    together = [tokens(o) for o in run(engine, prompts)]
+    assert together == alone
+    assert all(len(t) == GREEDY.max_tokens for t in alone)
+
+
+def test_prefix_cache_shares_a_system_prompt(model, device):
+    first, second = chat(model, "When do you open?"), chat(model, "Can I print in colour?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert shared >= 300
+    params = SamplingParams(max_tokens=6, temperature=0, repeat_penalty=1.0)
+    engine = Engine(model, device, EngineConfig(ctx=512))
+    run(engine, [first], params)
+    cached = run(engine, [second], params)[0]
+    assert cached[-1].cached_tokens >= 288 and cached[-1].prompt_tokens == len(second)
+    assert engine.stats.prefix_hit_tokens >= 288
+    uncached = Engine(model, device, EngineConfig(ctx=512, enable_prefix_caching=False))
+    fresh = run(uncached, [second], params)[0]
+    assert fresh[-1].cached_tokens == 0
+    assert tokens(cached) == tokens(fresh)
+    assert_no_leak(engine)
+
+
+def test_copy_on_write_when_sequences_diverge_inside_a_shared_page(model, device):
+    stem = "A short note on fruit. The big market in our old town sells many kinds of fruit, and"
+    a, b = (
+        encode(model, stem + " today apples are cheap."),
+        encode(model, stem + " today pears are ripe."),
+    )
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert shared % 16 and shared > 16  # the divergence lies inside a page
+    engine = Engine(model, device, EngineConfig(ctx=128))
+    first_a = run(engine, [a])[0]
+    partial_page = engine.cache.match(b[:-1]).pages[-1]
+    slots = engine.pool.slots([partial_page], 0, 16)
+    before = [x.copy() for x in engine.pool.read(3, slots)]
+
+    with_cache = run(engine, [b])[0]
+    assert with_cache[-1].cached_tokens == shared  # token-exact: into the partial page
+    after = engine.pool.read(3, slots)
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)  # b wrote into its own copy
+    plain = Engine(model, device, EngineConfig(ctx=128, enable_prefix_caching=False))
+    assert tokens(with_cache) == tokens(run(plain, [b])[0])
+    again = run(engine, [a])[0]
+    assert again[-1].cached_tokens == len(a) - 1
+    assert tokens(again) == tokens(first_a)
+    assert_no_leak(engine)
+
+
+def test_preemption_resumes_with_identical_tokens(model, device):
+    prompts = [encode(model, t) for t in TEXTS[:3]]
+    params = SamplingParams(max_tokens=20, temperature=0, repeat_penalty=1.0)
+    plain = Engine(model, device, EngineConfig(ctx=64, enable_prefix_caching=False))
+    alone = [tokens(run(plain, [p], params)[0]) for p in prompts]
+    per_token = kv_bytes_per_token(30, 3, 64, "f16")
+    tight = Engine(model, device, EngineConfig(ctx=64, kv_cache_memory=64 * per_token))
+    assert tight.pool.n_pages == 4  # each request needs 2 pages: they cannot all run
+    squeezed = [tokens(o) for o in run(tight, prompts, params)]
+    assert tight.stats.num_preemptions > 0
+    assert squeezed == alone
+    assert_no_leak(tight)
+
+
+def test_no_leaks_with_32_concurrent_requests_and_8_cancelled(model, device):
+    engine = Engine(model, device, EngineConfig(ctx=128))
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=1)
+    prompts = [encode(model, TEXTS[i % 8] + " " * (i // 8)) for i in range(32)]
+
+    async def consume(i: int) -> list[RequestOutput]:
+        return [o async for o in async_engine.generate(f"r{i}", prompts[i], params)]
+
+    async def main() -> tuple[list[list[RequestOutput]], int]:
+        tasks = [asyncio.create_task(consume(i)) for i in range(32)]
+        await asyncio.sleep(0)
+        while engine.stats.num_running == 0:  # let the first batch start
+            await asyncio.sleep(0.01)
+        for task in tasks[::4]:  # 8 cancelled mid-way (some running, some waiting)
+            task.cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return [d for d in done if isinstance(d, list)], sum(
+            isinstance(d, asyncio.CancelledError) for d in done
+        )
+
+    finished, cancelled = asyncio.run(main())
+    async_engine.shutdown(drain=True)
+    assert cancelled == 8 and len(finished) == 24
+    assert all(o[-1].finished and o[-1].completion_tokens == 6 for o in finished)
+    assert not engine.has_unfinished()
+    assert_no_leak(engine)
+
+
+def test_q8_0_kv_agrees_with_f16_at_half_the_bytes(model, device):
+    prompts = [encode(model, t) for t in TEXTS[:3]]
+    params = SamplingParams(max_tokens=64, temperature=0, repeat_penalty=1.0)
+    config = {"ctx": 128, "enable_prefix_caching": False}
+    f16 = Engine(model, device, EngineConfig(kv_cache_dtype="f16", **config))
+    q8 = Engine(model, device, EngineConfig(kv_cache_dtype="q8_0", **config))
+    assert q8.pool.n_pages == f16.pool.n_pages
+    assert q8.pool.nbytes / f16.pool.nbytes <= 0.54  # 34 bytes per 32 values vs 64
+    continuations = [tokens(o) for o in run(f16, prompts, params)]
+    # Along each f16 greedy continuation, the token q8_0 KV would pick at every position.
+    agree = total = 0
+    for prompt, cont in zip(prompts, continuations, strict=True):
+        scorer = Generator(model, device, ctx=128, kv_dtype="q8_0")
+        logits = scorer.forward(prompt + cont, all_logits=True)[len(prompt) - 1 : -1]
+        agree += int((logits.argmax(-1) == np.array(cont)).sum())
+        total += len(cont)
+    assert total == 3 * 64 and agree / total >= 0.9, f"{agree}/{total}"
+
+
+def test_logprobs_stop_strings_and_bad_requests(model, device):
+    engine = Engine(model, device, EngineConfig(ctx=64))
+    prompt = encode(model, "The capital of Japan is")
+    params = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0, stop=[" mountain"])
+    engine.add_request("lp", prompt, params, logprobs=3)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "stop" and "mountain" not in "".join(o.text for o in outs)
+    for out in outs:
+        (lp,) = out.logprobs
+        assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0] == (lp.token_id, lp.logprob)
+        assert lp.logprob <= 0 and sum(np.exp(v) for _, v in lp.top_logprobs) <= 1 + 1e-9
+    with pytest.raises(PromptTooLong):
+        engine.add_request("long", [1] * 64, params)
+    for bad in ({"prompt_ids": []}, {"prompt_ids": [10**9]}, {"logprobs": 21}):
+        with pytest.raises(InvalidRequest):
+            engine.add_request("bad", **{"prompt_ids": prompt, "params": params, **bad})
+    engine.add_request("zero", prompt, SamplingParams(max_tokens=0))
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason == "length" and not out.token_ids
+    assert_no_leak(engine)

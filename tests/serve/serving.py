@@ -1,0 +1,69 @@
+"""A real DynaLM server on 127.0.0.1 for the serve tests: uvicorn in a background
+thread on a free port, the real engine and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+
+from dynalm.core.device import CpuDevice
+from dynalm.models.loader import LoadedModel
+from dynalm.runtime.engine import Engine, EngineConfig
+from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, url_of
+
+MODEL = "smollm2:135m"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    api: OpenAIServer
+    api_key: str | None
+
+    @property
+    def engine(self) -> Engine:
+        return self.api.engine
+
+    def client(self) -> openai.OpenAI:
+        # no retries: a test must see the first answer, 503s included
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=120
+        )
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until the engine has no running or waiting request (aborts land at a step)."""
+        deadline = time.monotonic() + timeout
+        while (s := self.engine.stats).num_running or s.num_waiting:
+            assert time.monotonic() < deadline, f"engine still busy: {s}"
+            time.sleep(0.05)
+
+
+@contextmanager
+def live_server(
+    model: LoadedModel, *, api_key: str | None = None, **config: int
+) -> Iterator[LiveServer]:
+    engine = Engine(model, CpuDevice(), EngineConfig(**config))
+    api = OpenAIServer(engine, model, [MODEL, model.path.stem], api_key=api_key)
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_server(api)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield LiveServer(url_of(sock), api, api_key)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
