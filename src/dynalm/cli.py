@@ -1,4 +1,4 @@
-"""The ``dynalm`` command line: pull · run · list · show · rm.
+"""The ``dynalm`` command line: pull · run · serve · list · show · rm · bench.
 
 stdout carries only what a command produces (the generated text for ``run``), so
 it can be piped; banners, statistics and errors go to stderr. A user error is
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
+    from dynalm.core.device import CpuDevice
     from dynalm.runtime.generator import Generator
     from dynalm.runtime.sampling import SamplingParams
 
@@ -53,12 +55,12 @@ def user_errors(verbose: bool) -> Iterator[None]:
     except DynaError as e:
         if verbose:
             err.print_exception()
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(1) from None
     except (OSError, ValueError, RuntimeError) as e:
         if verbose:
             err.print_exception()
-        err.print(f"[red]error:[/] {type(e).__name__}: {e}")
+        err.print(f"[red]error:[/] {type(e).__name__}: {escape(str(e))}")
         raise typer.Exit(2) from None
 
 
@@ -72,6 +74,24 @@ def _configure(verbose: bool, threads: int | None) -> None:
 
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
+Threads = Annotated[
+    int | None, typer.Option("-t", "--threads", help="CPU threads (default: physical cores).")
+]
+ModeOption = Annotated[Mode, typer.Option(help="auto | exact | safe")]
+BackendOption = Annotated[Backend, typer.Option(help="auto | cpu | gpu")]
+CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
+GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
+KVDtype = Annotated[str, typer.Option(help="KV cache dtype: f16 | f32 | q8_0")]
+
+
+def _device(backend: Backend, cpu: bool, gpu: bool, mode: Mode, threads: int | None) -> CpuDevice:
+    """The device for --backend/--cpu/--gpu, --mode and --threads."""
+    from dynalm.core.device import select_device
+
+    if cpu and gpu:
+        raise typer.BadParameter("--cpu and --gpu exclude each other")
+    chosen = "gpu" if gpu else "cpu" if cpu else backend.value
+    return select_device(chosen, mode.value, threads)
 
 
 @app.command()
@@ -107,7 +127,7 @@ def rm(model: str, verbose: Verbose = False) -> None:
 
 @app.command()
 def show(
-    model: Annotated[str | None, typer.Argument(help="Model name or GGUF path")] = None,  # noqa: UP007
+    model: Annotated[str | None, typer.Argument(help="Model name or GGUF path")] = None,
     graph: Annotated[bool, typer.Option("--graph", help="Print the DynaIR graph.")] = False,
     system: Annotated[bool, typer.Option("--system", help="Describe this machine.")] = False,
     verbose: Verbose = False,
@@ -183,11 +203,9 @@ def run(
     model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
     prompt: Annotated[
         str | None,
-        typer.Argument(  # noqa: UP007
-            help="The prompt; '-' reads stdin; none starts an interactive chat"
-        ),
+        typer.Argument(help="The prompt; '-' reads stdin; none starts an interactive chat"),
     ] = None,
-    system: Annotated[str | None, typer.Option(help="System message.")] = None,  # noqa: UP007
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, no template.")] = False,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
@@ -195,19 +213,15 @@ def run(
     top_p: Annotated[float, typer.Option(help="1 = off.")] = 0.9,
     min_p: Annotated[float, typer.Option(help="0 = off.")] = 0.0,
     repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.1,
-    seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,  # noqa: UP007
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,  # noqa: UP007
+    seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     ctx: Annotated[int, typer.Option(help="Context window in tokens.")] = 4096,
-    threads: Annotated[
-        int | None,
-        typer.Option(  # noqa: UP007
-            help="CPU threads (default: physical cores)."
-        ),
-    ] = None,
-    mode: Annotated[Mode, typer.Option(help="auto | exact | safe")] = Mode.auto,
-    backend: Annotated[Backend, typer.Option(help="auto | cpu | gpu")] = Backend.auto,
-    cpu: Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")] = False,
-    gpu: Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")] = False,
+    kv_cache_dtype: KVDtype = "f16",
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
     verbose: Verbose = False,
 ) -> None:
     """Generate from a prompt (streamed to stdout), or chat interactively."""
@@ -215,15 +229,11 @@ def run(
     with user_errors(verbose):
         import time
 
-        from dynalm.core.device import select_device
         from dynalm.models.loader import load_model
         from dynalm.runtime.generator import Generator
         from dynalm.runtime.registry import ModelStore
         from dynalm.runtime.sampling import SamplingParams
 
-        if cpu and gpu:
-            raise typer.BadParameter("--cpu and --gpu exclude each other")
-        chosen = "gpu" if gpu else "cpu" if cpu else backend.value
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -234,10 +244,10 @@ def run(
             seed=seed,
             stop=list(stop or []),
         ).validate()
-        device = select_device(chosen, mode.value, threads)
+        device = _device(backend, cpu, gpu, mode, threads)
         t0 = time.perf_counter()
         loaded = load_model(ModelStore().resolve(model))
-        generator = Generator(loaded, device, ctx=ctx)
+        generator = Generator(loaded, device, ctx=ctx, kv_dtype=kv_cache_dtype)
         if verbose:
             err.print(
                 f"[dim]loaded {loaded.name} on {device.describe()} in "
@@ -262,6 +272,95 @@ def run(
             sys.stdout.write("\n")
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 exposes it).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0 picks a free one).")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="DYNALM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+    ] = None,
+    ctx: Annotated[int, typer.Option(help="Context window per request, in tokens.")] = 4096,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step.")] = 512,
+    max_queue: Annotated[int, typer.Option(help="Waiting requests beyond which: 503.")] = 256,
+    kv_cache_memory: Annotated[
+        str | None,
+        typer.Option(help="KV pool size, e.g. 512MiB (default: the engine's)."),
+    ] = None,
+    kv_cache_dtype: KVDtype = "f16",
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
+    verbose: Verbose = False,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        from dynalm.models.loader import load_model
+        from dynalm.runtime import server
+        from dynalm.runtime.engine import Engine, EngineConfig
+        from dynalm.runtime.registry import ModelStore, is_local_path
+
+        config = EngineConfig(
+            ctx=ctx,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_queue=max_queue,
+            kv_cache_memory=server.parse_size(kv_cache_memory) if kv_cache_memory else None,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        device = _device(backend, cpu, gpu, mode, threads)
+        path = ModelStore().resolve(model)
+        loaded = load_model(path)
+        engine = Engine(loaded, device, config)
+        # clients name the model as it was given here; a path is named by its file's stem
+        names = [path.stem] if is_local_path(model) else [model, path.stem]
+        server.serve(engine, loaded, names, host=host, port=port, api_key=api_key, verbose=verbose)
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
+    n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt sizes (pp).")] = "512",
+    n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Decode lengths (tg).")] = "128",
+    threads: Threads = None,
+    repetitions: Annotated[int, typer.Option("-r", "--repetitions", help="Timed runs.")] = 5,
+    mode: ModeOption = Mode.auto,
+    vs: Annotated[
+        str | None,
+        typer.Option("--vs", help="llama.cpp: run the same file in llama-cpp-python too."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    profile: Annotated[
+        bool, typer.Option("--profile", help="Kernel vs Python time per decode step.")
+    ] = False,
+    verbose: Verbose = False,
+) -> None:
+    """Measure prefill (pp) and decode (tg) speed, llama-bench style."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        from dynalm.bench import bench_command, parse_tests
+        from dynalm.runtime.registry import ModelStore
+
+        tests = parse_tests(n_prompt, n_gen)
+        typer.echo(
+            bench_command(
+                ModelStore().resolve(model),
+                tests,
+                threads=threads,
+                repetitions=repetitions,
+                mode=mode.value,
+                vs=vs,
+                as_json=json_output,
+                profile=profile,
+            )
+        )
 
 
 def main() -> None:

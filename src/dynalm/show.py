@@ -5,8 +5,9 @@ from __future__ import annotations
 import platform
 from collections import Counter
 
-from dynalm.core.device import physical_cores
-from dynalm.core.quant import quant_format
+from dynalm.core import jit
+from dynalm.core.device import MODES, CpuDevice, physical_cores
+from dynalm.core.quant import QUANT_FORMATS, quant_format
 from dynalm.models.loader import LoadedModel
 
 
@@ -59,6 +60,7 @@ def describe_system() -> str:
         for f in ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "fma", "f16c", "asimd", "asimddp")
         if f in flags
     ]
+    host = jit.host_features()
     return "\n".join(
         [
             "System",
@@ -66,5 +68,23 @@ def describe_system() -> str:
             f"  physical cores      {physical_cores()}",
             f"  vector features     {' '.join(simd) or 'none detected'}",
             f"  python              {platform.python_version()}",
+            "",
+            "Kernels",
+            f"  jit target          {host['cpu']} ({host['triple']}, llvmlite {host['llvmlite']})",
+            f"  jit features        {' '.join(host['features']) or 'none'}",
+            f"  kernel isa          {host['isa']}",
+            "  element-wise        jit: rms_norm rope swiglu geglu add (safe: numpy)",
+            "",
+            _matmul_table(),
         ]
     )
+
+
+def _matmul_table() -> str:
+    """Per quant format and mode, the matmul the CPU device picks (as ``CpuDevice`` does)."""
+    devices = {mode: CpuDevice(mode, threads=1) for mode in MODES}
+    lines = [f"  {'matmul':<10}" + "".join(f"{mode:<14}" for mode in MODES)]
+    for ggml_type, fmt in QUANT_FORMATS.items():
+        kernels = (devices[mode].matmul_kernel(ggml_type) for mode in MODES)
+        lines.append(f"  {fmt.name:<10}" + "".join(f"{k:<14}" for k in kernels))
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,318 @@
+"""``dynalm bench``: llama-bench style prompt-processing (pp) and generation (tg) speed.
+
+* ``ppN``: prefill of N random prompt tokens from an empty cache (one request with
+  ``max_tokens=1``, chunked by the engine's step token budget), as tokens/s.
+* ``tgN``: N single-token decode steps after a short prompt, as tokens/s.
+
+``--vs llama.cpp`` runs the same GGUF in llama-cpp-python (the ``dynalm[bench]`` extra),
+alternating the two engines run by run, so both see the same load on a shared
+machine; the ratio column is what to compare. ``--profile`` splits a decode step into
+time inside each kind of kernel and time outside kernels (executor, scheduler,
+sampling: the Python overhead).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from dynalm.core.device import CpuDevice
+from dynalm.errors import InvalidRequest
+from dynalm.models.loader import LoadedModel
+from dynalm.runtime.engine import Engine, EngineConfig
+from dynalm.runtime.sampling import SamplingParams
+
+TG_PROMPT = 8  # tokens of context before a tg test's timed decode steps
+INSTALL_HINT = "--vs llama.cpp needs llama-cpp-python: pip install 'dynalm[bench]'"
+
+
+@dataclass(frozen=True)
+class Test:
+    kind: str  # "pp" | "tg"
+    n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.n}"
+
+
+class Runner(Protocol):
+    name: str
+
+    def prefill(self, ids: list[int]) -> float:
+        """Seconds to process ``ids`` from an empty cache."""
+
+    def decode(self, prompt: list[int], ids: list[int]) -> float:
+        """Seconds for ``len(ids)`` single-token steps after ``prompt``."""
+
+
+class DynaLMRunner:
+    """The engine through its public request API (one request at a time, no prefix
+    cache, greedy), so a test costs what a user's request costs."""
+
+    name = "dynalm"
+
+    def __init__(self, model: LoadedModel, device: CpuDevice, ctx: int):
+        config = EngineConfig(ctx=ctx, max_num_seqs=1, enable_prefix_caching=False)
+        self.engine = Engine(model, device, config)
+        self._n = 0
+
+    def _request(self, prompt: list[int], max_tokens: int) -> list[float]:
+        """Run one request; the time at which each step that produced a token ended."""
+        self._n += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0)
+        self.engine.add_request(f"bench-{self._n}", prompt, params, stop_ids=frozenset())
+        marks = [time.perf_counter()]
+        while self.engine.has_unfinished():
+            if any(out.token_ids for out in self.engine.step()):
+                marks.append(time.perf_counter())
+        return marks
+
+    def prefill(self, ids: list[int]) -> float:
+        marks = self._request(ids, 1)
+        return marks[1] - marks[0]
+
+    def decode(self, prompt: list[int], ids: list[int]) -> float:
+        # The first token comes out of the prefill; the next len(ids) are decode steps.
+        marks = self._request(prompt, len(ids) + 1)
+        return marks[-1] - marks[1]
+
+
+class LlamaCppRunner:
+    """The same GGUF in llama-cpp-python: ``eval`` over the prompt / one token at a time."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, threads: int, ctx: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise InvalidRequest(INSTALL_HINT) from None
+        self.llm = Llama(
+            model_path=str(path),
+            n_ctx=ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()  # the next eval starts from an empty KV cache
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def decode(self, prompt: list[int], ids: list[int]) -> float:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        t0 = time.perf_counter()
+        for token in ids:
+            self.llm.eval([token])
+        return time.perf_counter() - t0
+
+
+@dataclass
+class Result:
+    engine: str
+    test: str
+    rates: list[float] = field(default_factory=list)  # tokens/s, one per run
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "engine": self.engine,
+            "test": self.test,
+            "tokens_per_s": statistics.fmean(self.rates),
+            "sd": statistics.stdev(self.rates) if len(self.rates) > 1 else 0.0,
+            "runs": len(self.rates),
+        }
+
+
+def run_tests(
+    runners: list[Runner], tests: list[Test], repetitions: int, n_vocab: int, seed: int = 0
+) -> list[Result]:
+    """Each test once untimed per runner (warm-up, JIT compiles), then ``repetitions``
+    rounds; within a round the runners alternate so they share the machine's load."""
+    rng = np.random.default_rng(seed)
+    ids = {t.name: rng.integers(0, n_vocab, t.n).tolist() for t in tests}
+    prompt = rng.integers(0, n_vocab, TG_PROMPT).tolist()
+    results = {(r.name, t.name): Result(r.name, t.name) for t in tests for r in runners}
+
+    def once(runner: Runner, test: Test) -> float:
+        if test.kind == "pp":
+            return test.n / runner.prefill(ids[test.name])
+        return test.n / runner.decode(prompt, ids[test.name])
+
+    for test in tests:
+        for runner in runners:
+            once(runner, test)
+    for _ in range(repetitions):
+        for test in tests:
+            for runner in runners:
+                results[runner.name, test.name].rates.append(once(runner, test))
+    return list(results.values())
+
+
+def format_table(results: list[Result], header: str, engines: list[str]) -> str:
+    """A markdown table: tokens/s mean ± sd per engine, and the ratio of the first two."""
+    by_test: dict[str, dict[str, dict[str, object]]] = {}
+    for r in results:
+        by_test.setdefault(r.test, {})[r.engine] = r.as_json()
+    cols = ["test", *(f"{e} t/s" for e in engines)]
+    if len(engines) == 2:
+        cols.append(f"{engines[0]} / {engines[1]}")
+    rows = []
+    for test, per in by_test.items():
+        row = [test]
+        for e in engines:
+            row.append(f"{per[e]['tokens_per_s']:.1f} ± {per[e]['sd']:.1f}")
+        if len(engines) == 2:
+            row.append(f"{per[engines[0]]['tokens_per_s'] / per[engines[1]]['tokens_per_s']:.2f}")
+        rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+
+    def line(cells: list[str]) -> str:
+        return (
+            "| "
+            + " | ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
+            + " |"
+        )
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([header, "", line(cols), sep, *(line(r) for r in rows)])
+
+
+@dataclass
+class StepProfile:
+    steps: int
+    step_seconds: float  # mean wall time of one decode step (engine.step)
+    kernel_seconds: dict[str, float]  # per op type, per step
+    calls: Counter[str]  # per op type, per step
+
+    @property
+    def outside_seconds(self) -> float:
+        return self.step_seconds - sum(self.kernel_seconds.values())
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "steps": self.steps,
+            "step_ms": self.step_seconds * 1e3,
+            "kernel_ms": {op: s * 1e3 for op, s in self.kernel_seconds.items()},
+            "outside_ms": self.outside_seconds * 1e3,
+        }
+
+    def table(self) -> str:
+        step = self.step_seconds
+        kernels = sum(self.kernel_seconds.values())
+        lines = [
+            f"decode step profile: {self.steps} steps, {step * 1e3:.2f} ms/step "
+            f"({1 / step:.1f} tokens/s)",
+            "",
+            f"| {'op':<24} | calls/step | ms/step | % of step |",
+            f"|{'-' * 26}|------------|---------|-----------|",
+        ]
+        for op, s in sorted(self.kernel_seconds.items(), key=lambda kv: -kv[1]):
+            lines.append(
+                f"| {op:<24} | {self.calls[op]:>10} | {s * 1e3:7.3f} | {100 * s / step:8.1f}% |"
+            )
+        for label, calls, s in (
+            ("all kernels", str(sum(self.calls.values())), kernels),
+            ("outside kernels", "", self.outside_seconds),
+        ):
+            lines.append(f"| {label:<24} | {calls:>10} | {s * 1e3:7.3f} | {100 * s / step:8.1f}% |")
+        return "\n".join(lines)
+
+
+def profile_decode(runner: DynaLMRunner, n_steps: int, n_vocab: int) -> StepProfile:
+    """Per decode step: time inside each op's kernel vs everything else in ``engine.step``."""
+    engine, executor = runner.engine, runner.engine.executor
+    prompt = np.random.default_rng(1).integers(0, n_vocab, TG_PROMPT).tolist()
+    params = SamplingParams(max_tokens=n_steps + 1, temperature=0.0, repeat_penalty=1.0)
+    engine.add_request("bench-profile", prompt, params, stop_ids=frozenset())
+    engine.step()  # the prefill (and first token): not a decode step
+    executor.profile = {}
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    kernels, executor.profile = executor.profile, None
+    return StepProfile(
+        steps,
+        elapsed / steps,
+        {op: s / steps for op, s in kernels.items()},
+        Counter(executor.ops),
+    )
+
+
+def parse_tests(n_prompt: str, n_gen: str) -> list[Test]:
+    """``-p 128,512 -n 128`` -> pp128, pp512, tg128 (0 skips a kind, as in llama-bench)."""
+    tests = []
+    for kind, spec in (("pp", n_prompt), ("tg", n_gen)):
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            if not part.isdigit():
+                raise InvalidRequest(
+                    f"-{kind[0]}: expected comma-separated token counts, got {spec!r}"
+                )
+            if int(part):
+                tests.append(Test(kind, int(part)))
+    if not tests:
+        raise InvalidRequest("nothing to run: give -p and/or -n token counts")
+    return tests
+
+
+def bench_command(
+    path: Path,
+    tests: list[Test],
+    *,
+    threads: int | None,
+    repetitions: int,
+    mode: str,
+    vs: str | None,
+    as_json: bool,
+    profile: bool,
+) -> str:
+    """Everything ``dynalm bench`` prints to stdout."""
+    import json
+
+    from dynalm.core.device import select_device
+    from dynalm.models.loader import load_model
+
+    if vs not in (None, "llama.cpp"):
+        raise InvalidRequest(f"--vs: only 'llama.cpp' is supported, got {vs!r}")
+    if repetitions < 1:
+        raise InvalidRequest(f"-r must be at least 1, got {repetitions}")
+    device = select_device("cpu", mode, threads)
+    ctx = max(t.n for t in tests) + TG_PROMPT + 16
+    peer = LlamaCppRunner(path, device.threads, ctx) if vs else None  # fails fast if missing
+    model = load_model(path)
+    n_vocab = model.hparams.n_vocab
+    ours = DynaLMRunner(model, device, ctx)
+    summary = {"model": model.name, "file": str(path), "threads": device.threads, "mode": mode}
+    if profile:
+        n_steps = max((t.n for t in tests if t.kind == "tg"), default=128)
+        profile_decode(ours, n_steps, n_vocab)  # warm-up: JIT compiles, first binding
+        prof = profile_decode(ours, n_steps, n_vocab)
+        if as_json:
+            return json.dumps({**summary, "profile": prof.as_json()})
+        head = f"model {model.name} · file {path} · threads {device.threads} · mode {mode}"
+        return f"{head}\n\n{prof.table()}"
+    runners: list[Runner] = [ours] if peer is None else [ours, peer]
+    results = run_tests(runners, tests, repetitions, n_vocab)
+    if as_json:
+        return json.dumps({**summary, "results": [r.as_json() for r in results]})
+    size = path.stat().st_size / 2**20
+    header = (
+        f"model {model.name} · file {path} ({size:.1f} MiB) · threads {device.threads} · "
+        f"mode {mode} · {repetitions} runs" + (", engines alternating" if peer else "")
+    )
+    return format_table(results, header, [r.name for r in runners])

@@ -1,0 +1,52 @@
+"""`dynalm bench` end to end, as a user runs it: the real model, tiny runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from test_cli import assert_one_line_error, dynalm
+
+TINY = ["-p", "16", "-n", "8", "-r", "1"]
+
+
+def check_results(report: dict, engines: set[str]) -> None:
+    assert {"model", "threads", "mode", "results"} <= report.keys()
+    assert isinstance(report["threads"], int) and report["mode"] == "auto"
+    got = {(r["engine"], r["test"]) for r in report["results"]}
+    assert got == {(e, t) for e in engines for t in ("pp16", "tg8")}
+    for r in report["results"]:
+        assert r["tokens_per_s"] > 0 and r["sd"] >= 0 and r["runs"] == 1
+
+
+def test_bench_json(smollm2_gguf: Path):
+    result = dynalm("bench", str(smollm2_gguf), *TINY, "-t", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["threads"] == 2
+    check_results(report, {"dynalm"})
+
+
+def test_bench_table_and_profile(smollm2_gguf: Path):
+    result = dynalm("bench", str(smollm2_gguf), *TINY)
+    assert result.returncode == 0, result.stderr
+    assert "| pp16 |" in result.stdout and "dynalm t/s" in result.stdout
+    result = dynalm("bench", str(smollm2_gguf), "-n", "8", "--profile")
+    assert result.returncode == 0, result.stderr
+    for needle in ("matmul", "attention", "rms_norm", "all kernels", "outside kernels"):
+        assert needle in result.stdout
+
+
+def test_bench_vs_llama_cpp(smollm2_gguf: Path):
+    result = dynalm("bench", str(smollm2_gguf), *TINY, "--vs", "llama.cpp", "--json")
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert_one_line_error(result, "llama-cpp-python", "dynalm[bench]")
+        return
+    assert result.returncode == 0, result.stderr
+    check_results(json.loads(result.stdout), {"dynalm", "llama.cpp"})
+
+
+def test_bench_bad_arguments(smollm2_gguf: Path):
+    assert_one_line_error(dynalm("bench", str(smollm2_gguf), "-p", "x"), "-p")
+    assert_one_line_error(dynalm("bench", str(smollm2_gguf), "--vs", "vllm"), "llama.cpp")
