@@ -6,7 +6,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DYNALM_HOME ?= $(CURDIR)/.models
 export DYNALM_CACHE ?= $(CURDIR)/.cache/dynalm
-export NUMBA_CACHE_DIR ?= $(CURDIR)/.cache/numba
 TEST_MODEL := $(DYNALM_HOME)/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Why is the sky blue? Answer in two sentences.
 
