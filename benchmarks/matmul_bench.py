@@ -8,21 +8,31 @@ variants alternated so machine noise hits them alike:
 * one decode step's matmuls (30 layers x 7 + output), 1 vs N threads, in ms;
 * prefill (T=512) of all layer matmuls, JIT vs numpy dequantise + BLAS, in seconds.
 
+``--baseline REV`` also runs the decode step with ``core/matmul.py`` as of git revision
+REV (loaded beside the working tree's, its kernels renamed), alternated with the current
+kernels: before vs after in one process.
+
 ``--mode auto`` runs int8 kernels only for the formats ``CpuDevice`` validated (the Q8_0
 output stays exact), as the engine does.
 
     python benchmarks/matmul_bench.py [--threads N] [--mode auto|exact] [--format q4_k]
+        [--baseline HEAD]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from dynalm.core import matmul
 from dynalm.core.matmul import AUTO_VALIDATED, QuantMatmul
 from dynalm.core.quant import dequantize, quant_format, random_blocks
 
@@ -40,6 +50,23 @@ Q8_0, Q5_0 = int(GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q5_0)
 def random_weights(ggml_type: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     fmt = quant_format(ggml_type)
     return random_blocks(ggml_type, n * k // fmt.block_size, rng).reshape(n, -1)
+
+
+def baseline_matmul(rev: str) -> type[QuantMatmul]:
+    """``QuantMatmul`` of ``core/matmul.py`` at git revision ``rev``, as a separate module
+    whose kernel names do not clash with the current ones in the process-wide JIT."""
+    root = Path(matmul.__file__).resolve().parents[3]
+    src = subprocess.run(
+        ["git", "show", f"{rev}:src/dynalm/core/matmul.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.replace("dynalm_mm_", "dynalm_mm_baseline_")
+    module = types.ModuleType("dynalm.core.matmul_baseline")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(src, f"{rev}:matmul.py", "exec"), module.__dict__)
+    return module.QuantMatmul
 
 
 def alternate(fns: list[Callable[[], object]], repeat: int) -> list[float]:
@@ -62,6 +89,7 @@ def main() -> None:
     ap.add_argument("--format", default="q4_1")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--baseline", metavar="REV", help="also time the decode step at git REV")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     layer_type = int(GGMLQuantizationType[args.format.upper()])
@@ -96,6 +124,11 @@ def main() -> None:
             prefill.append((mms[1], raw, ggml_type, k, xp, yp, count))
 
     # A decode step reads distinct weights (96 MB for Q4_1), as a real one streams them.
+    # Each variant is (label, QuantMatmul class, threads); all are alternated.
+    variants = [("1 thread", QuantMatmul, 1), (f"{nt} threads", QuantMatmul, nt)]
+    if args.baseline:
+        base = baseline_matmul(args.baseline)
+        variants += [(f"{args.baseline} 1 thread", base, 1), (f"{args.baseline} {nt}", base, nt)]
     step, total = [], 0
     for name, n, k, count in [*LAYER_SHAPES, OUTPUT]:
         ggml_type = layer_format(name, k)
@@ -103,17 +136,18 @@ def main() -> None:
         for _ in range(count):
             raw = random_weights(ggml_type, n, k, rng)
             total += raw.nbytes
-            mms = [QuantMatmul(raw, ggml_type, k, mode=mode(ggml_type), threads=t) for t in (1, nt)]
+            m = mode(ggml_type)
+            mms = [cls(raw, ggml_type, k, mode=m, threads=t) for _, cls, t in variants]
             step.append((mms, x1, y1))
 
     def decode(which: int) -> None:
         for mms, x, y in step:
             mms[which](x, y)
 
-    d1, dn = alternate([lambda: decode(0), lambda: decode(1)], args.repeat)
-    print(f"decode step, all matmuls ({total / 1e6:.0f} MB), ms (GB/s): ", end="")
-    print(f"1 thread {d1 * 1e3:.2f} ({total / d1 / 1e9:.1f}), {nt} threads ", end="")
-    print(f"{dn * 1e3:.2f} ({total / dn / 1e9:.1f}); ratio {d1 / dn:.2f}")
+    times = alternate([lambda i=i: decode(i) for i in range(len(variants))], args.repeat)
+    print(f"decode step, all matmuls ({total / 1e6:.0f} MB), ms (GB/s), x vs the first:")
+    for (label, _, _), t in zip(variants, times, strict=True):
+        print(f"  {label:<16} {t * 1e3:6.2f} ({total / t / 1e9:4.1f})  x{times[0] / t:.2f}")
 
     def pp_jit() -> None:
         for mm, _, _, _, xp, yp, count in prefill:

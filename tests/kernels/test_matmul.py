@@ -121,7 +121,7 @@ def test_refuses_what_it_cannot_run() -> None:
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch(ggml_type: T, mode: str) -> None:
     # The engine relies on it: a sequence's logits are bitwise the same whatever it is
     # batched with (GEMV and GEMM tiles sum each row in the same order).

@@ -8,7 +8,8 @@ one 32-weight block of a repacked row into 32 integer (or float) lanes ``q`` plu
 Two modes:
 
 * ``exact`` -- fp32 activations; each weight block is dequantised in registers and
-  accumulated with fp32 FMAs (the accuracy contract).
+  accumulated with fp32 FMAs (the accuracy contract). Formats without a min sum a block's
+  ``(q + offset) * x`` first and apply ``d`` once (``d`` factors out; fewer multiplies).
 * ``auto`` -- activations are quantised per 32-block to int8 (scale ``dx`` and
   ``dx * sum(q)``, like ggml's Q8_1); integer dot products (AVX2 ``vpmaddubsw`` +
   ``vpmaddwd``, or portable IR), one fp32 FMA per block. Float weights use ``exact``.
@@ -172,12 +173,13 @@ class _Emitter:
 
 def _nibbles(e: _Emitter, p: dict[str, str]) -> str:
     """16 bytes -> 32 lanes: low nibbles are elements 0-15, high nibbles 16-31."""
+    # One 128-bit broadcast load, a per-dword shift of the upper half, one mask: two ALU
+    # uops (vpsrlvd, vpand) instead of shift + insert + mask on separate halves.
     b = e.load(_vec(16, "i8"), p["qs"])
-    lo = e(f"and {_vec(16, 'i8')} {b}, {_const('i8', [15] * 16)}")
-    hi = e(f"lshr {_vec(16, 'i8')} {b}, {_const('i8', [4] * 16)}")
-    return e(
-        f"shufflevector {_vec(16, 'i8')} {lo}, {_vec(16, 'i8')} {hi}, {_mask(list(range(32)))}"
-    )
+    words = e(f"bitcast {_vec(32, 'i8')} {e.pick(b, 16, 'i8', list(range(16)) * 2)} to <8 x i32>")
+    words = e(f"lshr {_vec(8, 'i32')} {words}, {_const('i32', [0] * 4 + [4] * 4)}")
+    both = e(f"bitcast {_vec(8, 'i32')} {words} to {_vec(32, 'i8')}")
+    return e(f"and {_vec(32, 'i8')} {both}, {_const('i8', [15] * 32)}")
 
 
 def _nibbles_and_fifth_bit(e: _Emitter, p: dict[str, str]) -> str:
@@ -375,17 +377,22 @@ def _dot_i8(e: _Emitter, u: _Unpack, isa: str, q: str, x: str) -> str:
     return total
 
 
-def _dequant(e: _Emitter, u: _Unpack, q: str, d: str, m: str | None) -> str:
+def _integers(e: _Emitter, u: _Unpack, q: str) -> str:
+    """Integer lanes -> ``q + offset`` as fp32 (exact: small integers)."""
+    f32 = _vec(32, "float")
+    qf = e(f"{'sitofp' if u.kind == 's8' else 'uitofp'} {_vec(32, 'i8')} {q} to {f32}")
+    if u.offset:
+        qf = e(f"fadd {f32} {qf}, {e.splat(f'{float(u.offset)!r}', 32, 'float')}")
+    return qf
+
+
+def _dequant(e: _Emitter, u: _Unpack, q: str, d: str, m: str) -> str:
     """Integer lanes -> fp32 weights ``d * (q + offset) + m`` (``d``, ``m``: 32 lanes).
 
     Matches the reference exactly: ``q + offset`` is a small integer and ``d * (q + offset)``
     is exact in fp32, leaving one rounding for ``+ m``."""
     f32 = _vec(32, "float")
-    qf = e(f"{'sitofp' if u.kind == 's8' else 'uitofp'} {_vec(32, 'i8')} {q} to {f32}")
-    if u.offset:
-        qf = e(f"fadd {f32} {qf}, {e.splat(f'{float(u.offset)!r}', 32, 'float')}")
-    if m is None:
-        return e(f"fmul {f32} {qf}, {d}")
+    qf = _integers(e, u, q)
     return e.call(f32, "llvm.fmuladd.v32f32", f"{f32} {qf}", f"{f32} {d}", f"{f32} {m}")
 
 
@@ -472,27 +479,34 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
             if mode == "exact":
                 for b in range(g):
                     lanes = unpack(b)
-                    w = [
-                        lanes[j]
-                        if not u.has_scale
-                        else _dequant(
-                            e,
-                            u,
-                            lanes[j],
-                            per_lane(dw[j], g * h, b, 32),
-                            mw[j] and e.lane(mw[j], g, b, 32),
-                        )
-                        for j in range(nr)
-                    ]
+                    xs = []
                     for i in range(mr):
                         xv = e.load(
                             _vec(32, "float"), ptr[_A_X], e(f"add i64 {xk[i]}, {b * x_block}")
                         )
-                        xs = [e.part(xv, 32, "float", c, s.aw) for c in range(0, 32, s.aw)]
-                        for j in range(nr):
+                        xs.append([e.part(xv, 32, "float", c, s.aw) for c in range(0, 32, s.aw)])
+                    for j in range(nr):
+                        if u.has_min:
+                            d, m = per_lane(dw[j], g * h, b, 32), e.lane(mw[j], g, b, 32)
+                            w = _dequant(e, u, lanes[j], d, m)
+                        else:
+                            w = _integers(e, u, lanes[j]) if u.has_scale else lanes[j]
+                        w = [e.part(w, 32, "float", c, s.aw) for c in range(0, 32, s.aw)]
+                        for i in range(mr):
                             acc = e.get(acc_ty, accs[i][j])
-                            for c in range(0, 32, s.aw):
-                                acc = fma(e.part(w[j], 32, "float", c, s.aw), xs[c // s.aw], acc)
+                            if u.has_min or not u.has_scale:
+                                for c, wc in enumerate(w):
+                                    acc = fma(wc, xs[i][c], acc)
+                            else:
+                                # Without a min, d factors out of each of the block's h
+                                # parts: sum q * x in fp32, then one FMA by d (instead of
+                                # multiplying every weight by d).
+                                per = len(w) // h
+                                for k in range(h):
+                                    part = e(f"fmul {acc_ty} {w[k * per]}, {xs[i][k * per]}")
+                                    for c in range(k * per + 1, (k + 1) * per):
+                                        part = fma(w[c], xs[i][c], part)
+                                    acc = fma(part, e.lane(dw[j], g * h, b * h + k, s.aw), acc)
                             e.put(acc_ty, accs[i][j], acc)
                 return
             # Per block, the int dot's lane l gets d[l // 4 of the weight half] * dx[l % 2]
