@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 
 from dynalm.ir.graph import Graph, GraphBuilder, Node, TensorType
-from dynalm.ir.passes import GraphError, Pass, fuse_gated, fuse_residual, optimize, verify
+from dynalm.ir.passes import (
+    GraphError,
+    Pass,
+    fuse_gated,
+    fuse_residual,
+    merge_matmuls,
+    optimize,
+    verify,
+)
 
 D, F = 8, 24  # model and FFN widths
 
@@ -69,11 +77,77 @@ def test_optimize_runs_all_passes():
     assert ops(optimize(ffn_block())) == [
         "embed",
         "rms_norm",
-        "matmul",
-        "matmul",
+        "matmul",  # gate and up, merged
+        "split",
+        "split",
         "swiglu",
         "matmul_add",
     ]
+
+
+def attention_inputs(v_dtype: str = "q4_1", biases: str = "qkv") -> Graph:
+    """norm -> q/k/v matmuls (q wider than k/v) -> attention."""
+    weights = {
+        "embd": TensorType("f32", (50, D)),
+        "norm": TensorType("f32", (D,)),
+        "blk.0.attn_q.weight": TensorType("q4_1", (16, D)),
+        "blk.0.attn_k.weight": TensorType("q4_1", (8, D)),
+        "blk.0.attn_v.weight": TensorType(v_dtype, (8, D)),
+    }
+    weights.update(
+        {f"blk.0.attn_{n}.bias": TensorType("f32", (16 if n == "q" else 8,)) for n in biases}
+    )
+    g = GraphBuilder("attn", weights)
+    h = g.rms_norm(g.embed(g.input("tokens", "i32", ("T",)), "embd"), "norm", 1e-5)
+    q, k, v = (
+        g.matmul(h, f"blk.0.attn_{n}.weight", f"blk.0.attn_{n}.bias" if n in biases else None)
+        for n in "qkv"
+    )
+    out = g.attention(q, k, v, layer=0, n_heads=2, n_kv_heads=1, head_dim=8, scale=0.35)
+    return g.finish(out=out)
+
+
+def test_matmuls_of_one_input_merge_into_one_and_split():
+    graph = attention_inputs()
+    out = merge_matmuls(graph)
+    verify(out)
+    assert ops(out) == ["embed", "rms_norm", "matmul", "split", "split", "split", "attention"]
+    merged = out.nodes[2]
+    assert merged.weights[0].name == "blk.0.attn_qkv.weight (merged)"
+    assert merged.weights[0].type == TensorType("q4_1", (32, D))
+    assert merged.weights[1].type == TensorType("f32", (32,))  # the biases, stacked too
+    assert merged.attrs["parts"] == tuple(f"blk.0.attn_{n}.weight" for n in "qkv")
+    assert merged.attrs["bias_parts"] == tuple(f"blk.0.attn_{n}.bias" for n in "qkv")
+    assert merged.out.type.shape == ("T", 32)
+    # the splits define the original q/k/v values, so the attention node is unchanged
+    q, k, v = (n.out for n in graph.nodes[2:5])
+    splits = out.nodes[3:6]
+    assert [s.out for s in splits] == [q, k, v]
+    assert [s.attrs["start"] for s in splits] == [0, 16, 24]
+    assert all(s.args == (merged.out,) for s in splits)
+    assert out.nodes[-1] == graph.nodes[-1]
+    assert ops(graph).count("matmul") == 3  # the input graph is untouched
+    assert "merged" in str(out)  # prints
+
+
+def test_merge_needs_one_dtype_and_all_or_no_biases():
+    out = merge_matmuls(attention_inputs(v_dtype="q8_0"))  # v differs: only q and k merge
+    verify(out)
+    assert ops(out).count("matmul") == 2 and ops(out).count("split") == 2
+    assert out.nodes[2].attrs["parts"] == ("blk.0.attn_q.weight", "blk.0.attn_k.weight")
+    out = merge_matmuls(attention_inputs(biases="q"))  # only q has a bias: no merge of q
+    verify(out)
+    assert ops(out)[2:4] == ["matmul", "matmul"] and len(out.nodes[2].weights) == 2
+    assert out.nodes[3].attrs["parts"] == ("blk.0.attn_k.weight", "blk.0.attn_v.weight")
+    assert out.nodes[3].weights[0].name == "blk.0.attn_kv.weight (merged)"
+
+
+def test_verifier_catches_a_split_outside_its_source():
+    out = merge_matmuls(attention_inputs())
+    nodes = list(out.nodes)
+    nodes[5] = dataclasses.replace(nodes[5], attrs={"start": 30})  # 30 + 8 > 32 columns
+    with pytest.raises(GraphError, match="columns"):
+        verify(dataclasses.replace(out, nodes=nodes))
 
 
 def test_verifier_catches_use_before_definition():

@@ -53,6 +53,12 @@ class Executor:
         self._rope_tables: dict[tuple, cpu_ops.RopeTable] = {}
         self._rope_positions = 256  # positions the rope tables cover (they grow on demand)
         self._batch: AttentionBatch | None = None
+        # Merged weights (pass merge-matmuls): name -> the model tensors stacked by rows.
+        self._parts: dict[str, tuple[str, ...]] = {}
+        for node in graph.nodes:
+            for weight, key in zip(node.weights, ("parts", "bias_parts"), strict=False):
+                if key in node.attrs:
+                    self._parts[weight.name] = tuple(node.attrs[key])
         self._reserve(max_tokens)
 
     def _reserve(self, rows: int) -> None:
@@ -85,10 +91,22 @@ class Executor:
         # so that a new step shape rewrites every kernel's count in one assignment.
         self._blocks = np.zeros((len(graph.nodes), elementwise.MAX_WORDS), np.int64)
         self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
-        self._calls: list[Call] = [self._bind(node) for node in graph.nodes]
+        # Consecutive splits of one value (merge-matmuls) run as one call.
+        self._calls: list[Call] = []
+        self.ops: list[str] = []
+        nodes, i = graph.nodes, 0
+        while i < len(nodes):
+            j = i + 1
+            if nodes[i].op == "split":
+                while j < len(nodes) and nodes[j].op == "split" and nodes[j].args == nodes[i].args:
+                    j += 1
+                self._calls.append(self._split(nodes[i:j]))
+            else:
+                self._calls.append(self._bind(nodes[i]))
+            self.ops.append(nodes[i].op)
+            i = j
         self._per_row = np.array([per_row for per_row, _ in self._counted], np.int64)
         self._on_tokens = np.array([rows == "T" for _, rows in self._counted], bool)
-        self.ops: list[str] = [node.op for node in graph.nodes]
         self._logits = self._view_of[graph.outputs["logits"].id]
         self._shape: tuple[int, int] | None = None  # (T, S) the views are sliced for
 
@@ -103,9 +121,7 @@ class Executor:
         """A weight prepared for one use (matmul, embedding, vector); done once."""
         key = (name, use)
         if key not in self._prepared:
-            raw = self._weights.raw(name)
-            qtype = self._weights.tensor_type(name)
-            shape = self._weights.tensor_shape(name)
+            raw, qtype, shape = self._raw(name)
             prepare = {
                 "matmul": self.device.matmul,
                 "embedding": self.device.embedding,
@@ -113,6 +129,32 @@ class Executor:
             }[use]
             self._prepared[key] = prepare(raw, qtype, shape)
         return self._prepared[key]
+
+    def _raw(self, name: str) -> tuple[np.ndarray, int, tuple[int, ...]]:
+        """A weight's bytes, ggml type and shape; a merged weight's parts' rows are
+        concatenated (quantised rows are independent, so this is exact)."""
+        w = self._weights
+        parts = self._parts.get(name)
+        if parts is None:
+            return w.raw(name), w.tensor_type(name), tuple(w.tensor_shape(name))
+        shapes = [tuple(w.tensor_shape(p)) for p in parts]
+        raw = np.concatenate([w.raw(p) for p in parts], axis=0)
+        return raw, w.tensor_type(parts[0]), (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def _split(self, nodes: list[Node]) -> Call:
+        """Copy column ranges of one value into the planned outputs of ``split`` nodes."""
+        v, src = self._views, self._view_of[nodes[0].args[0].id]
+        pieces = tuple(
+            (self._view_of[n.out.id], n.attrs["start"], n.attrs["start"] + n.out.type.row_width)
+            for n in nodes
+        )
+
+        def split() -> None:
+            x = v[src]
+            for o, start, end in pieces:
+                v[o][...] = x[:, start:end]
+
+        return split
 
     def _kernel(
         self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
@@ -225,6 +267,8 @@ class Executor:
             return lambda: cpu_ops.silu(v[o], v[args[0]])
         if op == "gelu_tanh":
             return lambda: cpu_ops.gelu_tanh(v[o], v[args[0]])
+        if op == "split":
+            return self._split([node])
         if op == "select_rows":
             return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
         raise NotImplementedError(f"the CPU device has no kernel for op '{op}'")

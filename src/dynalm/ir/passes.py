@@ -3,6 +3,11 @@
 The architecture builders stay declarative (one op per line of the model's math);
 the passes turn that graph into fewer, fused ops for the executor:
 
+* ``merge-matmuls``: matmuls that read the same value with weights of one dtype and
+  input width (q/k/v of a layer, gate/up) -> one ``matmul`` over the row-concatenated
+  weight (named ``<first part> (merged)``, its parts in ``attrs["parts"]``) and a
+  ``split`` per original output (a copy of its column range, ``attrs["start"]``), so
+  consumers are unchanged and the activations are quantised once;
 * ``fuse-gated``: ``mul(silu(g), u)`` -> ``swiglu(g, u)`` and
   ``mul(gelu_tanh(g), u)`` -> ``geglu(g, u)`` (one kernel, no intermediate);
 * ``fuse-residual``: ``add(x, matmul(h, W))`` -> ``matmul_add(h, x, W)``, the residual
@@ -14,11 +19,25 @@ first pass and after every pass, so a broken rewrite is reported by name.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dynalm.ir.graph import Graph, Node
+from dynalm.core.quant import QUANT_FORMATS
+from dynalm.ir.graph import Graph, Node, TensorType, Value, Weight
+
+# Merge only matmuls this small: for them the per-call cost (dispatch, re-quantising the
+# input) is a large share; large ones gain nothing and, batched, measured slower merged.
+MERGE_MAX_BYTES = 256 * 1024
+_BYTES_PER_BLOCK = {f.name: (f.block_size, f.type_size) for f in QUANT_FORMATS.values()}
+
+
+def _weight_bytes(w: Weight) -> int:
+    block, size = _BYTES_PER_BLOCK[w.type.dtype]
+    n_rows, n_cols = w.type.shape
+    return int(n_rows) * int(n_cols) // block * size
+
 
 # Value operands per op (weights are checked by the builder / loader, not here).
 ARITY = {
@@ -37,6 +56,7 @@ ARITY = {
     "swiglu": 2,
     "geglu": 2,
     "select_rows": 2,
+    "split": 1,
 }
 _SAME_SHAPE = {"add", "mul", "swiglu", "geglu"}  # operands shaped like the result
 _GATES = {"silu": "swiglu", "gelu_tanh": "geglu"}
@@ -74,6 +94,15 @@ def verify(graph: Graph) -> None:
                 raise GraphError(
                     f"{where}: {node.args[0].type} x {node.weights[0]} gives {node.out.type}"
                 )
+        if node.op == "split":
+            (src,), start, width = node.args, node.attrs.get("start"), node.out.type.row_width
+            if (
+                not isinstance(start, int)
+                or start < 0
+                or start + width > src.type.row_width
+                or src.type.shape[:-1] != node.out.type.shape[:-1]
+            ):
+                raise GraphError(f"{where}: columns {start}+{width} of {src.type}")
     for name, out in graph.outputs.items():
         if out.id not in defined:
             raise GraphError(f"output {name!r} ({out}) is never defined")
@@ -139,13 +168,78 @@ def fuse_residual(graph: Graph) -> Graph:
     return _fuse_pairs(graph, match)
 
 
+def _merged_weight(parts: list[Weight]) -> Weight:
+    """``parts`` stacked by rows: ``[sum N, K]`` (or ``[sum N]`` for biases)."""
+    first = parts[0].type
+    rows = sum(int(w.type.shape[0]) for w in parts)
+    # blk.0.attn_{q,k,v}.weight -> blk.0.attn_qkv.weight; ffn_{gate,up} -> ffn_gate_up
+    found = [re.fullmatch(r"(.*\.[a-z]+_)([a-z]+)(\..*)", w.name) for w in parts]
+    if all(found) and len({(m.group(1), m.group(3)) for m in found}) == 1:
+        names = [m.group(2) for m in found]
+        joined = "".join(names) if all(len(n) == 1 for n in names) else "_".join(names)
+        stem = f"{found[0].group(1)}{joined}{found[0].group(3)}"
+    else:
+        stem = "+".join(w.name for w in parts)
+    return Weight(f"{stem} (merged)", TensorType(first.dtype, (rows, *first.shape[1:])))
+
+
+def merge_matmuls(graph: Graph) -> Graph:
+    """Small matmuls (weights under ``MERGE_MAX_BYTES``: q/k/v of a layer) reading one
+    value, with weights of the same dtype and input width (and all or none biased, biases
+    of one dtype), become one matmul over the stacked weight and a ``split`` per original
+    output. The merged node stands where the group's first matmul was (its input is
+    defined there), the splits right after it."""
+    groups: dict[tuple, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op != "matmul" or _weight_bytes(node.weights[0]) > MERGE_MAX_BYTES:
+            continue
+        w = node.weights[0]
+        bias = node.weights[1].type.dtype if len(node.weights) > 1 else None
+        key = (node.args[0].id, w.type.dtype, w.type.shape[1:], bias)
+        groups.setdefault(key, []).append(node)
+    next_id = 1 + max(
+        [v.id for v in graph.inputs.values()] + [n.out.id for n in graph.nodes], default=-1
+    )
+    replace: dict[int, list[Node]] = {}  # first matmul's out id -> merged matmul + splits
+    dropped: set[int] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        weight = _merged_weight([n.weights[0] for n in members])
+        weights = (weight,)
+        attrs: dict = {"parts": tuple(n.weights[0].name for n in members)}
+        if len(members[0].weights) > 1:
+            weights += (_merged_weight([n.weights[1] for n in members]),)
+            attrs["bias_parts"] = tuple(n.weights[1].name for n in members)
+        x = members[0].args[0]
+        merged = Value(next_id, TensorType("f32", (x.type.shape[0], weight.type.shape[0])))
+        next_id += 1
+        new = [Node("matmul", merged, (x,), weights, attrs)]
+        start = 0
+        for n in members:
+            new.append(Node("split", n.out, (merged,), attrs={"start": start}))
+            start += n.out.type.row_width
+        replace[members[0].out.id] = new
+        dropped.update(n.out.id for n in members[1:])
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.out.id in dropped:
+            continue
+        nodes.extend(replace.get(node.out.id, [node]))
+    return Graph(graph.name, dict(graph.inputs), nodes, dict(graph.outputs))
+
+
 @dataclass(frozen=True)
 class Pass:
     name: str
     run: Callable[[Graph], Graph]
 
 
-OPTIMIZE = (Pass("fuse-gated", fuse_gated), Pass("fuse-residual", fuse_residual))
+OPTIMIZE = (
+    Pass("merge-matmuls", merge_matmuls),
+    Pass("fuse-gated", fuse_gated),
+    Pass("fuse-residual", fuse_residual),
+)
 
 
 def optimize(graph: Graph, passes: tuple[Pass, ...] = OPTIMIZE) -> Graph:
