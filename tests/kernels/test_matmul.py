@@ -20,8 +20,8 @@ from dynalm.core import matmul
 from dynalm.core.matmul import QuantMatmul
 from dynalm.core.quant import QK_K, dequantize, random_blocks
 
-LEGACY = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
-K_QUANTS = [T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+LEGACY = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 N = 67
 
 
@@ -32,8 +32,8 @@ def weights(ggml_type: T, n: int, k: int) -> np.ndarray:
     w = w.astype(np.float32)
     if ggml_type == T.F32:
         return w.view(np.uint8)
-    if ggml_type == T.F16:
-        return w.astype(np.float16).view(np.uint8)
+    if ggml_type in (T.F16, T.BF16):
+        return quants.quantize(w, ggml_type).view(np.uint8)
     if ggml_type in K_QUANTS:
         return random_blocks(ggml_type, n * k // QK_K, rng).reshape(n, -1)
     return quants.quantize(w, ggml_type)
@@ -50,7 +50,7 @@ def check(y: np.ndarray, raw: np.ndarray, ggml_type: T, x: np.ndarray, mode: str
     ref = x.astype(np.float64) @ w.T
     rms = np.sqrt(np.mean(ref**2))
     err = y - ref
-    if mode == "exact" or ggml_type in (T.F32, T.F16):
+    if mode == "exact" or ggml_type in (T.F32, T.F16, T.BF16, T.Q2_K):
         assert np.abs(err).max() <= 1e-5 * rms
     else:
         assert np.sqrt(np.mean(err**2)) < 1e-2 * rms

@@ -12,12 +12,15 @@ Two modes:
   ``(q + offset) * x`` first and apply ``d`` once (``d`` factors out; fewer multiplies).
 * ``auto`` -- activations are quantised per 32-block to int8 (scale ``dx`` and
   ``dx * sum(q)``, like ggml's Q8_1); integer dot products (AVX2 ``vpmaddubsw`` +
-  ``vpmaddwd``, or portable IR), one fp32 FMA per block. Float weights use ``exact``.
+  ``vpmaddwd``, or portable IR), one fp32 FMA per block. Float weights and Q2_K (a min
+  per 16 weights) use ``exact``.
 
-Weights are repacked once at load into planes (quants apart from scales). Legacy formats
+Weights are repacked once at load into fields (quants apart from scales), with ``_ROWS``
+weight rows interleaved so a tile reads one contiguous stream (``_interleave``). Legacy formats
 split their blocks' fields; K-quants are decoded in numpy and re-encoded per 32-block:
 Q4_K/Q5_K as Q4_1/Q5_1 lanes with fp32 ``d = d*scale`` and ``m = -dmin*min`` planes, Q6_K
-and Q3_K as signed bytes with one fp32 scale per 16 weights (``_Unpack.halves``).
+and Q3_K as signed bytes with one fp32 scale per 16 weights (``_Unpack.halves``), Q2_K as
+bytes with an fp32 scale and min per 16 weights.
 
 One kernel shape serves every batch size: a register tile of ``MR`` activation rows x
 ``NR`` weight rows (each weight block unpacked once per tile), the activation rows walked
@@ -211,6 +214,13 @@ def _floats(e: _Emitter, p: dict[str, str]) -> str:
     return e.load(_vec(32, "float"), p["qs"])
 
 
+def _bfloats(e: _Emitter, p: dict[str, str]) -> str:
+    """bf16 is the top half of an fp32: widen and shift into place."""
+    wide = e(f"zext {_vec(32, 'i16')} {e.load(_vec(32, 'i16'), p['qs'])} to {_vec(32, 'i32')}")
+    wide = e(f"shl {_vec(32, 'i32')} {wide}, {_const('i32', [16] * 32)}")
+    return e(f"bitcast {_vec(32, 'i32')} {wide} to {_vec(32, 'float')}")
+
+
 def _split(layout: tuple[tuple[str, int], ...]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """Repack of a format whose GGUF block is already one 32-weight block: one plane per
     field of ``layout`` (name, bytes), in block order."""
@@ -242,6 +252,14 @@ def _repack_q5_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
     fifth = _bits(blocks[:, 16:48], 1).reshape(-1, 32)
     planes["qh"] = np.packbits(fifth, axis=1, bitorder="little")
     return planes
+
+
+def _repack_q2_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    # 2-bit quants as bytes; per 16 weights d = d*scale and m = -dmin*min (two per block).
+    sc = blocks[:, 0:16]
+    q = _bits(blocks[:, 16:80].reshape(-1, 2, 32), 2).reshape(-1, 32)
+    d, m = _f16(blocks, 80) * (sc & 0x0F), -_f16(blocks, 82) * (sc >> 4)
+    return {"d": d.reshape(-1, 2), "m": m.reshape(-1, 2), "qs": q}
 
 
 def _repack_signed_16(q: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
@@ -292,12 +310,28 @@ class _Unpack:
         return self.kind != "float"
 
     @property
+    def has_int8(self) -> bool:
+        """Whether an ``auto`` (int8) kernel exists: not for float weights, nor for mins
+        per 16 weights (the activation sums it would need are per 32-block)."""
+        return self.has_scale and not (self.has_min and self.halves > 1)
+
+    @property
     def halves(self) -> int:
         """Scales per 32-block (1, or 2 for per-16 sub-block scales)."""
         return self.size("d") // (2 if self.scale == "half" else 4) if self.has_scale else 0
 
     def size(self, field: str) -> int:
         return dict(self.planes)[field]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(size for _, size in self.planes)
+
+    @property
+    def fields(self) -> list[tuple[str, int, int]]:
+        """(name, bytes per block, offset of the field in a block's record)."""
+        at = np.cumsum([0] + [size for _, size in self.planes])
+        return [(f, size, int(at[i])) for i, (f, size) in enumerate(self.planes)]
 
 
 def _legacy(layout: tuple[tuple[str, int], ...], *rest: object, **kw: object) -> _Unpack:
@@ -308,11 +342,13 @@ _K_PLANES = (("d", 4), ("m", 4), ("qs", 16))
 _UNPACKS: dict[int, _Unpack] = {
     _T.F32: _legacy((("qs", 128),), _floats, "float"),
     _T.F16: _legacy((("qs", 64),), _halves, "float"),
+    _T.BF16: _legacy((("qs", 64),), _bfloats, "float"),
     _T.Q4_0: _legacy((("d", 2), ("qs", 16)), _nibbles, "u8", offset=-8),
     _T.Q4_1: _legacy((("d", 2), ("m", 2), ("qs", 16)), _nibbles, "u8"),
     _T.Q5_0: _legacy((("d", 2), ("qh", 4), ("qs", 16)), _nibbles_and_fifth_bit, "u8", offset=-16),
     _T.Q5_1: _legacy((("d", 2), ("m", 2), ("qh", 4), ("qs", 16)), _nibbles_and_fifth_bit, "u8"),
     _T.Q8_0: _legacy((("d", 2), ("qs", 32)), _bytes, "s8"),
+    _T.Q2_K: _Unpack((("d", 8), ("m", 8), ("qs", 32)), _repack_q2_k, _bytes, "u8", scale="float"),
     _T.Q3_K: _Unpack((("d", 8), ("qs", 32)), _repack_q3_k, _bytes, "s8", scale="float"),
     _T.Q4_K: _Unpack(_K_PLANES, _repack_q4_k, _nibbles, "u8", scale="float"),
     _T.Q5_K: _Unpack(
@@ -320,7 +356,6 @@ _UNPACKS: dict[int, _Unpack] = {
     ),
     _T.Q6_K: _Unpack((("d", 8), ("qs", 32)), _repack_q6_k, _bytes, "s8", scale="float"),
 }
-_PLANES = ("qs", "qh", "d", "m")  # kernel argument order of the weight planes
 
 # Formats whose ``auto`` (int8) kernels met the model-level budget of
 # tests/models/test_auto_mode.py (top-1 agreement with exact >= 98 %, mean KL <= 0.005 on
@@ -336,10 +371,37 @@ AUTO_VALIDATED = frozenset({_T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q4_K, _T.Q6_K})
 
 # Argument block (one i64 array per call site), read by every kernel; the row range
 # [lo, hi) comes as arguments, so the pool can hand out chunks of rows.
-_A_PLANES, _A_X, _A_XD, _A_XS, _A_Y, _A_T, _A_NB, _A_LDY = 0, 4, 5, 6, 7, 8, 9, 10
-_N_ARGS = 11
+_A_W, _A_X, _A_XD, _A_XS, _A_Y, _A_T, _A_NB, _A_LDY = range(8)
+_N_ARGS = 8
 _PARAMS = "ptr noalias nocapture readonly %args, i64 %lo, i64 %hi"
 _GROUP = 8  # blocks per main-loop step: their scales are loaded and converted as one vector
+_ROWS = 4  # weight rows interleaved in memory (the GEMV tile): one stream per thread
+
+
+def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int) -> np.ndarray:
+    """Repacked planes (``[n_rows * nb, size]`` per field, in block order) -> one byte
+    array in the order the kernels walk it, so a tile reads one contiguous stream.
+
+    Rows are padded with zero blocks to a multiple of ``_ROWS`` and taken ``_ROWS`` at a
+    time; each such row group is a run of records, one per step of the kernel's block loop
+    (``_GROUP`` blocks while a whole group fits, then single blocks). A record holds each
+    field in turn, and a field the ``_ROWS`` rows' blocks one row after the other, so a
+    row's scales for the record's blocks are one vector load.
+    """
+    groups = -(-n_rows // _ROWS)
+    main = nb - nb % _GROUP
+    parts = []
+    for lo, hi, g in ((0, main, _GROUP), (main, nb, 1)):
+        if hi == lo:
+            continue
+        fields = []
+        for f, size in u.planes:
+            p = np.zeros((groups * _ROWS, nb, size), np.uint8)
+            p[:n_rows] = planes[f].view(np.uint8).reshape(n_rows, nb, size)
+            p = p[:, lo:hi].reshape(groups, _ROWS, (hi - lo) // g, g, size)
+            fields.append(p.transpose(0, 2, 1, 3, 4).reshape(groups, (hi - lo) // g, -1))
+        parts.append(np.concatenate(fields, axis=2).reshape(groups, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=1)).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -401,7 +463,6 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
     arg = [e.load("i64", "%args", str(8 * i), 8) for i in range(_N_ARGS)]
     ptr = [e(f"inttoptr i64 {a} to ptr") for a in arg]
     t_rows, nb, ldy = arg[_A_T], arg[_A_NB], arg[_A_LDY]
-    planes = {f: ptr[_A_PLANES + i] for i, f in enumerate(_PLANES)}
     x_block = QK * (4 if mode == "exact" else 1)  # bytes of one activation block
     acc_ty = _vec(s.aw, "float")
     h = u.halves
@@ -434,11 +495,16 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
         accs = [[e.var(acc_ty, "zeroinitializer") for _ in range(nr)] for _ in range(mr)]
         w_rows = clamped(n, nr, n_last)
         x_rows = clamped(t, mr, t_last)
-        w_base = {
-            (f, j): e.at(planes[f], e(f"mul i64 {e(f'mul i64 {r}, {nb}')}, {size}"))
-            for f, size in u.planes
-            for j, r in enumerate(w_rows)
-        }
+        # Row r lives in row group r // ROWS at slot r % ROWS (see ``_interleave``).
+        group_bytes = _ROWS * u.block_bytes
+        w_group = [
+            e.at(
+                ptr[_A_W],
+                e(f"mul i64 {e(f'and i64 {r}, {-_ROWS}')}, {e(f'mul i64 {nb}, {u.block_bytes}')}"),
+            )
+            for r in w_rows
+        ]
+        w_slot = [e(f"and i64 {r}, {_ROWS - 1}") for r in w_rows]
         x_off = [e(f"mul i64 {e(f'mul i64 {r}, {nb}')}, {x_block}") for r in x_rows]
         s_off = [e(f"mul i64 {e(f'mul i64 {r}, {nb}')}, 4") for r in x_rows]
 
@@ -446,24 +512,31 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
             """Blocks kb .. kb+g of the tile; scales are loaded and converted g at a time."""
             gv = _vec(g, "float")
             w_at, dw, mw = [], [], []
+            record = e(f"mul i64 {kb}, {group_bytes}")
             for j in range(nr):
-                at = {f: e.at(w_base[f, j], e(f"mul i64 {kb}, {size}")) for f, size in u.planes}
+                base = e.at(w_group[j], record)
+                slot = w_slot[j]
+                at = {
+                    f: e.at(
+                        base, e(f"add i64 {e(f'mul i64 {slot}, {g * size}')}, {_ROWS * g * at_f}")
+                    )
+                    for f, size, at_f in u.fields
+                }
                 w_at.append(at)
-                if s.pf:  # streamed weights: too little in flight without software prefetch
-                    for f, size in u.planes:
-                        ahead = e.at(at[f], str(s.pf * size // u.size("qs")))
-                        for line in range(0, g * size, 64):
-                            e.call(
-                                "void",
-                                "llvm.prefetch.p0",
-                                f"ptr {e.at(ahead, str(line))}",
-                                "i32 0",
-                                "i32 3",
-                                "i32 1",
-                            )
+                if s.pf and j == 0:  # streamed weights: too little in flight without prefetch
+                    ahead = e.at(base, str(s.pf))
+                    for line in range(0, g * group_bytes, 64):
+                        e.call(
+                            "void",
+                            "llvm.prefetch.p0",
+                            f"ptr {e.at(ahead, str(line))}",
+                            "i32 0",
+                            "i32 3",
+                            "i32 1",
+                        )
                 if u.has_scale:
                     dw.append(scales(at["d"], g * h))
-                    mw.append(scales(at["m"], g) if u.has_min else None)
+                    mw.append(scales(at["m"], g * h) if u.has_min else None)
             xk = [e(f"add i64 {o}, {e(f'mul i64 {kb}, {x_block}')}") for o in x_off]
             sk = [e(f"add i64 {o}, {e(f'mul i64 {kb}, 4')}") for o in s_off]
             xd_k = [e(f"shl i64 {o}, 1") for o in sk]  # two activation scales per block
@@ -487,7 +560,7 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
                         xs.append([e.part(xv, 32, "float", c, s.aw) for c in range(0, 32, s.aw)])
                     for j in range(nr):
                         if u.has_min:
-                            d, m = per_lane(dw[j], g * h, b, 32), e.lane(mw[j], g, b, 32)
+                            d, m = (per_lane(v[j], g * h, b, 32) for v in (dw, mw))
                             w = _dequant(e, u, lanes[j], d, m)
                         else:
                             w = _integers(e, u, lanes[j]) if u.has_scale else lanes[j]
@@ -753,15 +826,12 @@ class QuantMatmul:
             raise ValueError(f"{fmt.name}: K={n_cols} is not a multiple of {QK}")
         u = _UNPACKS[ggml_type]
         self.ggml_type, self.n_rows, self.n_cols = ggml_type, raw.shape[0], n_cols
-        self.mode = "exact" if u.kind == "float" else mode
+        self.mode = mode if u.has_int8 else "exact"
         self._nb = n_cols // QK
         self._kernels = _kernels(ggml_type, self.mode, isa or str(jit.host_features()["isa"]))
-        # Repack: one contiguous plane per field (scales apart from quants).
+        # Repack: fields split into planes (scales apart from quants), rows interleaved.
         planes = u.repack(np.ascontiguousarray(raw).reshape(-1, fmt.type_size))
-        self._planes = {
-            f: np.ascontiguousarray(p).view(np.uint8).reshape(self.n_rows, -1)
-            for f, p in planes.items()
-        }
+        self._weights = _interleave(u, planes, self.n_rows, self._nb)
         threads = threads or default_threads()
         small = raw.nbytes < _PARALLEL_MIN_BYTES
         self._threads = 1 if small or not pool.available() else threads
@@ -771,8 +841,7 @@ class QuantMatmul:
         self._chunk = max(16, rows + 15 & ~15)
         self._args = (ctypes.c_int64 * _N_ARGS)()
         self._args_at = ctypes.addressof(self._args)
-        for i, f in enumerate(_PLANES):
-            self._args[_A_PLANES + i] = _address(self._planes[f]) if f in self._planes else 0
+        self._args[_A_W] = _address(self._weights)
         self._args[_A_NB], self._args[_A_LDY] = self._nb, self.n_rows
         # The quantiser's own argument block: x -> (xq, xd, xs); its y slot is the fp32 source.
         self._qargs = (ctypes.c_int64 * _N_ARGS)()
