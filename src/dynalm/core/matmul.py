@@ -389,19 +389,24 @@ def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int)
     row's scales for the record's blocks are one vector load.
     """
     groups = -(-n_rows // _ROWS)
+    out = np.empty((groups, _ROWS * nb * u.block_bytes), np.uint8)
     main = nb - nb % _GROUP
-    parts = []
     for lo, hi, g in ((0, main, _GROUP), (main, nb, 1)):
-        if hi == lo:
+        n_rec = (hi - lo) // g
+        if not n_rec:
             continue
-        fields = []
-        for f, size in u.planes:
-            p = np.zeros((groups * _ROWS, nb, size), np.uint8)
-            p[:n_rows] = planes[f].view(np.uint8).reshape(n_rows, nb, size)
-            p = p[:, lo:hi].reshape(groups, _ROWS, (hi - lo) // g, g, size)
-            fields.append(p.transpose(0, 2, 1, 3, 4).reshape(groups, (hi - lo) // g, -1))
-        parts.append(np.concatenate(fields, axis=2).reshape(groups, -1))
-    return np.ascontiguousarray(np.concatenate(parts, axis=1)).reshape(-1)
+        records = out[:, _ROWS * lo * u.block_bytes : _ROWS * hi * u.block_bytes]
+        records = records.reshape(groups, n_rec, -1)
+        for f, size, at in u.fields:
+            src = planes[f].view(np.uint8).reshape(n_rows, nb, size)[:, lo:hi]
+            if n_rows % _ROWS:  # pad the last row group with zero blocks
+                src = np.concatenate(
+                    [src, np.zeros((groups * _ROWS - n_rows, *src.shape[1:]), np.uint8)]
+                )
+            dst = records[:, :, _ROWS * g * at : _ROWS * g * (at + size)]
+            dst = dst.reshape(groups, n_rec, _ROWS, g, size)
+            dst[...] = src.reshape(groups, _ROWS, n_rec, g, size).transpose(0, 2, 1, 3, 4)
+    return out.reshape(-1)
 
 
 @dataclass(frozen=True)
