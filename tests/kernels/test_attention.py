@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dynalm.core import cpu_ops
-from dynalm.core.attention import PagedAttention
+from dynalm.core.attention import PagedAttention, StepLayout
 from dynalm.runtime.kv_cache import PagePool
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -50,20 +50,39 @@ def ragged_step(
     return pool, batch, positions, q, k, v
 
 
+def attend(batch, positions, q, k, v, heads, kv_heads, head_dim, scale, window, threads):
+    """The kernel's output for one step (it stores the step's k/v in the pool first)."""
+    step = StepLayout()
+    step.set(batch, positions)
+    out = np.full((len(q), heads * head_dim), np.nan, np.float32)
+    PagedAttention(step, 0, heads, kv_heads, head_dim, scale, window, threads, out, q, k, v)()
+    return out
+
+
+def assert_same_pages(a: PagePool, b: PagePool) -> None:
+    arrays = [(*p.k, *p.v, *p.k_scale, *p.v_scale) for p in (a, b)]
+    for x, y in zip(*arrays, strict=True):
+        assert np.array_equal(x, y)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_numpy(dtype: str, window: int, threads: int):
+@pytest.mark.parametrize("merged", [False, True])
+def test_kernel_matches_numpy(dtype: str, window: int, threads: int, merged: bool):
     # a prefill chunk inside a 3-page context, a decode token, and a 1-token sequence
     seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1), ([2], 1, 1)]
     pool, batch, positions, q, k, v = ragged_step(dtype, seqs)
     ref = np.zeros_like(q)
     cpu_ops.attention(ref, q, k, v, positions, batch, 0, HEADS, KV_HEADS, HEAD_DIM, 0.125, window)
-    out = np.full_like(q, np.nan)
-    kernel = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, 0.125, window, threads)
-    pages, seq_of = batch.kernel_tables
-    kernel(out, q, 0, pool, pages, seq_of, positions)
+    if merged:  # q, k and v as column ranges of one matmul's output
+        qkv = np.concatenate([q, k, v], axis=1)
+        q, k, v = np.split(qkv, np.cumsum([q.shape[1], k.shape[1]]), axis=1)
+    ours, batch, *_ = ragged_step(dtype, seqs)
+    batch.kv = ours
+    out = attend(batch, positions, q, k, v, HEADS, KV_HEADS, HEAD_DIM, 0.125, window, threads)
     np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
+    assert_same_pages(ours, pool)  # the step's k/v stored exactly as PagePool.write does
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
@@ -81,25 +100,17 @@ def test_long_context_and_other_geometries(
     pool, batch, positions, q, k, v = ragged_step(dtype, seqs, 1, heads, kv_heads, head_dim)
     ref = np.zeros_like(q)
     cpu_ops.attention(ref, q, k, v, positions, batch, 0, heads, kv_heads, head_dim, 0.1, window)
-    out = np.full_like(q, np.nan)
-    kernel = PagedAttention(heads, kv_heads, head_dim, 0.1, window, 2)
-    pages, seq_of = batch.kernel_tables
-    kernel(out, q, 0, pool, pages, seq_of, positions)
+    out = attend(batch, positions, q, k, v, heads, kv_heads, head_dim, 0.1, window, 2)
     np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
 
 
 def test_result_of_a_token_does_not_depend_on_the_batch():
     seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1)]
     pool, batch, positions, q, k, v = ragged_step("f16", seqs)
-    cpu_ops.attention(
-        np.zeros_like(q), q, k, v, positions, batch, 0, HEADS, KV_HEADS, HEAD_DIM, 0.125, 0
-    )  # writes the step's keys
-    kernel = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
-    pages, seq_of = batch.kernel_tables
-    together = np.zeros_like(q)
-    kernel(together, q, 0, pool, pages, seq_of, positions)
-    alone = np.zeros_like(q[5:])
-    kernel(
-        alone, np.ascontiguousarray(q[5:]), 0, pool, pages, seq_of[5:].copy(), positions[5:].copy()
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
+    together = attend(batch, positions, q, k, v, *geometry)
+    second = cpu_ops.AttentionBatch(
+        pool, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:]
     )
+    alone = attend(second, positions[5:].copy(), q[5:], k[5:], v[5:], *geometry)
     assert np.array_equal(together[5:], alone)

@@ -84,9 +84,12 @@ def test_fewer_rows_than_bound():
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 64), (10, 6), (18, 18)])
 @pytest.mark.parametrize("rows", ROWS)
-def test_rope(neox: bool, head_dim: int, rope_dim: int, rows: int):
+@pytest.mark.parametrize("view", [False, True])
+def test_rope(neox: bool, head_dim: int, rope_dim: int, rows: int, view: bool):
     heads = 3
     x = rand(rows, heads * head_dim, seed=11)
+    if view:  # x as some columns of a wider buffer (a merged q/k/v matmul's output)
+        x = np.hstack([rand(rows, 5), x, rand(rows, 8)])[:, 5 : 5 + heads * head_dim]
     positions = np.array([7, 0, 300][:rows], np.int64)
     table = cpu_ops.RopeTable(rope_dim, 10000.0, 1.0)
     table.ensure(512)

@@ -15,7 +15,9 @@ from dynalm.ir.passes import (
     merge_matmuls,
     optimize,
     verify,
+    view_splits,
 )
+from dynalm.ir.planner import plan_buffers
 
 D, F = 8, 24  # model and FFN widths
 
@@ -140,6 +142,24 @@ def test_merge_needs_one_dtype_and_all_or_no_biases():
     assert ops(out)[2:4] == ["matmul", "matmul"] and len(out.nodes[2].weights) == 2
     assert out.nodes[3].attrs["parts"] == ("blk.0.attn_k.weight", "blk.0.attn_v.weight")
     assert out.nodes[3].weights[0].name == "blk.0.attn_kv.weight (merged)"
+
+
+def test_splits_read_only_by_strided_operands_become_views():
+    out = optimize(attention_inputs())
+    splits = [n for n in out.nodes if n.op == "split"]
+    assert len(splits) == 3 and all(s.attrs["view"] for s in splits)
+    plan = plan_buffers(out)
+    assert not any(s.out.id in plan.slot_of for s in splits)  # they read the merged buffer
+    # swiglu reads dense rows: gate/up stay copies
+    assert not any(n.attrs.get("view") for n in optimize(ffn_block()).nodes)
+
+
+def test_verifier_catches_a_view_read_by_a_dense_operand():
+    out = view_splits(merge_matmuls(attention_inputs()))
+    q = out.nodes[3].out
+    bad = Node("add", out.nodes[-1].out, (q, q))
+    with pytest.raises(GraphError, match="cannot be the view"):
+        verify(dataclasses.replace(out, nodes=[*out.nodes[:-1], bad]))
 
 
 def test_verifier_catches_a_split_outside_its_source():

@@ -10,6 +10,14 @@ the heads) before the weighted value sum, instead of two libm calls and a serial
 key. Items are independent, so the result of a token never depends on what else is in the
 batch, and the native pool splits items across threads.
 
+The same module stores the step's keys and values into their pages first (``write``:
+f32, f16 or q8_0 exactly as ``PagePool.write`` does), and ``run`` does both in one call.
+Everything a layer's kernel needs is bound once: its argument block holds the layer's
+buffers (q, k and v may be column ranges of a wider merged buffer: each has a row stride)
+and points at one :class:`StepLayout` block that the executor fills once per step (token
+count, page tables, sequences, positions, slots). A decode step's attention is then one
+ctypes call per layer, with no per-call Python work beyond choosing threads.
+
 The kernel is built with ``llvmlite.ir`` and specialised per (kv dtype, heads, kv heads,
 head dim, page size); the numpy ``cpu_ops.attention`` is its reference.
 """
@@ -20,6 +28,7 @@ import ctypes
 import struct
 from collections.abc import Callable
 from functools import cache
+from typing import TYPE_CHECKING
 
 import llvmlite.ir as ir
 import numpy as np
@@ -27,10 +36,17 @@ import numpy as np
 from dynalm.core import jit, pool
 from dynalm.core.elementwise import exp, intrinsic
 
-# Argument block: one int64 per slot.
-_Q, _OUT, _K, _V, _KS, _VS, _PAGES, _SEQ_OF, _POS, _MAX_PAGES, _WINDOW, _SCALE = range(12)
-_N_ARGS = 12
-_ARRAY_SLOTS = (_Q, _OUT, _K, _V, _PAGES, _SEQ_OF, _POS, _KS, _VS)
+if TYPE_CHECKING:
+    from dynalm.core.cpu_ops import AttentionBatch, KVStorage
+
+# A layer's argument block, one int64 per slot: its q (rows ``Q_STRIDE`` floats apart),
+# output, the step's new keys and values, the layer's KV pages (and q8_0 scales), the
+# window, the scale (f64 bits) and the address of the step's layout block.
+_Q, _Q_STRIDE, _OUT, _K_NEW, _K_STRIDE, _V_NEW, _V_STRIDE = range(7)
+_K, _V, _KS, _VS, _WINDOW, _SCALE, _STEP, _N_ARGS = range(7, 15)
+# The step's layout block: token count, page tables ``[S, MAX_PAGES]``, each token's
+# sequence, position and KV slot.
+_TOKENS, _PAGES, _MAX_PAGES, _SEQ_OF, _POS, _SLOTS, _N_STEP = range(7)
 LANES = 8  # one AVX2 register of f32
 BLOCK = 2 * LANES  # keys per online-softmax step
 Q8_BLOCK = 32
@@ -127,23 +143,96 @@ def _load_vec(
     return b.fmul(b.sitofp(raw, _VEC), _splat(b, b.fpext(scale, _F32)))
 
 
-def _ir(name: str, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int) -> str:
+def _at(b: ir.IRBuilder, array: ir.Value, ty: ir.Type, index: ir.Value) -> ir.Value:
+    return b.gep(array, [index], source_etype=ty)
+
+
+def _blocks(b: ir.IRBuilder, args: ir.Value) -> tuple[list[ir.Value], list[ir.Value]]:
+    """The words of a layer's argument block and of the step block it points at."""
+    a = [b.load(_at(b, args, _I64, _i64(i)), typ=_I64) for i in range(_N_ARGS)]
+    step = b.inttoptr(a[_STEP], _PTR)
+    return a, [b.load(_at(b, step, _I64, _i64(i)), typ=_I64) for i in range(_N_STEP)]
+
+
+def _ptr(b: ir.IRBuilder, word: ir.Value) -> ir.Value:
+    return b.inttoptr(word, _PTR)
+
+
+def _write(b: ir.IRBuilder, dtype: str, n_kv_heads: int, head_dim: int, args: ir.Value) -> None:
+    """Store the step's keys and values at their slots, as ``PagePool.write`` does: cast
+    to f16, or q8_0 (scale ``max|x| / 127`` per 32 values, ``rint(x / scale)``)."""
+    a, s = _blocks(b, args)
+    slots, ty = _ptr(b, s[_SLOTS]), _STORE[dtype]
+    chunk = Q8_BLOCK if dtype == "q8_0" else LANES  # values converted together
+    pairs = [
+        (_ptr(b, a[new]), a[stride], _ptr(b, a[store]), _ptr(b, a[scales]))
+        for new, stride, store, scales in (
+            (_K_NEW, _K_STRIDE, _K, _KS),
+            (_V_NEW, _V_STRIDE, _V, _VS),
+        )
+    ]
+
+    def token(t: ir.Value) -> None:
+        slot = b.load(_at(b, slots, _I64, t), typ=_I64)
+        for new, stride, store, scales in pairs:
+            for h in range(n_kv_heads):
+                src = b.add(b.mul(t, stride), _i64(h * head_dim))
+                dst = b.mul(b.add(b.mul(slot, _i64(n_kv_heads)), _i64(h)), _i64(head_dim))
+                for c in range(0, head_dim, chunk):
+                    xs = [
+                        b.load(_at(b, new, _F32, b.add(src, _i64(i))), typ=_VEC, align=4)
+                        for i in range(c, c + chunk, LANES)
+                    ]
+                    if dtype == "q8_0":
+                        xs = _quantise(b, xs, scales, b.add(dst, _i64(c)))
+                    elif dtype == "f16":
+                        xs = [b.fptrunc(x, ir.VectorType(ty, LANES)) for x in xs]
+                    for i, x in enumerate(xs):
+                        at = b.add(dst, _i64(c + i * LANES))
+                        b.store(x, _at(b, store, ty, at), align=1)
+
+    _for(b, _i64(0), s[_TOKENS], 1, token)
+
+
+def _quantise(b: ir.IRBuilder, xs: list[ir.Value], scales: ir.Value, at: ir.Value) -> list:
+    """One q8_0 block (four vectors): its int8 vectors; its f16 scale stored at
+    ``scales[at / 32]`` (numpy's f32 operations in numpy's order, so bitwise equal)."""
+    mags = [intrinsic(b, "llvm.fabs.v8f32", _VEC, x) for x in xs]
+    amax = mags[0]
+    for m in mags[1:]:
+        amax = intrinsic(b, "llvm.maxnum.v8f32", _VEC, amax, m)
+    amax = intrinsic(b, "llvm.vector.reduce.fmax.v8f32", _F32, amax)
+    d = b.fdiv(amax, ir.Constant(_F32, 127.0))
+    positive = b.fcmp_ordered(">", d, ir.Constant(_F32, 0.0))
+    inv = _splat(b, b.select(positive, b.fdiv(ir.Constant(_F32, 1.0), d), ir.Constant(_F32, 0.0)))
+    half = ir.HalfType()
+    b.store(b.fptrunc(d, half), _at(b, scales, half, b.udiv(at, _i64(Q8_BLOCK))))
+    i8 = ir.VectorType(_STORE["q8_0"], LANES)
+    return [b.fptosi(intrinsic(b, "llvm.rint.v8f32", _VEC, b.fmul(x, inv)), i8) for x in xs]
+
+
+def _items(
+    b: ir.IRBuilder,
+    dtype: str,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    page: int,
+    args: ir.Value,
+    lo: ir.Value,
+    hi: ir.Value,
+) -> None:
+    """Work items ``lo..hi-1``: each a query token's group of heads over its keys."""
     group = n_heads // n_kv_heads
     heads = _item_heads(group)
     n_vec, halves = head_dim // LANES, BLOCK // LANES
-    module = ir.Module(name=name)
-    module.triple = str(jit.host_features()["triple"])
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PTR, _I64, _I64]), name)
-    args, lo, hi = fn.args
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
 
     def at(array: ir.Value, ty: ir.Type, index: ir.Value) -> ir.Value:
-        return b.gep(array, [index], source_etype=ty)
+        return _at(b, array, ty, index)
 
-    a = [b.load(at(args, _I64, _i64(i)), typ=_I64) for i in range(_N_ARGS)]
-    q, out, k, v, ks, vs, pages, seq_of, pos = (
-        b.inttoptr(a[i], _PTR) for i in (_Q, _OUT, _K, _V, _KS, _VS, _PAGES, _SEQ_OF, _POS)
-    )
+    a, s = _blocks(b, args)
+    q, out, k, v, ks, vs = (_ptr(b, a[i]) for i in (_Q, _OUT, _K, _V, _KS, _VS))
+    pages, seq_of, pos = (_ptr(b, s[i]) for i in (_PAGES, _SEQ_OF, _POS))
     scale = _splat(b, b.fptrunc(b.bitcast(a[_SCALE], ir.DoubleType()), _F32))
     neg_inf, zero = ir.Constant(_F32, float("-inf")), ir.Constant(_VEC, [0.0] * LANES)
     lane = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
@@ -161,12 +250,13 @@ def _ir(name: str, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, pag
         h0 = b.mul(b.urem(w, _i64(n_heads // heads)), _i64(heads))  # first query head
         kh = b.udiv(h0, _i64(group))
         p = b.load(at(pos, _I64, t), typ=_I64)
-        table = at(pages, _I64, b.mul(b.load(at(seq_of, _I64, t), typ=_I64), a[_MAX_PAGES]))
+        table = at(pages, _I64, b.mul(b.load(at(seq_of, _I64, t), typ=_I64), s[_MAX_PAGES]))
         # keys from max(0, p - window + 1) (0 without a window) to p
         win = b.add(b.sub(p, a[_WINDOW]), _i64(1))
         win = b.select(b.icmp_signed(">", a[_WINDOW], _i64(0)), win, _i64(0))
         jlo = b.select(b.icmp_signed("<", win, _i64(0)), _i64(0), win)
-        qbase = b.mul(b.add(b.mul(t, _i64(n_heads)), h0), _i64(head_dim))
+        qbase = b.add(b.mul(t, a[_Q_STRIDE]), b.mul(h0, _i64(head_dim)))
+        obase = b.mul(b.add(b.mul(t, _i64(n_heads)), h0), _i64(head_dim))
         qv = [
             [
                 b.load(at(q, _F32, b.add(qbase, _i64(g * head_dim + c * LANES))), typ=_VEC, align=4)
@@ -278,17 +368,43 @@ def _ir(name: str, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, pag
             inv = _splat(b, b.fdiv(ir.Constant(_F32, 1.0), b.load(total[g], typ=_F32)))
             for c in range(n_vec):
                 y = b.fmul(b.load(at(acc, _VEC, _i64(g * n_vec + c)), typ=_VEC), inv)
-                b.store(y, at(out, _F32, b.add(qbase, _i64(g * head_dim + c * LANES))), align=4)
+                b.store(y, at(out, _F32, b.add(obase, _i64(g * head_dim + c * LANES))), align=4)
 
     _for(b, lo, hi, 1, item)
+
+
+def _ir(name: str, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int) -> str:
+    """``name(args, lo, hi)``: work items lo..hi-1; ``name_write(args)``: store the step's
+    keys and values; ``name_run(args)``: both, over all items of the step."""
+    module = ir.Module(name=name)
+    module.triple = str(jit.host_features()["triple"])
+    void = ir.VoidType()
+    items = ir.Function(module, ir.FunctionType(void, [_PTR, _I64, _I64]), name)
+    write = ir.Function(module, ir.FunctionType(void, [_PTR]), f"{name}_write")
+    run = ir.Function(module, ir.FunctionType(void, [_PTR]), f"{name}_run")
+    b = ir.IRBuilder(items.append_basic_block("entry"))
+    _items(b, dtype, n_heads, n_kv_heads, head_dim, page, *items.args)
+    b.ret_void()
+    b = ir.IRBuilder(write.append_basic_block("entry"))
+    _write(b, dtype, n_kv_heads, head_dim, write.args[0])
+    b.ret_void()
+    b = ir.IRBuilder(run.append_basic_block("entry"))
+    b.call(write, run.args)
+    _, s = _blocks(b, run.args[0])
+    per_token = _i64(n_heads // _item_heads(n_heads // n_kv_heads))
+    b.call(items, [run.args[0], _i64(0), b.mul(s[_TOKENS], per_token)])
     b.ret_void()
     return str(module)
 
 
 @cache
-def _kernel(dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int) -> int:
+def _kernels(dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int) -> dict:
+    """Addresses of the module's ``items``, ``write`` and ``run`` functions."""
     name = f"dynalm_attn_{dtype}_h{n_heads}_kv{n_kv_heads}_d{head_dim}_p{page}"
-    return jit.compile_ir(_ir(name, dtype, n_heads, n_kv_heads, head_dim, page), [name])[name]
+    names = [name, f"{name}_write", f"{name}_run"]
+    text = _ir(name, dtype, n_heads, n_kv_heads, head_dim, page)
+    found = jit.compile_ir(text, names)
+    return {kind: found[n] for kind, n in zip(("items", "write", "run"), names, strict=True)}
 
 
 def _addr(a: np.ndarray) -> int:
@@ -300,60 +416,100 @@ def _addr(a: np.ndarray) -> int:
         return a.__array_interface__["data"][0]
 
 
+def _row_stride(x: np.ndarray, width: int) -> int:
+    """Floats between the rows of ``x``: f32 ``[rows, width]`` with contiguous rows."""
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != width or x.strides[1] != 4:
+        raise ValueError(f"expected f32 rows of {width} contiguous values, got {x.dtype} {x.shape}")
+    return x.strides[0] // 4
+
+
+class StepLayout:
+    """Where a step's tokens go, as every layer's kernel reads it: one block set per step."""
+
+    def __init__(self) -> None:
+        self._block = np.zeros(_N_STEP, np.int64)
+        self.address = _addr(self._block)
+        self.kv: KVStorage | None = None
+        self.tokens = self.last = 0
+        self._arrays: tuple[np.ndarray, ...] = ()
+
+    def set(self, batch: AttentionBatch, positions: np.ndarray) -> None:
+        """The layout of ``batch``, whose tokens are at ``positions`` (int64, C order; may
+        be longer than the step)."""
+        pages, seq_of = batch.kernel_tables
+        slots = np.ascontiguousarray(batch.slots, np.int64)
+        assert positions.dtype == np.int64 and positions.flags.c_contiguous
+        n = len(slots)
+        self._arrays = (pages, seq_of, positions, slots)  # alive while kernels read them
+        words = (n, _addr(pages), pages.shape[1], _addr(seq_of), _addr(positions), _addr(slots))
+        self._block[:] = words
+        self.kv, self.tokens = batch.kv, n
+        self.last = int(positions[n - 1]) if n else 0
+
+
 class PagedAttention:
-    """Attention of one layer's geometry over a paged KV pool, on ``threads`` threads."""
+    """One layer's attention bound to its buffers: ``q``/``out`` ``[rows, heads *
+    head_dim]`` and the step's ``k``/``v`` ``[rows, kv_heads * head_dim]`` (f32; the rows
+    of q, k and v may be strided). A call stores this step's k/v in the layer's pages, then
+    sets ``out[t]`` to the attention of ``q[t]`` over the keys at positions up to the
+    token's own (within the window) of its sequence, for each token of ``step``."""
 
     def __init__(
-        self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, window: int, threads: int
-    ):
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self._items_per_token = n_heads // _item_heads(n_heads // n_kv_heads)
-        self._args = (ctypes.c_int64 * _N_ARGS)()
-        self._args_ptr = ctypes.addressof(self._args)
-        self._args[_WINDOW] = window
-        self._args[_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
-        self._threads = threads if pool.available() else 1
-        # The array behind each address slot, kept alive: an executor passes the same
-        # buffers every step, and re-reading their addresses would cost more than the
-        # kernel does for a short decode.
-        self._bound: list[np.ndarray | None] = [None] * _N_ARGS
-        self._fn_key: tuple | None = None
-        self._fn = 0
-        self._call = None
-
-    def __call__(
         self,
+        step: StepLayout,
+        layer: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        window: int,
+        threads: int,
         out: np.ndarray,
         q: np.ndarray,
-        layer: int,
-        kv,
-        pages: np.ndarray,
-        seq_of: np.ndarray,
-        positions: np.ndarray,
-    ) -> None:
-        """``out[t]`` = attention of ``q[t]`` (``[T, heads * head_dim]`` f32, C order) over
-        the keys at positions ``<= positions[t]`` of sequence ``seq_of[t]``, whose pages are
-        row ``seq_of[t]`` of ``pages`` (int64 ``[S, max_pages]``)."""
-        key = (kv.dtype, self.n_heads, self.n_kv_heads, self.head_dim, kv.page_size)
-        if key != self._fn_key:
-            self._fn_key, self._fn = key, _kernel(*key)
-            self._call = jit.cfunc(self._fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
-        arrays = [q, out, kv.k[layer], kv.v[layer], pages, seq_of, positions]
-        if kv.dtype == "q8_0":
-            arrays += [kv.k_scale[layer], kv.v_scale[layer]]
-        a, bound = self._args, self._bound
-        for slot, array in zip(_ARRAY_SLOTS[: len(arrays)], arrays, strict=True):
-            if array is not bound[slot]:
-                a[slot], bound[slot] = _addr(array), array
-        a[_MAX_PAGES] = pages.shape[1]
-        items = q.shape[0] * self._items_per_token
-        threads = self._threads
-        # the last token's position stands in for the context length of every item
-        if (
-            threads > 1
-            and items >= 2 * threads
-            and items * int(positions[-1]) >= _PARALLEL_MIN_WORK
+        k: np.ndarray,
+        v: np.ndarray,
+    ):
+        self._step, self._layer = step, layer
+        self._geometry = (n_heads, n_kv_heads, head_dim)
+        self._per_token = n_heads // _item_heads(n_heads // n_kv_heads)
+        self._threads = threads if pool.available() else 1
+        if _row_stride(out, n_heads * head_dim) != n_heads * head_dim:
+            raise ValueError("the attention output must be C-contiguous")
+        self._arrays = (out, q, k, v)  # alive while the kernel may run
+        a = self._args = np.zeros(_N_ARGS, np.int64)
+        for x, at, stride, heads in (
+            (q, _Q, _Q_STRIDE, n_heads),
+            (k, _K_NEW, _K_STRIDE, n_kv_heads),
+            (v, _V_NEW, _V_STRIDE, n_kv_heads),
         ):
-            pool.pool(threads).run(self._fn, self._args_ptr, items, max(1, items // (4 * threads)))
+            a[at], a[stride] = _addr(x), _row_stride(x, heads * head_dim)
+        a[_OUT], a[_WINDOW], a[_STEP] = _addr(out), window, step.address
+        a[_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
+        self._ptr = _addr(a)
+        self._kv: KVStorage | None = None
+
+    def _bind_kv(self, kv: KVStorage) -> None:
+        """Kernels for ``kv``'s storage and the addresses of this layer's pages."""
+        fns = _kernels(kv.dtype, *self._geometry, kv.page_size)
+        self._items = fns["items"]
+        self._write, self._run = (
+            jit.cfunc(fns[f], None, ctypes.c_void_p) for f in ("write", "run")
+        )
+        stores = [kv.k[self._layer], kv.v[self._layer]]
+        if kv.dtype == "q8_0":
+            stores += [kv.k_scale[self._layer], kv.v_scale[self._layer]]
+        for slot, array in zip((_K, _V, _KS, _VS), stores, strict=False):
+            self._args[slot] = _addr(array)
+        self._kv = kv
+
+    def __call__(self) -> None:
+        step = self._step
+        if step.kv is not self._kv:
+            self._bind_kv(step.kv)
+        items, threads = step.tokens * self._per_token, self._threads
+        # the last token's position stands in for the context length of every item
+        if threads > 1 and items >= 2 * threads and items * step.last >= _PARALLEL_MIN_WORK:
+            self._write(self._ptr)
+            pool.pool(threads).run(self._items, self._ptr, items, max(1, items // (4 * threads)))
         else:
-            self._call(self._args_ptr, 0, items)
+            self._run(self._ptr)

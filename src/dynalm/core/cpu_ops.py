@@ -16,9 +16,15 @@ import numpy as np
 
 
 class KVStorage(Protocol):
-    """Paged KV memory as the attention op sees it (owned by the runtime)."""
+    """Paged KV memory as the attention op sees it (owned by the runtime); the JIT kernel
+    reads and writes the per-layer arrays itself."""
 
     page_size: int
+    dtype: str  # "f32" | "f16" | "q8_0"
+    k: list[np.ndarray]  # per layer [slots, n_kv_heads, head_dim]
+    v: list[np.ndarray]
+    k_scale: list[np.ndarray]  # per layer, q8_0 only: f16 [slots, n_kv_heads, head_dim / 32]
+    v_scale: list[np.ndarray]
 
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store fp32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at ``slots`` (quantising

@@ -205,9 +205,10 @@ def _rms_norm(k: _Kernel, width: int, eps: float) -> None:
     k.loop(k.i64(0), k.count, 1, row)
 
 
-def _rope(k: _Kernel, n_heads: int, head_dim: int, rope_dim: int, neox: bool) -> None:
+def _rope(k: _Kernel, n_heads: int, head_dim: int, rope_dim: int, neox: bool, stride: int) -> None:
     """Rotate each head's first ``rope_dim`` dims by the token's angles; NeoX pairs
-    (i, i + rope_dim/2), the GGUF llama layout pairs (2i, 2i + 1); the rest is copied."""
+    (i, i + rope_dim/2), the GGUF llama layout pairs (2i, 2i + 1); the rest is copied.
+    The rows of ``x`` are ``stride`` floats apart (a column range of a wider buffer)."""
     out, x, pos, cos, sin = k.ptrs
     b = k.b
     half = k.i64(rope_dim // 2)
@@ -218,16 +219,18 @@ def _rope(k: _Kernel, n_heads: int, head_dim: int, rope_dim: int, neox: bool) ->
 
         def head(h: ir.Value) -> None:
             base = b.mul(b.add(b.mul(t, k.i64(n_heads)), h), k.i64(head_dim))
+            src = b.add(b.mul(t, k.i64(stride)), b.mul(h, k.i64(head_dim)))
 
             def pair(i: ir.Value, w: int) -> None:
                 c = k.load(cos, b.add(angle0, i), w)
                 s = k.load(sin, b.add(angle0, i), w)
                 if neox:
                     ia, ib = b.add(base, i), b.add(b.add(base, half), i)
-                    xa, xb = k.load(x, ia, w), k.load(x, ib, w)
+                    xa = k.load(x, b.add(src, i), w)
+                    xb = k.load(x, b.add(b.add(src, half), i), w)
                 else:
                     at = b.add(base, b.mul(i, k.i64(2)))
-                    both = k.load(x, at, 2 * w)
+                    both = k.load(x, b.add(src, b.mul(i, k.i64(2))), 2 * w)
                     xa, xb = (
                         b.shuffle_vector(
                             both,
@@ -254,7 +257,7 @@ def _rope(k: _Kernel, n_heads: int, head_dim: int, rope_dim: int, neox: bool) ->
                 k.lanes(
                     k.i64(rope_dim),
                     k.i64(head_dim),
-                    lambda i, w: k.store(k.load(x, b.add(base, i), w), out, b.add(base, i)),
+                    lambda i, w: k.store(k.load(x, b.add(src, i), w), out, b.add(base, i)),
                 )
 
         k.loop(k.i64(0), k.i64(n_heads), 1, head)
@@ -301,9 +304,6 @@ MAX_WORDS = 6  # the largest argument block (rope: count + 5 arrays)
 def _bind(
     fn: Callable[[int], None], count: int, arrays: tuple[np.ndarray, ...], block: np.ndarray | None
 ) -> BoundKernel:
-    for a in arrays:
-        if not a.flags.c_contiguous:
-            raise ValueError(f"kernel arrays must be C-contiguous, got strides {a.strides}")
     words = [count, *(a.__array_interface__["data"][0] for a in arrays)]
     if block is None:
         block = np.empty(len(words), np.int64)
@@ -315,9 +315,12 @@ def _bind(
 
 
 def _f32(*arrays: np.ndarray) -> None:
+    """Check that the kernel may index ``arrays`` as dense float32."""
     for a in arrays:
         if a.dtype != np.float32:
             raise ValueError(f"kernel arrays must be float32, got {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"kernel arrays must be C-contiguous, got strides {a.strides}")
 
 
 def add(
@@ -368,15 +371,18 @@ def rope(
     block: np.ndarray | None = None,
 ) -> BoundKernel:
     """Rotary embedding of ``x [T, heads * head_dim]`` at ``positions [T]`` (int64) with
-    angle tables ``cos``/``sin`` ``[max_position + 1, rope_dim / 2]``."""
-    _f32(out, x, cos, sin)
+    angle tables ``cos``/``sin`` ``[max_position + 1, rope_dim / 2]``. The rows of ``x``
+    may be strided (a view of some columns of a wider buffer)."""
+    _f32(out, cos, sin, x[:1])  # x: dense rows, at the stride compiled in
     assert out.shape == x.shape and x.shape[1] % head_dim == 0 and positions.dtype == np.int64
     assert cos.shape == sin.shape and cos.shape[1] == rope_dim // 2
+    assert positions.flags.c_contiguous
     fn = _compiled(
         "rope",
         n_heads=x.shape[1] // head_dim,
         head_dim=head_dim,
         rope_dim=rope_dim,
         neox=neox,
+        stride=x.strides[0] // 4,
     )
     return _bind(fn, x.shape[0], (out, x, positions, cos, sin), block)

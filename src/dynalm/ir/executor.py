@@ -6,7 +6,10 @@ Binding turns every node into a zero-argument call: weights prepared by the devi
 reading their operands from a table of views. A step copies its inputs into planned
 input buffers and calls the list in order; only when the step's token count changes
 are the views re-sliced and the kernels' row counts rewritten. Nothing is allocated,
-looked up or closed over per op.
+looked up or closed over per op. A ``split`` marked ``view`` is no call at all: its value
+is a view of its source's columns, which rope and attention read with a row stride. The
+attention kernels read the step's layout (page tables, slots) from one block that ``run``
+fills once per step.
 
 ``--mode safe`` binds the numpy references of ``core.cpu_ops`` instead of the JIT
 kernels: the oracle the fast path is tested against.
@@ -53,6 +56,7 @@ class Executor:
         self._rope_tables: dict[tuple, cpu_ops.RopeTable] = {}
         self._rope_positions = 256  # positions the rope tables cover (they grow on demand)
         self._batch: AttentionBatch | None = None
+        self._layout = attention.StepLayout()  # what the native attention kernels read
         # Merged weights (pass merge-matmuls): name -> the model tensors stacked by rows.
         self._parts: dict[str, tuple[str, ...]] = {}
         for node in graph.nodes:
@@ -74,7 +78,12 @@ class Executor:
         self._full: dict[int, np.ndarray] = {v.id: self._inputs[n] for n, v in graph.inputs.items()}
         rows_of = {v.id: str(v.type.shape[0]) for v in graph.inputs.values()}
         for node in graph.nodes:
-            self._full[node.out.id] = self._buffers[slot_of[node.out.id]]
+            if node.out.id in slot_of:
+                self._full[node.out.id] = self._buffers[slot_of[node.out.id]]
+            else:  # a view split
+                start = node.attrs["start"]
+                source = self._full[node.args[0].id]
+                self._full[node.out.id] = source[:, start : start + node.out.type.row_width]
             rows_of[node.out.id] = str(node.out.type.shape[0])
         # One view per (buffer, row symbol): values sharing a slot share its view.
         self._sliced: list[tuple[np.ndarray, str]] = []
@@ -94,7 +103,8 @@ class Executor:
         # Consecutive splits of one value (merge-matmuls) run as one call.
         self._calls: list[Call] = []
         self.ops: list[str] = []
-        nodes, i = graph.nodes, 0
+        nodes = [n for n in graph.nodes if n.out.id in slot_of]  # views need no call
+        i = 0
         while i < len(nodes):
             j = i + 1
             if nodes[i].op == "split":
@@ -236,20 +246,10 @@ class Executor:
             pos = self._view_of[self.graph.inputs["positions"].id]
             layer, n_kv, head_dim = a["layer"], a["n_kv_heads"], a["head_dim"]
             if native and attention.supported(head_dim, "f32"):
-                paged = attention.PagedAttention(
-                    a["n_heads"], n_kv, head_dim, a["scale"], a["window"], self.device.threads
+                geometry = (a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
+                return attention.PagedAttention(
+                    self._layout, layer, *geometry, self.device.threads, out, *ins
                 )
-
-                def attend() -> None:
-                    batch, n = self._batch, len(v[q])
-                    kv_shape = (n, n_kv, head_dim)
-                    batch.kv.write(
-                        layer, batch.slots, v[k].reshape(kv_shape), v[vv].reshape(kv_shape)
-                    )
-                    pages, seq_of = batch.kernel_tables
-                    paged(v[o], v[q], layer, batch.kv, pages, seq_of, v[pos])
-
-                return attend
             attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
             return lambda: cpu_ops.attention(v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs)
         if op == "add":
@@ -267,8 +267,6 @@ class Executor:
             return lambda: cpu_ops.silu(v[o], v[args[0]])
         if op == "gelu_tanh":
             return lambda: cpu_ops.gelu_tanh(v[o], v[args[0]])
-        if op == "split":
-            return self._split([node])
         if op == "select_rows":
             return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
         raise NotImplementedError(f"the CPU device has no kernel for op '{op}'")
@@ -297,6 +295,8 @@ class Executor:
         if self._shape != (n_tokens, n_logits):
             self._resize(n_tokens, n_logits)
         self._batch = batch
+        if self._native:
+            self._layout.set(batch, ins["positions"])
         if self.profile is None:
             for call in self._calls:
                 call()

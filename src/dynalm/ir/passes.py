@@ -11,7 +11,10 @@ the passes turn that graph into fewer, fused ops for the executor:
 * ``fuse-gated``: ``mul(silu(g), u)`` -> ``swiglu(g, u)`` and
   ``mul(gelu_tanh(g), u)`` -> ``geglu(g, u)`` (one kernel, no intermediate);
 * ``fuse-residual``: ``add(x, matmul(h, W))`` -> ``matmul_add(h, x, W)``, the residual
-  added into the matmul's output buffer (one executor step instead of two).
+  added into the matmul's output buffer (one executor step instead of two);
+* ``view-splits``: a ``split`` read only by operands that take strided rows
+  (``VIEW_OPERANDS``: rope's input, attention's q/k/v) becomes a view of its source's
+  columns (``attrs["view"]``), so q/k/v are never copied out of the merged matmul.
 
 A pass returns a new graph and never mutates its input. :func:`verify` runs before the
 first pass and after every pass, so a broken rewrite is reported by name.
@@ -19,10 +22,10 @@ first pass and after every pass, so a broken rewrite is reported by name.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from dynalm.core.quant import QUANT_FORMATS
 from dynalm.ir.graph import Graph, Node, TensorType, Value, Weight
@@ -58,6 +61,8 @@ ARITY = {
     "select_rows": 2,
     "split": 1,
 }
+# Operands whose kernels read rows at any stride, so they may be views of a wider value.
+VIEW_OPERANDS = {"rope": (0,), "attention": (0, 1, 2)}
 _SAME_SHAPE = {"add", "mul", "swiglu", "geglu"}  # operands shaped like the result
 _GATES = {"silu": "swiglu", "gelu_tanh": "geglu"}
 
@@ -68,8 +73,10 @@ class GraphError(ValueError):
 
 def verify(graph: Graph) -> None:
     """SSA (each value defined once, before use), known ops with the right operand
-    count, element-wise operands shaped like their result, matmul widths matching."""
+    count, element-wise operands shaped like their result, matmul widths matching, views
+    read only where ``VIEW_OPERANDS`` allows."""
     defined = {v.id for v in graph.inputs.values()}
+    views = {n.out.id for n in graph.nodes if n.op == "split" and n.attrs.get("view")}
     if len(defined) != len(graph.inputs):
         raise GraphError("two graph inputs share a value")
     for i, node in enumerate(graph.nodes):
@@ -78,9 +85,11 @@ def verify(graph: Graph) -> None:
             raise GraphError(f"{where}: unknown op")
         if len(node.args) != ARITY[node.op]:
             raise GraphError(f"{where}: {len(node.args)} operands, expected {ARITY[node.op]}")
-        for arg in node.args:
+        for i, arg in enumerate(node.args):
             if arg.id not in defined:
                 raise GraphError(f"{where}: uses {arg} before it is defined")
+            if arg.id in views and i not in VIEW_OPERANDS.get(node.op, ()):
+                raise GraphError(f"{where}: operand {i} cannot be the view {arg}")
         if node.out.id in defined:
             raise GraphError(f"{where}: {node.out} is defined twice")
         defined.add(node.out.id)
@@ -106,6 +115,8 @@ def verify(graph: Graph) -> None:
     for name, out in graph.outputs.items():
         if out.id not in defined:
             raise GraphError(f"output {name!r} ({out}) is never defined")
+        if out.id in views:
+            raise GraphError(f"output {name!r} ({out}) is a view")
 
 
 def _uses(graph: Graph) -> Counter[int]:
@@ -229,7 +240,23 @@ def merge_matmuls(graph: Graph) -> Graph:
     return Graph(graph.name, dict(graph.inputs), nodes, dict(graph.outputs))
 
 
-@dataclass(frozen=True)
+def view_splits(graph: Graph) -> Graph:
+    """Mark the splits whose every reader takes views (and that are no graph output)."""
+    copies = {v.id for v in graph.outputs.values()}  # values that must own their rows
+    for node in graph.nodes:
+        for i, arg in enumerate(node.args):
+            if i not in VIEW_OPERANDS.get(node.op, ()):
+                copies.add(arg.id)
+    nodes = [
+        dataclasses.replace(n, attrs={**n.attrs, "view": True})
+        if n.op == "split" and n.out.id not in copies
+        else n
+        for n in graph.nodes
+    ]
+    return Graph(graph.name, dict(graph.inputs), nodes, dict(graph.outputs))
+
+
+@dataclasses.dataclass(frozen=True)
 class Pass:
     name: str
     run: Callable[[Graph], Graph]
@@ -239,6 +266,7 @@ OPTIMIZE = (
     Pass("merge-matmuls", merge_matmuls),
     Pass("fuse-gated", fuse_gated),
     Pass("fuse-residual", fuse_residual),
+    Pass("view-splits", view_splits),
 )
 
 
