@@ -9,11 +9,15 @@ alternating the two engines run by run, so both see the same load on a shared
 machine; the ratio column is what to compare. ``--profile`` splits a decode step into
 time inside each kind of kernel and time outside kernels (executor, scheduler,
 sampling: the Python overhead).
+
+Peak RSS is DynaLM's own: ``getrusage`` reports the whole process, so it is read after
+DynaLM's warm-up pass (one run of every test) and before llama.cpp is loaded.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -133,29 +137,70 @@ class Result:
         }
 
 
-def run_tests(
-    runners: list[Runner], tests: list[Test], repetitions: int, n_vocab: int, seed: int = 0
-) -> list[Result]:
-    """Each test once untimed per runner (warm-up, JIT compiles), then ``repetitions``
-    rounds; within a round the runners alternate so they share the machine's load."""
-    rng = np.random.default_rng(seed)
-    ids = {t.name: rng.integers(0, n_vocab, t.n).tolist() for t in tests}
-    prompt = rng.integers(0, n_vocab, TG_PROMPT).tolist()
-    results = {(r.name, t.name): Result(r.name, t.name) for t in tests for r in runners}
+class Workload:
+    """The token ids of each test, drawn once so every runner and run sees the same."""
 
-    def once(runner: Runner, test: Test) -> float:
+    def __init__(self, tests: list[Test], n_vocab: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.tests = tests
+        self.ids = {t.name: rng.integers(0, n_vocab, t.n).tolist() for t in tests}
+        self.prompt = rng.integers(0, n_vocab, TG_PROMPT).tolist()
+
+    def once(self, runner: Runner, test: Test) -> float:
+        """One run of ``test``, in tokens/s."""
         if test.kind == "pp":
-            return test.n / runner.prefill(ids[test.name])
-        return test.n / runner.decode(prompt, ids[test.name])
+            return test.n / runner.prefill(self.ids[test.name])
+        return test.n / runner.decode(self.prompt, self.ids[test.name])
 
-    for test in tests:
-        for runner in runners:
-            once(runner, test)
-    for _ in range(repetitions):
-        for test in tests:
-            for runner in runners:
-                results[runner.name, test.name].rates.append(once(runner, test))
-    return list(results.values())
+    def warm_up(self, runner: Runner) -> None:
+        """Each test once untimed (JIT compiles, first binding, buffers)."""
+        for test in self.tests:
+            self.once(runner, test)
+
+    def rounds(self, runners: list[Runner], repetitions: int) -> list[Result]:
+        """``repetitions`` rounds; within a round the runners alternate so they share the
+        machine's load."""
+        results = {(r.name, t.name): Result(r.name, t.name) for t in self.tests for r in runners}
+        for _ in range(repetitions):
+            for test in self.tests:
+                for runner in runners:
+                    results[runner.name, test.name].rates.append(self.once(runner, test))
+        return list(results.values())
+
+
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+@dataclass
+class Memory:
+    """DynaLM's peak RSS against the budget: GGUF file + KV pool + 300 MB."""
+
+    peak_rss: int
+    file: int
+    kv: int
+    slack: int = 300 * 10**6
+
+    @property
+    def budget(self) -> int:
+        return self.file + self.kv + self.slack
+
+    def as_json(self) -> dict[str, int]:
+        keys = ("peak_rss", "file", "kv", "budget")
+        return {f"{k}_bytes": getattr(self, k) for k in keys}
+
+    def line(self) -> str:
+        mb = 10**6
+        verdict = "within" if self.peak_rss <= self.budget else "OVER"
+        return (
+            f"dynalm peak RSS {self.peak_rss / mb:.1f} MB, {verdict} the budget "
+            f"{self.budget / mb:.1f} MB = file {self.file / mb:.1f} + KV {self.kv / mb:.1f} "
+            f"+ {self.slack / mb:.0f}"
+        )
 
 
 def format_table(results: list[Result], header: str, engines: list[str]) -> str:
@@ -282,6 +327,7 @@ def bench_command(
     profile: bool,
 ) -> str:
     """Everything ``dynalm bench`` prints to stdout."""
+    import importlib.util
     import json
 
     from dynalm.core.device import select_device
@@ -293,7 +339,8 @@ def bench_command(
         raise InvalidRequest(f"-r must be at least 1, got {repetitions}")
     device = select_device("cpu", mode, threads)
     ctx = max(t.n for t in tests) + TG_PROMPT + 16
-    peer = LlamaCppRunner(path, device.threads, ctx) if vs else None  # fails fast if missing
+    if vs and importlib.util.find_spec("llama_cpp") is None:  # fail before loading anything
+        raise InvalidRequest(INSTALL_HINT)
     model = load_model(path)
     n_vocab = model.hparams.n_vocab
     ours = DynaLMRunner(model, device, ctx)
@@ -306,13 +353,21 @@ def bench_command(
             return json.dumps({**summary, "profile": prof.as_json()})
         head = f"model {model.name} · file {path} · threads {device.threads} · mode {mode}"
         return f"{head}\n\n{prof.table()}"
-    runners: list[Runner] = [ours] if peer is None else [ours, peer]
-    results = run_tests(runners, tests, repetitions, n_vocab)
+    work = Workload(tests, n_vocab)
+    work.warm_up(ours)
+    memory = Memory(peak_rss(), path.stat().st_size, ours.engine.pool.nbytes)
+    runners: list[Runner] = [ours]
+    if vs:
+        runners.append(LlamaCppRunner(path, device.threads, ctx))
+        work.warm_up(runners[-1])
+    results = work.rounds(runners, repetitions)
     if as_json:
-        return json.dumps({**summary, "results": [r.as_json() for r in results]})
-    size = path.stat().st_size / 2**20
+        return json.dumps(
+            {**summary, "results": [r.as_json() for r in results], "memory": memory.as_json()}
+        )
     header = (
-        f"model {model.name} · file {path} ({size:.1f} MiB) · threads {device.threads} · "
-        f"mode {mode} · {repetitions} runs" + (", engines alternating" if peer else "")
+        f"model {model.name} · file {path} ({memory.file / 2**20:.1f} MiB) · "
+        f"threads {device.threads} · mode {mode} · {repetitions} runs"
+        + (", engines alternating" if vs else "")
     )
-    return format_table(results, header, [r.name for r in runners])
+    return f"{format_table(results, header, [r.name for r in runners])}\n\n{memory.line()}"

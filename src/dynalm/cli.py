@@ -247,11 +247,13 @@ def run(
         device = _device(backend, cpu, gpu, mode, threads)
         t0 = time.perf_counter()
         loaded = load_model(ModelStore().resolve(model))
+        t1 = time.perf_counter()
         generator = Generator(loaded, device, ctx=ctx, kv_dtype=kv_cache_dtype)
-        if verbose:
+        if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
-                f"[dim]loaded {loaded.name} on {device.describe()} in "
-                f"{time.perf_counter() - t0:.2f} s[/]"
+                f"[dim]loaded {loaded.name} on {device.describe()}: file {t1 - t0:.2f} s, "
+                f"bind {time.perf_counter() - t1:.2f} s (weight repack "
+                f"{device.repack_seconds:.2f} s)[/]"
             )
         text = _read_prompt(prompt)
         if text is None:

@@ -73,6 +73,17 @@ def test_run_reads_stdin_and_verbose_reports_speed(smollm2_gguf: Path):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens/s" in result.stderr and "tokens/s" not in result.stdout
+    assert "weight repack" in result.stderr and "first token after" in result.stderr
+
+
+def test_run_imports_nothing_it_does_not_use(smollm2_gguf: Path):
+    """Start-up time: `run` never pays for the server, the downloader or transformers."""
+    cmd = [sys.executable, "-X", "importtime", *DYNALM[1:], "run", str(smollm2_gguf), "hi"]
+    result = subprocess.run([*cmd, *GREEDY], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in result.stderr.splitlines()}
+    for heavy in ("fastapi", "uvicorn", "transformers", "torch", "httpx", "huggingface_hub"):
+        assert heavy not in imported, heavy
 
 
 def test_same_seed_same_output(smollm2_gguf: Path):

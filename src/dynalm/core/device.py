@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -62,6 +63,7 @@ class CpuDevice:
             raise InvalidRequest(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
         self.mode = mode
         self.threads = threads or physical_cores()
+        self.repack_seconds = 0.0  # spent repacking weights for the JIT kernels (--verbose)
 
     def describe(self) -> str:
         return f"cpu ({self.threads} threads, mode {self.mode})"
@@ -88,8 +90,12 @@ class CpuDevice:
             dense = quant.dequantize(raw, ggml_type, n_cols)
             return lambda x, out: np.matmul(x, dense.T, out=out)
         if kernel.startswith("jit-") and n_cols % 32 == 0:
-            mode = kernel.removeprefix("jit-")
-            return QuantMatmul(raw, ggml_type, n_cols, mode=mode, threads=self.threads)
+            t0 = time.perf_counter()
+            mm = QuantMatmul(
+                raw, ggml_type, n_cols, mode=kernel.removeprefix("jit-"), threads=self.threads
+            )
+            self.repack_seconds += time.perf_counter() - t0
+            return mm
         # Formats without a JIT kernel yet: dequantise L2-sized row tiles, multiply with BLAS.
         tile_rows = max(1, _TILE_BYTES // (4 * n_cols))
         tiles = [(r, min(n_rows, r + tile_rows)) for r in range(0, n_rows, tile_rows)]

@@ -19,6 +19,7 @@ before anything is allocated, so a corrupt file never costs gigabytes of memory.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -112,6 +113,21 @@ class _Cursor:
         # surrogateescape: a token that is not valid UTF-8 keeps its bytes recoverable
         return bytes(self.buf[start : start + n]).decode("utf-8", "surrogateescape")
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """``n`` strings in a row: ``string`` inlined, as a vocabulary has ~100k of them and
+        this loop was most of the load time."""
+        buf, size, pos, out = self.buf, self.size, self.pos, []
+        length = struct.Struct("<Q").unpack_from
+        for i in range(n):
+            if size - pos < 8 or (k := length(buf, pos)[0]) > size - pos - 8:
+                self.pos = pos
+                self.string(f"{what}[{i}]")  # truncated: raises the error naming the element
+            pos += 8
+            out.append(str(buf[pos : pos + k], "utf-8", "surrogateescape"))
+            pos += k
+        self.pos = pos
+        return out
+
     def count(self, min_item_bytes: int, what: str) -> int:
         """A u64 element count, refused when the elements cannot fit in the rest of the file."""
         n = self.u64(f"count of {what}")
@@ -135,8 +151,7 @@ class _Cursor:
             arr = np.frombuffer(self.buf, dtype, n, start).astype(dtype.newbyteorder("="))
             return arr.astype(bool) if etype == 7 else arr
         if etype == _STRING:
-            n = self.count(_MIN_STRING_BYTES, f"strings of {what}")
-            return [self.string(f"{what}[{i}]") for i in range(n)]
+            return self.strings(self.count(_MIN_STRING_BYTES, f"strings of {what}"), what)
         if etype == _ARRAY:
             n = self.count(_MIN_ARRAY_BYTES, f"arrays of {what}")
             return [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(n)]
@@ -260,6 +275,13 @@ class GGUFFile:
         row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
         view = self._map[info.offset : info.offset + info.nbytes].view(np.ndarray)
         return view.reshape(*info.shape[:-1], row_bytes)
+
+    def release_pages(self) -> None:
+        """Let the OS unmap the file's resident pages from this process: once the weights
+        are repacked into memory of their own, the map would count them twice in RSS. A page
+        read again faults back in from the page cache (no disk read while it stays cached)."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map._mmap.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         """Drop this object's map; views from ``raw`` keep the mapping alive until freed."""

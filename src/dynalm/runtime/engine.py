@@ -13,12 +13,12 @@ background thread and hands outputs to asyncio consumers.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +170,7 @@ class Engine:
         self.executor = Executor(
             model.graph, device, model.weights, max_tokens=config.max_num_batched_tokens
         )
+        model.gguf.release_pages()  # the executor holds its own (repacked) copy of the weights
         self._streams: dict[str, _Stream] = {}
         self._aborts: set[str] = set()
         self._ready: list[RequestOutput] = []  # outputs decided outside a step
@@ -383,6 +387,8 @@ class AsyncEngine:
             raise QueueFull("the server is shutting down")
         if request_id in self._consumers:
             raise InvalidRequest(f"request id '{request_id}' is already in use")
+        import asyncio  # here: `dynalm run` never needs it, and it costs start-up time
+
         queue: asyncio.Queue = asyncio.Queue()
         # Listen before adding: the engine thread may produce the first output at once.
         self._consumers[request_id] = (asyncio.get_running_loop(), queue)

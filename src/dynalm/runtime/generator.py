@@ -42,7 +42,8 @@ class GenerationStats:
         tg = (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds else 0.0
         return (
             f"prompt: {self.prompt_tokens} tokens ({self.cached_tokens} cached), "
-            f"prefill {pp:.1f} tokens/s | generated: {self.generated_tokens} tokens, "
+            f"prefill {pp:.1f} tokens/s, first token after {self.prefill_seconds:.2f} s | "
+            f"generated: {self.generated_tokens} tokens, "
             f"decode {tg:.1f} tokens/s"
         )
 
