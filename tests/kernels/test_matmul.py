@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from dynalm.core import matmul
+from dynalm.core import elementwise, matmul, pool
 from dynalm.core.matmul import QuantMatmul
 from dynalm.core.quant import QK_K, dequantize, random_blocks
 
@@ -93,6 +93,28 @@ def test_threads_split_rows_identically(monkeypatch: pytest.MonkeyPatch, mode: s
         for _ in range(50):  # many jobs in a row: the pool hands over without losing one
             for mm in many:
                 assert np.array_equal(mm(x), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_native_program_runs_like_direct_calls(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Two chained matmuls and an add kernel as one ``pool.Program``: the second reads what
+    the first wrote, within the same native call."""
+    monkeypatch.setattr(matmul, "_PARALLEL_MIN_BYTES", 0)
+    first = QuantMatmul(weights(T.Q4_1, 224, 576), T.Q4_1, 576, mode="auto", threads=threads)
+    second = QuantMatmul(weights(T.Q8_0, 576, 224), T.Q8_0, 224, mode="exact", threads=threads)
+    x = activations(5, 576)
+    expected = second(first(x)) + x
+    h, y, total = np.zeros((5, 224), np.float32), *np.zeros((2, 5, 576), np.float32)
+    add = elementwise.add(total, y, x)
+    records = first.records(x, h) + second.records(h, y) + add.records()
+    assert {kind for kind, *_ in records} >= ({pool.SPLIT} if threads > 1 else {pool.RANGE})
+    program = pool.Program(records, threads)
+    for _ in range(3):
+        total[...] = 0
+        program()
+        assert np.array_equal(total, expected)
 
 
 def test_reused_buffers_see_new_values_and_shapes() -> None:

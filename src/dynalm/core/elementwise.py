@@ -26,7 +26,7 @@ from collections.abc import Callable
 import llvmlite.ir as ir
 import numpy as np
 
-from dynalm.core import jit
+from dynalm.core import jit, pool
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -296,6 +296,10 @@ class BoundKernel(functools.partial):
 
     block: np.ndarray  # int64 [1 + n_arrays]: the count, then the arrays' addresses
     arrays: tuple[np.ndarray, ...]  # kept alive while the kernel may run
+
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        """This call as a ``pool.Program`` record."""
+        return [(pool.PLAIN, ctypes.cast(self.func, ctypes.c_void_p).value, self.args[0], 0, 0)]
 
 
 MAX_WORDS = 6  # the largest argument block (rope: count + 5 arrays)

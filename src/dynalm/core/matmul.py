@@ -852,8 +852,10 @@ class QuantMatmul:
         self._qargs = (ctypes.c_int64 * _N_ARGS)()
         self._qargs[_A_NB] = self._nb
         self._qargs_at = ctypes.addressof(self._qargs)
+        self._pool = pool.pool(self._threads) if self._threads > 1 else None
         self._x: np.ndarray | None = None
         self._out: np.ndarray | None = None
+        self._calls: list[tuple[int, int, int, int, int]] = []
         self._scratch_rows = 0
 
     @staticmethod
@@ -892,23 +894,36 @@ class QuantMatmul:
         self._out = out
         self._args[_A_Y] = _address(out)
 
-    def _run(self, which: int, args: int, total: int, chunk: int) -> None:
-        if self._threads == 1 or total <= chunk:
-            self._kernels.calls[which](args, 0, total)
-        else:
-            pool.pool(self._threads).run(self._kernels.addresses[which], args, total, chunk)
+    def records(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        """``self(x, out)`` as native calls: ``pool.Program`` records (kind, fn, args,
+        total, chunk), valid while ``x`` and ``out`` stay this object's bound arrays."""
+        fns = self._kernels.addresses
+        return [(kind, fns[k], *rest) for kind, k, *rest in self._plan(x, out)]
+
+    def _plan(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        """Bind ``x``/``out``; the calls of one product: (kind, kernel, args, total, chunk)."""
+        if x is self._x and out is self._out:
+            return self._calls
+        if x is not self._x:
+            self._bind_x(x)
+        self._bind_out(out)
+        t_rows, threads = x.shape[0], self._threads
+        calls = [(0 if t_rows < self._kernels.mr else 1, self._args_at, self.n_rows, self._chunk)]
+        if self.mode == "auto":  # quantise the activations first
+            calls.insert(0, (2, self._qargs_at, t_rows, -(-t_rows // threads)))
+        self._calls = [
+            (pool.SPLIT if threads > 1 and total > chunk else pool.RANGE, which, args, total, chunk)
+            for which, args, total, chunk in calls
+        ]
+        return self._calls
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """y = x @ W^T; ``x`` C-contiguous float32 [T, K], ``out`` float32 [T, N] or None."""
-        if x is not self._x:
-            self._bind_x(x)
         if out is None:
             out = np.empty((x.shape[0], self.n_rows), np.float32)
-        if out is not self._out:
-            self._bind_out(out)
-        t_rows = x.shape[0]
-        if self.mode == "auto":
-            self._run(2, self._qargs_at, t_rows, -(-t_rows // self._threads))
-        path = 0 if t_rows < self._kernels.mr else 1
-        self._run(path, self._args_at, self.n_rows, self._chunk)
+        for kind, which, args, total, chunk in self._plan(x, out):
+            if kind == pool.SPLIT:
+                self._pool.run(self._kernels.addresses[which], args, total, chunk)
+            else:
+                self._kernels.calls[which](args, 0, total)
         return out

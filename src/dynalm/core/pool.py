@@ -38,6 +38,8 @@ SPIN = 1 << 12
 # OS descheduled that worker: the machine is oversubscribed), run this many jobs alone
 # before trying the workers again.
 SOLO_JOBS = 1000
+# Kinds of the records of a native program (``Program``).
+PLAIN, RANGE, SPLIT = 0, 1, 2
 
 # State, one cache line per word. GEN: job generation (the workers' futex word); NEXT: the
 # job generation << 32 | next free row (CLOSED while the job fields are rewritten); DONE:
@@ -236,6 +238,45 @@ stalled:
 exit:
   ret void
 }}
+
+; Run %n native calls in a row (a compiled stretch of a model step), records of 5 words:
+; kind, fn, args, total, chunk. Kind {PLAIN}: fn(args); {RANGE}: fn(args, 0, total) on this
+; thread; {SPLIT}: fn over [0, total) in chunks over the pool (%s may be null without it).
+define void @dynalm_pool_program(ptr %s, ptr %records, i64 %n) {{
+entry:
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i1, %next]
+  %more = icmp slt i64 %i, %n
+  br i1 %more, label %body, label %exit
+body:
+  %at = mul i64 %i, 5
+  %rec = getelementptr i64, ptr %records, i64 %at
+  %kind = load i64, ptr %rec, align 8
+  %fn_at = getelementptr i64, ptr %rec, i64 1
+  %fn = load ptr, ptr %fn_at, align 8
+  %args_at = getelementptr i64, ptr %rec, i64 2
+  %args = load ptr, ptr %args_at, align 8
+  %total_at = getelementptr i64, ptr %rec, i64 3
+  %total = load i64, ptr %total_at, align 8
+  %chunk_at = getelementptr i64, ptr %rec, i64 4
+  %chunk = load i64, ptr %chunk_at, align 8
+  switch i64 %kind, label %plain [i64 {RANGE}, label %range i64 {SPLIT}, label %split]
+plain:
+  call void %fn(ptr %args)
+  br label %next
+range:
+  call void %fn(ptr %args, i64 0, i64 %total)
+  br label %next
+split:
+  call void @dynalm_pool_run(ptr %s, ptr %fn, ptr %args, i64 %total, i64 %chunk)
+  br label %next
+next:
+  %i1 = add i64 %i, 1
+  br label %head
+exit:
+  ret void
+}}
 """
 
 
@@ -243,19 +284,19 @@ _Worker = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _Run = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64
 )
+_Program = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
 @cache
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     machine = platform.machine().lower().replace("arm64", "aarch64").replace("amd64", "x86_64")
     if not sys.platform.startswith("linux") or machine not in _SYS_FUTEX:
         return None
     libc_syscall = ctypes.CDLL(None).syscall
     llvm.add_symbol("dynalm_syscall", ctypes.cast(libc_syscall, ctypes.c_void_p).value)
-    addrs = jit.compile_ir(
-        _ir(_SYS_FUTEX[machine], *_PAUSE[machine]), ["dynalm_pool_worker", "dynalm_pool_run"]
-    )
-    return _Worker(addrs["dynalm_pool_worker"]), _Run(addrs["dynalm_pool_run"])
+    names = ["dynalm_pool_worker", "dynalm_pool_run", "dynalm_pool_program"]
+    addrs = jit.compile_ir(_ir(_SYS_FUTEX[machine], *_PAUSE[machine]), names)
+    return tuple(t(addrs[n]) for t, n in zip((_Worker, _Run, _Program), names, strict=True))
 
 
 def available() -> bool:
@@ -270,7 +311,7 @@ class Pool:
         functions = _functions()
         if functions is None:
             raise RuntimeError("the native worker pool needs Linux on x86-64 or AArch64")
-        worker, self._run = functions
+        worker, self._run, self._program = functions
         self.n_threads = n_threads
         buf = np.zeros(_STATE_BYTES + 64, np.uint8)  # cache-line aligned state words
         skip = -buf.__array_interface__["data"][0] % 64
@@ -288,8 +329,34 @@ class Pool:
         with self._lock:
             self._run(self._addr, fn, args, total, chunk)
 
+    def run_program(self, records: int, n: int) -> None:
+        """Run the ``n`` records at address ``records`` (see ``Program``)."""
+        with self._lock:
+            self._program(self._addr, records, n)
+
 
 @cache
 def pool(n_threads: int) -> Pool:
     """The process's pool of ``n_threads`` threads (created on first use, never stopped)."""
     return Pool(n_threads)
+
+
+class Program:
+    """Native calls run back to back by one call into the JIT (no Python between them):
+    records ``(kind, fn, args, total, chunk)`` of kinds ``PLAIN`` ``fn(args)``, ``RANGE``
+    ``fn(args, 0, total)`` and ``SPLIT`` (``fn`` over ``[0, total)`` on the pool of
+    ``threads``; only with ``threads > 1``)."""
+
+    def __init__(self, records: list[tuple[int, int, int, int, int]], threads: int) -> None:
+        self._records = np.array(records, np.int64).reshape(-1, 5)
+        self._n = len(self._records)
+        self._at = self._records.__array_interface__["data"][0]
+        split = bool((self._records[:, 0] == SPLIT).any())
+        self._pool = pool(threads) if split else None
+        self._program = _functions()[2]
+
+    def __call__(self) -> None:
+        if self._pool is not None:
+            self._pool.run_program(self._at, self._n)
+        else:
+            self._program(None, self._at, self._n)
