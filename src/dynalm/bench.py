@@ -170,6 +170,15 @@ class Workload:
 
 def peak_rss() -> int:
     """The process's peak resident set so far, in bytes."""
+    # Linux: VmHWM of this process's own memory. getrusage's maxrss also counts the
+    # parent's resident set at fork (it survives exec), e.g. a fat test runner's.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
