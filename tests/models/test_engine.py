@@ -15,7 +15,6 @@ from dynalm.core.device import CpuDevice
 from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
-from dynalm.runtime.generator import Generator
 from dynalm.runtime.kv_cache import kv_bytes_per_token
 from dynalm.runtime.sampling import SamplingParams
 
@@ -72,12 +71,15 @@ def chat(model: LoadedModel, question: str) -> list[int]:
 
 
 def run(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams = GREEDY,
+    logprobs: int | None = None,
 ) -> list[list[RequestOutput]]:
     """Add all prompts at once and step until done; each request's outputs."""
     ids = [f"req-{next(_ids)}" for _ in prompts]
     for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params, stop_ids=frozenset())
+        engine.add_request(rid, prompt, params, stop_ids=frozenset(), logprobs=logprobs)
     outs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
     while engine.has_unfinished():
         for out in engine.step():
@@ -195,7 +197,13 @@ def test_no_leaks_with_32_concurrent_requests_and_8_cancelled(model, device):
     assert_no_leak(engine)
 
 
-def test_q8_0_kv_agrees_with_f16_at_half_the_bytes(model, device):
+def test_q8_0_kv_agrees_with_f16_at_half_the_bytes(model):
+    # Free-running greedy continuations in exact mode (in auto, int8 activations turn any
+    # tiny difference into another continuation: even f32 vs f16 KV agree on ~40 %). With
+    # its keys Hadamard-rotated (kv_cache), q8_0 KV still moves logits by ~0.2, so it may
+    # part from f16 only where f16's top two tokens are tied closer than that (TEXTS[1] at
+    # token 38: 0.006), and then runs its own way.
+    device = CpuDevice("exact")
     prompts = [encode(model, t) for t in TEXTS[:3]]
     params = SamplingParams(max_tokens=64, temperature=0, repeat_penalty=1.0)
     config = {"ctx": 128, "enable_prefix_caching": False}
@@ -203,15 +211,16 @@ def test_q8_0_kv_agrees_with_f16_at_half_the_bytes(model, device):
     q8 = Engine(model, device, EngineConfig(kv_cache_dtype="q8_0", **config))
     assert q8.pool.n_pages == f16.pool.n_pages
     assert q8.pool.nbytes / f16.pool.nbytes <= 0.54  # 34 bytes per 32 values vs 64
-    continuations = [tokens(o) for o in run(f16, prompts, params)]
-    # Along each f16 greedy continuation, the token q8_0 KV would pick at every position.
-    agree = total = 0
-    for prompt, cont in zip(prompts, continuations, strict=True):
-        scorer = Generator(model, device, ctx=128, kv_dtype="q8_0")
-        logits = scorer.forward(prompt + cont, all_logits=True)[len(prompt) - 1 : -1]
-        agree += int((logits.argmax(-1) == np.array(cont)).sum())
-        total += len(cont)
-    assert total == 3 * 64 and agree / total >= 0.9, f"{agree}/{total}"
+    refs, gots = run(f16, prompts, params, logprobs=2), run(q8, prompts, params)
+    agree = []
+    for ref, got in zip(refs, gots, strict=True):
+        chosen, y = [lp for out in ref for lp in out.logprobs], tokens(got)
+        assert len(chosen) == len(y) == 64
+        agree.append(sum(lp.token_id == b for lp, b in zip(chosen, y, strict=True)))
+        parted = next((lp for lp, b in zip(chosen, y, strict=True) if lp.token_id != b), None)
+        if parted:  # the first token where q8_0 picked another: f16's top two were tied
+            (_, top), (_, second) = parted.top_logprobs
+            assert top - second < 0.05, f"q8_0 overturned a clear choice; agreement {agree}"
 
 
 def test_logprobs_stop_strings_and_bad_requests(model, device):

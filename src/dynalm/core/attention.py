@@ -12,6 +12,8 @@ batch, and the native pool splits items across threads.
 
 The same module stores the step's keys and values into their pages first (``write``:
 f32, f16 or q8_0 exactly as ``PagePool.write`` does), and ``run`` does both in one call.
+q8_0 keys are stored Walsh-Hadamard rotated per 32 values (see ``kv_cache``), so an item
+rotates its queries once the same way and scales scores by 1/32 more.
 Everything a layer's kernel needs is bound once: its argument block holds the layer's
 buffers (q, k and v may be column ranges of a wider merged buffer: each has a row stride)
 and points at one :class:`StepLayout` block that the executor fills once per step (token
@@ -158,23 +160,41 @@ def _ptr(b: ir.IRBuilder, word: ir.Value) -> ir.Value:
     return b.inttoptr(word, _PTR)
 
 
+def _hadamard(b: ir.IRBuilder, xs: list[ir.Value]) -> list[ir.Value]:
+    """``kv_cache.hadamard`` of vectors ``xs`` (four per 32 values): the same butterfly
+    stages in the same order, h = 1, 2, 4 across lanes, then 8, 16 across vectors."""
+    xs = list(xs)
+    for h in (1, 2, 4):
+        for n, x in enumerate(xs):
+            lo = _shuffle(b, x, x, [j & ~h for j in range(LANES)])
+            hi = _shuffle(b, x, x, [j | h for j in range(LANES)])
+            pick = [j + LANES * bool(j & h) for j in range(LANES)]
+            xs[n] = _shuffle(b, b.fadd(lo, hi), b.fsub(lo, hi), pick)
+    for h in (1, 2):  # vector n pairs with n + h
+        for n in range(len(xs)):
+            if not n & h:
+                xs[n], xs[n + h] = b.fadd(xs[n], xs[n + h]), b.fsub(xs[n], xs[n + h])
+    return xs
+
+
 def _write(b: ir.IRBuilder, dtype: str, n_kv_heads: int, head_dim: int, args: ir.Value) -> None:
     """Store the step's keys and values at their slots, as ``PagePool.write`` does: cast
-    to f16, or q8_0 (scale ``max|x| / 127`` per 32 values, ``rint(x / scale)``)."""
+    to f16, or q8_0 (scale ``max|x| / 127`` per 32 values, ``rint(x / scale)``, keys
+    rotated first)."""
     a, s = _blocks(b, args)
     slots, ty = _ptr(b, s[_SLOTS]), _STORE[dtype]
     chunk = Q8_BLOCK if dtype == "q8_0" else LANES  # values converted together
     pairs = [
-        (_ptr(b, a[new]), a[stride], _ptr(b, a[store]), _ptr(b, a[scales]))
-        for new, stride, store, scales in (
-            (_K_NEW, _K_STRIDE, _K, _KS),
-            (_V_NEW, _V_STRIDE, _V, _VS),
+        (_ptr(b, a[new]), a[stride], _ptr(b, a[store]), _ptr(b, a[scales]), rotate)
+        for new, stride, store, scales, rotate in (
+            (_K_NEW, _K_STRIDE, _K, _KS, True),
+            (_V_NEW, _V_STRIDE, _V, _VS, False),
         )
     ]
 
     def token(t: ir.Value) -> None:
         slot = b.load(_at(b, slots, _I64, t), typ=_I64)
-        for new, stride, store, scales in pairs:
+        for new, stride, store, scales, rotate in pairs:
             for h in range(n_kv_heads):
                 src = b.add(b.mul(t, stride), _i64(h * head_dim))
                 dst = b.mul(b.add(b.mul(slot, _i64(n_kv_heads)), _i64(h)), _i64(head_dim))
@@ -184,7 +204,9 @@ def _write(b: ir.IRBuilder, dtype: str, n_kv_heads: int, head_dim: int, args: ir
                         for i in range(c, c + chunk, LANES)
                     ]
                     if dtype == "q8_0":
-                        xs = _quantise(b, xs, scales, b.add(dst, _i64(c)))
+                        xs = _quantise(
+                            b, _hadamard(b, xs) if rotate else xs, scales, b.add(dst, _i64(c))
+                        )
                     elif dtype == "f16":
                         xs = [b.fptrunc(x, ir.VectorType(ty, LANES)) for x in xs]
                     for i, x in enumerate(xs):
@@ -233,7 +255,10 @@ def _items(
     a, s = _blocks(b, args)
     q, out, k, v, ks, vs = (_ptr(b, a[i]) for i in (_Q, _OUT, _K, _V, _KS, _VS))
     pages, seq_of, pos = (_ptr(b, s[i]) for i in (_PAGES, _SEQ_OF, _POS))
-    scale = _splat(b, b.fptrunc(b.bitcast(a[_SCALE], ir.DoubleType()), _F32))
+    scale = b.fptrunc(b.bitcast(a[_SCALE], ir.DoubleType()), _F32)
+    if dtype == "q8_0":  # rotated q . rotated k = 32 q . k; exact in f32
+        scale = b.fmul(scale, ir.Constant(_F32, 1.0 / Q8_BLOCK))
+    scale = _splat(b, scale)
     neg_inf, zero = ir.Constant(_F32, float("-inf")), ir.Constant(_VEC, [0.0] * LANES)
     lane = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
     # Per item, on the stack: each head's running max and sum (promoted to registers by
@@ -264,6 +289,8 @@ def _items(
             ]
             for g in range(heads)
         ]
+        if dtype == "q8_0":  # like the stored keys
+            qv = [_hadamard(b, qg) for qg in qv]
         for g in range(heads):
             b.store(neg_inf, m[g])
             b.store(ir.Constant(_F32, 0.0), total[g])

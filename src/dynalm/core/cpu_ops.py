@@ -21,7 +21,7 @@ class KVStorage(Protocol):
 
     page_size: int
     dtype: str  # "f32" | "f16" | "q8_0"
-    k: list[np.ndarray]  # per layer [slots, n_kv_heads, head_dim]
+    k: list[np.ndarray]  # per layer [slots, n_kv_heads, head_dim]; q8_0: Hadamard-rotated
     v: list[np.ndarray]
     k_scale: list[np.ndarray]  # per layer, q8_0 only: f16 [slots, n_kv_heads, head_dim / 32]
     v_scale: list[np.ndarray]
@@ -31,7 +31,7 @@ class KVStorage(Protocol):
         if the pages are quantised)."""
 
     def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
+        """Keys (un-rotated) and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
 
 
 @dataclass
