@@ -57,6 +57,7 @@ class WeightSource(Protocol):
     def raw(self, name: str) -> np.ndarray: ...
     def tensor_type(self, name: str) -> int: ...
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
+    def release(self, name: str) -> None: ...
 
 
 class Executor:
@@ -179,6 +180,9 @@ class Executor:
                 "vector": self.device.vector,
             }[use]
             self._prepared[key] = prepare(raw, qtype, shape)
+            if isinstance(self._prepared[key], QuantMatmul):  # repacked: a copy of its own
+                for part in self._parts.get(name, (name,)):
+                    self._weights.release(part)
         return self._prepared[key]
 
     def _raw(self, name: str) -> tuple[np.ndarray, int, tuple[int, ...]]:

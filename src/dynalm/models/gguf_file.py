@@ -276,12 +276,19 @@ class GGUFFile:
         view = self._map[info.offset : info.offset + info.nbytes].view(np.ndarray)
         return view.reshape(*info.shape[:-1], row_bytes)
 
-    def release_pages(self) -> None:
-        """Let the OS unmap the file's resident pages from this process: once the weights
-        are repacked into memory of their own, the map would count them twice in RSS. A page
-        read again faults back in from the page cache (no disk read while it stays cached)."""
-        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self._map._mmap.madvise(mmap.MADV_DONTNEED)
+    def release_pages(self, name: str | None = None) -> None:
+        """Let the OS unmap the resident pages of tensor ``name`` (default: the whole file)
+        from this process: once weights are repacked into memory of their own, the map would
+        count them twice in RSS. A page read again faults back in from the page cache (no
+        disk read while it stays cached)."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = 0, len(self._map)
+        if name is not None:
+            info = self.tensors[name]
+            start = info.offset - info.offset % mmap.PAGESIZE
+            end = info.offset + info.nbytes
+        self._map._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Drop this object's map; views from ``raw`` keep the mapping alive until freed."""

@@ -35,6 +35,10 @@ class GGUFWeights:
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return self.gguf.tensors[name].shape
 
+    def release(self, name: str) -> None:
+        """The executor holds its own copy of ``name`` now: drop the mapped pages from RSS."""
+        self.gguf.release_pages(name)
+
 
 @dataclass
 class LoadedModel:
