@@ -250,6 +250,7 @@ class StepProfile:
     step_seconds: float  # mean wall time of one decode step (engine.step)
     kernel_seconds: dict[str, float]  # per op type, per step
     calls: Counter[str]  # per op type, per step
+    compiled_seconds: float  # the same steps unprofiled: runs of native calls as one program
 
     @property
     def outside_seconds(self) -> float:
@@ -261,6 +262,7 @@ class StepProfile:
             "step_ms": self.step_seconds * 1e3,
             "kernel_ms": {op: s * 1e3 for op, s in self.kernel_seconds.items()},
             "outside_ms": self.outside_seconds * 1e3,
+            "compiled_step_ms": self.compiled_seconds * 1e3,
         }
 
     def table(self) -> str:
@@ -282,6 +284,12 @@ class StepProfile:
             ("outside kernels", "", self.outside_seconds),
         ):
             lines.append(f"| {label:<24} | {calls:>10} | {s * 1e3:7.3f} | {100 * s / step:8.1f}% |")
+        compiled = self.compiled_seconds
+        lines += [
+            "",
+            f"unprofiled, each run of native calls as one compiled program: {compiled * 1e3:.2f} "
+            f"ms/step ({1 / compiled:.1f} tokens/s, {100 * (1 - compiled / step):.1f}% less)",
+        ]
         return "\n".join(lines)
 
 
@@ -290,21 +298,28 @@ def profile_decode(runner: DynaLMRunner, n_steps: int, n_vocab: int) -> StepProf
     engine, executor = runner.engine, runner.engine.executor
     prompt = np.random.default_rng(1).integers(0, n_vocab, TG_PROMPT).tolist()
     params = SamplingParams(max_tokens=n_steps + 1, temperature=0.0, repeat_penalty=1.0)
-    engine.add_request("bench-profile", prompt, params, stop_ids=frozenset())
-    engine.step()  # the prefill (and first token): not a decode step
-    executor.profile = {}
-    t0 = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    elapsed = time.perf_counter() - t0
-    kernels, executor.profile = executor.profile, None
+
+    def decode(name: str, profile: dict[str, float] | None) -> float:
+        """Seconds per decode step of one request."""
+        engine.add_request(name, prompt, params, stop_ids=frozenset())
+        engine.step()  # the prefill (and first token): not a decode step
+        executor.profile = profile
+        t0, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        executor.profile = None
+        return (time.perf_counter() - t0) / steps
+
+    kernels: dict[str, float] = {}
+    step = decode("bench-profile", kernels)
+    compiled = decode("bench-compiled", None)
     return StepProfile(
-        steps,
-        elapsed / steps,
-        {op: s / steps for op, s in kernels.items()},
+        n_steps,
+        step,
+        {op: s / n_steps for op, s in kernels.items()},
         Counter(executor.ops),
+        compiled,
     )
 
 
