@@ -784,7 +784,6 @@ def _kernels(ggml_type: int, mode: str, isa: str) -> _Kernels:
 # Split matmuls with more weight bytes than this over the native pool (a split costs a few
 # microseconds; a 192x576 Q4_1 GEMV takes ~7 us on one thread).
 _PARALLEL_MIN_BYTES = 32 * 1024
-_CHUNK_BYTES = 64 * 1024
 
 
 def default_threads() -> int:
@@ -840,10 +839,9 @@ class QuantMatmul:
         threads = threads or default_threads()
         small = raw.nbytes < _PARALLEL_MIN_BYTES
         self._threads = 1 if small or not pool.available() else threads
-        # Rows per pool chunk: at least 4 per thread so uneven threads even out, and at most
-        # ~64 KB of weights, so a worker descheduled while holding one delays little.
-        rows = min(-(-self.n_rows // (4 * self._threads)), _CHUNK_BYTES // raw.shape[1])
-        self._chunk = max(16, rows + 15 & ~15)
+        # The pool's smallest grab (its first grabs are larger, see core.pool): small enough
+        # to even out uneven threads at the end of a job.
+        self._chunk = max(16, -(-self.n_rows // (16 * self._threads)) + 15 & ~15)
         self._args = (ctypes.c_int64 * _N_ARGS)()
         self._args_at = ctypes.addressof(self._args)
         self._args[_A_W] = _address(self._weights)
