@@ -246,8 +246,10 @@ def format_table(results: list[Result], header: str, engines: list[str]) -> str:
 
 @dataclass
 class StepProfile:
+    test: Test
     steps: int
-    step_seconds: float  # mean wall time of one decode step (engine.step)
+    step_tokens: float  # tokens per step
+    step_seconds: float  # mean wall time of one step (engine.step)
     kernel_seconds: dict[str, float]  # per op type, per step
     calls: Counter[str]  # per op type, per step
     compiled_seconds: float  # the same steps unprofiled: runs of native calls as one program
@@ -258,6 +260,7 @@ class StepProfile:
 
     def as_json(self) -> dict[str, object]:
         return {
+            "test": self.test.name,
             "steps": self.steps,
             "step_ms": self.step_seconds * 1e3,
             "kernel_ms": {op: s * 1e3 for op, s in self.kernel_seconds.items()},
@@ -268,59 +271,61 @@ class StepProfile:
     def table(self) -> str:
         step = self.step_seconds
         kernels = sum(self.kernel_seconds.values())
+        kind = "decode" if self.test.kind == "tg" else "prefill"
         lines = [
-            f"decode step profile: {self.steps} steps, {step * 1e3:.2f} ms/step "
-            f"({1 / step:.1f} tokens/s)",
+            f"{kind} step profile ({self.test.name}): {self.steps} steps, {step * 1e3:.2f} "
+            f"ms/step ({self.step_tokens / step:.1f} tokens/s)",
             "",
-            f"| {'op':<24} | calls/step | ms/step | % of step |",
-            f"|{'-' * 26}|------------|---------|-----------|",
+            f"| {'op':<24} | calls/step |  ms/step | % of step |",
+            f"|{'-' * 26}|------------|----------|-----------|",
         ]
         for op, s in sorted(self.kernel_seconds.items(), key=lambda kv: -kv[1]):
             lines.append(
-                f"| {op:<24} | {self.calls[op]:>10} | {s * 1e3:7.3f} | {100 * s / step:8.1f}% |"
+                f"| {op:<24} | {self.calls[op]:>10} | {s * 1e3:8.3f} | {100 * s / step:8.1f}% |"
             )
         for label, calls, s in (
             ("all kernels", str(sum(self.calls.values())), kernels),
             ("outside kernels", "", self.outside_seconds),
         ):
-            lines.append(f"| {label:<24} | {calls:>10} | {s * 1e3:7.3f} | {100 * s / step:8.1f}% |")
+            lines.append(f"| {label:<24} | {calls:>10} | {s * 1e3:8.3f} | {100 * s / step:8.1f}% |")
         compiled = self.compiled_seconds
         lines += [
             "",
             f"unprofiled, each run of native calls as one compiled program: {compiled * 1e3:.2f} "
-            f"ms/step ({1 / compiled:.1f} tokens/s, {100 * (1 - compiled / step):.1f}% less)",
+            f"ms/step ({self.step_tokens / compiled:.1f} tokens/s, "
+            f"{100 * (1 - compiled / step):.1f}% less)",
         ]
         return "\n".join(lines)
 
 
-def profile_decode(runner: DynaLMRunner, n_steps: int, n_vocab: int) -> StepProfile:
-    """Per decode step: time inside each op's kernel vs everything else in ``engine.step``."""
+def profile_test(runner: DynaLMRunner, test: Test, n_vocab: int) -> StepProfile:
+    """Per step of one bench test, time inside each op's kernel vs everything else in
+    ``engine.step``: tg, the decode steps after a short prompt; pp, the prefill steps."""
     engine, executor = runner.engine, runner.engine.executor
-    prompt = np.random.default_rng(1).integers(0, n_vocab, TG_PROMPT).tolist()
-    params = SamplingParams(max_tokens=n_steps + 1, temperature=0.0, repeat_penalty=1.0)
+    decode = test.kind == "tg"
+    prompt = np.random.default_rng(1).integers(0, n_vocab, TG_PROMPT if decode else test.n)
+    max_tokens = test.n + 1 if decode else 1
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0)
 
-    def decode(name: str, profile: dict[str, float] | None) -> float:
-        """Seconds per decode step of one request."""
-        engine.add_request(name, prompt, params, stop_ids=frozenset())
-        engine.step()  # the prefill (and first token): not a decode step
+    def timed(name: str, profile: dict[str, float] | None) -> tuple[float, int]:
+        """Seconds per step of one request, and its steps."""
+        engine.add_request(name, prompt.tolist(), params, stop_ids=frozenset())
+        if decode:
+            engine.step()  # the prefill (and first token): not a decode step
         executor.profile = profile
         t0, steps = time.perf_counter(), 0
         while engine.has_unfinished():
             engine.step()
             steps += 1
         executor.profile = None
-        return (time.perf_counter() - t0) / steps
+        return (time.perf_counter() - t0) / steps, steps
 
     kernels: dict[str, float] = {}
-    step = decode("bench-profile", kernels)
-    compiled = decode("bench-compiled", None)
-    return StepProfile(
-        n_steps,
-        step,
-        {op: s / n_steps for op, s in kernels.items()},
-        Counter(executor.ops),
-        compiled,
-    )
+    step, steps = timed("bench-profile", kernels)
+    compiled, _ = timed("bench-compiled", None)
+    per_step = {op: s / steps for op, s in kernels.items()}
+    tokens = 1.0 if decode else test.n / steps
+    return StepProfile(test, steps, tokens, step, per_step, Counter(executor.ops), compiled)
 
 
 def parse_tests(n_prompt: str, n_gen: str) -> list[Test]:
@@ -370,13 +375,13 @@ def bench_command(
     ours = DynaLMRunner(model, device, ctx)
     summary = {"model": model.name, "file": str(path), "threads": device.threads, "mode": mode}
     if profile:
-        n_steps = max((t.n for t in tests if t.kind == "tg"), default=128)
-        profile_decode(ours, n_steps, n_vocab)  # warm-up: JIT compiles, first binding
-        prof = profile_decode(ours, n_steps, n_vocab)
+        for test in tests:  # warm-up: JIT compiles, first binding of each step shape
+            profile_test(ours, test, n_vocab)
+        profiles = [profile_test(ours, test, n_vocab) for test in tests]
         if as_json:
-            return json.dumps({**summary, "profile": prof.as_json()})
+            return json.dumps({**summary, "profiles": [p.as_json() for p in profiles]})
         head = f"model {model.name} · file {path} · threads {device.threads} · mode {mode}"
-        return f"{head}\n\n{prof.table()}"
+        return "\n\n".join([head, *(p.table() for p in profiles)])
     work = Workload(tests, n_vocab)
     work.warm_up(ours)
     memory = Memory(peak_rss(), path.stat().st_size, ours.engine.pool.nbytes)

@@ -340,7 +340,7 @@ def bench(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
     profile: Annotated[
-        bool, typer.Option("--profile", help="Kernel vs Python time per decode step.")
+        bool, typer.Option("--profile", help="Kernel vs Python time per step of each test.")
     ] = False,
     verbose: Verbose = False,
 ) -> None:

@@ -45,10 +45,12 @@ def test_bench_table_and_profile(smollm2_gguf: Path):
     assert result.returncode == 0, result.stderr
     assert "| pp16 |" in result.stdout and "dynalm t/s" in result.stdout
     assert "dynalm peak RSS" in result.stdout and "budget" in result.stdout
-    result = dynalm("bench", str(smollm2_gguf), "-n", "8", "--profile")
+    result = dynalm("bench", str(smollm2_gguf), *TINY, "--profile")
     assert result.returncode == 0, result.stderr
     for needle in ("matmul", "attention", "all kernels", "outside kernels", "compiled program"):
         assert needle in result.stdout
+    assert "prefill step profile (pp16)" in result.stdout
+    assert "decode step profile (tg8)" in result.stdout
 
 
 def test_bench_vs_llama_cpp(smollm2_gguf: Path):
