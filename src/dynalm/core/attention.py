@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -36,7 +35,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from dynalm.core import jit, pool
-from dynalm.core.elementwise import exp, intrinsic
+from dynalm.core.elementwise import exp, intrinsic, loop
 
 if TYPE_CHECKING:
     from dynalm.core.cpu_ops import AttentionBatch, KVStorage
@@ -109,24 +108,6 @@ def _row_sums(b: ir.IRBuilder, rows: list[ir.Value]) -> ir.Value:
         _shuffle(b, x, y, [0, 1, 2, 3, 8, 9, 10, 11]),
         _shuffle(b, x, y, [4, 5, 6, 7, 12, 13, 14, 15]),
     )
-
-
-def _for(
-    b: ir.IRBuilder, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None]
-) -> None:
-    """``for i in range(start, stop, step): body(i)`` (signed, runs while ``i < stop``)."""
-    pre = b.block
-    head, blk, end = (b.append_basic_block() for _ in range(3))
-    b.branch(head)
-    b.position_at_end(head)
-    i = b.phi(_I64)
-    i.add_incoming(start, pre)
-    b.cbranch(b.icmp_signed("<", i, stop), blk, end)
-    b.position_at_end(blk)
-    body(i)
-    i.add_incoming(b.add(i, _i64(step)), b.block)
-    b.branch(head)
-    b.position_at_end(end)
 
 
 def _load_vec(
@@ -213,7 +194,7 @@ def _write(b: ir.IRBuilder, dtype: str, n_kv_heads: int, head_dim: int, args: ir
                         at = b.add(dst, _i64(c + i * LANES))
                         b.store(x, _at(b, store, ty, at), align=1)
 
-    _for(b, _i64(0), s[_TOKENS], 1, token)
+    loop(b, _i64(0), s[_TOKENS], 1, token)
 
 
 def _quantise(b: ir.IRBuilder, xs: list[ir.Value], scales: ir.Value, at: ir.Value) -> list:
@@ -350,7 +331,7 @@ def _items(
             return weights, exp(b, rescale)
 
         def block(j0: ir.Value) -> None:
-            _for(b, _i64(0), _i64(BLOCK), 1, lambda i: score(j0, i))
+            loop(b, _i64(0), _i64(BLOCK), 1, lambda i: score(j0, i))
             weights, rescale = softmax(j0)
             r = [b.extract_element(rescale, _I32(g)) for g in range(heads)]
             for g in range(heads):
@@ -388,16 +369,16 @@ def _items(
                 for g in range(heads):
                     b.store(ys[g], sums[g])
 
-            _for(b, _i64(0), _i64(n_vec), 1, dims)
+            loop(b, _i64(0), _i64(n_vec), 1, dims)
 
-        _for(b, jlo, b.add(p, _i64(1)), BLOCK, block)
+        loop(b, jlo, b.add(p, _i64(1)), BLOCK, block, partial=True)
         for g in range(heads):
             inv = _splat(b, b.fdiv(ir.Constant(_F32, 1.0), b.load(total[g], typ=_F32)))
             for c in range(n_vec):
                 y = b.fmul(b.load(at(acc, _VEC, _i64(g * n_vec + c)), typ=_VEC), inv)
                 b.store(y, at(out, _F32, b.add(obase, _i64(g * head_dim + c * LANES))), align=4)
 
-    _for(b, lo, hi, 1, item)
+    loop(b, lo, hi, 1, item)
 
 
 def _ir(name: str, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int) -> str:

@@ -111,27 +111,39 @@ class _Kernel:
     def loop(
         self, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None]
     ) -> ir.Value:
-        """``for i = start; i + step <= stop; i += step: body(i)``; returns the final i."""
-        b = self.b
-        pre = b.block
-        head, blk, end = (b.append_basic_block() for _ in range(3))
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(_I64)
-        i.add_incoming(start, pre)
-        nxt = b.add(i, self.i64(step))
-        b.cbranch(b.icmp_signed("<=", nxt, stop), blk, end)
-        b.position_at_end(blk)
-        body(i)
-        i.add_incoming(nxt, b.block)
-        b.branch(head)
-        b.position_at_end(end)
-        return i
+        return loop(self.b, start, stop, step, body)
 
     def lanes(self, start: ir.Value, stop: ir.Value, body: Callable[[ir.Value, int], None]) -> None:
         """``body(i, w)`` over ``[start, stop)`` in ``LANES``-wide steps, then 1-wide."""
         rest = self.loop(start, stop, LANES, lambda i: body(i, LANES))
         self.loop(rest, stop, 1, lambda i: body(i, 1))
+
+
+def loop(
+    b: ir.IRBuilder,
+    start: ir.Value,
+    stop: ir.Value,
+    step: int,
+    body: Callable[[ir.Value], None],
+    *,
+    partial: bool = False,
+) -> ir.Value:
+    """``for i = start; i + step <= stop; i += step: body(i)`` (with ``partial``, while
+    ``i < stop``: a last, shorter step runs too); returns the final ``i``."""
+    pre = b.block
+    head, blk, end = (b.append_basic_block() for _ in range(3))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(_I64)
+    i.add_incoming(start, pre)
+    nxt = b.add(i, ir.Constant(_I64, step))
+    b.cbranch(b.icmp_signed("<", i, stop) if partial else b.icmp_signed("<=", nxt, stop), blk, end)
+    b.position_at_end(blk)
+    body(i)
+    i.add_incoming(nxt, b.block)
+    b.branch(head)
+    b.position_at_end(end)
+    return i
 
 
 def _gated(k: _Kernel, activation: str) -> None:
