@@ -1,7 +1,8 @@
 """Quantised matmul ``y[T, N] = x[T, K] @ W[N, K]^T`` as JIT-compiled LLVM IR kernels.
 
-Every kernel is generated from one pattern over a per-format *unpack*: the IR that turns
-one 32-weight block of a repacked row into 32 integer (or float) lanes ``q`` plus a scale
+Every kernel is generated from one pattern per mode over a per-format *unpack*: the IR
+that turns one 32-weight block of a repacked row into 32 integer (or float) lanes ``q``
+(``exact``), or the blocks of 8 rows into 8 chunks of int8 lanes (``auto``), plus a scale
 ``d`` and an offset, so that ``w = d * (q + offset) + m``. Adding a format is one new
 ``_Unpack`` row, not a new kernel.
 
@@ -10,25 +11,28 @@ Two modes:
 * ``exact`` -- fp32 activations; each weight block is dequantised in registers and
   accumulated with fp32 FMAs (the accuracy contract). Formats without a min sum a block's
   ``(q + offset) * x`` first and apply ``d`` once (``d`` factors out; fewer multiplies).
-* ``auto`` -- activations are quantised per 32-block to int8 (scale ``dx`` and
-  ``dx * sum(q)``, like ggml's Q8_1); integer dot products (AVX2 ``vpmaddubsw`` +
-  ``vpmaddwd``, or portable IR), one fp32 FMA per block. Float weights and Q2_K (a min
-  per 16 weights) use ``exact``.
+  A register tile of ``MR`` activation rows x ``NR`` weight rows, ``_ROWS`` weight rows
+  interleaved in memory so a tile reads one contiguous stream (``_interleave``).
+* ``auto`` -- activations are quantised per 32-block to int8 (two scales ``dx`` per block
+  and ``dx * sum(q)``, like ggml's Q8_1) and dot products are integer (AVX2
+  ``vpmaddubsw`` + ``vpmaddwd``, or portable IR). One fp32 lane per weight row
+  (``_lane_kernel``): ``_LANES`` rows are stored as *chunks* (4 elements of each row side
+  by side, ``_lane_order``), so one ``vpmaddubsw`` against 4 broadcast activation bytes
+  serves 8 rows; a block's products are summed in int16 and converted and scaled once per
+  8 rows. Float weights and Q2_K (a min per 16 weights) use ``exact``.
 
-Weights are repacked once at load into fields (quants apart from scales), with ``_ROWS``
-weight rows interleaved so a tile reads one contiguous stream (``_interleave``). Legacy formats
+Weights are repacked once at load into fields (quants apart from scales). Legacy formats
 split their blocks' fields; K-quants are decoded in numpy and re-encoded per 32-block:
 Q4_K/Q5_K as Q4_1/Q5_1 lanes with fp32 ``d = d*scale`` and ``m = -dmin*min`` planes, Q6_K
 and Q3_K as signed bytes with one fp32 scale per 16 weights (``_Unpack.halves``), Q2_K as
 bytes with an fp32 scale and min per 16 weights.
 
-One kernel shape serves every batch size: a register tile of ``MR`` activation rows x
-``NR`` weight rows (each weight block unpacked once per tile), the activation rows walked
-in L1/L2-sized chunks; ``T < MR`` uses a GEMV variant with a wider weight tile. Tiles over
-the edge of the matrix repeat its last row instead of needing remainder variants (less
-code, faster compiles). Every output sums in the same order whatever the tile, so rows
-are bitwise independent of the batch. Threads take chunks of weight rows from the native
-pool of ``core.pool``.
+One kernel pattern per mode serves every batch size: the activation rows walked in
+L1/L2-sized chunks, ``T < MR`` by a GEMV variant (``MR = 1``, weights prefetched). Tiles
+over the edge of the matrix repeat its last row instead of needing remainder variants
+(less code, faster compiles). Every output sums in the same order whatever the tile, so
+rows are bitwise independent of the batch. Threads take chunks of weight rows from the
+native pool of ``core.pool``.
 """
 
 from __future__ import annotations
@@ -158,6 +162,16 @@ class _Emitter:
         self.do(f"br label %{head}")
         self.body.append(f"{end}:")
 
+    def branch(self, cond: str, then: Callable[[], None], otherwise: Callable[[], None]) -> None:
+        """``if cond: then() else: otherwise()``."""
+        yes, no, end = self.fresh("then"), self.fresh("else"), self.fresh("endif")
+        self.do(f"br i1 {cond}, label %{yes}, label %{no}")
+        for label, body in ((yes, then), (no, otherwise)):
+            self.body.append(f"{label}:")
+            body()
+            self.do(f"br label %{end}")
+        self.body.append(f"{end}:")
+
     def function(self, name: str, params: str) -> str:
         return "\n".join(
             [
@@ -219,6 +233,47 @@ def _bfloats(e: _Emitter, p: dict[str, str]) -> str:
     wide = e(f"zext {_vec(32, 'i16')} {e.load(_vec(32, 'i16'), p['qs'])} to {_vec(32, 'i32')}")
     wide = e(f"shl {_vec(32, 'i32')} {wide}, {_const('i32', [16] * 32)}")
     return e(f"bitcast {_vec(32, 'i32')} {wide} to {_vec(32, 'float')}")
+
+
+# The ``auto`` kernels read 8 weight rows at once as *chunks*: chunk j of a block holds
+# elements 4j..4j+3 of each of the 8 rows (lane 4r + c: row r, element 4j + c), so an int
+# dot against an activation's 4 elements broadcast to every lane leaves one row per i32
+# lane (see ``_lane_order`` for the byte layout these decoders read).
+
+
+def _nibble_chunks(e: _Emitter, p: dict[str, str]) -> list[str]:
+    """4 x 32 bytes -> 8 chunks: word w's low nibbles are chunk w, its high ones w + 4
+    (a GGUF nibble byte k holds elements k and k + 16)."""
+    v32, v16 = _vec(32, "i8"), _vec(16, "i16")
+    out = [""] * 8
+    for w in range(4):
+        word = e.load(v32, p["qs"], str(32 * w))
+        out[w] = e(f"and {v32} {word}, {_const('i8', [15] * 32)}")
+        high = e(f"lshr {v16} {e(f'bitcast {v32} {word} to {v16}')}, {_const('i16', [4] * 16)}")
+        out[w + 4] = e(
+            f"and {v32} {e(f'bitcast {v16} {high} to {v32}')}, {_const('i8', [15] * 32)}"
+        )
+    return out
+
+
+def _fifth_bit_chunks(e: _Emitter, p: dict[str, str]) -> list[str]:
+    """Q5: nibble chunks plus 16 where bit 4r + c of chunk j's u32 in ``qh`` is set."""
+    v32, v4 = _vec(32, "i8"), _vec(4, "i8")
+    out = []
+    for j, q in enumerate(_nibble_chunks(e, p)):
+        mask = e.load(v4, p["qh"], str(4 * j))
+        spread = e(f"shufflevector {v4} {mask}, {v4} poison, {_mask([i // 8 for i in range(32)])}")
+        bit = e(f"and {v32} {spread}, {_const('i8', [1 << (i % 8) for i in range(32)])}")
+        bit = e(f"icmp ne {v32} {bit}, zeroinitializer")
+        high = e(
+            f"select {_vec(32, 'i1')} {bit}, {v32} {_const('i8', [16] * 32)}, {v32} zeroinitializer"
+        )
+        out.append(e(f"or {v32} {q}, {high}"))
+    return out
+
+
+def _byte_chunks(e: _Emitter, p: dict[str, str]) -> list[str]:
+    return [e.load(_vec(32, "i8"), p["qs"], str(32 * j)) for j in range(8)]
 
 
 def _split(layout: tuple[tuple[str, int], ...]) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
@@ -292,6 +347,8 @@ class _Unpack:
     lane type ``lanes`` returns: "u8" / "s8" (``<32 x i8>``) or "float" (``<32 x float>``,
     no ``d``/``m``). ``scale`` is the type of ``d``/``m`` ("half" / "float"); a ``d`` plane
     of two scales per block holds one per 16 weights (K-quants with 16-weight sub-blocks).
+    ``chunks`` decodes 8 rows' block for the ``auto`` kernels (see ``_nibble_chunks``) and
+    ``bound`` is the largest ``|q|`` it yields (how many int16 products may be summed).
     """
 
     planes: tuple[tuple[str, int], ...]
@@ -300,6 +357,8 @@ class _Unpack:
     kind: str
     offset: int = 0
     scale: str = "half"
+    chunks: Callable[[_Emitter, dict[str, str]], list[str]] | None = None
+    bound: int = 0
 
     @property
     def has_min(self) -> bool:
@@ -313,7 +372,7 @@ class _Unpack:
     def has_int8(self) -> bool:
         """Whether an ``auto`` (int8) kernel exists: not for float weights, nor for mins
         per 16 weights (the activation sums it would need are per 32-block)."""
-        return self.has_scale and not (self.has_min and self.halves > 1)
+        return self.chunks is not None and not (self.has_min and self.halves > 1)
 
     @property
     def halves(self) -> int:
@@ -343,18 +402,47 @@ _UNPACKS: dict[int, _Unpack] = {
     _T.F32: _legacy((("qs", 128),), _floats, "float"),
     _T.F16: _legacy((("qs", 64),), _halves, "float"),
     _T.BF16: _legacy((("qs", 64),), _bfloats, "float"),
-    _T.Q4_0: _legacy((("d", 2), ("qs", 16)), _nibbles, "u8", offset=-8),
-    _T.Q4_1: _legacy((("d", 2), ("m", 2), ("qs", 16)), _nibbles, "u8"),
-    _T.Q5_0: _legacy((("d", 2), ("qh", 4), ("qs", 16)), _nibbles_and_fifth_bit, "u8", offset=-16),
-    _T.Q5_1: _legacy((("d", 2), ("m", 2), ("qh", 4), ("qs", 16)), _nibbles_and_fifth_bit, "u8"),
-    _T.Q8_0: _legacy((("d", 2), ("qs", 32)), _bytes, "s8"),
-    _T.Q2_K: _Unpack((("d", 8), ("m", 8), ("qs", 32)), _repack_q2_k, _bytes, "u8", scale="float"),
-    _T.Q3_K: _Unpack((("d", 8), ("qs", 32)), _repack_q3_k, _bytes, "s8", scale="float"),
-    _T.Q4_K: _Unpack(_K_PLANES, _repack_q4_k, _nibbles, "u8", scale="float"),
-    _T.Q5_K: _Unpack(
-        (*_K_PLANES, ("qh", 4)), _repack_q5_k, _nibbles_and_fifth_bit, "u8", scale="float"
+    _T.Q4_0: _legacy((("d", 2), ("qs", 16)), _nibbles, "u8", -8, "half", _nibble_chunks, 15),
+    _T.Q4_1: _legacy(
+        (("d", 2), ("m", 2), ("qs", 16)), _nibbles, "u8", 0, "half", _nibble_chunks, 15
     ),
-    _T.Q6_K: _Unpack((("d", 8), ("qs", 32)), _repack_q6_k, _bytes, "s8", scale="float"),
+    _T.Q5_0: _legacy(
+        (("d", 2), ("qh", 4), ("qs", 16)),
+        _nibbles_and_fifth_bit,
+        "u8",
+        -16,
+        "half",
+        _fifth_bit_chunks,
+        31,
+    ),
+    _T.Q5_1: _legacy(
+        (("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
+        _nibbles_and_fifth_bit,
+        "u8",
+        0,
+        "half",
+        _fifth_bit_chunks,
+        31,
+    ),
+    _T.Q8_0: _legacy((("d", 2), ("qs", 32)), _bytes, "s8", 0, "half", _byte_chunks, 128),
+    _T.Q2_K: _Unpack((("d", 8), ("m", 8), ("qs", 32)), _repack_q2_k, _bytes, "u8", scale="float"),
+    _T.Q3_K: _Unpack(
+        (("d", 8), ("qs", 32)), _repack_q3_k, _bytes, "s8", 0, "float", _byte_chunks, 4
+    ),
+    _T.Q4_K: _Unpack(_K_PLANES, _repack_q4_k, _nibbles, "u8", 0, "float", _nibble_chunks, 15),
+    _T.Q5_K: _Unpack(
+        (*_K_PLANES, ("qh", 4)),
+        _repack_q5_k,
+        _nibbles_and_fifth_bit,
+        "u8",
+        0,
+        "float",
+        _fifth_bit_chunks,
+        31,
+    ),
+    _T.Q6_K: _Unpack(
+        (("d", 8), ("qs", 32)), _repack_q6_k, _bytes, "s8", 0, "float", _byte_chunks, 32
+    ),
 }
 
 # Formats whose ``auto`` (int8) kernels met the model-level budget of
@@ -366,6 +454,7 @@ _UNPACKS: dict[int, _Unpack] = {
 # 93.7 % / 0.0030; Q8_0 as the head of the Q4_1 model 97.5 % / 0.0026 (near-tie flips).
 # Q3_K and Q5_K have no model to measure on yet.
 AUTO_VALIDATED = frozenset({_T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q4_K, _T.Q6_K})
+
 
 # --- the kernel pattern ----------------------------------------------------------------
 
@@ -409,6 +498,42 @@ def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int)
     return out.reshape(-1)
 
 
+_LANES = 8  # weight rows an ``auto`` kernel reads at once: one per fp32 lane of a vector
+
+
+def _lane_order(u: _Unpack, field: str, blocks: np.ndarray) -> np.ndarray:
+    """One field of ``_LANES`` rows' blocks, uint8 ``[..., _LANES, size]`` -> the bytes the
+    ``auto`` kernels read, ``[..., _LANES * size]``: quants as chunks (``qs``: the rows' 4-byte
+    units side by side, unit j of every row, then j + 1; ``qh``: chunk j's 4 bits of each
+    row as one u32, bit 4r + c), scales as one vector of the rows per sub-block scale."""
+    *lead, rows, size = blocks.shape
+    if field == "qh":
+        bits = np.unpackbits(blocks, axis=-1, bitorder="little").reshape(*lead, rows, 8, 4)
+        bits = np.swapaxes(bits, -3, -2).reshape(*lead, 8, rows * 4)
+        return np.packbits(bits, axis=-1, bitorder="little").reshape(*lead, rows * size)
+    unit = 4 if field == "qs" else (2 if u.scale == "half" else 4)
+    units = blocks.reshape(*lead, rows, size // unit, unit)
+    return np.swapaxes(units, -3, -2).reshape(*lead, rows * size)
+
+
+def _interleave_lanes(
+    u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int
+) -> np.ndarray:
+    """Repacked planes -> the ``auto`` kernels' stream: rows padded with zero blocks to a
+    multiple of ``_LANES`` and taken ``_LANES`` at a time; per row group one record per
+    block, holding each field of the group's rows in ``_lane_order``."""
+    groups = -(-n_rows // _LANES)
+    out = np.empty((groups, nb, _LANES * u.block_bytes), np.uint8)
+    for f, size, at in u.fields:
+        src = planes[f].view(np.uint8).reshape(n_rows, nb, size)
+        if n_rows % _LANES:
+            pad = np.zeros((groups * _LANES - n_rows, nb, size), np.uint8)
+            src = np.concatenate([src, pad])
+        src = src.reshape(groups, _LANES, nb, size).transpose(0, 2, 1, 3)
+        out[:, :, _LANES * at : _LANES * (at + size)] = _lane_order(u, f, src)
+    return out.reshape(-1)
+
+
 @dataclass(frozen=True)
 class _Shape:
     mr: int  # activation rows per register tile
@@ -416,32 +541,6 @@ class _Shape:
     aw: int  # fp32 lanes per accumulator (exact mode: wider = more independent FMA chains)
     tc: int  # activation rows per cache chunk
     pf: int = 0  # prefetch weights this many bytes of quants ahead (0: none)
-
-
-def _dot_i8(e: _Emitter, u: _Unpack, isa: str, q: str, x: str) -> str:
-    """Sum of ``q * x`` over a block as ``<8 x i32>``: lane ``l`` sums elements 4l..4l+3
-    (so lanes 0-3 cover the first 16 weights, 4-7 the second: per-16 scales apply)."""
-    v32 = _vec(32, "i8")
-    if isa == "avx2":
-        if u.kind == "s8":  # vpmaddubsw wants unsigned x signed: move q's sign onto x
-            x = e.call(v32, "llvm.x86.avx2.psign.b", f"{v32} {x}", f"{v32} {q}")
-            q = e.call(v32, "llvm.abs.v32i8", f"{v32} {q}", "i1 false")
-        pairs = e.call(_vec(16, "i16"), "llvm.x86.avx2.pmadd.ub.sw", f"{v32} {q}", f"{v32} {x}")
-        return e.call(
-            _vec(8, "i32"),
-            "llvm.x86.avx2.pmadd.wd",
-            f"{_vec(16, 'i16')} {pairs}",
-            f"{_vec(16, 'i16')} {_const('i16', [1] * 16)}",
-        )
-    ext = "sext" if u.kind == "s8" else "zext"
-    qw = e(f"{ext} {v32} {q} to {_vec(32, 'i32')}")
-    xw = e(f"sext {v32} {x} to {_vec(32, 'i32')}")
-    prod = e(f"mul nsw {_vec(32, 'i32')} {qw}, {xw}")
-    parts = [e.pick(prod, 32, "i32", [4 * lane + c for lane in range(8)]) for c in range(4)]
-    total = parts[0]
-    for part in parts[1:]:
-        total = e(f"add {_vec(8, 'i32')} {total}, {part}")
-    return total
 
 
 def _integers(e: _Emitter, u: _Unpack, q: str) -> str:
@@ -463,19 +562,65 @@ def _dequant(e: _Emitter, u: _Unpack, q: str, d: str, m: str) -> str:
     return e.call(f32, "llvm.fmuladd.v32f32", f"{f32} {qf}", f"{f32} {d}", f"{f32} {m}")
 
 
-def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) -> str:
-    """One matmul function over weight rows ``[lo, hi)`` and all T activation rows."""
+def _fma(e: _Emitter, a: str, b: str, acc: str, ty: str) -> str:
+    n_lanes = ty[1 : ty.index(" ")]
+    return e.call(ty, f"llvm.fmuladd.v{n_lanes}f32", f"{ty} {a}", f"{ty} {b}", f"{ty} {acc}")
+
+
+def _clamped(e: _Emitter, first: str, count: int, last: str) -> list[str]:
+    """Rows ``first .. first+count`` capped at ``last``: a tile over the edge repeats the
+    last row (same values stored twice) instead of needing remainder variants."""
+    rows = [e(f"add i64 {first}, {k}") for k in range(count)]
+    return [rows[0]] + [e.call("i64", "llvm.smin.i64", f"i64 {r}", f"i64 {last}") for r in rows[1:]]
+
+
+def _walk(e: _Emitter, s: _Shape, t_rows: str, nr: int, tile: Callable[[str, str], None]) -> None:
+    """Call ``tile(t, n)`` over activation chunks of ``s.tc`` rows, in each the weight rows
+    ``[lo, hi)`` ``nr`` at a time, in each the chunk's rows ``s.mr`` at a time (a final
+    partial step is the loop's last)."""
+
+    def rows(t0: str, t_end: str, n: str) -> None:
+        t_slot = e.var("i64", t0)
+        e.loop(t_slot, e(f"add i64 {t_end}, {s.mr - 1}"), s.mr, lambda t: tile(t, n))
+
+    def chunk(t0: str) -> None:
+        t_next = e(f"add i64 {t0}, {s.tc}")
+        full = e(f"icmp slt i64 {t_next}, {t_rows}")
+        t_end = e(f"select i1 {full}, i64 {t_next}, i64 {t_rows}")
+        n_slot = e.var("i64", "%lo")
+        e.loop(n_slot, e(f"add i64 %hi, {nr - 1}"), nr, lambda n: rows(t0, t_end, n))
+
+    tc_slot = e.var("i64", "0")
+    e.loop(tc_slot, e(f"add i64 {t_rows}, {s.tc - 1}"), s.tc, chunk)
+
+
+def _prefetch(e: _Emitter, at: str, ahead: int, nbytes: int) -> None:
+    """Prefetch the ``nbytes`` at ``at + ahead`` (streamed weights: the hardware prefetcher
+    alone keeps too little in flight)."""
+    for line in range(0, nbytes, 64):
+        e.call(
+            "void",
+            "llvm.prefetch.p0",
+            f"ptr {e.at(at, str(ahead + line))}",
+            "i32 0",
+            "i32 3",
+            "i32 1",
+        )
+
+
+def _kernel(e: _Emitter, name: str, u: _Unpack, s: _Shape) -> str:
+    """``exact``: one matmul function over weight rows ``[lo, hi)`` and all T activation
+    rows, fp32 activations, weights dequantised in registers."""
     arg = [e.load("i64", "%args", str(8 * i), 8) for i in range(_N_ARGS)]
     ptr = [e(f"inttoptr i64 {a} to ptr") for a in arg]
     t_rows, nb, ldy = arg[_A_T], arg[_A_NB], arg[_A_LDY]
-    x_block = QK * (4 if mode == "exact" else 1)  # bytes of one activation block
+    x_block = QK * 4  # bytes of one activation block
     acc_ty = _vec(s.aw, "float")
     h = u.halves
     n_last, t_last = e("add i64 %hi, -1"), e(f"add i64 {t_rows}, -1")
 
-    def fma(a: str, b: str, acc: str, ty: str = acc_ty) -> str:
-        n_lanes = ty[1 : ty.index(" ")]
-        return e.call(ty, f"llvm.fmuladd.v{n_lanes}f32", f"{ty} {a}", f"{ty} {b}", f"{ty} {acc}")
+    def fma(a: str, b: str, acc: str) -> str:
+        return _fma(e, a, b, acc, acc_ty)
 
     def scales(at: str, n: int) -> str:
         """``n`` weight scales at ``at`` as ``<n x float>``."""
@@ -487,19 +632,11 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
         lanes (with two per block, the first half of the lanes takes the first)."""
         return e.pick(v, n, "float", [b * h + lane * h // width for lane in range(width)])
 
-    def clamped(first: str, count: int, last: str) -> list[str]:
-        """Rows ``first .. first+count`` capped at ``last``: a tile over the edge repeats the
-        last row (same values stored twice) instead of needing remainder variants."""
-        rows = [e(f"add i64 {first}, {k}") for k in range(count)]
-        return [rows[0]] + [
-            e.call("i64", "llvm.smin.i64", f"i64 {r}", f"i64 {last}") for r in rows[1:]
-        ]
-
     def tile(t: str, n: str) -> None:
         mr, nr = s.mr, s.nr
         accs = [[e.var(acc_ty, "zeroinitializer") for _ in range(nr)] for _ in range(mr)]
-        w_rows = clamped(n, nr, n_last)
-        x_rows = clamped(t, mr, t_last)
+        w_rows = _clamped(e, n, nr, n_last)
+        x_rows = _clamped(e, t, mr, t_last)
         # Row r lives in row group r // ROWS at slot r % ROWS (see ``_interleave``).
         group_bytes = _ROWS * u.block_bytes
         w_group = [
@@ -511,11 +648,9 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
         ]
         w_slot = [e(f"and i64 {r}, {_ROWS - 1}") for r in w_rows]
         x_off = [e(f"mul i64 {e(f'mul i64 {r}, {nb}')}, {x_block}") for r in x_rows]
-        s_off = [e(f"mul i64 {e(f'mul i64 {r}, {nb}')}, 4") for r in x_rows]
 
         def group(kb: str, g: int) -> None:
             """Blocks kb .. kb+g of the tile; scales are loaded and converted g at a time."""
-            gv = _vec(g, "float")
             w_at, dw, mw = [], [], []
             record = e(f"mul i64 {kb}, {group_bytes}")
             for j in range(nr):
@@ -528,122 +663,46 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
                     for f, size, at_f in u.fields
                 }
                 w_at.append(at)
-                if s.pf and j == 0:  # streamed weights: too little in flight without prefetch
-                    ahead = e.at(base, str(s.pf))
-                    for line in range(0, g * group_bytes, 64):
-                        e.call(
-                            "void",
-                            "llvm.prefetch.p0",
-                            f"ptr {e.at(ahead, str(line))}",
-                            "i32 0",
-                            "i32 3",
-                            "i32 1",
-                        )
+                if s.pf and j == 0:
+                    _prefetch(e, base, s.pf, g * group_bytes)
                 if u.has_scale:
                     dw.append(scales(at["d"], g * h))
                     mw.append(scales(at["m"], g * h) if u.has_min else None)
             xk = [e(f"add i64 {o}, {e(f'mul i64 {kb}, {x_block}')}") for o in x_off]
-            sk = [e(f"add i64 {o}, {e(f'mul i64 {kb}, 4')}") for o in s_off]
-            xd_k = [e(f"shl i64 {o}, 1") for o in sk]  # two activation scales per block
-
-            def unpack(b: int) -> list[str]:
-                """Block ``b`` of each weight row, unpacked where it is used (unpacking all
-                ``g`` up front keeps too many registers live)."""
-                return [
+            for b in range(g):
+                # Each block unpacked where it is used (unpacking all g up front keeps too
+                # many registers live).
+                lanes = [
                     u.lanes(e, {f: e.at(p, str(b * u.size(f))) for f, p in at.items()})
                     for at in w_at
                 ]
-
-            if mode == "exact":
-                for b in range(g):
-                    lanes = unpack(b)
-                    xs = []
+                xs = []
+                for i in range(mr):
+                    xv = e.load(_vec(32, "float"), ptr[_A_X], e(f"add i64 {xk[i]}, {b * x_block}"))
+                    xs.append([e.part(xv, 32, "float", c, s.aw) for c in range(0, 32, s.aw)])
+                for j in range(nr):
+                    if u.has_min:
+                        d, m = (per_lane(v[j], g * h, b, 32) for v in (dw, mw))
+                        w = _dequant(e, u, lanes[j], d, m)
+                    else:
+                        w = _integers(e, u, lanes[j]) if u.has_scale else lanes[j]
+                    w = [e.part(w, 32, "float", c, s.aw) for c in range(0, 32, s.aw)]
                     for i in range(mr):
-                        xv = e.load(
-                            _vec(32, "float"), ptr[_A_X], e(f"add i64 {xk[i]}, {b * x_block}")
-                        )
-                        xs.append([e.part(xv, 32, "float", c, s.aw) for c in range(0, 32, s.aw)])
-                    for j in range(nr):
-                        if u.has_min:
-                            d, m = (per_lane(v[j], g * h, b, 32) for v in (dw, mw))
-                            w = _dequant(e, u, lanes[j], d, m)
+                        acc = e.get(acc_ty, accs[i][j])
+                        if u.has_min or not u.has_scale:
+                            for c, wc in enumerate(w):
+                                acc = fma(wc, xs[i][c], acc)
                         else:
-                            w = _integers(e, u, lanes[j]) if u.has_scale else lanes[j]
-                        w = [e.part(w, 32, "float", c, s.aw) for c in range(0, 32, s.aw)]
-                        for i in range(mr):
-                            acc = e.get(acc_ty, accs[i][j])
-                            if u.has_min or not u.has_scale:
-                                for c, wc in enumerate(w):
-                                    acc = fma(wc, xs[i][c], acc)
-                            else:
-                                # Without a min, d factors out of each of the block's h
-                                # parts: sum q * x in fp32, then one FMA by d (instead of
-                                # multiplying every weight by d).
-                                per = len(w) // h
-                                for k in range(h):
-                                    part = e(f"fmul {acc_ty} {w[k * per]}, {xs[i][k * per]}")
-                                    for c in range(k * per + 1, (k + 1) * per):
-                                        part = fma(w[c], xs[i][c], part)
-                                    acc = fma(part, e.lane(dw[j], g * h, b * h + k, s.aw), acc)
-                            e.put(acc_ty, accs[i][j], acc)
-                return
-            # Per block, the int dot's lane l gets d[l // 4 of the weight half] * dx[l % 2]
-            # (activation scales alternate by groups of 4 elements, see _quantize_fn): two
-            # values (one broadcast) per block, eight with per-16 weight scales.
-            wd = 2 if h == 1 else 8
-            dv = _vec(g * wd, "float")
-            dx = [e.load(_vec(2 * g, "float"), ptr[_A_XD], o) for o in xd_k]
-            dx = [
-                e.pick(v, 2 * g, "float", [2 * (k // wd) + k % 2 for k in range(g * wd)])
-                for v in dx
-            ]
-            dws = [
-                e.pick(v, g * h, "float", [k // wd * h + k % wd * h // 8 for k in range(g * wd)])
-                for v in dw
-            ]
-            # The combined scales go through a stack buffer, so each block's is one broadcast
-            # load (LLVM's lane shuffles from registers cost more uops and registers).
-            dd_buf = e.alloca(f"[{mr * nr} x {dv}]")
-            for i in range(mr):
-                for j in range(nr):
-                    at = e.at(dd_buf, str((i * nr + j) * g * wd * 4))
-                    e.do(f"store volatile {dv} {e(f'fmul {dv} {dws[j]}, {dx[i]}')}, ptr {at}")
-            acc = [[e.get(acc_ty, accs[i][j]) for j in range(nr)] for i in range(mr)]
-            if u.has_min or u.offset:
-                # The offset/min part, m_eff * dx * sum(xq) per block: g blocks in one FMA
-                # into the accumulator's lanes (they are all summed at the end).
-                me = [
-                    mw[j]
-                    if not u.offset
-                    else fma(
-                        e.splat(f"{float(u.offset)!r}", g, "float"),
-                        dw[j],
-                        mw[j] or "zeroinitializer",
-                        gv,
-                    )
-                    for j in range(nr)
-                ]
-                xs = [e.load(gv, ptr[_A_XS], o) for o in sk]
-                pad = _mask([min(c, g) for c in range(8)])  # lane g of the zero operand is 0
-                for i in range(mr):
-                    xs8 = e(f"shufflevector {gv} {xs[i]}, {gv} zeroinitializer, {pad}")
-                    for j in range(nr):
-                        me8 = e(f"shufflevector {gv} {me[j]}, {gv} zeroinitializer, {pad}")
-                        acc[i][j] = fma(me8, xs8, acc[i][j])
-            for b in range(g):
-                lanes = unpack(b)
-                xq = [e.load(_vec(32, "i8"), ptr[_A_X], e(f"add i64 {o}, {b * QK}")) for o in xk]
-                for i in range(mr):
-                    for j in range(nr):
-                        dot = _dot_i8(e, u, isa, lanes[j], xq[i])
-                        dot = e(f"sitofp {_vec(8, 'i32')} {dot} to {acc_ty}")
-                        at = e.at(dd_buf, str(((i * nr + j) * g + b) * wd * 4))
-                        dd = e.load(_vec(wd, "float"), at, align=4)
-                        scale = e.pick(dd, wd, "float", [lane % wd for lane in range(8)])
-                        acc[i][j] = fma(dot, scale, acc[i][j])
-            for i in range(mr):
-                for j in range(nr):
-                    e.put(acc_ty, accs[i][j], acc[i][j])
+                            # Without a min, d factors out of each of the block's h parts:
+                            # sum q * x in fp32, then one FMA by d (instead of multiplying
+                            # every weight by d).
+                            per = len(w) // h
+                            for k in range(h):
+                                part = e(f"fmul {acc_ty} {w[k * per]}, {xs[i][k * per]}")
+                                for c in range(k * per + 1, (k + 1) * per):
+                                    part = fma(w[c], xs[i][c], part)
+                                acc = fma(part, e.lane(dw[j], g * h, b * h + k, s.aw), acc)
+                        e.put(acc_ty, accs[i][j], acc)
 
         kb_slot = e.var("i64", "0")
         e.loop(kb_slot, nb, _GROUP, lambda kb: group(kb, _GROUP))
@@ -661,21 +720,150 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, mode: str, isa: str, s: _Shape) 
                 y_off = e(f"mul i64 {e(f'add i64 {y_row}, {w_rows[j]}')}, 4")
                 e.do(f"store float {total}, ptr {e.at(ptr[_A_Y], y_off)}, align 4")
 
-    def rows(t0: str, t_end: str, n: str) -> None:
-        t_slot = e.var("i64", t0)
-        e.loop(t_slot, e(f"add i64 {t_end}, {s.mr - 1}"), s.mr, lambda t: tile(t, n))
+    _walk(e, s, t_rows, s.nr, tile)
+    return e.function(name, _PARAMS)
 
-    def chunk(t0: str) -> None:
-        t_next = e(f"add i64 {t0}, {s.tc}")
-        full = e(f"icmp slt i64 {t_next}, {t_rows}")
-        t_end = e(f"select i1 {full}, i64 {t_next}, i64 {t_rows}")
-        n_slot = e.var("i64", "%lo")
-        e.loop(n_slot, e(f"add i64 %hi, {s.nr - 1}"), s.nr, lambda n: rows(t0, t_end, n))
 
-    # Walk activation chunks of TC rows; a final partial chunk is the loop's last step.
-    tc_slot = e.var("i64", "0")
-    t_pad = e(f"add i64 {t_rows}, {s.tc - 1}")
-    e.loop(tc_slot, t_pad, s.tc, chunk)
+def _pair_products(e: _Emitter, isa: str, q: str, x: str) -> str:
+    """Unsigned ``q`` times signed ``x`` (``<32 x i8>``), adjacent products summed:
+    ``<16 x i16>`` (no sums here come near int16 saturation, see ``_Unpack.bound``)."""
+    v32, v16 = _vec(32, "i8"), _vec(16, "i16")
+    if isa == "avx2":
+        return e.call(v16, "llvm.x86.avx2.pmadd.ub.sw", f"{v32} {q}", f"{v32} {x}")
+    w32 = _vec(32, "i16")
+    prod = e(f"mul {w32} {e(f'zext {v32} {q} to {w32}')}, {e(f'sext {v32} {x} to {w32}')}")
+    even, odd = (e.pick(prod, 32, "i16", list(range(k, 32, 2))) for k in (0, 1))
+    return e(f"add {v16} {even}, {odd}")
+
+
+def _pair_sums(e: _Emitter, isa: str, v: str) -> str:
+    """``<16 x i16>`` -> ``<8 x i32>``, adjacent lanes summed."""
+    v16, v8 = _vec(16, "i16"), _vec(8, "i32")
+    if isa == "avx2":
+        ones = _const("i16", [1] * 16)
+        return e.call(v8, "llvm.x86.avx2.pmadd.wd", f"{v16} {v}", f"{v16} {ones}")
+    wide = e(f"sext {v16} {v} to {_vec(16, 'i32')}")
+    even, odd = (e.pick(wide, 16, "i32", list(range(k, 16, 2))) for k in (0, 1))
+    return e(f"add {v8} {even}, {odd}")
+
+
+def _with_sign_of(e: _Emitter, isa: str, x: str, q: str) -> str:
+    """``x`` negated where ``q < 0`` and zeroed where ``q == 0`` (so ``|q| * result == q *
+    x``: the signed weights' sign moves onto the activations, as ``vpmaddubsw`` wants)."""
+    v32 = _vec(32, "i8")
+    if isa == "avx2":
+        return e.call(v32, "llvm.x86.avx2.psign.b", f"{v32} {x}", f"{v32} {q}")
+    neg = e(f"icmp slt {v32} {q}, zeroinitializer")
+    zero = e(f"icmp eq {v32} {q}, zeroinitializer")
+    flipped = e(
+        f"select {_vec(32, 'i1')} {neg}, {v32} {e(f'sub {v32} zeroinitializer, {x}')}, {v32} {x}"
+    )
+    return e(f"select {_vec(32, 'i1')} {zero}, {v32} zeroinitializer, {v32} {flipped}")
+
+
+def _lane_kernel(e: _Emitter, name: str, u: _Unpack, isa: str, s: _Shape) -> str:
+    """``auto``: one int8 matmul function over weight rows ``[lo, hi)`` (``lo`` a multiple
+    of ``_LANES``) and all T activation rows, one weight row per fp32 lane.
+
+    Per block and activation row: each chunk's int dot against the activation's 4
+    matching elements (broadcast) is one ``vpmaddubsw``; a block's products are summed in
+    int16 (same row, same scales) per activation scale group and sub-block, widened once
+    (``vpmaddwd``), converted once and scaled by the 8 rows' ``d`` in one FMA. The output
+    of a tile is 8 consecutive floats of y: no horizontal sums."""
+    arg = [e.load("i64", "%args", str(8 * i), 8) for i in range(_N_ARGS)]
+    ptr = [e(f"inttoptr i64 {a} to ptr") for a in arg]
+    t_rows, nb, ldy = arg[_A_T], arg[_A_NB], arg[_A_LDY]
+    f8, i16, i32 = _vec(8, "float"), _vec(16, "i16"), _vec(8, "i32")
+    h = u.halves
+    record = _LANES * u.block_bytes
+    field_at = {f: _LANES * at for f, _, at in u.fields}
+    run = max(1, 32767 // (2 * u.bound * 127))  # int16 products summed before widening
+    t_last = e(f"add i64 {t_rows}, -1")
+
+    def row_scales(at: str, k: int) -> str:
+        """The 8 rows' ``k``-th scale of the block as ``<8 x float>``."""
+        v = e.load(_vec(_LANES, u.scale), at, str(k * _LANES * (2 if u.scale == "half" else 4)))
+        return v if u.scale == "float" else e(f"fpext {_vec(8, 'half')} {v} to {f8}")
+
+    def widened(products: list[str]) -> str:
+        """Sum of ``<16 x i16>`` products as ``<8 x i32>``: in int16 ``run`` at a time."""
+        total = ""
+        for r in range(0, len(products), run):
+            part = products[r]
+            for p in products[r + 1 : r + run]:
+                part = e(f"add {i16} {part}, {p}")
+            part = _pair_sums(e, isa, part)
+            total = e(f"add {i32} {total}, {part}") if total else part
+        return e(f"sitofp {i32} {total} to {f8}")
+
+    def tile(t: str, n: str) -> None:
+        x_rows = _clamped(e, t, s.mr, t_last)
+        group = e(f"mul i64 {e(f'udiv i64 {n}, {_LANES}')}, {e(f'mul i64 {nb}, {record}')}")
+        group = e.at(ptr[_A_W], group)
+        first = [e(f"mul i64 {r}, {nb}") for r in x_rows]  # each row's first block
+        accs = [e.var(f8, "zeroinitializer") for _ in range(s.mr)]
+
+        def block(b: str) -> None:
+            base = e.at(group, e(f"mul i64 {b}, {record}"))
+            if s.pf:
+                _prefetch(e, base, s.pf, record)
+            p = {f: e.at(base, str(at)) for f, at in field_at.items()}
+            chunks = u.chunks(e, p)
+            v32 = _vec(32, "i8")
+            mags = (
+                [e.call(v32, "llvm.abs.v32i8", f"{v32} {c}", "i1 false") for c in chunks]
+                if u.kind == "s8"
+                else chunks
+            )
+            dw = [row_scales(p["d"], k) for k in range(h)]
+            m_eff = row_scales(p["m"], 0) if u.has_min else None
+            if u.offset:  # w = d * (q + offset) + m: the offset joins the min
+                offset = e.splat(f"{float(u.offset)!r}", 8, "float")
+                m_eff = _fma(e, offset, dw[0], m_eff or "zeroinitializer", f8)
+            for i in range(s.mr):
+                blk = e(f"add i64 {first[i]}, {b}")
+                xq = e.at(ptr[_A_X], e(f"mul i64 {blk}, {QK}"))
+                # Products by (sub-block, activation scale group): chunk j is elements
+                # 4j..4j+3, scale group j % 2 (see _X_GROUPS).
+                products: dict[tuple[int, int], list[str]] = {}
+                for j in range(8):
+                    xj = e.splat(e.load("i32", xq, str(4 * j)), 8, "i32")
+                    xj = e(f"bitcast {i32} {xj} to {v32}")
+                    if u.kind == "s8":
+                        xj = _with_sign_of(e, isa, xj, chunks[j])
+                    key = (j * h // 8, j % 2)
+                    products.setdefault(key, []).append(_pair_products(e, isa, mags[j], xj))
+                dx = e.load("<2 x float>", ptr[_A_XD], e(f"mul i64 {blk}, 8"))
+                dx = [e.lane(dx, 2, k, 8) for k in range(2)]
+                acc = e.get(f8, accs[i])
+                for k in range(h):
+                    both = e(f"fmul {f8} {widened(products[k, 0])}, {dx[0]}")
+                    both = _fma(e, widened(products[k, 1]), dx[1], both, f8)
+                    acc = _fma(e, both, dw[k], acc, f8)
+                if m_eff:  # the min's part, m * sum(x)
+                    xs = e.load("float", ptr[_A_XS], e(f"mul i64 {blk}, 4"))
+                    acc = _fma(e, m_eff, e.splat(xs, 8, "float"), acc, f8)
+                e.put(f8, accs[i], acc)
+
+        b_slot = e.var("i64", "0")
+        e.loop(b_slot, nb, 1, block)
+        left = e(f"sub i64 {ldy}, {n}")  # rows of the group that exist
+        for i in range(s.mr):
+            acc = e.get(f8, accs[i])
+            row = e(f"mul i64 {x_rows[i]}, {ldy}")
+            y = e.at(ptr[_A_Y], e(f"mul i64 {e(f'add i64 {row}, {n}')}, 4"))
+
+            def lanes(k: str, acc: str = acc, y: str = y) -> None:
+                value = e(f"extractelement {f8} {acc}, i64 {k}")
+                e.do(f"store float {value}, ptr {e.at(y, e(f'mul i64 {k}, 4'))}, align 4")
+
+            e.branch(
+                e(f"icmp sge i64 {left}, {_LANES}"),
+                lambda acc=acc, y=y: e.do(f"store {f8} {acc}, ptr {y}, align 4"),
+                lambda: e.loop(e.var("i64", "0"), left, 1, lanes),
+            )
+
+    _walk(e, s, t_rows, _LANES, tile)
     return e.function(name, _PARAMS)
 
 
@@ -736,15 +924,18 @@ def _quantize_fn(e: _Emitter, name: str) -> str:
     return e.function(name, _PARAMS)
 
 
-# GEMV and GEMM use the same accumulator width, so a row sums in the same order whatever
-# the batch size: results are bitwise batch-invariant (aw=16 in GEMV was no faster).
-# GEMV streams weights from memory: prefetching 8 KB ahead in each plane measured 1.4x
-# (auto Q4_1) to 1.9x (exact Q8_0) on a decode step's 66 MB of layer weights.
+# GEMV and GEMM tiles sum each output in the same order, so a row's results are bitwise
+# the same whatever the batch size (exact: the same accumulator width; auto: one lane per
+# row whatever the tile). GEMV streams weights from memory: prefetching 8 KB ahead
+# measured 1.4x (auto Q4_1) to 1.9x (exact Q8_0) on a decode step's 66 MB of layer weights.
 _GEMV = {
     "exact": _Shape(mr=1, nr=4, aw=8, tc=32, pf=8192),
-    "auto": _Shape(mr=1, nr=4, aw=8, tc=64, pf=8192),
+    "auto": _Shape(mr=1, nr=_LANES, aw=8, tc=64, pf=8192),
 }
-_GEMM = {"exact": _Shape(mr=4, nr=2, aw=8, tc=32), "auto": _Shape(mr=4, nr=2, aw=8, tc=64)}
+_GEMM = {
+    "exact": _Shape(mr=4, nr=2, aw=8, tc=32),
+    "auto": _Shape(mr=4, nr=_LANES, aw=8, tc=64, pf=4096),  # pf: 1.1-1.2x at T = 4..8
+}
 
 _Fn = Callable[[int, int, int], None]  # (args, lo, hi)
 
@@ -760,12 +951,17 @@ class _Kernels:
 def _kernels(ggml_type: int, mode: str, isa: str) -> _Kernels:
     u = _UNPACKS[ggml_type]
     stem = f"dynalm_mm_{quant_format(ggml_type).name}_{mode}_{isa}"
-    makers = {
-        "gemv": lambda e, name: _kernel(e, name, u, mode, isa, _GEMV[mode]),
-        "gemm": lambda e, name: _kernel(e, name, u, mode, isa, _GEMM[mode]),
-    }
     if mode == "auto":
-        makers["quantize"] = _quantize_fn
+        makers = {
+            "gemv": lambda e, name: _lane_kernel(e, name, u, isa, _GEMV[mode]),
+            "gemm": lambda e, name: _lane_kernel(e, name, u, isa, _GEMM[mode]),
+            "quantize": _quantize_fn,
+        }
+    else:
+        makers = {
+            "gemv": lambda e, name: _kernel(e, name, u, _GEMV[mode]),
+            "gemm": lambda e, name: _kernel(e, name, u, _GEMM[mode]),
+        }
     names, emitters, texts = [], [], []
     for tag, make in makers.items():
         names.append(f"{stem}_{tag}")
@@ -835,7 +1031,8 @@ class QuantMatmul:
         self._kernels = _kernels(ggml_type, self.mode, isa or str(jit.host_features()["isa"]))
         # Repack: fields split into planes (scales apart from quants), rows interleaved.
         planes = u.repack(np.ascontiguousarray(raw).reshape(-1, fmt.type_size))
-        self._weights = _interleave(u, planes, self.n_rows, self._nb)
+        interleave = _interleave_lanes if self.mode == "auto" else _interleave
+        self._weights = interleave(u, planes, self.n_rows, self._nb)
         threads = threads or default_threads()
         small = raw.nbytes < _PARALLEL_MIN_BYTES
         self._threads = 1 if small or not pool.available() else threads
