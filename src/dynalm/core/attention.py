@@ -54,13 +54,11 @@ Q8_BLOCK = 32
 # Query heads per work item at most: more would crowd the loops' registers and leave
 # fewer items to split over threads.
 _MAX_ITEM_HEADS = 4
-# Split over threads only with two items per thread (a T=1 decode of 3 items gains at most
-# 1.5x and measured slower) and enough work, items x keys, to pay for the hand-off.
-_PARALLEL_MIN_WORK = 1024
 
 _F32, _I64, _I32, _PTR = ir.FloatType(), ir.IntType(64), ir.IntType(32), ir.PointerType()
 _VEC = ir.VectorType(_F32, LANES)
 _STORE = {"f32": _F32, "f16": ir.HalfType(), "q8_0": ir.IntType(8)}
+_BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
 _FMA = ("contract",)  # let fmul + fadd fuse into FMA
 
 
@@ -278,16 +276,30 @@ def _items(
             for c in range(n_vec):
                 b.store(zero, at(acc, _VEC, _i64(g * n_vec + c)))
 
-        def score(j0: ir.Value, i: ir.Value) -> None:
-            """Dot vectors of key ``j0 + i`` with each head's query, and its element offset."""
-            # Keys past p (the tail of the last block) reload key p and get weight 0
-            # below, so every address stays inside the sequence's pages.
-            j = b.add(j0, i)
+        def key_row(j: ir.Value) -> ir.Value:
+            """Element offset of key ``j`` (capped at ``p``: keys past it, the tail of the
+            last block, reload key p and get weight 0, so every address stays inside the
+            sequence's pages)."""
             j = b.select(b.icmp_signed("<", j, p), j, p)
             pid = b.load(at(table, _I64, b.udiv(j, _i64(page))), typ=_I64)
             slot = b.add(b.mul(pid, _i64(page)), b.urem(j, _i64(page)))
-            row = b.mul(b.add(b.mul(slot, _i64(n_kv_heads)), kh), _i64(head_dim))
+            return b.mul(b.add(b.mul(slot, _i64(n_kv_heads)), kh), _i64(head_dim))
+
+        def score(j0: ir.Value, i: ir.Value) -> None:
+            """Dot vectors of key ``j0 + i`` with each head's query, and its element offset."""
+            row = key_row(b.add(j0, i))
             b.store(row, at(rows, _I64, i))
+            # The same key of the next block, from memory: a step's weights stream through
+            # the caches between two uses of a layer's pages, and the rows of one kv head
+            # are strided (heads interleave), so the hardware prefetcher misses them.
+            ahead = key_row(b.add(b.add(j0, i), _i64(BLOCK)))
+            for store in (k, v):
+                for line in range(0, head_dim * _BYTES[dtype], 64):
+                    at_line = b.gep(store, [ahead], source_etype=_STORE[dtype])
+                    at_line = b.gep(at_line, [_i64(line)], source_etype=ir.IntType(8))
+                    intrinsic(
+                        b, "llvm.prefetch.p0", ir.VoidType(), at_line, _I32(0), _I32(3), _I32(1)
+                    )
             dot = [zero] * heads
             for c in range(n_vec):  # each key vector is loaded once for all heads
                 kc = _load_vec(b, dtype, k, ks, b.add(row, _i64(c * LANES)))
@@ -438,7 +450,7 @@ class StepLayout:
         self._block = np.zeros(_N_STEP, np.int64)
         self.address = _addr(self._block)
         self.kv: KVStorage | None = None
-        self.tokens = self.last = 0
+        self.tokens = 0
         self._arrays: tuple[np.ndarray, ...] = ()
 
     def set(self, batch: AttentionBatch, positions: np.ndarray) -> None:
@@ -452,7 +464,6 @@ class StepLayout:
         words = (n, _addr(pages), pages.shape[1], _addr(seq_of), _addr(positions), _addr(slots))
         self._block[:] = words
         self.kv, self.tokens = batch.kv, n
-        self.last = int(positions[n - 1]) if n else 0
 
 
 class PagedAttention:
@@ -498,8 +509,7 @@ class PagedAttention:
 
     def _bind_kv(self, kv: KVStorage) -> None:
         """Kernels for ``kv``'s storage and the addresses of this layer's pages."""
-        fns = _kernels(kv.dtype, *self._geometry, kv.page_size)
-        self._items = fns["items"]
+        self._fns = fns = _kernels(kv.dtype, *self._geometry, kv.page_size)
         self._write, self._run = (
             jit.cfunc(fns[f], None, ctypes.c_void_p) for f in ("write", "run")
         )
@@ -510,14 +520,34 @@ class PagedAttention:
             self._args[slot] = _addr(array)
         self._kv = kv
 
+    def _split(self) -> tuple[int, int] | None:
+        """(items, chunk) when this step's items are split over the pool, else None: with
+        two items per thread (a T=1 decode of 3 items gains at most 1.5x and measured
+        slower)."""
+        items, threads = self._step.tokens * self._per_token, self._threads
+        if threads > 1 and items >= 2 * threads:
+            return items, max(1, items // (4 * threads))
+        return None
+
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        """This step's calls as ``pool.Program`` records (valid while the step's token
+        count and KV storage stay the same): store k/v, then the items."""
+        if self._step.kv is not self._kv:
+            self._bind_kv(self._step.kv)
+        split = self._split()
+        if split is None:
+            return [(pool.PLAIN, self._fns["run"], self._ptr, 0, 0)]
+        return [
+            (pool.PLAIN, self._fns["write"], self._ptr, 0, 0),
+            (pool.SPLIT, self._fns["items"], self._ptr, *split),
+        ]
+
     def __call__(self) -> None:
-        step = self._step
-        if step.kv is not self._kv:
-            self._bind_kv(step.kv)
-        items, threads = step.tokens * self._per_token, self._threads
-        # the last token's position stands in for the context length of every item
-        if threads > 1 and items >= 2 * threads and items * step.last >= _PARALLEL_MIN_WORK:
-            self._write(self._ptr)
-            pool.pool(threads).run(self._items, self._ptr, items, max(1, items // (4 * threads)))
-        else:
+        if self._step.kv is not self._kv:
+            self._bind_kv(self._step.kv)
+        split = self._split()
+        if split is None:
             self._run(self._ptr)
+        else:
+            self._write(self._ptr)
+            pool.pool(self._threads).run(self._fns["items"], self._ptr, *split)

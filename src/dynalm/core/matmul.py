@@ -501,36 +501,42 @@ def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int)
 _LANES = 8  # weight rows an ``auto`` kernel reads at once: one per fp32 lane of a vector
 
 
-def _lane_order(u: _Unpack, field: str, blocks: np.ndarray) -> np.ndarray:
-    """One field of ``_LANES`` rows' blocks, uint8 ``[..., _LANES, size]`` -> the bytes the
-    ``auto`` kernels read, ``[..., _LANES * size]``: quants as chunks (``qs``: the rows' 4-byte
-    units side by side, unit j of every row, then j + 1; ``qh``: chunk j's 4 bits of each
-    row as one u32, bit 4r + c), scales as one vector of the rows per sub-block scale."""
-    *lead, rows, size = blocks.shape
+def _lane_order(u: _Unpack, field: str, rows: np.ndarray, dst: np.ndarray) -> None:
+    """One field of whole row groups, uint8 ``[groups * _LANES, nb, size]``, into ``dst``
+    ``[groups, nb, _LANES * size]`` in the order the ``auto`` kernels read: quants as
+    chunks (``qs``: the rows' 4-byte units side by side, unit j of every row, then j + 1;
+    ``qh``: chunk j's 4 bits of each row as one u32, bit 4r + c), scales as one vector of
+    the rows per sub-block scale. One strided copy (the weights may be large)."""
+    groups, nb, width = dst.shape
+    size = width // _LANES
+    src = rows.reshape(groups, _LANES, nb, size)
     if field == "qh":
-        bits = np.unpackbits(blocks, axis=-1, bitorder="little").reshape(*lead, rows, 8, 4)
-        bits = np.swapaxes(bits, -3, -2).reshape(*lead, 8, rows * 4)
-        return np.packbits(bits, axis=-1, bitorder="little").reshape(*lead, rows * size)
+        bits = np.unpackbits(src, axis=-1, bitorder="little").reshape(groups, _LANES, nb, 8, 4)
+        bits = bits.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8, _LANES * 4)
+        dst[...] = np.packbits(bits, axis=-1, bitorder="little").reshape(groups, nb, width)
+        return
     unit = 4 if field == "qs" else (2 if u.scale == "half" else 4)
-    units = blocks.reshape(*lead, rows, size // unit, unit)
-    return np.swapaxes(units, -3, -2).reshape(*lead, rows * size)
+    view = dst.reshape(groups, nb, size // unit, _LANES, unit)
+    assert np.shares_memory(view, dst)  # a view, not a copy
+    view[...] = src.reshape(groups, _LANES, nb, size // unit, unit).transpose(0, 2, 3, 1, 4)
 
 
 def _interleave_lanes(
     u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int
 ) -> np.ndarray:
-    """Repacked planes -> the ``auto`` kernels' stream: rows padded with zero blocks to a
-    multiple of ``_LANES`` and taken ``_LANES`` at a time; per row group one record per
-    block, holding each field of the group's rows in ``_lane_order``."""
-    groups = -(-n_rows // _LANES)
+    """Repacked planes -> the ``auto`` kernels' stream: rows taken ``_LANES`` at a time (the
+    last group padded with zero rows); per row group one record per block, holding each
+    field of the group's rows in ``_lane_order``."""
+    groups, full = -(-n_rows // _LANES), n_rows // _LANES
     out = np.empty((groups, nb, _LANES * u.block_bytes), np.uint8)
     for f, size, at in u.fields:
         src = planes[f].view(np.uint8).reshape(n_rows, nb, size)
-        if n_rows % _LANES:
-            pad = np.zeros((groups * _LANES - n_rows, nb, size), np.uint8)
-            src = np.concatenate([src, pad])
-        src = src.reshape(groups, _LANES, nb, size).transpose(0, 2, 1, 3)
-        out[:, :, _LANES * at : _LANES * (at + size)] = _lane_order(u, f, src)
+        dst = out[:, :, _LANES * at : _LANES * (at + size)]
+        _lane_order(u, f, src[: full * _LANES], dst[:full])
+        if full < groups:
+            last = np.zeros((_LANES, nb, size), np.uint8)
+            last[: n_rows - full * _LANES] = src[full * _LANES :]
+            _lane_order(u, f, last, dst[full:])
     return out.reshape(-1)
 
 
