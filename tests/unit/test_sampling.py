@@ -62,6 +62,13 @@ def test_presence_and_frequency_penalties():
     assert out[1] == pytest.approx(3.0)
 
 
+def test_no_penalty_no_copy_and_sampling_still_works_from_float32():
+    # A plain greedy step passes the step's float32 logits through untouched (no copy).
+    sampler = Sampler(SamplingParams(temperature=0, **OFF))
+    assert sampler.apply_penalties(LOGITS, history=[1, 4]) is LOGITS
+    assert 1 in draws(SamplingParams(temperature=0.7, seed=1, **OFF)) <= set(range(len(LOGITS)))
+
+
 def test_logit_bias():
     assert draws(SamplingParams(temperature=0, logit_bias={4: 10.0}, **OFF)) == {4}
 

@@ -120,7 +120,7 @@ def flat_batch(
 
 
 def _token_logprob(penalized: np.ndarray, token: int, top: int) -> TokenLogprob:
-    shifted = penalized - penalized.max()
+    shifted = penalized.astype(np.float64) - penalized.max()
     lp = shifted - np.log(np.exp(shifted).sum())
     best = np.argpartition(-lp, top - 1)[:top] if top else np.zeros(0, np.int64)
     best = best[np.argsort(-lp[best], kind="stable")]

@@ -61,10 +61,15 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def apply_penalties(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """Penalised and biased logits as a float64 copy; ``logits`` itself when no penalty
+        or bias applies."""
         p = self.params
+        penalize = p.repeat_penalty != 1 or p.presence_penalty or p.frequency_penalty
+        if not (penalize and p.repeat_last_n and len(history)) and not p.logit_bias:
+            return logits  # nothing to change: no copy (a greedy decode step's common case)
         logits = logits.astype(np.float64)
         recent = np.asarray(history[-p.repeat_last_n :] if p.repeat_last_n else [], np.int64)
-        if recent.size and (p.repeat_penalty != 1 or p.presence_penalty or p.frequency_penalty):
+        if recent.size and penalize:
             ids, counts = np.unique(recent, return_counts=True)
             vals = logits[ids]
             logits[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
@@ -85,7 +90,7 @@ class Sampler:
         candidates = np.arange(logits.size)
         if 0 < p.top_k < logits.size:
             candidates = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
-        cand_logits = logits[candidates] / p.temperature
+        cand_logits = logits[candidates].astype(np.float64) / p.temperature
         order = np.argsort(-cand_logits, kind="stable")
         candidates, cand_logits = candidates[order], cand_logits[order]
         probs = np.exp(cand_logits - cand_logits[0])
