@@ -8,9 +8,10 @@ that turns one 32-weight block of a repacked row into 32 integer (or float) lane
 
 Two modes:
 
-* ``exact`` -- fp32 activations; each weight block is dequantised in registers and
-  accumulated with fp32 FMAs (the accuracy contract). Formats without a min sum a block's
-  ``(q + offset) * x`` first and apply ``d`` once (``d`` factors out; fewer multiplies).
+* ``exact`` -- fp32 activations and fp32 FMAs (the accuracy contract). A block's
+  ``(q + offset) * x`` is summed first and ``d`` applied once, and a min per block as
+  ``m * sum(x)`` (``d`` and ``m`` factor out; fewer multiplies); only Q2_K's per-16 mins
+  dequantise each weight in registers.
   A register tile of ``MR`` activation rows x ``NR`` weight rows, ``_ROWS`` weight rows
   interleaved in memory so a tile reads one contiguous stream (``_interleave``).
 * ``auto`` -- activations are quantised per 32-block to int8 (two scales ``dx`` per block
@@ -573,6 +574,13 @@ def _fma(e: _Emitter, a: str, b: str, acc: str, ty: str) -> str:
     return e.call(ty, f"llvm.fmuladd.v{n_lanes}f32", f"{ty} {a}", f"{ty} {b}", f"{ty} {acc}")
 
 
+def _sum(e: _Emitter, vs: list[str], ty: str) -> str:
+    total = vs[0]
+    for v in vs[1:]:
+        total = e(f"fadd {ty} {total}, {v}")
+    return total
+
+
 def _clamped(e: _Emitter, first: str, count: int, last: str) -> list[str]:
     """Rows ``first .. first+count`` capped at ``last``: a tile over the edge repeats the
     last row (same values stored twice) instead of needing remainder variants."""
@@ -686,8 +694,12 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, s: _Shape) -> str:
                 for i in range(mr):
                     xv = e.load(_vec(32, "float"), ptr[_A_X], e(f"add i64 {xk[i]}, {b * x_block}"))
                     xs.append([e.part(xv, 32, "float", c, s.aw) for c in range(0, 32, s.aw)])
+                # A min per block factors out like d: sum(w x) = d sum(q x) + m sum(x), two
+                # FMAs per block instead of dequantising every weight (~15 % faster GEMV).
+                factored = u.has_min and h == 1
+                xsum = [_sum(e, xs[i], acc_ty) for i in range(mr)] if factored else []
                 for j in range(nr):
-                    if u.has_min:
+                    if u.has_min and not factored:
                         d, m = (per_lane(v[j], g * h, b, 32) for v in (dw, mw))
                         w = _dequant(e, u, lanes[j], d, m)
                     else:
@@ -695,7 +707,13 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, s: _Shape) -> str:
                     w = [e.part(w, 32, "float", c, s.aw) for c in range(0, 32, s.aw)]
                     for i in range(mr):
                         acc = e.get(acc_ty, accs[i][j])
-                        if u.has_min or not u.has_scale:
+                        if factored:
+                            part = e(f"fmul {acc_ty} {w[0]}, {xs[i][0]}")
+                            for c in range(1, len(w)):
+                                part = fma(w[c], xs[i][c], part)
+                            acc = fma(part, e.lane(dw[j], g * h, b, s.aw), acc)
+                            acc = fma(xsum[i], e.lane(mw[j], g * h, b, s.aw), acc)
+                        elif u.has_min or not u.has_scale:
                             for c, wc in enumerate(w):
                                 acc = fma(wc, xs[i][c], acc)
                         else:
