@@ -559,6 +559,31 @@ def _integers(e: _Emitter, u: _Unpack, q: str) -> str:
     return qf
 
 
+def _integer_floats(e: _Emitter, u: _Unpack, p: dict[str, str]) -> str:
+    """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles and
+    bytes widen from memory 8 at a time (``vpmovzxbd`` / ``vpmovsxbd`` loads), which
+    costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``."""
+    if u.lanes not in (_nibbles, _bytes):
+        return _integers(e, u, u.lanes(e, p))
+    i8, i32, f8 = _vec(8, "i8"), _vec(8, "i32"), _vec(8, "float")
+    ext, to_float = ("sext", "sitofp") if u.kind == "s8" else ("zext", "uitofp")
+    if u.lanes is _bytes:
+        ints = [e(f"{ext} {i8} {e.load(i8, p['qs'], str(k))} to {i32}") for k in range(0, 32, 8)]
+    else:  # byte k holds elements k (low nibble) and k + 16 (high)
+        wide = [e(f"zext {i8} {e.load(i8, p['qs'], str(k))} to {i32}") for k in (0, 8)]
+        low = [e(f"and {i32} {w}, {_const('i32', [15] * 8)}") for w in wide]
+        ints = low + [e(f"lshr {i32} {w}, {_const('i32', [4] * 8)}") for w in wide]
+    parts = [e(f"{to_float} {i32} {v} to {f8}") for v in ints]
+    if u.offset:
+        parts = [e(f"fadd {f8} {v}, {e.splat(f'{float(u.offset)!r}', 8, 'float')}") for v in parts]
+    halves = [
+        e(f"shufflevector {f8} {parts[k]}, {f8} {parts[k + 1]}, {_mask(list(range(16)))}")
+        for k in (0, 2)
+    ]
+    f16 = _vec(16, "float")
+    return e(f"shufflevector {f16} {halves[0]}, {f16} {halves[1]}, {_mask(list(range(32)))}")
+
+
 def _dequant(e: _Emitter, u: _Unpack, q: str, d: str, m: str) -> str:
     """Integer lanes -> fp32 weights ``d * (q + offset) + m`` (``d``, ``m``: 32 lanes).
 
@@ -686,10 +711,7 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, s: _Shape) -> str:
             for b in range(g):
                 # Each block unpacked where it is used (unpacking all g up front keeps too
                 # many registers live).
-                lanes = [
-                    u.lanes(e, {f: e.at(p, str(b * u.size(f))) for f, p in at.items()})
-                    for at in w_at
-                ]
+                planes = [{f: e.at(p, str(b * u.size(f))) for f, p in at.items()} for at in w_at]
                 xs = []
                 for i in range(mr):
                     xv = e.load(_vec(32, "float"), ptr[_A_X], e(f"add i64 {xk[i]}, {b * x_block}"))
@@ -701,9 +723,11 @@ def _kernel(e: _Emitter, name: str, u: _Unpack, s: _Shape) -> str:
                 for j in range(nr):
                     if u.has_min and not factored:
                         d, m = (per_lane(v[j], g * h, b, 32) for v in (dw, mw))
-                        w = _dequant(e, u, lanes[j], d, m)
+                        w = _dequant(e, u, u.lanes(e, planes[j]), d, m)
+                    elif u.has_scale:
+                        w = _integer_floats(e, u, planes[j])
                     else:
-                        w = _integers(e, u, lanes[j]) if u.has_scale else lanes[j]
+                        w = u.lanes(e, planes[j])
                     w = [e.part(w, 32, "float", c, s.aw) for c in range(0, 32, s.aw)]
                     for i in range(mr):
                         acc = e.get(acc_ty, accs[i][j])
