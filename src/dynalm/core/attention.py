@@ -248,6 +248,9 @@ def _items(
     acc = b.alloca(_VEC, size=heads * n_vec)
     rows = b.alloca(_I64, size=BLOCK)
     dots = b.alloca(_VEC, size=heads * BLOCK)
+    # The block's softmax weights, [head][key]: the value loop broadcasts each from memory
+    # (a load) instead of shuffling it out of a register (48 shuffles per dim vector).
+    block_weights = b.alloca(_VEC, size=heads * halves)
 
     def item(w: ir.Value) -> None:
         t = b.udiv(w, _i64(n_heads // heads))
@@ -356,15 +359,14 @@ def _items(
                     flags=("reassoc",),
                 )
                 b.store(b.fadd(b.fmul(b.load(total[g], typ=_F32), r[g]), block_sum), total[g])
-            w = [
-                [
-                    _shuffle(b, weights[g][i // LANES], weights[g][i // LANES], [i % LANES] * LANES)
-                    for i in range(BLOCK)
-                ]
-                for g in range(heads)
-            ]
+            for g in range(heads):
+                for h in range(halves):
+                    b.store(weights[g][h], at(block_weights, _VEC, _i64(g * halves + h)))
             key_rows = [b.load(at(rows, _I64, _i64(i)), typ=_I64) for i in range(BLOCK)]
             r = [_splat(b, rg) for rg in r]
+
+            def weight(g: int, i: int) -> ir.Value:
+                return _splat(b, b.load(at(block_weights, _F32, _i64(g * BLOCK + i)), typ=_F32))
 
             def dims(c: ir.Value) -> None:
                 # One dim vector of each head's value sum at a time, over the block's keys
@@ -375,7 +377,7 @@ def _items(
                 for i in range(BLOCK):
                     vc = _load_vec(b, dtype, v, vs, b.add(key_rows[i], col))
                     ys = [
-                        b.fadd(ys[g], b.fmul(w[g][i], vc, flags=_FMA), flags=_FMA)
+                        b.fadd(ys[g], b.fmul(weight(g, i), vc, flags=_FMA), flags=_FMA)
                         for g in range(heads)
                     ]
                 for g in range(heads):
