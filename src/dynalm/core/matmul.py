@@ -981,7 +981,8 @@ _GEMV = {
     "auto": _Shape(mr=1, nr=_LANES, aw=8, tc=64, pf=8192),
 }
 _GEMM = {
-    "exact": _Shape(mr=4, nr=2, aw=8, tc=32, pf=4096),  # pf: 1.2-1.4x at T = 4..8
+    # No prefetch here: 4 KB ahead measured 1.2-1.4x at T = 4..8 but 0.7x at T = 512.
+    "exact": _Shape(mr=4, nr=2, aw=8, tc=32),
     "auto": _Shape(mr=4, nr=_LANES, aw=8, tc=64, pf=4096),  # pf: 1.1-1.2x at T = 4..8
 }
 
