@@ -297,9 +297,9 @@ def _items(
             # are strided (heads interleave), so the hardware prefetcher misses them.
             ahead = key_row(b.add(b.add(j0, i), _i64(BLOCK)))
             for store in (k, v):
+                key = b.gep(store, [ahead], source_etype=_STORE[dtype])
                 for line in range(0, head_dim * _BYTES[dtype], 64):
-                    at_line = b.gep(store, [ahead], source_etype=_STORE[dtype])
-                    at_line = b.gep(at_line, [_i64(line)], source_etype=ir.IntType(8))
+                    at_line = b.gep(key, [_i64(line)], source_etype=ir.IntType(8))
                     intrinsic(
                         b, "llvm.prefetch.p0", ir.VoidType(), at_line, _I32(0), _I32(3), _I32(1)
                     )
@@ -522,10 +522,12 @@ class PagedAttention:
             self._args[slot] = _addr(array)
         self._kv = kv
 
-    def _split(self) -> tuple[int, int] | None:
-        """(items, chunk) when this step's items are split over the pool, else None: with
-        two items per thread (a T=1 decode of 3 items gains at most 1.5x and measured
-        slower)."""
+    def _plan(self) -> tuple[int, int] | None:
+        """Bind the step's KV storage; (items, chunk) when this step's items are split over
+        the pool, else None: with two items per thread (a T=1 decode of 3 items gains at
+        most 1.5x and measured slower)."""
+        if self._step.kv is not self._kv:
+            self._bind_kv(self._step.kv)
         items, threads = self._step.tokens * self._per_token, self._threads
         if threads > 1 and items >= 2 * threads:
             return items, max(1, items // (4 * threads))
@@ -534,9 +536,7 @@ class PagedAttention:
     def records(self) -> list[tuple[int, int, int, int, int]]:
         """This step's calls as ``pool.Program`` records (valid while the step's token
         count and KV storage stay the same): store k/v, then the items."""
-        if self._step.kv is not self._kv:
-            self._bind_kv(self._step.kv)
-        split = self._split()
+        split = self._plan()
         if split is None:
             return [(pool.PLAIN, self._fns["run"], self._ptr, 0, 0)]
         return [
@@ -545,9 +545,7 @@ class PagedAttention:
         ]
 
     def __call__(self) -> None:
-        if self._step.kv is not self._kv:
-            self._bind_kv(self._step.kv)
-        split = self._split()
+        split = self._plan()
         if split is None:
             self._run(self._ptr)
         else:

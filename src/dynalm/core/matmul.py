@@ -576,12 +576,12 @@ def _integer_floats(e: _Emitter, u: _Unpack, p: dict[str, str]) -> str:
     parts = [e(f"{to_float} {i32} {v} to {f8}") for v in ints]
     if u.offset:
         parts = [e(f"fadd {f8} {v}, {e.splat(f'{float(u.offset)!r}', 8, 'float')}") for v in parts]
-    halves = [
+    pairs = [
         e(f"shufflevector {f8} {parts[k]}, {f8} {parts[k + 1]}, {_mask(list(range(16)))}")
         for k in (0, 2)
     ]
     f16 = _vec(16, "float")
-    return e(f"shufflevector {f16} {halves[0]}, {f16} {halves[1]}, {_mask(list(range(32)))}")
+    return e(f"shufflevector {f16} {pairs[0]}, {f16} {pairs[1]}, {_mask(list(range(32)))}")
 
 
 def _dequant(e: _Emitter, u: _Unpack, q: str, d: str, m: str) -> str:
@@ -821,7 +821,7 @@ def _lane_kernel(e: _Emitter, name: str, u: _Unpack, isa: str, s: _Shape) -> str
     arg = [e.load("i64", "%args", str(8 * i), 8) for i in range(_N_ARGS)]
     ptr = [e(f"inttoptr i64 {a} to ptr") for a in arg]
     t_rows, nb, ldy = arg[_A_T], arg[_A_NB], arg[_A_LDY]
-    f8, i16, i32 = _vec(8, "float"), _vec(16, "i16"), _vec(8, "i32")
+    f8, i16, i32, v32 = _vec(8, "float"), _vec(16, "i16"), _vec(8, "i32"), _vec(32, "i8")
     h = u.halves
     record = _LANES * u.block_bytes
     field_at = {f: _LANES * at for f, _, at in u.fields}
@@ -857,7 +857,6 @@ def _lane_kernel(e: _Emitter, name: str, u: _Unpack, isa: str, s: _Shape) -> str
                 _prefetch(e, base, s.pf, record)
             p = {f: e.at(base, str(at)) for f, at in field_at.items()}
             chunks = u.chunks(e, p)
-            v32 = _vec(32, "i8")
             mags = (
                 [e.call(v32, "llvm.abs.v32i8", f"{v32} {c}", "i1 false") for c in chunks]
                 if u.kind == "s8"
@@ -901,14 +900,14 @@ def _lane_kernel(e: _Emitter, name: str, u: _Unpack, isa: str, s: _Shape) -> str
             row = e(f"mul i64 {x_rows[i]}, {ldy}")
             y = e.at(ptr[_A_Y], e(f"mul i64 {e(f'add i64 {row}, {n}')}, 4"))
 
-            def lanes(k: str, acc: str = acc, y: str = y) -> None:
+            def one_by_one(k: str, acc: str = acc, y: str = y) -> None:
                 value = e(f"extractelement {f8} {acc}, i64 {k}")
                 e.do(f"store float {value}, ptr {e.at(y, e(f'mul i64 {k}, 4'))}, align 4")
 
             e.branch(
                 e(f"icmp sge i64 {left}, {_LANES}"),
                 lambda acc=acc, y=y: e.do(f"store {f8} {acc}, ptr {y}, align 4"),
-                lambda: e.loop(e.var("i64", "0"), left, 1, lanes),
+                lambda: e.loop(e.var("i64", "0"), left, 1, one_by_one),
             )
 
     _walk(e, s, t_rows, _LANES, tile)
@@ -916,8 +915,9 @@ def _lane_kernel(e: _Emitter, name: str, u: _Unpack, isa: str, s: _Shape) -> str
 
 
 # Activation scale groups: elements whose index // 4 is even, then odd. They match the
-# lanes of the int dot (lane l sums elements 4l..4l+3), so a block's two scales are one
-# broadcast, and halve the rounding error of one scale per 32 (outliers hurt one group).
+# auto kernels' chunks (chunk j is elements 4j..4j+3, in group j % 2), so each chunk's
+# products take one scale, and halve the rounding error of one scale per 32 (outliers hurt
+# one group).
 _X_GROUPS = [[e for e in range(QK) if e // 4 % 2 == k] for k in (0, 1)]
 
 

@@ -140,6 +140,7 @@ class Executor:
         self._on_tokens = np.array([rows == "T" for _, rows in self._counted], bool)
         self._logits = self._view_of[graph.outputs["logits"].id]
         self._shape: tuple[int, int] | None = None  # (T, S) the views are sliced for
+        self._compiled_kv: object = None  # the KV storage the programs were built for
 
     def _resize(self, n_tokens: int, n_logits: int) -> None:
         rows = {"T": n_tokens, "S": n_logits}
