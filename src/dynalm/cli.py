@@ -81,7 +81,13 @@ ModeOption = Annotated[Mode, typer.Option(help="auto | exact | safe")]
 BackendOption = Annotated[Backend, typer.Option(help="auto | cpu | gpu")]
 CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
 GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
-KVDtype = Annotated[str, typer.Option(help="KV cache dtype: f16 | f32 | q8_0")]
+KVDtype = Annotated[
+    str,
+    typer.Option(
+        help="KV cache dtype: f16 | f32 | q8_0 (half of f16's bytes per token; each running "
+        "sequence's last 32 tokens also kept in f16, for accuracy)"
+    ),
+]
 
 
 def _device(backend: Backend, cpu: bool, gpu: bool, mode: Mode, threads: int | None) -> CpuDevice:

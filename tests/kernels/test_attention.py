@@ -22,9 +22,10 @@ def ragged_step(
     kv=lambda k, v: (k, v),
 ):
     """A pool whose sequences (pages, context length, new tokens) hold random earlier keys,
-    plus the step's random q/k/v for the new tokens (keys and values passed through ``kv``)."""
+    plus the step's random q/k/v for the new tokens (keys and values passed through ``kv``).
+    With recent buffers (q8_0), each sequence's earlier keys count as a prefix-cache hit."""
     rng = np.random.default_rng(seed)
-    pool = PagePool(1, kv_heads, head_dim, 32, PAGE, dtype)
+    pool = PagePool(1, kv_heads, head_dim, 32, PAGE, dtype, n_seqs=len(seqs))
 
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
@@ -41,6 +42,8 @@ def ragged_step(
         seq_lens=np.array([c for _, c, _ in seqs]),
         page_tables=[np.asarray(p, np.int64) for p, _, _ in seqs],
         slots=np.concatenate([pool.slots(p, c - n, c) for p, c, n in seqs]),
+        recent=np.array([pool.open_recent() for _ in seqs]) if pool.recent else None,
+        recent_from=np.array([c - n for _, c, n in seqs]) if pool.recent else None,
     )
     q = rand(n_tokens, heads * head_dim)
     k, v = kv(rand(n_tokens, kv_heads * head_dim), rand(n_tokens, kv_heads * head_dim))
@@ -57,7 +60,7 @@ def attend(batch, positions, q, k, v, heads, kv_heads, head_dim, scale, window, 
 
 
 def assert_same_pages(a: PagePool, b: PagePool) -> None:
-    arrays = [(*p.k, *p.v, *p.k_scale, *p.v_scale) for p in (a, b)]
+    arrays = [(*p.k, *p.v, *p.k_scale, *p.v_scale, *p.k_recent, *p.v_recent) for p in (a, b)]
     for x, y in zip(*arrays, strict=True):
         assert np.array_equal(x, y)
 
@@ -132,7 +135,57 @@ def test_result_of_a_token_does_not_depend_on_the_batch():
     geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
     together = attend(batch, positions, q, k, v, *geometry)
     second = cpu_ops.AttentionBatch(
-        pool, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:]
+        pool, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:], batch.recent
     )
     alone = attend(second, positions[5:].copy(), q[5:], k[5:], v[5:], *geometry)
     assert np.array_equal(together[5:], alone)
+
+
+def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: int = 2):
+    """One q8_0 sequence of ``sum(chunks)`` tokens (random q/k/v per position) run step by
+    step in ``chunks``, the tokens before ``recent_from`` as a prefix-cache hit; returns
+    every token's output and the pool."""
+    rng = np.random.default_rng(7)
+    n, pages = recent_from + sum(chunks), [4, 1, 6, 0, 3, 7]
+    q, k, v = (rng.standard_normal((n, w)).astype(np.float32) for w in (HEADS * HEAD_DIM, 192, 192))
+    pool = PagePool(1, KV_HEADS, HEAD_DIM, 8, PAGE, "q8_0", n_seqs=2)
+    cached = [x[:recent_from].reshape(-1, KV_HEADS, HEAD_DIM) for x in (k, v)]
+    pool.write(0, pool.slots(pages, 0, recent_from), *cached)
+    recent = pool.open_recent() + pool.open_recent()  # buffer 1: not the first rows
+    out, start = np.zeros_like(q), recent_from
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0)
+    for size in chunks:
+        rows = slice(start, start + size)
+        batch = cpu_ops.AttentionBatch(
+            pool,
+            np.array([0, size]),
+            np.array([start + size]),
+            [np.array(pages)],
+            pool.slots(pages, start, start + size),
+            np.array([recent]),
+            np.array([recent_from]),
+        )
+        positions = np.arange(start, start + size, dtype=np.int64)
+        qkv = (q[rows], k[rows], v[rows])
+        if kernel:
+            out[rows] = attend(batch, positions, *qkv, *geometry, threads)
+        else:
+            cpu_ops.attention(out[rows], *qkv, positions, batch, 0, *geometry)
+        start += size
+    return out[recent_from:], pool
+
+
+@pytest.mark.parametrize("recent_from", [0, 21])
+def test_recent_window_across_steps_matches_numpy(recent_from: int):
+    # a prefill in two chunks, then decode steps past the 32-token window
+    chunks = [30, 19, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    ours, pool = run_chunks(chunks, kernel=True, recent_from=recent_from)
+    ref, ref_pool = run_chunks(chunks, kernel=False, recent_from=recent_from)
+    np.testing.assert_allclose(ours, ref, atol=2e-6, rtol=1e-5)
+    assert_same_pages(pool, ref_pool)
+
+
+def test_recent_window_result_does_not_depend_on_chunking():
+    whole, _ = run_chunks([64], kernel=True)
+    for chunks in ([5, 40, 19], [1] * 64, [33, 31]):
+        np.testing.assert_array_equal(run_chunks(chunks, kernel=True, threads=1)[0], whole)

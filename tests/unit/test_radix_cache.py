@@ -130,7 +130,9 @@ def test_q8_0_pages_round_trip_at_about_half_the_bytes_of_f16():
     rng = np.random.default_rng(0)
     f16 = PagePool(2, 3, 64, n_pages=4, page_size=PS, dtype="f16")
     q8 = PagePool(2, 3, 64, n_pages=4, page_size=PS, dtype="q8_0")
-    assert q8.nbytes / f16.nbytes == 34 / 64
+    assert q8.page_nbytes / f16.page_nbytes == 34 / 64
+    # plus one recent buffer: 32 tokens of f16, 2 layers x 3 heads x 64 for k and v
+    assert q8.nbytes - q8.page_nbytes == 32 * 2 * (2 * 3 * 64) * 2 and f16.nbytes == f16.page_nbytes
     k = rng.standard_normal((5, 3, 64)).astype(np.float32)
     slots = q8.slots([2, 0], 1, 6)
     q8.write(1, slots, k, k)

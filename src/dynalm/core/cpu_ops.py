@@ -25,6 +25,9 @@ class KVStorage(Protocol):
     v: list[np.ndarray]
     k_scale: list[np.ndarray]  # per layer, q8_0 only: f16 [slots, n_kv_heads, head_dim / 32]
     v_scale: list[np.ndarray]
+    recent: int  # tokens per recent buffer (q8_0: keys/values near a query, in f16); 0: none
+    k_recent: list[np.ndarray]  # per layer f16 [buffers * recent, n_kv_heads, head_dim]
+    v_recent: list[np.ndarray]
 
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store fp32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at ``slots`` (quantising
@@ -32,6 +35,12 @@ class KVStorage(Protocol):
 
     def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys (un-rotated) and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
+
+    def write_recent(self, layer: int, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store fp32 ``k``/``v`` at recent-buffer ``rows`` (rounded to f16)."""
+
+    def read_recent(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values at recent-buffer ``rows`` as fp32."""
 
 
 @dataclass
@@ -41,7 +50,8 @@ class AttentionBatch:
     Sequence ``s`` owns tokens ``query_start[s]:query_start[s+1]`` of the step; after
     the step it holds ``seq_lens[s]`` tokens of context, stored in the pages listed
     by ``page_tables[s]``; token ``t`` of the step is written to KV slot
-    ``slots[t]`` (page * page_size + offset).
+    ``slots[t]`` (page * page_size + offset). With a recent window (``kv.recent``), it also
+    has recent buffer ``recent[s]``, which holds its positions from ``recent_from[s]`` on.
     """
 
     kv: KVStorage
@@ -49,17 +59,31 @@ class AttentionBatch:
     seq_lens: np.ndarray  # int64 [S]
     page_tables: list[np.ndarray]  # S arrays of page ids
     slots: np.ndarray  # int64 [T]
+    recent: np.ndarray | None = None  # int64 [S], when kv.recent
+    recent_from: np.ndarray | None = None  # int64 [S], when kv.recent
+
+    def __post_init__(self) -> None:
+        if self.kv.recent and (self.recent is None or self.recent_from is None):
+            raise ValueError("a KV pool with recent buffers needs each sequence's buffer")
 
     @cached_property
-    def kernel_tables(self) -> tuple[np.ndarray, np.ndarray]:
+    def kernel_tables(self) -> tuple[np.ndarray, ...]:
         """The layout as attention kernels read it, built once per step: the page tables
-        as one int64 ``[S, max_pages]`` array, and each token's sequence index ``[T]``."""
+        as one int64 ``[S, max_pages]`` array, each token's sequence index ``[T]``, and per
+        sequence its first row in the step, its recent buffer's first row and its
+        ``recent_from`` (``[S]`` each; zeros without recent buffers)."""
+        n_seqs = len(self.seq_lens)
         widest = max((len(p) for p in self.page_tables), default=0)
-        pages = np.zeros((len(self.page_tables), max(widest, 1)), np.int64)
+        pages = np.zeros((n_seqs, max(widest, 1)), np.int64)
         for s, table in enumerate(self.page_tables):
             pages[s, : len(table)] = table
-        seq_of = np.repeat(np.arange(len(self.seq_lens), dtype=np.int64), np.diff(self.query_start))
-        return pages, seq_of
+        seq_of = np.repeat(np.arange(n_seqs, dtype=np.int64), np.diff(self.query_start))
+        first_row = np.ascontiguousarray(self.query_start[:-1], np.int64)
+        recent_row, recent_from = np.zeros(n_seqs, np.int64), np.zeros(n_seqs, np.int64)
+        if self.kv.recent:
+            recent_row[:] = np.asarray(self.recent) * self.kv.recent
+            recent_from[:] = self.recent_from
+        return pages, seq_of, first_row, recent_row, recent_from
 
 
 def rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:
@@ -168,17 +192,16 @@ def attention(
     window: int,
 ) -> None:
     """Store this step's k/v in the layer's pages, then causal (optionally windowed)
-    attention of each sequence's queries over its whole paged context."""
+    attention of each sequence's queries over its whole paged context; with recent
+    buffers, keys and values within ``kv.recent`` positions of a query are read in f16
+    (see ``kv_cache``), and the step's last ``kv.recent`` tokens are stored there after."""
     kv = batch.kv
     t_total = q.shape[0]
-    kv.write(
-        layer,
-        batch.slots,
-        k.reshape(t_total, n_kv_heads, head_dim),
-        v.reshape(t_total, n_kv_heads, head_dim),
-    )
+    k, v = (x.reshape(t_total, n_kv_heads, head_dim) for x in (k, v))
+    kv.write(layer, batch.slots, k, v)
     group = n_heads // n_kv_heads
     page_offsets = np.arange(kv.page_size)
+    recent, later = kv.recent, []
     for s in range(len(batch.seq_lens)):
         a, b = int(batch.query_start[s]), int(batch.query_start[s + 1])
         n_ctx = int(batch.seq_lens[s])
@@ -187,15 +210,35 @@ def attention(
         slots = slots[:n_ctx]
         keys, values = kv.read(layer, slots)  # [L, kv, d] fp32
         queries = q[a:b].reshape(b - a, n_kv_heads, group, head_dim)
-        scores = np.einsum("tkgd,lkd->kgtl", queries, keys) * np.float32(scale)
+        scores = np.einsum("tkgd,lkd->kgtl", queries, keys)
         qpos = positions[a:b, None]
         kpos = np.arange(n_ctx)[None, :]
         masked = kpos > qpos
         if window:
             masked |= kpos <= qpos - window
+        if recent:  # positions [lo, n_ctx) in f16: earlier steps' from the buffer, then ours
+            start, base = n_ctx - (b - a), int(batch.recent[s]) * recent
+            lo = max(int(batch.recent_from[s]), start - recent + 1, 0)
+            near_k, near_v = kv.read_recent(layer, base + np.arange(lo, start) % recent)
+            near_k = np.concatenate([near_k, k[a:b].astype(np.float16).astype(np.float32)])
+            near_v = np.concatenate([near_v, v[a:b].astype(np.float16).astype(np.float32)])
+            near = (kpos[:, lo:] > qpos - recent) & (kpos[:, lo:] >= batch.recent_from[s])
+            near_scores = np.einsum("tkgd,lkd->kgtl", queries, near_k)
+            scores[..., lo:] = np.where(near, near_scores, scores[..., lo:])
+            keep = slice(max(a, b - recent), b)  # the step's last tokens, stored after
+            later.append((base + positions[keep] % recent, k[keep], v[keep]))
+        scores *= np.float32(scale)
         scores[..., masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        ctx = np.einsum("kgtl,lkd->tkgd", scores, values)
+        if recent:
+            near_weights = np.where(near, scores[..., lo:], 0)
+            scores[..., lo:] -= near_weights
+            ctx = np.einsum("kgtl,lkd->tkgd", near_weights, near_v)
+            ctx += np.einsum("kgtl,lkd->tkgd", scores, values)
+        else:
+            ctx = np.einsum("kgtl,lkd->tkgd", scores, values)
         out[a:b] = ctx.reshape(b - a, n_heads * head_dim)
+    for rows, keys, values in later:  # after every sequence read the buffers
+        kv.write_recent(layer, rows, keys, values)

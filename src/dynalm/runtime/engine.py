@@ -28,7 +28,7 @@ from dynalm.errors import InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
-from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token
+from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token, recent_bytes_per_seq
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
@@ -103,18 +103,21 @@ class _Stream:
 
 
 def flat_batch(
-    pool: PagePool, seqs: Sequence[tuple[Sequence[int], int, int, Sequence[int]]]
+    pool: PagePool, chunks: Sequence[ScheduledChunk]
 ) -> tuple[np.ndarray, np.ndarray, AttentionBatch]:
-    """Tokens, positions and attention layout of one step over ``seqs``, each given as
-    ``(token_ids, start, stop, pages)``: tokens ``start:stop`` are computed."""
-    tokens = np.concatenate([np.asarray(ids[a:b], np.int64) for ids, a, b, _ in seqs])
-    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b, _ in seqs])
+    """Tokens, positions and attention layout of one step over ``chunks``."""
+    seqs = [(c.request, c.start, c.start + c.n) for c in chunks]
+    tokens = np.concatenate([np.asarray(r.token_ids[a:b], np.int64) for r, a, b in seqs])
+    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in seqs])
+    recent = pool.recent > 0
     batch = AttentionBatch(
         kv=pool,
-        query_start=np.cumsum([0] + [b - a for _, a, b, _ in seqs]),
-        seq_lens=np.array([b for _, _, b, _ in seqs], np.int64),
-        page_tables=[np.asarray(pages, np.int64) for *_, pages in seqs],
-        slots=np.concatenate([pool.slots(pages, a, b) for _, a, b, pages in seqs]),
+        query_start=np.cumsum([0] + [b - a for _, a, b in seqs]),
+        seq_lens=np.array([b for _, _, b in seqs], np.int64),
+        page_tables=[np.asarray(r.pages, np.int64) for r, _, _ in seqs],
+        slots=np.concatenate([pool.slots(r.pages, a, b) for r, a, b in seqs]),
+        recent=np.array([r.recent for r, _, _ in seqs], np.int64) if recent else None,
+        recent_from=np.array([r.recent_from for r, _, _ in seqs], np.int64) if recent else None,
     )
     return tokens, positions, batch
 
@@ -143,8 +146,11 @@ class Engine:
             n_tokens = max(
                 config.ctx, min(config.max_num_seqs * config.ctx, _DEFAULT_KV_CAP // per_token)
             )
-        else:
-            n_tokens = config.kv_cache_memory // per_token
+        else:  # the recent buffers (q8_0) come out of the same budget
+            buffers = config.max_num_seqs * recent_bytes_per_seq(
+                hp.n_layers, hp.n_kv_heads, hp.head_dim, config.kv_cache_dtype
+            )
+            n_tokens = max(0, config.kv_cache_memory - buffers) // per_token
             if n_tokens < config.ctx:
                 raise InvalidRequest(
                     f"--kv-cache-memory {config.kv_cache_memory} holds {n_tokens} tokens, "
@@ -159,6 +165,7 @@ class Engine:
             n_pages=-(-n_tokens // config.page_size),
             page_size=config.page_size,
             dtype=config.kv_cache_dtype,
+            n_seqs=config.max_num_seqs,
         )
         self.cache = RadixCache(self.pool, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -254,8 +261,7 @@ class Engine:
         return outputs
 
     def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
-        seqs = [(c.request.token_ids, c.start, c.start + c.n, c.request.pages) for c in chunks]
-        tokens, positions, batch = flat_batch(self.pool, seqs)
+        tokens, positions, batch = flat_batch(self.pool, chunks)
         last_rows = batch.query_start[1:] - 1
         rows = last_rows[np.array([c.samples for c in chunks])]
         return self.executor.run(tokens, positions, rows, batch)

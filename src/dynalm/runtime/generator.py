@@ -19,6 +19,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
 from dynalm.runtime.kv_cache import PagePool
 from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.scheduler import Request, ScheduledChunk
 
 
 @dataclass
@@ -58,9 +59,10 @@ class Generator:
         )
         self.stats = GenerationStats()
         self._ids = itertools.count()
-        self._scored: list[int] = []  # tokens run by ``forward``, and their pages
-        self._scored_pages: list[int] = []
-        self._scoring_pool: PagePool | None = None  # apart from the engine's: never starves it
+        # What ``forward`` has run, as one sequence in a pool of its own (it never starves
+        # the engine's).
+        self._scored = Request("forward", [], 0)
+        self._scoring_pool: PagePool | None = None
 
     def generate(
         self, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int] | None = None
@@ -105,14 +107,13 @@ class Generator:
                 page_size=config.page_size,
                 dtype=config.kv_cache_dtype,
             )
-        pool = self._scoring_pool
-        start = len(self._scored)
-        self._scored += ids
-        missing = -(-len(self._scored) // pool.page_size) - len(self._scored_pages)
-        self._scored_pages += pool.allocate(max(0, missing))
-        tokens, positions, batch = flat_batch(
-            pool, [(self._scored, start, len(self._scored), self._scored_pages)]
-        )
+            if self._scoring_pool.recent:
+                self._scored.recent = self._scoring_pool.open_recent()
+        pool, seq = self._scoring_pool, self._scored
+        start = seq.num_tokens
+        seq.token_ids += ids
+        seq.pages += pool.allocate(max(0, -(-seq.num_tokens // pool.page_size) - len(seq.pages)))
+        tokens, positions, batch = flat_batch(pool, [ScheduledChunk(seq, start, len(ids))])
         rows = np.arange(len(ids)) if all_logits else np.array([len(ids) - 1])
         logits = self.engine.executor.run(tokens, positions, rows, batch)
         return logits.copy() if all_logits else logits[0].copy()

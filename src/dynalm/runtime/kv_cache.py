@@ -14,6 +14,18 @@ crush the other values to a few levels; rotated, each block's energy is spread e
 Attention rotates the query the same way (``q @ H . k @ H = 32 q . k``), so scores need no
 inverse; ``read`` returns the keys un-rotated. This halves the logit error of q8_0 KV on
 SmolLM2; rotating the values too gained ~3 % more, not worth an inverse per output.
+
+A q8_0 pool also keeps each running sequence's last ``RECENT`` tokens in f16, in a *recent
+buffer* of its own (KIVI's full-precision residual): attention reads a query's keys and
+values within ``RECENT`` positions of it from there (or, for the step's own tokens, from the
+step's f32 keys rounded to f16), older ones from the q8_0 pages. Nearby tokens carry most of
+the attention weight, so their quantisation error dominated. On SmolLM2 (exact mode, vs f16
+KV) the mean worst logit error per token fell from 0.18 to 0.043, and free-running greedy
+text agreed on 97 % of tokens instead of 76 % (40 prompts x 64 tokens). The rule depends
+only on the query's and key's positions, so chunking and batching do not change a result. A
+sequence's buffer holds the positions it computed itself (from ``recent_from``, after a
+prefix-cache hit): keys from the cache are read as q8_0. A buffer costs ``RECENT`` tokens of
+f16 per running sequence (a default pool of 16 x 4096 tokens: 0.539 of f16's bytes).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from dynalm.errors import InvalidRequest
 
 KV_DTYPES = ("f32", "f16", "q8_0")
 Q8_BLOCK = 32  # values per q8_0 scale
+RECENT = 32  # tokens of each running sequence a q8_0 pool also keeps in f16
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -49,12 +62,22 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
     return int(2 * n_layers * n_kv_heads * head_dim * per_value)
 
 
+def recent_bytes_per_seq(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one running sequence's recent buffer (only q8_0 pools have them)."""
+    if dtype != "q8_0":
+        return 0
+    return RECENT * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, "f16")
+
+
 class PagePool:
     """KV memory for all sequences, indexed by slot (``page * page_size + offset``).
 
     ``k[layer]``/``v[layer]`` are ``[n_pages * page_size, n_kv_heads, head_dim]`` arrays
-    (int8 for q8_0, with ``k_scale``/``v_scale`` ``[..., head_dim / 32]`` in f16). With
-    ``n_layers=0`` the pool only does the page bookkeeping (unit tests, simulation).
+    (int8 for q8_0, with ``k_scale``/``v_scale`` ``[..., head_dim / 32]`` in f16). A q8_0
+    pool also has ``n_seqs`` recent buffers: ``k_recent``/``v_recent`` per layer, f16
+    ``[n_seqs * RECENT, n_kv_heads, head_dim]``, position ``p`` of buffer ``b`` at row
+    ``b * RECENT + p % RECENT``. With ``n_layers=0`` the pool only does the page
+    bookkeeping (unit tests, simulation).
     """
 
     def __init__(
@@ -65,6 +88,7 @@ class PagePool:
         n_pages: int,
         page_size: int = 16,
         dtype: str = "f16",
+        n_seqs: int = 1,
     ):
         if dtype not in KV_DTYPES:
             raise InvalidRequest(
@@ -87,10 +111,20 @@ class PagePool:
         self.v_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
         self.refcount = np.zeros(n_pages, np.int32)
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low ids first
+        self.recent = RECENT if dtype == "q8_0" else 0
+        recent_shape = (n_seqs * self.recent, n_kv_heads, head_dim)
+        n_recent = n_layers if self.recent else 0
+        self.k_recent = [np.zeros(recent_shape, np.float16) for _ in range(n_recent)]
+        self.v_recent = [np.zeros(recent_shape, np.float16) for _ in range(n_recent)]
+        self._free_recent = list(range(n_seqs - 1, -1, -1)) if self.recent else []
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV memory (values and scales)."""
+        """Bytes of KV memory: pages (values and scales) and recent buffers."""
+        return self.page_nbytes + sum(a.nbytes for a in (*self.k_recent, *self.v_recent))
+
+    @property
+    def page_nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))
 
     @property
@@ -119,6 +153,19 @@ class PagePool:
                 self._free.append(page)
                 freed += 1
         return freed
+
+    @property
+    def n_free_recent(self) -> int:
+        return len(self._free_recent)
+
+    def open_recent(self) -> int:
+        """A recent buffer for a sequence entering the running batch (q8_0 pools)."""
+        if not self._free_recent:
+            raise OutOfPages("every recent buffer is in use (one per running sequence)")
+        return self._free_recent.pop()
+
+    def close_recent(self, buffer: int) -> None:
+        self._free_recent.append(buffer)
 
     def slots(self, pages: Sequence[int], start: int, stop: int) -> np.ndarray:
         """KV slots of token positions ``start..stop-1`` of a sequence with ``pages``."""
@@ -158,3 +205,13 @@ class PagePool:
             blocks *= scales[layer][slots].astype(np.float32)[..., None]
             out.append(q)
         return hadamard(out[0]) / np.float32(Q8_BLOCK), out[1]  # H @ H / 32 = I
+
+    def write_recent(self, layer: int, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store f32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at recent-buffer ``rows``
+        (distinct), rounded to f16."""
+        self.k_recent[layer][rows] = k
+        self.v_recent[layer][rows] = v
+
+    def read_recent(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k, v = self.k_recent[layer][rows], self.v_recent[layer][rows]
+        return k.astype(np.float32), v.astype(np.float32)

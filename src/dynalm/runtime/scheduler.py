@@ -39,6 +39,8 @@ class Request:
     num_preemptions: int = 0
     cache_node: Node | None = None  # the locked end of this request's cached path
     num_cached_pages: int = 0  # leading pages already offered to the prefix cache
+    recent: int | None = None  # its recent buffer while running (q8_0 pools)
+    recent_from: int = 0  # the first position it computed itself since admission
     _admitted: bool = False
 
     def __post_init__(self) -> None:
@@ -71,7 +73,9 @@ class KVCacheManager:
         self.pool.retain(hit.pages)
         self.cache.lock(hit.node)
         req.pages, req.cache_node = hit.pages, hit.node
-        req.num_computed_tokens = hit.n_tokens
+        req.num_computed_tokens = req.recent_from = hit.n_tokens
+        if self.pool.recent:
+            req.recent = self.pool.open_recent()
         return hit.n_tokens
 
     def _needs_copy(self, req: Request) -> bool:
@@ -117,7 +121,9 @@ class KVCacheManager:
         self.pool.release(req.pages)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
-        req.pages, req.cache_node = [], None
+        if req.recent is not None:
+            self.pool.close_recent(req.recent)
+        req.pages, req.cache_node, req.recent = [], None, None
         req.num_computed_tokens = req.num_cached_pages = 0
 
 
