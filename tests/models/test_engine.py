@@ -157,13 +157,18 @@ def test_copy_on_write_when_sequences_diverge_inside_a_shared_page(model, device
     assert_no_leak(engine)
 
 
-def test_preemption_resumes_with_identical_tokens(model, device):
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_preemption_resumes_with_identical_tokens(model, device, kv_dtype):
+    # (q8_0: a resumed request reads its cached prefix from q8_0 pages where the first run
+    # read the last 32 tokens in f16, so its tokens may part at a near-tie; not seen here)
     prompts = [encode(model, t) for t in TEXTS[:3]]
     params = SamplingParams(max_tokens=20, temperature=0, repeat_penalty=1.0)
-    plain = Engine(model, device, EngineConfig(ctx=64, enable_prefix_caching=False))
+    config = {"ctx": 64, "kv_cache_dtype": kv_dtype}
+    plain = Engine(model, device, EngineConfig(enable_prefix_caching=False, **config))
     alone = [tokens(run(plain, [p], params)[0]) for p in prompts]
-    per_token = kv_bytes_per_token(30, 3, 64, "f16")
-    tight = Engine(model, device, EngineConfig(ctx=64, kv_cache_memory=64 * per_token))
+    per_token = kv_bytes_per_token(30, 3, 64, kv_dtype)
+    buffers = 16 * recent_bytes_per_seq(30, 3, 64, kv_dtype)  # --kv-cache-memory counts them
+    tight = Engine(model, device, EngineConfig(kv_cache_memory=64 * per_token + buffers, **config))
     assert tight.pool.n_pages == 4  # each request needs 2 pages: they cannot all run
     squeezed = [tokens(o) for o in run(tight, prompts, params)]
     assert tight.stats.num_preemptions > 0
