@@ -168,11 +168,12 @@ async def prefix_ttft(client: Client, prefix_tokens: int, rounds: int) -> dict[s
 
 
 @contextmanager
-def started_server(model: str, ctx: int, max_num_seqs: int) -> Iterator[str]:
+def started_server(model: str, ctx: int, max_num_seqs: int, kv_dtype: str) -> Iterator[str]:
     """`dynalm serve` on a free loopback port; SIGTERM when done."""
     with tempfile.TemporaryFile("w+") as log:
         cmd = [sys.executable, "-m", "dynalm.cli", "serve", model, "--port", "0"]
         cmd += ["--ctx", str(ctx), "--max-num-seqs", str(max_num_seqs)]
+        cmd += ["--kv-cache-dtype", kv_dtype]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ))
         try:
             deadline = time.monotonic() + 300
@@ -259,6 +260,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1000)
     ap.add_argument("--prefix-rounds", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=2048, help="with --model")
+    ap.add_argument("--kv-cache-dtype", default="f16", help="with --model: f16 | f32 | q8_0")
     ap.add_argument("--json", help="also write the results to this file ('-': stdout)")
     args = ap.parse_args()
 
@@ -268,7 +270,8 @@ def main() -> None:
     if args.url:
         result = run(args.url.rstrip("/"))
     else:
-        with started_server(args.model, args.ctx, max(args.concurrency)) as url:
+        server = (args.model, args.ctx, max(args.concurrency), args.kv_cache_dtype)
+        with started_server(*server) as url:
             result = run(url)
     print_table(result)
     if args.json == "-":
