@@ -17,36 +17,8 @@ from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
 from dynalm.runtime.kv_cache import kv_bytes_per_token, recent_bytes_per_seq
 from dynalm.runtime.sampling import SamplingParams
+from workload import SYSTEM, TEXTS, assert_no_leak
 
-TEXTS = [
-    "The history of the Roman Empire begins with",
-    "Photosynthesis is the process by which plants",
-    "def fibonacci(n):\n",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "The capital of Japan is",
-    "Water boils at a temperature of",
-    "My favourite programming language is",
-]
-SYSTEM = (
-    "You are Marlowe, the help-desk assistant of the Northwind Public Library. "
-    "The library opens at nine in the morning and closes at eight in the evening on "
-    "weekdays; on Saturdays it closes at five and on Sundays it stays closed. Members may "
-    "borrow up to twelve items at once: books for three weeks, films and music for one "
-    "week, and magazines for one week. Renewals can be made twice online unless another "
-    "member has reserved the item. Late returns cost twenty cents a day for adults and "
-    "nothing for children. The reading room on the second floor is silent; group study "
-    "rooms on the third floor can be booked for two hours a day. Printing costs ten cents "
-    "a page in black and white and fifty cents in colour. Library cards are free for "
-    "residents of the county and cost thirty dollars a year for everyone else. Lost cards "
-    "are replaced for two dollars. The children's section hosts story time every Tuesday "
-    "and Thursday at ten. Wireless internet is free; the network name is Northwind-Guest "
-    "and needs no password. Answer briefly and politely, in one or two sentences, and "
-    "never invent rules that are not listed here. If you do not know, say so and suggest "
-    "asking at the front desk. Parking behind the building is free for the first two "
-    "hours; bicycles can be locked at the racks by the main entrance. Volunteers who shelve "
-    "books on weekends receive a free tote bag at the end of each season."
-)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0)
 _ids = itertools.count()
 
@@ -89,16 +61,6 @@ def run(
 
 def tokens(outputs: list[RequestOutput]) -> list[int]:
     return [t for out in outputs for t in out.token_ids]
-
-
-def assert_no_leak(engine: Engine) -> None:
-    """Every page is free or held only by the prefix cache; evicting it frees them all."""
-    pool, cache = engine.pool, engine.cache
-    assert pool.n_pages - pool.n_free == cache.n_pages == cache.evictable_pages
-    assert (pool.refcount <= 1).all()
-    assert pool.n_free_recent == engine.config.max_num_seqs * (pool.recent > 0)
-    engine.reset_prefix_cache()
-    assert pool.n_free == pool.n_pages
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
