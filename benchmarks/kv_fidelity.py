@@ -27,14 +27,14 @@ from dynalm.runtime.registry import ModelStore
 from dynalm.runtime.sampling import SamplingParams
 
 PROMPTS = [
-    "The history of the Roman Empire begins with",
-    "Photosynthesis is the process by which plants",
-    "def fibonacci(n):\n",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "The capital of Japan is",
-    "Water boils at a temperature of",
-    "My favourite programming language is",
+    "The Industrial Revolution changed how people",
+    "Volcanoes form when",
+    "class Stack:\n    def __init__(self):\n",
+    "The four seasons of the year are",
+    "Long ago, a fisherman found a bottle that",
+    "The tallest mountain in Africa is",
+    "Ice melts at a temperature of",
+    "The most useful kitchen tool is",
     "The best way to learn a new language is",
     "In 1969, astronauts",
     "A healthy breakfast includes",

@@ -171,7 +171,7 @@ def test_q8_0_kv_agrees_with_f16_at_half_the_bytes(model):
     # Free-running greedy continuations in exact mode (in auto, int8 activations turn any
     # tiny difference into another continuation: even f32 vs f16 KV agree on ~40 %). Keys
     # and values within 32 positions of a query are read in f16 (recent buffers), older ones
-    # from q8_0 pages: benchmarks/kv_fidelity.py measured 98 % agreement over 40 prompts (76 %
+    # from q8_0 pages: benchmarks/kv_fidelity.py measured 98 % agreement over 40 prompts (69 %
     # with q8_0 for all keys). Where it parts from f16, f16's top two tokens were near-tied.
     device = CpuDevice("exact")
     prompts = [encode(model, t) for t in TEXTS]

@@ -21,8 +21,8 @@ values within ``RECENT`` positions of it from there (or, for the step's own toke
 step's f32 keys rounded to f16), older ones from the q8_0 pages. Nearby tokens carry most of
 the attention weight, so their quantisation error dominated. On SmolLM2 (exact mode, vs f16
 KV, ``benchmarks/kv_fidelity.py``: 40 prompts x 64 tokens) the mean worst logit error per
-token fell from 0.17 to 0.037, and free-running greedy text agreed on 98 % of tokens
-instead of 76 %. The rule depends
+token fell from 0.17 to 0.036, and free-running greedy text agreed on 98 % of tokens
+instead of 69 %. The rule depends
 only on the query's and key's positions, so chunking and batching do not change a result. A
 sequence's buffer holds the positions it computed itself (from ``recent_from``, after a
 prefix-cache hit): keys from the cache are read as q8_0. A buffer costs ``RECENT`` tokens of
