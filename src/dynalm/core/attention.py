@@ -449,7 +449,8 @@ def _items(
             return _load_vec(b, dtype, v, vs, b.add(row, col))
 
         in_pages = _Segment(page_key, page_rows, page_value, rotated=dtype == "q8_0")
-        segments = [(in_pages, jlo, b.add(p, _i64(1)))]
+        end = b.add(p, _i64(1))
+        segments = [(in_pages, jlo, end)]
         if recent:
             start = word(pos, word(first_row, seq))  # the sequence's first position this step
             base = word(recent_row, seq)
@@ -482,10 +483,8 @@ def _items(
                 return b.load(at(staged_v, _F32, b.add(row, col)), typ=_VEC, align=4)
 
             near = smax(smax(jlo, b.sub(p, _i64(recent - 1))), word(recent_from, seq))
-            segments = [
-                (in_pages, jlo, near),
-                (_Segment(near_key, near_rows, near_value, rotated=False), near, segments[0][2]),
-            ]
+            in_f16 = _Segment(near_key, near_rows, near_value, rotated=False)
+            segments = [(in_pages, jlo, near), (in_f16, near, end)]
         for keys, first, stop in segments:
             segment(keys, first, stop)
         for g in range(heads):
