@@ -279,8 +279,7 @@ def _items(
     lane = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
     # Per item, on the stack: each head's running max and sum (promoted to registers by
     # LLVM); its weighted value sums [head][dim vector] and, per block, the keys' value
-    # rows and dot vectors [head][key], which the loops below index; near keys and values
-    # staged in f32 [key][dim].
+    # rows and dot vectors [head][key], which the loops below index.
     m = [b.alloca(_F32) for _ in range(heads)]
     total = [b.alloca(_F32) for _ in range(heads)]
     acc = b.alloca(_VEC, size=heads * n_vec)
@@ -289,7 +288,8 @@ def _items(
     # The block's softmax weights, [head][key]: the value loop broadcasts each from memory
     # (a load) instead of shuffling it out of a register (48 shuffles per dim vector).
     block_weights = b.alloca(_VEC, size=heads * halves)
-    staged_k, staged_v = (b.alloca(_VEC, size=BLOCK * n_vec if recent else 1) for _ in range(2))
+    if recent:  # the near keys and values of a block, staged in f32 [key][dim]
+        staged_k, staged_v = (b.alloca(_VEC, size=BLOCK * n_vec) for _ in range(2))
 
     def item(w: ir.Value) -> None:
         t = b.udiv(w, _i64(n_heads // heads))

@@ -22,11 +22,11 @@ step's f32 keys rounded to f16), older ones from the q8_0 pages. Nearby tokens c
 the attention weight, so their quantisation error dominated. On SmolLM2 (exact mode, vs f16
 KV, ``benchmarks/kv_fidelity.py``: 40 prompts x 64 tokens) the mean worst logit error per
 token fell from 0.17 to 0.036, and free-running greedy text agreed on 98 % of tokens
-instead of 69 %. The rule depends
-only on the query's and key's positions, so chunking and batching do not change a result. A
-sequence's buffer holds the positions it computed itself (from ``recent_from``, after a
-prefix-cache hit): keys from the cache are read as q8_0. A buffer costs ``RECENT`` tokens of
-f16 per running sequence (a default pool of 16 x 4096 tokens: 0.539 of f16's bytes).
+instead of 69 %. The rule depends only on the query's and key's positions, so chunking and
+batching do not change a result. A sequence's buffer holds the positions it computed itself
+(from ``recent_from``, after a prefix-cache hit): keys from the cache are read as q8_0. A
+buffer costs ``RECENT`` tokens of f16 per running sequence (a default pool of 16 x 4096
+tokens: 0.539 of f16's bytes).
 """
 
 from __future__ import annotations
