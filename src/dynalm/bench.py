@@ -198,13 +198,18 @@ class Memory:
     def budget(self) -> int:
         return self.file + self.kv + self.slack
 
-    def as_json(self) -> dict[str, int]:
+    @property
+    def within_budget(self) -> bool:
+        return self.peak_rss <= self.budget
+
+    def as_json(self) -> dict[str, int | bool]:
         keys = ("peak_rss", "file", "kv", "budget")
-        return {f"{k}_bytes": getattr(self, k) for k in keys}
+        sizes = {f"{k}_bytes": getattr(self, k) for k in keys}
+        return {**sizes, "within_budget": self.within_budget}
 
     def line(self) -> str:
         mb = 10**6
-        verdict = "within" if self.peak_rss <= self.budget else "OVER"
+        verdict = "within" if self.within_budget else "OVER"
         return (
             f"dynalm peak RSS {self.peak_rss / mb:.1f} MB, {verdict} the budget "
             f"{self.budget / mb:.1f} MB = file {self.file / mb:.1f} + KV {self.kv / mb:.1f} "

@@ -153,3 +153,40 @@ def test_rows_do_not_depend_on_the_batch(ggml_type: T, mode: str) -> None:
     batched = mm(x)
     for t in (0, 5, 36):
         assert np.array_equal(mm(x[t : t + 1].copy())[0], batched[t])
+
+
+@pytest.mark.parametrize("mode", ["exact", "auto"])
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_repack_in_chunks_equals_repack_at_once(
+    monkeypatch: pytest.MonkeyPatch, ggml_type: T, mode: str
+) -> None:
+    """The repack walks row chunks (whole row groups) and releases each chunk's source
+    rows once done; chunks of 8 rows with a ragged last group give the same weights."""
+    raw = weights(ggml_type, N, 512)
+    whole = QuantMatmul(raw, ggml_type, 512, mode=mode)
+    released: list[tuple[int, int]] = []
+    monkeypatch.setattr(matmul, "_REPACK_CHUNK_BYTES", raw.shape[1])  # one group a chunk
+    chunked = QuantMatmul(
+        raw, ggml_type, 512, mode=mode, release_rows=lambda lo, hi: released.append((lo, hi))
+    )
+    assert np.array_equal(chunked._weights, whole._weights)
+    assert released == [(lo, min(lo + 8, N)) for lo in range(0, N, 8)]
+    x = activations(3, 512)
+    assert np.array_equal(chunked(x), whole(x))
+
+
+def test_matmuls_share_one_activation_scratch() -> None:
+    """auto matmuls of different K quantise into one shared buffer; when it grows (a taller
+    x), matmuls bound to the old buffer rebind instead of reading freed memory."""
+    scratch = matmul.ActivationScratch()
+    wide = QuantMatmul(weights(T.Q8_0, N, 1536), T.Q8_0, 1536, mode="auto", scratch=scratch)
+    narrow = QuantMatmul(weights(T.Q4_1, N, 576), T.Q4_1, 576, mode="auto", scratch=scratch)
+    alone = QuantMatmul(weights(T.Q4_1, N, 576), T.Q4_1, 576, mode="auto")
+    x_wide, x_narrow = activations(2, 1536), activations(4, 576)
+    expected_wide = QuantMatmul(weights(T.Q8_0, N, 1536), T.Q8_0, 1536, mode="auto")(x_wide)
+    assert np.array_equal(narrow(x_narrow), alone(x_narrow))
+    generation = scratch.generation
+    assert np.array_equal(wide(activations(64, 1536))[:0], np.empty((0, N), np.float32))
+    assert scratch.generation > generation  # grown: narrow's bound address is stale now
+    assert np.array_equal(narrow(x_narrow), alone(x_narrow))
+    assert np.array_equal(wide(x_wide), expected_wide)

@@ -31,15 +31,6 @@ def test_bench_json(smollm2_gguf: Path):
     assert memory["budget_bytes"] == memory["file_bytes"] + memory["kv_bytes"] + 300 * 10**6
 
 
-def test_bench_peak_rss_within_budget(smollm2_gguf: Path):
-    """The issue's memory target: peak RSS during decode <= file + KV + 300 MB."""
-    result = dynalm("bench", str(smollm2_gguf), "-p", "0", "-n", "128", "-r", "1", "--json")
-    assert result.returncode == 0, result.stderr
-    memory = json.loads(result.stdout)["memory"]
-    # more than the mapped file alone: the measurement really covers the weights
-    assert memory["file_bytes"] < memory["peak_rss_bytes"] <= memory["budget_bytes"], memory
-
-
 def test_bench_table_and_profile(smollm2_gguf: Path):
     result = dynalm("bench", str(smollm2_gguf), *TINY)
     assert result.returncode == 0, result.stderr

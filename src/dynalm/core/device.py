@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from dynalm.core import quant
-from dynalm.core.matmul import AUTO_VALIDATED, QuantMatmul
+from dynalm.core.matmul import AUTO_VALIDATED, ActivationScratch, QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,18 @@ class CpuDevice:
             return "jit-auto"
         return "jit-exact" if QuantMatmul.supported(ggml_type, "exact") else "tiled"
 
-    def matmul(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> MatmulFn:
-        """``out = x @ W.T`` for a weight ``W`` of ``shape`` ``[N, K]`` stored in ``raw``."""
+    def matmul(
+        self,
+        raw: np.ndarray,
+        ggml_type: int,
+        shape: tuple[int, int],
+        *,
+        scratch: ActivationScratch | None = None,
+        release_rows: Callable[[int, int], None] | None = None,
+    ) -> MatmulFn:
+        """``out = x @ W.T`` for a weight ``W`` of ``shape`` ``[N, K]`` stored in ``raw``.
+        A JIT kernel repacks ``raw`` into memory of its own, calling ``release_rows(lo, hi)``
+        as it goes, and quantises activations in ``scratch`` (see ``QuantMatmul``)."""
         n_rows, n_cols = shape
         kernel = self.matmul_kernel(ggml_type)
         if kernel == "numpy":
@@ -92,7 +102,13 @@ class CpuDevice:
         if kernel.startswith("jit-") and n_cols % 32 == 0:
             t0 = time.perf_counter()
             mm = QuantMatmul(
-                raw, ggml_type, n_cols, mode=kernel.removeprefix("jit-"), threads=self.threads
+                raw,
+                ggml_type,
+                n_cols,
+                mode=kernel.removeprefix("jit-"),
+                threads=self.threads,
+                scratch=scratch,
+                release_rows=release_rows,
             )
             self.repack_seconds += time.perf_counter() - t0
             return mm
@@ -108,16 +124,23 @@ class CpuDevice:
         return tiled
 
     def embedding(
-        self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]
+        self,
+        raw: np.ndarray,
+        ggml_type: int,
+        shape: tuple[int, int],
+        *,
+        read_rows: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Row lookup: ``out[i] = table[ids[i]]``, dequantising only the rows asked for."""
+        """Row lookup: ``out[i] = table[ids[i]]``, dequantising only the rows asked for, read
+        by ``read_rows(ids)`` when given (default: from ``raw``)."""
         n_cols = shape[1]
         if self.mode == "safe":
             dense = quant.dequantize(raw, ggml_type, n_cols)
             return lambda ids, out: np.take(dense, ids, axis=0, out=out)
+        rows = read_rows or raw.__getitem__
 
         def lookup(ids: np.ndarray, out: np.ndarray) -> None:
-            out[...] = quant.dequantize(raw[ids], ggml_type, n_cols)
+            out[...] = quant.dequantize(rows(ids), ggml_type, n_cols)
 
         return lookup
 

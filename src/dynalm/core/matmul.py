@@ -468,9 +468,12 @@ _GROUP = 8  # blocks per main-loop step: their scales are loaded and converted a
 _ROWS = 4  # weight rows interleaved in memory (the GEMV tile): one stream per thread
 
 
-def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int) -> np.ndarray:
-    """Repacked planes (``[n_rows * nb, size]`` per field, in block order) -> one byte
-    array in the order the kernels walk it, so a tile reads one contiguous stream.
+def _interleave(
+    u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int, out: np.ndarray
+) -> None:
+    """Repacked planes (``[n_rows * nb, size]`` per field, in block order) -> ``out``, uint8
+    ``[ceil(n_rows / _ROWS), _ROWS * nb * block_bytes]``, in the order the kernels walk it,
+    so a tile reads one contiguous stream.
 
     Rows are padded with zero blocks to a multiple of ``_ROWS`` and taken ``_ROWS`` at a
     time; each such row group is a run of records, one per step of the kernel's block loop
@@ -478,8 +481,7 @@ def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int)
     field in turn, and a field the ``_ROWS`` rows' blocks one row after the other, so a
     row's scales for the record's blocks are one vector load.
     """
-    groups = -(-n_rows // _ROWS)
-    out = np.empty((groups, _ROWS * nb * u.block_bytes), np.uint8)
+    groups = out.shape[0]
     main = nb - nb % _GROUP
     for lo, hi, g in ((0, main, _GROUP), (main, nb, 1)):
         n_rec = (hi - lo) // g
@@ -496,7 +498,6 @@ def _interleave(u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int)
             dst = records[:, :, _ROWS * g * at : _ROWS * g * (at + size)]
             dst = dst.reshape(groups, n_rec, _ROWS, g, size)
             dst[...] = src.reshape(groups, _ROWS, n_rec, g, size).transpose(0, 2, 1, 3, 4)
-    return out.reshape(-1)
 
 
 _LANES = 8  # weight rows an ``auto`` kernel reads at once: one per fp32 lane of a vector
@@ -523,22 +524,23 @@ def _lane_order(u: _Unpack, field: str, rows: np.ndarray, dst: np.ndarray) -> No
 
 
 def _interleave_lanes(
-    u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int
-) -> np.ndarray:
-    """Repacked planes -> the ``auto`` kernels' stream: rows taken ``_LANES`` at a time (the
-    last group padded with zero rows); per row group one record per block, holding each
-    field of the group's rows in ``_lane_order``."""
-    groups, full = -(-n_rows // _LANES), n_rows // _LANES
-    out = np.empty((groups, nb, _LANES * u.block_bytes), np.uint8)
+    u: _Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int, out: np.ndarray
+) -> None:
+    """Repacked planes -> ``out``, uint8 ``[ceil(n_rows / _LANES), nb * _LANES *
+    block_bytes]``, the ``auto`` kernels' stream: rows taken ``_LANES`` at a time (the last
+    group padded with zero rows); per row group one record per block, holding each field of
+    the group's rows in ``_lane_order``."""
+    groups, full = out.shape[0], n_rows // _LANES
+    out = out.reshape(groups, nb, _LANES * u.block_bytes)
     for f, size, at in u.fields:
         src = planes[f].view(np.uint8).reshape(n_rows, nb, size)
         dst = out[:, :, _LANES * at : _LANES * (at + size)]
-        _lane_order(u, f, src[: full * _LANES], dst[:full])
+        if full:
+            _lane_order(u, f, src[: full * _LANES], dst[:full])
         if full < groups:
             last = np.zeros((_LANES, nb, size), np.uint8)
             last[: n_rows - full * _LANES] = src[full * _LANES :]
             _lane_order(u, f, last, dst[full:])
-    return out.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -1044,6 +1046,47 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+# Repack this many bytes of GGUF rows at a time: the temporaries stay small, and the mapped
+# source of a chunk can be dropped from memory (``release_rows``) before the next is read.
+_REPACK_CHUNK_BYTES = 4 << 20
+
+
+class ActivationScratch:
+    """The int8 activations of ``auto`` matmuls (quants, block scales, block sums), one
+    buffer shared by every matmul that is given it: matmuls of one executor run one at a
+    time, so one buffer for the largest ``[T, K]`` serves them all (a buffer per matmul
+    cost 75 MB at T = 512 on SmolLM2). Grown, never shrunk; ``generation`` counts the
+    regrowths, which move the buffer (matmuls bound to the old one rebind)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._buffer = np.empty(0, np.uint8)
+
+    @staticmethod
+    def _sizes(t_rows: int, n_cols: int) -> tuple[int, int, int]:
+        align = lambda n: -(-n // 64) * 64  # noqa: E731 - each part cache-line aligned
+        nb = n_cols // QK
+        return align(t_rows * n_cols), align(t_rows * nb * 8), align(t_rows * nb * 4)
+
+    def reserve(self, t_rows: int, n_cols: int) -> None:
+        need = sum(self._sizes(t_rows, n_cols)) + 64
+        if need > self._buffer.size:
+            self._buffer = np.empty(need, np.uint8)
+            self.generation += 1
+
+    def views(self, t_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int8 ``[T, K]`` quants, fp32 ``[T, K/32, 2]`` scales, fp32 ``[T, K/32]`` sums."""
+        self.reserve(t_rows, n_cols)
+        nb, (q, d, _) = n_cols // QK, self._sizes(t_rows, n_cols)
+        start = -_address(self._buffer) % 64
+        base = self._buffer[start:]
+        return (
+            base[: t_rows * n_cols].view(np.int8).reshape(t_rows, n_cols),
+            base[q : q + t_rows * nb * 8].view(np.float32).reshape(t_rows, nb, 2),
+            base[q + d : q + d + t_rows * nb * 4].view(np.float32).reshape(t_rows, nb),
+        )
+
+
 class QuantMatmul:
     """y[T, N] = x[T, K] @ W[N, K]^T for a GGUF weight, repacked once into kernel planes.
 
@@ -1060,9 +1103,13 @@ class QuantMatmul:
         mode: str = "exact",
         threads: int | None = None,
         isa: str | None = None,
+        scratch: ActivationScratch | None = None,
+        release_rows: Callable[[int, int], None] | None = None,
     ) -> None:
         """``threads``: default ``default_threads()``; ``isa``: "avx2" or "generic" (the
-        portable IR), default the host's best."""
+        portable IR), default the host's best; ``scratch``: where ``auto`` quantises the
+        activations (default: a buffer of its own); ``release_rows(lo, hi)``: called once
+        rows ``lo:hi`` of ``raw`` are repacked, e.g. to drop their mapped pages."""
         if not self.supported(ggml_type, mode):
             raise ValueError(f"no {mode} matmul kernel for {quant_format(ggml_type).name}")
         fmt = quant_format(ggml_type)
@@ -1078,10 +1125,7 @@ class QuantMatmul:
         self.mode = mode if u.has_int8 else "exact"
         self._nb = n_cols // QK
         self._kernels = _kernels(ggml_type, self.mode, isa or str(jit.host_features()["isa"]))
-        # Repack: fields split into planes (scales apart from quants), rows interleaved.
-        planes = u.repack(np.ascontiguousarray(raw).reshape(-1, fmt.type_size))
-        interleave = _interleave_lanes if self.mode == "auto" else _interleave
-        self._weights = interleave(u, planes, self.n_rows, self._nb)
+        self._weights = self._repack(u, raw, release_rows)
         threads = threads or default_threads()
         small = raw.nbytes < _PARALLEL_MIN_BYTES
         self._threads = 1 if small or not pool.available() else threads
@@ -1100,7 +1144,27 @@ class QuantMatmul:
         self._x: np.ndarray | None = None
         self._out: np.ndarray | None = None
         self._calls: list[tuple[int, int, int, int, int]] = []
-        self._scratch_rows = 0
+        self._scratch = scratch or ActivationScratch()
+        self._generation = -1  # the scratch's generation the bound addresses belong to
+
+    def _repack(
+        self, u: _Unpack, raw: np.ndarray, release_rows: Callable[[int, int], None] | None
+    ) -> np.ndarray:
+        """Fields split into planes (scales apart from quants), rows interleaved; done a
+        chunk of whole row groups at a time, so memory holds one chunk's temporaries."""
+        auto = self.mode == "auto"
+        per_group, interleave = (_LANES, _interleave_lanes) if auto else (_ROWS, _interleave)
+        fmt = quant_format(self.ggml_type)
+        groups = -(-self.n_rows // per_group)
+        out = np.empty((groups, per_group * self._nb * u.block_bytes), np.uint8)
+        step = max(1, _REPACK_CHUNK_BYTES // raw.shape[1] // _LANES) * _LANES
+        for lo in range(0, self.n_rows, step):
+            hi = min(lo + step, self.n_rows)
+            planes = u.repack(np.ascontiguousarray(raw[lo:hi]).reshape(-1, fmt.type_size))
+            interleave(u, planes, hi - lo, self._nb, out[lo // per_group : -(-hi // per_group)])
+            if release_rows is not None:
+                release_rows(lo, hi)
+        return out.reshape(-1)
 
     @staticmethod
     def supported(ggml_type: int, mode: str) -> bool:
@@ -1121,14 +1185,11 @@ class QuantMatmul:
         if self.mode == "exact":
             self._set(_A_X, _address(x))
             return
-        if t_rows > self._scratch_rows:  # int8 activations, grown and never shrunk
-            self._scratch_rows = t_rows
-            self._xq = np.empty((t_rows, self.n_cols), np.int8)
-            self._xd = np.empty((t_rows, self._nb, 2), np.float32)
-            self._xs = np.empty((t_rows, self._nb), np.float32)
-            self._set(_A_X, _address(self._xq))
-            self._set(_A_XD, _address(self._xd))
-            self._set(_A_XS, _address(self._xs))
+        xq, xd, xs = self._scratch.views(t_rows, self.n_cols)
+        self._generation = self._scratch.generation
+        self._set(_A_X, _address(xq))
+        self._set(_A_XD, _address(xd))
+        self._set(_A_XS, _address(xs))
         self._qargs[_A_Y] = _address(x)
 
     def _bind_out(self, out: np.ndarray) -> None:
@@ -1146,9 +1207,10 @@ class QuantMatmul:
 
     def _plan(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """Bind ``x``/``out``; the calls of one product: (kind, kernel, args, total, chunk)."""
-        if x is self._x and out is self._out:
+        moved = self.mode == "auto" and self._generation != self._scratch.generation
+        if x is self._x and out is self._out and not moved:
             return self._calls
-        if x is not self._x:
+        if x is not self._x or moved:
             self._bind_x(x)
         self._bind_out(out)
         t_rows, threads = x.shape[0], self._threads

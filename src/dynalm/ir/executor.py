@@ -26,7 +26,7 @@ import numpy as np
 from dynalm.core import attention, cpu_ops, elementwise, pool
 from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
-from dynalm.core.matmul import QuantMatmul
+from dynalm.core.matmul import ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
 from dynalm.ir.planner import Plan, plan_buffers
 
@@ -57,7 +57,11 @@ class WeightSource(Protocol):
     def raw(self, name: str) -> np.ndarray: ...
     def tensor_type(self, name: str) -> int: ...
     def tensor_shape(self, name: str) -> tuple[int, ...]: ...
-    def release(self, name: str) -> None: ...
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of ``raw(name)``, read without keeping the rest in memory."""
+
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        """The executor holds its own copy of ``name`` (or of its ``rows``) now."""
 
 
 class Executor:
@@ -73,6 +77,7 @@ class Executor:
         self.profile: dict[str, float] | None = None
         self._weights = weights
         self._native = device.mode != "safe"
+        self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
         self._prepared: dict[tuple[str, str], object] = {}
         self._rope_tables: dict[tuple, cpu_ops.RopeTable] = {}
         self._rope_positions = 256  # positions the rope tables cover (they grow on demand)
@@ -88,6 +93,9 @@ class Executor:
 
     def _reserve(self, rows: int) -> None:
         self._capacity = rows
+        matmuls = (n for n in self.graph.nodes if n.op in ("matmul", "matmul_add"))
+        widest = max((n.args[0].type.row_width for n in matmuls), default=0)
+        self._scratch.reserve(rows, widest)  # before binding: programs hold its address
         self._buffers = [np.empty((rows, w), np.float32) for w in self.plan.slot_widths]
         self._inputs = {name: np.zeros(rows, np.int64) for name in self.graph.inputs}
         self._bind_all()
@@ -173,19 +181,27 @@ class Executor:
                 self._steps.append(call)
 
     def _prepare(self, name: str, use: str) -> object:
-        """A weight prepared for one use (matmul, embedding, vector); done once."""
+        """A weight prepared for one use (matmul, embedding, vector); done once. Mapped
+        bytes a kernel has copied (repacked) are released as it goes, and embedding rows
+        are read on demand, so the file's pages do not stay in memory beside the copy."""
         key = (name, use)
         if key not in self._prepared:
             raw, qtype, shape = self._raw(name)
-            prepare = {
-                "matmul": self.device.matmul,
-                "embedding": self.device.embedding,
-                "vector": self.device.vector,
-            }[use]
-            self._prepared[key] = prepare(raw, qtype, shape)
-            if isinstance(self._prepared[key], QuantMatmul):  # repacked: a copy of its own
-                for part in self._parts.get(name, (name,)):
-                    self._weights.release(part)
+            w, parts = self._weights, self._parts.get(name)
+            if use == "matmul":
+                release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
+                prepared = self.device.matmul(
+                    raw, qtype, shape, scratch=self._scratch, release_rows=release
+                )
+                if isinstance(prepared, QuantMatmul) and parts:  # stacked parts: a copy
+                    for part in parts:
+                        w.release(part)
+            elif use == "embedding":
+                rows = None if parts else lambda ids: w.read_rows(name, ids)
+                prepared = self.device.embedding(raw, qtype, shape, read_rows=rows)
+            else:
+                prepared = self.device.vector(raw, qtype, shape)
+            self._prepared[key] = prepared
         return self._prepared[key]
 
     def _raw(self, name: str) -> tuple[np.ndarray, int, tuple[int, ...]]:

@@ -174,6 +174,7 @@ class GGUFFile:
             if self.file_size == 0:
                 raise ModelFormatError(f"{self.path} is empty, not a GGUF file")
             self._map: np.memmap | None = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._fd = os.open(self.path, os.O_RDONLY) if hasattr(os, "preadv") else None
         except FileNotFoundError:
             raise ModelNotFound(f"{self.path}: no such file") from None
         except OSError as e:
@@ -276,23 +277,52 @@ class GGUFFile:
         view = self._map[info.offset : info.offset + info.nbytes].view(np.ndarray)
         return view.reshape(*info.shape[:-1], row_bytes)
 
-    def release_pages(self, name: str | None = None) -> None:
-        """Let the OS unmap the resident pages of tensor ``name`` (default: the whole file)
-        from this process: once weights are repacked into memory of their own, the map would
-        count them twice in RSS. A page read again faults back in from the page cache (no
-        disk read while it stays cached)."""
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of tensor ``name`` as uint8 ``[len(ids), row bytes]``, read with
+        ``pread``: a lookup into a large table (an embedding) then maps none of its pages
+        (the kernel maps whole folios around a touched row: 512 random rows of a 262k-row
+        embedding made 147 MB of it resident)."""
+        info = self.tensors[name]
+        row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and not (ids.min() >= 0 and ids.max() < math.prod(info.shape[:-1])):
+            raise ValueError(f"row ids outside tensor {name!r} of shape {info.shape}")
+        out = np.empty((ids.size, row_bytes), np.uint8)
+        if self._fd is None:  # no pread on this platform: read through the map
+            out[...] = self.raw(name).reshape(-1, row_bytes)[ids]
+            return out
+        for row, i in zip(out, ids.tolist(), strict=True):
+            if os.preadv(self._fd, [row], info.offset + i * row_bytes) != row_bytes:
+                raise ModelFormatError(f"{self.path}: short read in tensor {name!r}")
+        return out
+
+    def release_pages(self, name: str | None = None, rows: tuple[int, int] | None = None) -> None:
+        """Let the OS unmap the resident pages of tensor ``name`` (default: the whole file),
+        or of its ``rows`` (lo, hi), from this process: once weights are repacked into memory
+        of their own, the map would count them twice in RSS. A page read again faults back in
+        from the page cache (no disk read while it stays cached)."""
         if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         start, end = 0, len(self._map)
         if name is not None:
             info = self.tensors[name]
-            start = info.offset - info.offset % mmap.PAGESIZE
-            end = info.offset + info.nbytes
+            start, end = info.offset, info.offset + info.nbytes
+            if rows is not None:
+                row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
+                start, end = info.offset + rows[0] * row_bytes, info.offset + rows[1] * row_bytes
+            start -= start % mmap.PAGESIZE
         self._map._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Drop this object's map; views from ``raw`` keep the mapping alive until freed."""
         self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     def __enter__(self) -> GGUFFile:
         return self

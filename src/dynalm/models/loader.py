@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynalm.core.memory import trim_heap
 from dynalm.core.quant import quant_format
 from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph, TensorType
@@ -18,6 +19,14 @@ from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hparams import HParams, read_hparams
 from dynalm.models.tokenizer import Tokenizer
+
+# Vocabulary-sized metadata that only the tokenizer reads.
+_TOKENIZER_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
 
 
 class GGUFWeights:
@@ -35,9 +44,13 @@ class GGUFWeights:
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return self.gguf.tensors[name].shape
 
-    def release(self, name: str) -> None:
-        """The executor holds its own copy of ``name`` now: drop the mapped pages from RSS."""
-        self.gguf.release_pages(name)
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self.gguf.read_rows(name, ids)
+
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        """The executor holds its own copy of ``name`` (or of its ``rows``) now: drop the
+        mapped pages from RSS."""
+        self.gguf.release_pages(name, rows)
 
 
 @dataclass
@@ -78,6 +91,9 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
         graph = optimize(build_graph(hp, weight_types))  # fused ops for the executor
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
+        for key in _TOKENIZER_ARRAYS:  # the tokenizer holds them now (20 MB at 262k tokens)
+            meta.pop(key, None)
+        trim_heap()  # and the temporaries of its build
     except Exception:
         gguf.close()
         raise

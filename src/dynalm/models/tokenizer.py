@@ -18,9 +18,11 @@ from __future__ import annotations
 import codecs
 import logging
 import re
+from array import array
 from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -91,19 +93,28 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
     Same order as transformers' ``generate_merges`` (so ids match its GGUF tokenizer): pairs of one
     token by (left id, right id), then a stable sort by (score, len(left), len(right)), descending.
+    Pairs are kept as ids and the merges refer to the vocabulary's own strings: a 262k vocabulary
+    has ~750k merges, which as sort keys and sliced strings peaked at 330 MB.
     """
     vocab = {t: i for i, t in enumerate(tokens)}
     score_of = dict(zip(tokens, scores, strict=True))
-    merges = []
-    for tok, score in score_of.items():
-        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok))]
+    left, right, score = array("q"), array("q"), array("d")
+    for tok, tok_score in score_of.items():
         pairs = sorted(
-            (p for p in pairs if p[0] in vocab and p[1] in vocab),
-            key=lambda p: (vocab[p[0]], vocab[p[1]]),
+            (vocab[a], vocab[b])
+            for k in range(1, len(tok))
+            if (a := tok[:k]) in vocab and (b := tok[k:]) in vocab
         )
-        merges.extend((lt, rt, score) for lt, rt in pairs)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(lt, rt) for lt, rt, _ in merges]
+        for a, b in pairs:
+            left.append(a)
+            right.append(b)
+            score.append(tok_score)
+    lefts, rights = np.frombuffer(left, np.int64), np.frombuffer(right, np.int64)
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    # lexsort is stable, its last key the primary one: descending by negating each key
+    order = np.lexsort((-lengths[rights], -lengths[lefts], -np.frombuffer(score, np.float64)))
+    pairs = zip(lefts[order].tolist(), rights[order].tolist(), strict=True)
+    return [(tokens[a], tokens[b]) for a, b in pairs]
 
 
 def _int_or_none(value: int | None) -> int | None:

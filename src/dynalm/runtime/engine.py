@@ -24,6 +24,7 @@ import numpy as np
 
 from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
+from dynalm.core.memory import trim_heap
 from dynalm.errors import InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
@@ -178,6 +179,7 @@ class Engine:
             model.graph, device, model.weights, max_tokens=config.max_num_batched_tokens
         )
         model.gguf.release_pages()  # the executor holds its own (repacked) copy of the weights
+        trim_heap()  # and the repack's temporaries are gone
         self._streams: dict[str, _Stream] = {}
         self._aborts: set[str] = set()
         self._ready: list[RequestOutput] = []  # outputs decided outside a step
