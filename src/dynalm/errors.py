@@ -39,6 +39,12 @@ class InvalidRequest(DynaError):
     """A parameter out of range or of the wrong kind."""
 
 
+class NonFiniteLogits(DynaError):
+    """The model produced NaN or infinite logits: corrupt weights, not a bad request."""
+
+    http_status = 500
+
+
 class DeviceUnavailable(DynaError):
     """A forced backend (e.g. --gpu) that cannot run on this machine."""
 

@@ -1,15 +1,18 @@
-"""Sampler and StopMatcher on literal logits: each knob does what it says."""
+"""Sampler and StopMatcher on literal logits: each knob does what it says; the batched
+sampler draws from exactly the distribution the parameters define, reproducibly per seed
+whatever else is in the batch."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dynalm.errors import InvalidRequest
-from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher
+from dynalm.errors import InvalidRequest, NonFiniteLogits
+from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0, 2.9], np.float32)
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+FREE = dict(top_k=0, top_p=1.0, min_p=0.0)  # no truncation; penalties as given
 
 
 def draws(params: SamplingParams, n: int = 400, history: tuple[int, ...] = ()) -> set[int]:
@@ -47,26 +50,35 @@ def test_same_seed_same_tokens_and_other_seed_differs():
     assert sequence(42) != sequence(43)
 
 
+def penalized(params: SamplingParams, history: list[int]) -> np.ndarray:
+    row = LOGITS.copy()
+    Sampler(params).penalize(row, history)
+    return row
+
+
 def test_repeat_penalty_divides_positive_logits_of_recent_tokens():
-    sampler = Sampler(SamplingParams(temperature=0, **{**OFF, "repeat_penalty": 2.0}))
-    out = sampler.apply_penalties(LOGITS, history=[1, 4])
+    params = SamplingParams(temperature=0, **{**OFF, "repeat_penalty": 2.0})
+    out = penalized(params, [1, 4])
     assert out[1] == pytest.approx(1.5) and out[4] == pytest.approx(-2.0)
-    assert sampler.sample(LOGITS, history=[1]) == 5
+    assert Sampler(params).sample(LOGITS, history=[1]) == 5
 
 
 def test_presence_and_frequency_penalties():
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, **OFF)
-    out = Sampler(params).apply_penalties(LOGITS, history=[2, 2, 3])
+    out = penalized(params, [2, 2, 3])
     assert out[2] == pytest.approx(2.0 - 0.5 - 0.5)
     assert out[3] == pytest.approx(0.5 - 0.5 - 0.25)
     assert out[1] == pytest.approx(3.0)
 
 
-def test_no_penalty_no_copy_and_sampling_still_works_from_float32():
-    # A plain greedy step passes the step's float32 logits through untouched (no copy).
-    sampler = Sampler(SamplingParams(temperature=0, **OFF))
-    assert sampler.apply_penalties(LOGITS, history=[1, 4]) is LOGITS
-    assert 1 in draws(SamplingParams(temperature=0.7, seed=1, **OFF)) <= set(range(len(LOGITS)))
+def test_penalties_touch_only_the_history_and_sample_leaves_its_input():
+    out = penalized(SamplingParams(repeat_penalty=1.3, presence_penalty=1, **FREE), [1, 4])
+    untouched = np.ones(LOGITS.size, bool)
+    untouched[[1, 4]] = False
+    assert np.array_equal(out[untouched], LOGITS[untouched])
+    row = LOGITS.copy()
+    Sampler(SamplingParams(repeat_penalty=2.0, logit_bias={0: 5.0}, **FREE)).sample(row, [1])
+    assert np.array_equal(row, LOGITS)
 
 
 def test_logit_bias():
@@ -84,6 +96,12 @@ def test_logit_bias():
         dict(repeat_penalty=0),
         dict(presence_penalty=3),
         dict(stop=[""]),
+        dict(temperature=float("inf")),
+        dict(top_p=float("nan")),
+        dict(repeat_penalty=float("inf")),
+        dict(seed=-1),
+        dict(seed=2**64),
+        dict(logit_bias={3: float("inf")}),
     ],
 )
 def test_invalid_parameters_are_refused_by_name(bad: dict):
@@ -109,3 +127,109 @@ def test_stop_matcher_releases_text_that_turned_out_not_to_stop():
 def test_stop_matcher_earliest_of_several():
     m = StopMatcher(["b", "xyz"])
     assert m.push("axyzb") == ("a", True)
+
+
+# ---------------------------------------------------------------- the batched sampler
+
+V = 1000  # not a multiple of the draw's 256-token blocks: the last block is ragged
+
+
+def reference_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """What the parameters define, computed the plain way: a full stable sort in float64,
+    top-k, softmax at the temperature, the top-p prefix, min-p relative to the best."""
+    z = logits.astype(np.float64)
+    order = np.argsort(-z, kind="stable")
+    if 0 < params.top_k < z.size:
+        order = order[: params.top_k]
+    p = np.exp((z[order] - z[order[0]]) / params.temperature)
+    p /= p.sum()
+    keep = p.size
+    if params.top_p < 1:
+        keep = min(keep, int(np.searchsorted(np.cumsum(p), params.top_p)) + 1)
+    if params.min_p > 0:
+        keep = min(keep, max(1, int(np.count_nonzero(p >= params.min_p * p[0]))))
+    out = np.zeros(z.size)
+    out[order[:keep]] = p[:keep] / p[:keep].sum()
+    return out
+
+
+def chi_square_bound(df: int) -> float:
+    """The chi-square statistic a correct sampler exceeds with probability 1e-4
+    (Wilson-Hilferty), so the test fails on a wrong distribution, not on bad luck."""
+    z = 3.719  # the normal quantile of 1 - 1e-4
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def sampled_counts(logits: np.ndarray, params: SamplingParams, n: int) -> np.ndarray:
+    """``n`` draws through `sample_rows`, 200 rows a call (one sampler, so one stream)."""
+    sampler = Sampler(params)
+    rows = np.repeat(logits[None], 200, axis=0)
+    counts = np.zeros(logits.size)
+    for _ in range(n // 200):
+        np.add.at(counts, sample_rows([sampler] * 200, rows), 1)
+    return counts
+
+
+PEAKED = np.random.default_rng(1).standard_normal(V).astype(np.float32) * 3
+FLAT = np.random.default_rng(2).standard_normal(V).astype(np.float32) * 0.3
+
+
+@pytest.mark.parametrize(
+    ("logits", "params"),
+    [
+        (PEAKED, SamplingParams(temperature=1.0, **OFF)),  # the OpenAI defaults: no cut
+        (PEAKED, SamplingParams(temperature=0.7, **{**OFF, "top_k": 40})),
+        (PEAKED, SamplingParams(temperature=1.0, **{**OFF, "top_p": 0.9})),
+        # a nucleus of ~850 tokens: the partial selection widens from 64 candidates
+        (FLAT, SamplingParams(temperature=1.0, **{**OFF, "top_p": 0.9})),
+        (PEAKED, SamplingParams(temperature=1.3, **{**OFF, "min_p": 0.05})),
+        (PEAKED, SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)),
+    ],
+    ids=["softmax", "top_k", "top_p", "top_p_wide", "min_p", "all_cuts"],
+)
+def test_draws_follow_the_defined_distribution(logits: np.ndarray, params: SamplingParams):
+    n = 40_000
+    expected = reference_distribution(logits, params) * n
+    counts = sampled_counts(logits, params, n)
+    assert counts[expected == 0].sum() == 0, "drew a token the parameters exclude"
+    big = expected >= 5  # chi-square needs expected counts >= 5: pool the rest
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(expected[big], expected[~big].sum())
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    assert statistic < chi_square_bound(len(wanted) - 1), statistic
+
+
+def test_a_seeded_sequence_draws_the_same_whatever_its_batch():
+    """Each draw takes one number from the sequence's own stream: a seeded request gets
+    the same tokens alone and batched with greedy, truncated and unseeded ones."""
+    rows = np.random.default_rng(3).standard_normal((6, V)).astype(np.float32) * 2
+
+    def seeded() -> list[Sampler]:
+        return [
+            Sampler(SamplingParams(temperature=1.0, seed=11, **OFF)),
+            Sampler(SamplingParams(temperature=0.8, top_k=0, top_p=0.9, seed=12)),
+        ]
+
+    alone = [[int(sample_rows([s], rows[i : i + 1])[0]) for i in range(6)] for s in seeded()]
+    others = [
+        Sampler(SamplingParams(temperature=0, **OFF)),
+        Sampler(SamplingParams(temperature=1.0, **OFF)),
+        Sampler(SamplingParams(temperature=0.5, top_k=5, top_p=1.0, repeat_penalty=1.0)),
+    ]
+    first, second = seeded()
+    batched: list[list[int]] = [[], []]
+    for i in range(6):
+        batch = [others[0], first, others[1], second, others[2]]
+        tokens = sample_rows(batch, np.repeat(rows[i : i + 1], len(batch), axis=0))
+        batched[0].append(int(tokens[1]))
+        batched[1].append(int(tokens[3]))
+    assert batched == alone
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0), dict(top_k=3)])
+def test_nan_logits_are_a_clear_error(params: dict):
+    row = LOGITS.copy()
+    row[2] = np.nan
+    with pytest.raises(NonFiniteLogits, match="not finite"):
+        Sampler(SamplingParams(**{**OFF, "temperature": 1.0, **params})).sample(row)

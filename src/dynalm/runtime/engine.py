@@ -31,7 +31,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
 from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token, recent_bytes_per_seq
 from dynalm.runtime.radix_cache import RadixCache
-from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher
+from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
 
 if TYPE_CHECKING:
@@ -207,6 +207,8 @@ class Engine:
         n_vocab = self.model.hparams.n_vocab
         if min(prompt_ids) < 0 or max(prompt_ids) >= n_vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {n_vocab})")
+        if any(not 0 <= t < n_vocab for t in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {n_vocab})")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         req = Request(request_id, list(prompt_ids), min(params.max_tokens, ctx - len(prompt_ids)))
@@ -257,21 +259,25 @@ class Engine:
         logits = self._run(sched.chunks)
         with self._lock:
             self.scheduler.advance(sched)
-            sampling = [c.request for c in sched.chunks if c.samples]
-            for req, row in zip(sampling, logits, strict=True):
-                outputs.append(self._sample(self._streams[req.request_id], row))
+            streams = [self._streams[c.request.request_id] for c in sched.chunks if c.samples]
+            for stream, row in zip(streams, logits, strict=True):
+                stream.sampler.penalize(row, stream.request.token_ids)
+            tokens = sample_rows([stream.sampler for stream in streams], logits)
+            for stream, row, token in zip(streams, logits, tokens.tolist(), strict=True):
+                outputs.append(self._emit(stream, row, token))
         return outputs
 
     def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        """The logits of the step's sampling rows: a view of the executor's buffer, which
+        the sampler penalises in place (the next step overwrites it)."""
         tokens, positions, batch = flat_batch(self.pool, chunks)
         last_rows = batch.query_start[1:] - 1
         rows = last_rows[np.array([c.samples for c in chunks])]
         return self.executor.run(tokens, positions, rows, batch)
 
-    def _sample(self, stream: _Stream, row: np.ndarray) -> RequestOutput:
+    def _emit(self, stream: _Stream, penalized: np.ndarray, token: int) -> RequestOutput:
+        """Append a sampled token to its request: its text, logprob, and whether it ends."""
         req = stream.request
-        penalized = stream.sampler.apply_penalties(row, req.token_ids)
-        token = stream.sampler.pick(penalized)
         req.append(token)
         lp = None if stream.logprobs is None else _token_logprob(penalized, token, stream.logprobs)
         text, matched, reason = "", False, None

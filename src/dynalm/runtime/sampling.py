@@ -1,17 +1,24 @@
-"""Sampling: turn one row of logits into the next token, and detect stop strings.
+"""Sampling: turn a step's rows of logits into next tokens, and detect stop strings.
 
 The order follows llama.cpp: penalties and logit bias on the raw logits, then
-greedy (temperature 0) or top-k -> temperature -> top-p -> min-p -> draw.
+greedy (temperature 0) or top-k -> temperature -> top-p -> min-p -> draw. All the
+sequences of a step are sampled together (`sample_rows`); nothing sorts the whole
+vocabulary: the plain softmax is drawn from through block sums, and top-k/p, min-p
+cut a partial selection.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynalm.errors import InvalidRequest
+from dynalm.errors import InvalidRequest, NonFiniteLogits
+
+_FLOATS = ("temperature", "top_p", "min_p", "repeat_penalty")
+_PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -34,6 +41,9 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequest(message)
 
+        for name in (*_FLOATS, *_PENALTIES):
+            value = getattr(self, name)
+            need(math.isfinite(value), f"{name} must be a finite number, got {value}")
         need(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
         need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         need(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
@@ -41,67 +51,166 @@ class SamplingParams:
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         need(self.repeat_penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}")
         need(self.repeat_last_n >= 0, f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+        for name in _PENALTIES:
+            value = getattr(self, name)
+            need(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
         need(
-            -2 <= self.presence_penalty <= 2,
-            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            self.seed is None or 0 <= self.seed < 2**64,
+            f"seed must be in [0, 2**64), got {self.seed}",
         )
         need(
-            -2 <= self.frequency_penalty <= 2,
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            all(math.isfinite(b) for b in self.logit_bias.values()),
+            "logit_bias values must be finite numbers",
         )
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         return self
 
 
+_BLOCK = 256  # tokens per block of the two-level draw (``Sampler.draw``)
+_FIRST_CANDIDATES = 64  # the partial selection top-p starts from (widened 8x at a time)
+
+
+def _check(ok: bool) -> None:
+    """Refuse a row whose logits (or total weight) are NaN or infinite."""
+    if not ok:
+        raise NonFiniteLogits("the model produced logits that are not finite (NaN or inf)")
+
+
+def _largest(values: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the ``m`` largest values (more on a tie at the edge), unordered:
+    ``np.partition`` finds the m-th value, a comparison the rest (7x faster than
+    ``np.argpartition`` on 49k values)."""
+    if m >= values.size:
+        return np.arange(values.size)
+    return np.flatnonzero(values >= np.partition(values, values.size - m)[values.size - m])
+
+
+def _heaviest(weights: np.ndarray, mass: float) -> np.ndarray:
+    """Indices of the largest ``weights``, enough of them to hold ``mass``: a superset of
+    the top-p nucleus, found by partial selections instead of a sort of the vocabulary."""
+    m = _FIRST_CANDIDATES
+    while m < weights.size:
+        best = _largest(weights, m)
+        if weights[best].sum(dtype=np.float64) >= mass:
+            return best
+        m *= 8
+    return np.arange(weights.size)
+
+
 class Sampler:
-    """Per-sequence sampler; a fixed seed gives the same tokens on every run."""
+    """One sequence's sampling state: its parameters, its random stream and its logit bias.
+
+    A fixed seed gives the same tokens on every run, whatever else is batched with the
+    sequence: each draw takes exactly one number from the sequence's own stream.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
+        bias = params.logit_bias
+        self._bias_ids = np.fromiter(bias, np.int64, len(bias))
+        self._bias = np.fromiter(bias.values(), np.float32, len(bias))
 
-    def apply_penalties(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """Penalised and biased logits as a float64 copy; ``logits`` itself when no penalty
-        or bias applies."""
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def truncates(self, n_vocab: int) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution (else: the plain softmax)."""
+        p = self.params
+        return 0 < p.top_k < n_vocab or p.top_p < 1 or p.min_p > 0
+
+    def penalize(self, logits: np.ndarray, history: Sequence[int]) -> None:
+        """Apply the penalties and the logit bias to one row of logits, in place, touching
+        only the ids of the recent history and the biased ids."""
         p = self.params
         penalize = p.repeat_penalty != 1 or p.presence_penalty or p.frequency_penalty
-        if not (penalize and p.repeat_last_n and len(history)) and not p.logit_bias:
-            return logits  # nothing to change: no copy (a greedy decode step's common case)
-        logits = logits.astype(np.float64)
-        recent = np.asarray(history[-p.repeat_last_n :] if p.repeat_last_n else [], np.int64)
-        if recent.size and penalize:
-            ids, counts = np.unique(recent, return_counts=True)
+        if penalize and p.repeat_last_n and len(history):
+            ids, counts = np.unique(np.asarray(history[-p.repeat_last_n :]), return_counts=True)
             vals = logits[ids]
-            logits[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-            logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
-        for token, bias in p.logit_bias.items():
-            if 0 <= token < logits.size:
-                logits[token] += bias
-        return logits
+            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            logits[ids] = vals - (p.frequency_penalty * counts + p.presence_penalty)
+        if self._bias_ids.size:
+            logits[self._bias_ids] += self._bias
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        return self.pick(self.apply_penalties(logits, history))
+        """One token from one row of logits (not modified): penalties, then the draw."""
+        row = np.array(logits, np.float32)
+        self.penalize(row, history)
+        return int(sample_rows([self], row[None])[0])
 
-    def pick(self, logits: np.ndarray) -> int:
-        """Draw the next token from already penalised logits."""
-        p = self.params
-        if p.temperature == 0:
-            return int(np.argmax(logits))
-        candidates = np.arange(logits.size)
-        if 0 < p.top_k < logits.size:
-            candidates = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
-        cand_logits = logits[candidates].astype(np.float64) / p.temperature
-        order = np.argsort(-cand_logits, kind="stable")
-        candidates, cand_logits = candidates[order], cand_logits[order]
-        probs = np.exp(cand_logits - cand_logits[0])
-        probs /= probs.sum()
-        keep = probs.size
-        if p.top_p < 1:  # smallest prefix whose mass reaches top_p
-            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+    def draw(self, weights: np.ndarray, block_sums: np.ndarray) -> int:
+        """A token with probability proportional to ``weights`` (one row, >= 0), whose sums
+        per block of ``_BLOCK`` tokens are ``block_sums``: a block by its share of the total,
+        then a token inside it. A cumulative sum over the whole vocabulary is sequential
+        (0.76 ms at 262k tokens); the block sums are one vectorised pass."""
+        cumulative = np.cumsum(block_sums, dtype=np.float64)
+        _check(np.isfinite(cumulative[-1]) and cumulative[-1] > 0)
+        u = self.rng.random() * cumulative[-1]
+        block = min(int(np.searchsorted(cumulative, u, side="right")), len(cumulative) - 1)
+        u -= cumulative[block - 1] if block else 0.0
+        inside = weights[block * _BLOCK : (block + 1) * _BLOCK]
+        at = int(np.searchsorted(np.cumsum(inside, dtype=np.float64), u, side="right"))
+        if at >= inside.size:  # u rounded past the block's end: its last possible token
+            at = int(np.flatnonzero(inside)[-1])
+        return block * _BLOCK + at
+
+    def draw_truncated(self, logits: np.ndarray) -> int:
+        """A token from one row of logits cut by top-k, then top-p, then min-p."""
+        p, n = self.params, logits.size
+        best = logits.max()
+        _check(np.isfinite(best))  # NaN if any logit is
+        if 0 < p.top_k < n:  # the softmax over the k best only
+            candidates = _largest(logits, p.top_k)
+            order = candidates[np.argsort(-logits[candidates], kind="stable")][: p.top_k]
+            weights = np.exp((logits[order] - best) / p.temperature)
+            total = weights.sum(dtype=np.float64)
+        else:  # the softmax over the vocabulary, cut on a partial selection
+            shifted = np.exp((logits - best) / p.temperature)
+            total = shifted.sum(dtype=np.float64)
+            if p.top_p < 1:
+                candidates = _heaviest(shifted, p.top_p * total)
+            else:  # min-p alone: the tokens at least min_p as likely as the best
+                candidates = np.flatnonzero(shifted >= p.min_p)
+            order = candidates[np.argsort(-shifted[candidates], kind="stable")]
+            weights = shifted[order]
+        keep = weights.size
+        if p.top_p < 1:  # the smallest prefix whose mass reaches top_p
+            mass = np.cumsum(weights, dtype=np.float64)
+            keep = min(keep, int(np.searchsorted(mass, p.top_p * total)) + 1)
         if p.min_p > 0:
-            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
-        probs = probs[:keep] / probs[:keep].sum()
-        return int(candidates[self.rng.choice(keep, p=probs)])
+            keep = min(keep, max(1, int(np.count_nonzero(weights >= p.min_p * weights[0]))))
+        mass = np.cumsum(weights[:keep], dtype=np.float64)
+        at = int(np.searchsorted(mass, self.rng.random() * mass[-1], side="right"))
+        return int(order[min(at, keep - 1)])
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:
+    """The next token of every sequence of a step, one per row of ``logits`` ``[S, V]``
+    (penalised already; not modified). Greedy rows take the argmax; the rows that sample
+    the plain softmax (the OpenAI defaults) are exponentiated and summed per block all
+    together; truncated rows (top-k/p, min-p) each cut a partial selection."""
+    tokens = np.empty(len(samplers), np.int64)
+    n_vocab = logits.shape[1]
+    plain = []
+    for i, sampler in enumerate(samplers):
+        if sampler.greedy:
+            tokens[i] = logits[i].argmax()
+            _check(np.isfinite(logits[i, tokens[i]]))  # argmax stops at the first NaN
+        elif sampler.truncates(n_vocab):
+            tokens[i] = sampler.draw_truncated(logits[i])
+        else:
+            plain.append(i)
+    if plain:
+        rows = logits[plain]  # a copy, exponentiated in place
+        temperatures = np.array([[samplers[i].params.temperature] for i in plain], np.float32)
+        rows -= rows.max(axis=1, keepdims=True)
+        rows /= temperatures
+        np.exp(rows, out=rows)
+        sums = np.add.reduceat(rows, np.arange(0, n_vocab, _BLOCK), axis=1)
+        for row, i in enumerate(plain):
+            tokens[i] = samplers[i].draw(rows[row], sums[row])
+    return tokens
 
 
 class StopMatcher:
