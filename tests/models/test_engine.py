@@ -226,3 +226,27 @@ def test_logprobs_stop_strings_and_bad_requests(model, device):
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "length" and not out.token_ids
     assert_no_leak(engine)
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(model, device):
+    """A seeded request at the OpenAI defaults (temperature 1, top_p 1) gets the same tokens
+    alone and in a step shared with greedy, truncated and unseeded requests."""
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, seed=5)
+    engine = Engine(model, device, EngineConfig(ctx=256, enable_prefix_caching=False))
+    prompt = encode(model, TEXTS[0])
+    alone = tokens(run(engine, [prompt], seeded)[0])
+    others = [
+        (encode(model, TEXTS[1]), GREEDY),
+        (encode(model, TEXTS[2]), SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9)),
+        (encode(model, TEXTS[3]), SamplingParams(max_tokens=16, temperature=1.0, top_k=0)),
+    ]
+    engine.add_request("seeded", prompt, seeded, stop_ids=frozenset())
+    for i, (ids, params) in enumerate(others):
+        engine.add_request(f"other-{i}", ids, params, stop_ids=frozenset())
+    batched, widest = [], 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        widest = max(widest, len(outs))
+        batched += [t for out in outs if out.request_id == "seeded" for t in out.token_ids]
+    assert widest == 4  # they really shared steps
+    assert batched == alone
