@@ -42,7 +42,8 @@ def describe_model(model: LoadedModel) -> str:
     return "Model\n" + "\n".join(lines)
 
 
-def describe_system() -> str:
+def cpu_description() -> tuple[str, list[str]]:
+    """This CPU's model name and the vector features the kernels care about."""
     flags: set[str] = set()
     name = platform.processor() or platform.machine()
     try:
@@ -55,11 +56,25 @@ def describe_system() -> str:
                     flags = set(value.split())
     except OSError:
         pass
-    simd = [
-        f
-        for f in ("avx512_vnni", "avx512f", "avx_vnni", "avx2", "fma", "f16c", "asimd", "asimddp")
-        if f in flags
-    ]
+    return name, [f for f in _VECTOR_FEATURES if f in flags]
+
+
+_VECTOR_FEATURES = (
+    "amx_int8",
+    "amx_bf16",
+    "avx512_vnni",
+    "avx512f",
+    "avx_vnni",
+    "avx2",
+    "fma",
+    "f16c",
+    "asimd",
+    "asimddp",
+)
+
+
+def describe_system() -> str:
+    name, simd = cpu_description()
     host = jit.host_features()
     return "\n".join(
         [

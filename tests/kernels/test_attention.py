@@ -1,4 +1,5 @@
-"""The JIT paged-attention kernel against the numpy reference (cpu_ops.attention)."""
+"""The JIT paged-attention kernel against the numpy reference (cpu_ops.attention), within
+the rounding of two fp32 evaluations (`attention_bound`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from dynalm.core import cpu_ops
 from dynalm.core.attention import PagedAttention, StepLayout
 from dynalm.runtime.kv_cache import PagePool
+from tolerances import U, sum_bound
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
@@ -59,6 +61,35 @@ def attend(batch, positions, q, k, v, heads, kv_heads, head_dim, scale, window, 
     return out
 
 
+def attention_bound(pool, tables, lengths, q, heads, head_dim, scale) -> np.ndarray:
+    """Per token and query head, how far two fp32 attentions may differ (`sum_bound`, each
+    way): a score's dot product of head_dim terms errs by at most ``sum_bound(head_dim,
+    scale * |q| * |k|)`` (Cauchy-Schwarz), which is a relative error of the key's weight
+    after exp; the weights' normaliser and the weighted sum of values add the rounding of
+    a sum over the context; the values' largest magnitude scales it all. The q8_0 keys'
+    Hadamard rotation (32 terms a row) adds one more score-sized error."""
+    keys, values = [], []
+    for table, n in zip(tables, lengths, strict=True):
+        k, v = pool.read(0, pool.slots(table, 0, n))
+        keys.append(k)
+        values.append(v)
+    k_max = max(float(np.linalg.norm(k, axis=-1).max()) for k in keys)
+    v_max = max(float(np.abs(v).max()) for v in values)
+    n_max = int(max(lengths))
+    q_norm = np.linalg.norm(q.reshape(len(q), heads, head_dim), axis=-1, keepdims=True)
+    score = 2 * sum_bound(head_dim, scale * q_norm * k_max)
+    per_head = 2 * v_max * (2 * score + 2 * sum_bound(n_max, 1.0) + 4 * U)
+    return np.broadcast_to(per_head, (len(q), heads, head_dim)).reshape(len(q), -1)
+
+
+def tables(batch: cpu_ops.AttentionBatch) -> tuple[list[np.ndarray], np.ndarray]:
+    return batch.page_tables, batch.seq_lens
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray, bound: np.ndarray) -> None:
+    assert (np.abs(out - ref) <= bound).all(), (np.abs(out - ref) / bound).max()
+
+
 def assert_same_pages(a: PagePool, b: PagePool) -> None:
     arrays = [(*p.k, *p.v, *p.k_scale, *p.v_scale, *p.k_recent, *p.v_recent) for p in (a, b)]
     for x, y in zip(*arrays, strict=True):
@@ -81,7 +112,7 @@ def test_kernel_matches_numpy(dtype: str, window: int, threads: int, merged: boo
     ours, batch, *_ = ragged_step(dtype, seqs)
     batch.kv = ours
     out = attend(batch, positions, q, k, v, HEADS, KV_HEADS, HEAD_DIM, 0.125, window, threads)
-    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
+    assert_close(out, ref, attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125))
     assert_same_pages(ours, pool)  # the step's k/v stored exactly as PagePool.write does
 
 
@@ -101,7 +132,7 @@ def test_long_context_and_other_geometries(
     ref = np.zeros_like(q)
     cpu_ops.attention(ref, q, k, v, positions, batch, 0, heads, kv_heads, head_dim, 0.1, window)
     out = attend(batch, positions, q, k, v, heads, kv_heads, head_dim, 0.1, window, 2)
-    np.testing.assert_allclose(out, ref, atol=2e-6, rtol=1e-5)
+    assert_close(out, ref, attention_bound(pool, *tables(batch), q, heads, head_dim, 0.1))
 
 
 def test_rotated_q8_0_keys_with_outlier_channels_halve_the_error_of_plain_q8_0():
@@ -144,7 +175,7 @@ def test_result_of_a_token_does_not_depend_on_the_batch():
 def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: int = 2):
     """One q8_0 sequence of ``sum(chunks)`` tokens (random q/k/v per position) run step by
     step in ``chunks``, the tokens before ``recent_from`` as a prefix-cache hit; returns
-    every token's output and the pool."""
+    every token's output, the pool, and the bound of the outputs (`attention_bound`)."""
     rng = np.random.default_rng(7)
     n, pages = recent_from + sum(chunks), [4, 1, 6, 0, 3, 7]
     q, k, v = (rng.standard_normal((n, w)).astype(np.float32) for w in (HEADS * HEAD_DIM, 192, 192))
@@ -172,20 +203,21 @@ def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: i
         else:
             cpu_ops.attention(out[rows], *qkv, positions, batch, 0, *geometry)
         start += size
-    return out[recent_from:], pool
+    bound = attention_bound(pool, [pages], [n], q[recent_from:], HEADS, HEAD_DIM, 0.125)
+    return out[recent_from:], pool, bound
 
 
 @pytest.mark.parametrize("recent_from", [0, 21])
 def test_recent_window_across_steps_matches_numpy(recent_from: int):
     # a prefill in two chunks, then decode steps past the 32-token window
     chunks = [30, 19, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
-    ours, pool = run_chunks(chunks, kernel=True, recent_from=recent_from)
-    ref, ref_pool = run_chunks(chunks, kernel=False, recent_from=recent_from)
-    np.testing.assert_allclose(ours, ref, atol=2e-6, rtol=1e-5)
+    ours, pool, bound = run_chunks(chunks, kernel=True, recent_from=recent_from)
+    ref, ref_pool, _ = run_chunks(chunks, kernel=False, recent_from=recent_from)
+    assert_close(ours, ref, bound)
     assert_same_pages(pool, ref_pool)
 
 
 def test_recent_window_result_does_not_depend_on_chunking():
-    whole, _ = run_chunks([64], kernel=True)
+    whole, *_ = run_chunks([64], kernel=True)
     for chunks in ([5, 40, 19], [1] * 64, [33, 31]):
         np.testing.assert_array_equal(run_chunks(chunks, kernel=True, threads=1)[0], whole)

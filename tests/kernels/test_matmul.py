@@ -2,9 +2,11 @@
 
 Every supported format x mode x path (GEMV T=1, small batches, prefill-sized T) on shapes
 whose N is not a multiple of any tile. Legacy formats quantise random weights with gguf;
-K-quants (which gguf cannot quantise) are random valid blocks. Budgets: ``exact`` max
-error <= 1e-5 of the output rms (fp32 summation order only); ``auto`` rms error < 1e-2 of
-the output rms (int8 activations, as ggml's Q8_0/Q8_1 vec_dot types).
+K-quants (which gguf cannot quantise) are random valid blocks. Budgets: ``exact``, every
+output within the rounding of an fp32 sum of its K products (`tolerances.sum_bound`);
+``auto``, rms error < 1e-2 of the output rms: activations rounded to int8 per 32-block
+(as ggml's Q8_0/Q8_1 vec_dot types) move each by up to 1/254 of its block's largest, an
+rms error of ~0.3 % of a Gaussian output.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gguf import quants
 from dynalm.core import elementwise, matmul, pool
 from dynalm.core.matmul import QuantMatmul
 from dynalm.core.quant import QK_K, dequantize, random_blocks
+from tolerances import sum_bound
 
 LEGACY = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -47,12 +50,15 @@ def activations(t_rows: int, k: int) -> np.ndarray:
 
 def check(y: np.ndarray, raw: np.ndarray, ggml_type: T, x: np.ndarray, mode: str) -> None:
     w = dequantize(raw, ggml_type, x.shape[1]).astype(np.float64)
-    ref = x.astype(np.float64) @ w.T
-    rms = np.sqrt(np.mean(ref**2))
+    x64 = x.astype(np.float64)
+    ref = x64 @ w.T
     err = y - ref
     if mode == "exact" or ggml_type in (T.F32, T.F16, T.BF16, T.Q2_K):
-        assert np.abs(err).max() <= 1e-5 * rms
+        # an fp32 sum of K products (plus a scale and a min per block: a few roundings more)
+        bound = sum_bound(x.shape[1] + 8, np.abs(x64) @ np.abs(w).T)
+        assert (np.abs(err) <= bound).all(), (np.abs(err) / bound).max()
     else:
+        rms = np.sqrt(np.mean(ref**2))
         assert np.sqrt(np.mean(err**2)) < 1e-2 * rms
 
 
