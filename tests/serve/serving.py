@@ -14,6 +14,7 @@ import openai
 
 from dynalm.core.device import CpuDevice
 from dynalm.models.loader import LoadedModel
+from dynalm.runtime.asgi import MAX_BODY_BYTES
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, url_of
 
@@ -50,10 +51,16 @@ class LiveServer:
 
 @contextmanager
 def live_server(
-    model: LoadedModel, *, api_key: str | None = None, **config: int
+    model: LoadedModel,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
-    api = OpenAIServer(engine, model, [MODEL, model.path.stem], api_key=api_key)
+    api = OpenAIServer(
+        engine, model, [MODEL, model.path.stem], api_key=api_key, max_body_bytes=max_body_bytes
+    )
     sock = bind_socket("127.0.0.1", 0)
     server = make_server(api)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
