@@ -654,13 +654,16 @@ class OpenAIServer:
 
 
 class UvicornServer(uvicorn.Server):
-    """uvicorn that turns away new requests as soon as a signal asks it to stop, and exits
-    normally afterwards (plain uvicorn re-raises the signal, so SIGTERM would end the
-    process with status 143 after an otherwise clean shutdown)."""
+    """uvicorn that drains on a signal: the port stays open and new requests get 503 while
+    in-flight ones finish, for at most ``shutdown_grace_s``; then what still runs is aborted
+    (each answer ends with ``finish_reason: "abort"``), and the process exits normally (plain
+    uvicorn stops listening at once, cancels late responses mid-body, and re-raises the
+    signal, so SIGTERM would end the process with status 143)."""
 
-    def __init__(self, config: uvicorn.Config, api: OpenAIServer) -> None:
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_grace_s: float) -> None:
         super().__init__(config)
         self.api = api
+        self.grace = shutdown_grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.api.draining = True
@@ -678,6 +681,24 @@ class UvicornServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def _requests_end(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every request in progress to end; False if some still run."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.server_state.tasks and not self.force_exit:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.api.draining = True
+        if not await self._requests_end(self.grace) and not self.force_exit:
+            log.warning("aborting the requests still running after %s s", self.grace)
+            self.api.async_engine.abort_all()
+            await self._requests_end(_FLUSH_S)
+        await super().shutdown(sockets)
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
@@ -692,15 +713,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(api: OpenAIServer, *, verbose: bool = False) -> UvicornServer:
+def make_server(
+    api: OpenAIServer, *, verbose: bool = False, shutdown_grace_s: float = SHUTDOWN_GRACE_S
+) -> UvicornServer:
     config = uvicorn.Config(
         api.app,
         log_level="info" if verbose else "warning",
         access_log=verbose,
         lifespan="on",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=_FLUSH_S,  # after our own drain (`UvicornServer.shutdown`)
     )
-    return UvicornServer(config, api)
+    return UvicornServer(config, api, shutdown_grace_s)
 
 
 def url_of(sock: socket.socket) -> str:
@@ -717,12 +740,14 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     verbose: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S,
 ) -> None:
     """Serve until SIGTERM / SIGINT; the URL goes to stderr once the port is bound."""
-    api = OpenAIServer(engine, model, names, api_key=api_key)
+    api = OpenAIServer(engine, model, names, api_key=api_key, max_body_bytes=max_body_bytes)
     sock = bind_socket(host, port)
     print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
-    make_server(api, verbose=verbose).run(sockets=[sock])
+    make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
 
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
