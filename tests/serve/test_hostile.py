@@ -164,6 +164,11 @@ HOSTILE: dict[str, tuple[str, str | bytes, int, tuple[str, ...]]] = {
         404,
         ("does not exist",),
     ),
+    # no type is coerced into another: the OpenAPI document says what is accepted
+    "n a string": (COMPLETIONS, completion('"n": "2"'), 400, ("n:", "integer")),
+    "stream a word": (COMPLETIONS, completion('"stream": "yes"'), 400, ("stream:", "boolean")),
+    "token ids that are booleans": (COMPLETIONS, completion(prompt="[[false]]"), 400, ("prompt",)),
+    "best_of true": (COMPLETIONS, completion('"best_of": true'), 400, ("best_of",)),
     # OpenAI fields DynaLM does not implement: refused, naming the field
     "suffix": (COMPLETIONS, completion('"suffix": "x"'), 400, ("suffix", "not supported")),
     "best_of 3": (COMPLETIONS, completion('"best_of": 3'), 400, ("best_of", "not supported")),

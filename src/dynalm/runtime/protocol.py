@@ -42,7 +42,7 @@ def _unsupported(*neutral: Any) -> Any:
     a value that asks for nothing, else a 400 naming it."""
 
     def check(v: Any, info: ValidationInfo) -> Any:
-        if v not in neutral:
+        if not any(v == x and type(v) is type(x) for x in neutral):  # true is no 1 here
             allowed = " or ".join(json.dumps(x) for x in neutral)
             raise ValueError(f"not supported (leave {info.field_name} out or send {allowed})")
         return v
@@ -52,22 +52,23 @@ def _unsupported(*neutral: Any) -> Any:
 
 
 class _Request(BaseModel):
-    """Every request body: numbers must be finite (``Infinity`` and ``NaN`` parse as JSON
-    here but mean nothing as a parameter)."""
+    """Every part of a request body is validated as strictly as the OpenAPI document says:
+    no value is coerced into another type (``"1"`` is no integer, ``0`` no ``false``), and
+    numbers must be finite (``Infinity`` and ``NaN`` parse as JSON but mean nothing here)."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Request):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
