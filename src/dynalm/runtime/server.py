@@ -703,7 +703,9 @@ class UvicornServer(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it each keep-alive response (and stream chunk) waited ~40 ms for a delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
