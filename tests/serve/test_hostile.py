@@ -111,6 +111,12 @@ HOSTILE: dict[str, tuple[str, str | bytes, int, tuple[str, ...]]] = {
         400,
         ("logit_bias", "token ids"),
     ),
+    "logit_bias of 1,025 entries": (
+        COMPLETIONS,
+        completion(f'"logit_bias": {json.dumps({str(i): 1 for i in range(1025)})}'),
+        400,
+        ("logit_bias", "at most 1024"),
+    ),
     "logit_bias key outside the vocabulary": (
         COMPLETIONS,
         completion('"logit_bias": {"999999": 1}'),

@@ -30,6 +30,7 @@ from pydantic import (
 
 MAX_SEED = 2**64 - 1
 MAX_TOKEN_ID = 10**9 - 1  # far above any vocabulary; the server checks its own
+MAX_LOGIT_BIAS = 1024  # entries
 
 
 def clip(text: str, limit: int = 40) -> str:
@@ -116,10 +117,14 @@ class SamplingRequest(_Request):
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] = []
     n: Annotated[int, Field(ge=1, le=16)] = 1
+    # bounded: the sampler applies every entry to every token of the answer
     logit_bias: (
-        dict[
-            Annotated[str, Field(pattern=f"^{_TOKEN_ID_KEY.pattern}$")],
-            Annotated[float, Field(ge=-100, le=100)],
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=f"^{_TOKEN_ID_KEY.pattern}$")],
+                Annotated[float, Field(ge=-100, le=100)],
+            ],
+            Field(max_length=MAX_LOGIT_BIAS),
         ]
         | None
     ) = None
