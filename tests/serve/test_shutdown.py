@@ -100,7 +100,7 @@ def test_sigterm_under_load_ends_every_stream(
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert sum(len(events) > 2 for events in streams) >= 4  # some had generated text
-    assert 2 <= elapsed < 15, elapsed  # the grace period, then a prompt end
+    assert 2 <= elapsed < 20, elapsed  # the grace period, then a prompt end
     stderr = server.stderr()
     assert "Traceback" not in stderr and "Exception in ASGI" not in stderr, stderr
     print(f"\nSIGTERM with 8 streams: all ended with abort + [DONE], exit 0 after {elapsed:.1f} s")

@@ -85,4 +85,4 @@ def test_health_and_metrics_answer_while_big_requests_run(server: LiveServer) ->
         f"slowest /metrics {metrics.slowest * 1000:.0f} ms ({metrics.count} polls)"
     )
     assert refused < 5 and health.count > 10 and metrics.count > 10
-    assert health.slowest < 1.0 and metrics.slowest < 1.0
+    assert health.slowest < 2.0 and metrics.slowest < 2.0  # it was 19 s
