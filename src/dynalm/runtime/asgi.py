@@ -136,8 +136,9 @@ def _is_utf8(data: bytes) -> bool:
 
 
 class StrictJSONRequest(Request):
-    """A request whose JSON body is parsed by pydantic's parser, which refuses what Python's
-    `json` lets through into a 500 later: lone surrogates, nesting deeper than 200."""
+    """A request whose JSON body is parsed by pydantic's parser, which refuses lone surrogates
+    (Python's `json` lets them through to fail later, in the tokenizer or an encoder: a 500)
+    and nesting deeper than 200, with a message that says where."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):

@@ -1,9 +1,10 @@
 """The wire format of the HTTP API: pydantic models mirroring OpenAI's.
 
-Requests validate ranges here, so a bad parameter is a 400 naming the field before
-anything reaches the engine. Unknown request fields are ignored, as OpenAI does, so
-clients that send newer parameters keep working. Responses are the shapes the
-official ``openai`` client parses.
+Requests validate types and ranges here, so a bad parameter is a 400 naming the field
+before anything reaches the engine. Unknown request fields are ignored, as OpenAI does, so
+clients that send newer parameters keep working; OpenAI's own fields that DynaLM does not
+implement are refused by name instead (`_unsupported`), since ignoring them would silently
+answer another question. Responses are the shapes the official ``openai`` client parses.
 """
 
 from __future__ import annotations
