@@ -49,6 +49,13 @@ class DeviceUnavailable(DynaError):
     """A forced backend (e.g. --gpu) that cannot run on this machine."""
 
 
+class EngineFailure(DynaError):
+    """The one error that is not the user's: a step of the engine failed (a bug, logged with
+    its traceback) and the requests in it were aborted."""
+
+    http_status = 500
+
+
 class QueueFull(DynaError):
     """The engine's waiting queue is full (or it is shutting down): retry later."""
 

@@ -1,21 +1,30 @@
 """A real DynaLM server on 127.0.0.1 for the serve tests: uvicorn in a background
-thread on a free port, the real engine and the real SmolLM2 model."""
+thread on a free port, the real engine and the real SmolLM2 model (`live_server`), or a
+server process (`server_process`) for what only a process shows: signals, exit status, its
+log."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 
 from dynalm.core.device import CpuDevice
-from dynalm.models.loader import LoadedModel
+from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.asgi import MAX_BODY_BYTES
 from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, url_of
+from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, serve, url_of
 
 MODEL = "smollm2:135m"
 
@@ -50,10 +59,16 @@ class LiveServer:
 
 @contextmanager
 def live_server(
-    model: LoadedModel, *, api_key: str | None = None, **config: int
+    model: LoadedModel,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
-    api = OpenAIServer(engine, model, [MODEL, model.path.stem], api_key=api_key)
+    api = OpenAIServer(
+        engine, model, [MODEL, model.path.stem], api_key=api_key, max_body_bytes=max_body_bytes
+    )
     sock = bind_socket("127.0.0.1", 0)
     server = make_server(api)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -67,3 +82,53 @@ def live_server(
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+
+@contextmanager
+def server_process(args: list[str], log: Path) -> Iterator[ServerProcess]:
+    """Run a server command (``args`` after the Python interpreter) until it prints its URL;
+    kill it at the end if it still runs."""
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, *args], stdout=subprocess.DEVNULL, stderr=stderr, env=dict(os.environ)
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "no URL on stderr"
+            time.sleep(0.1)
+        yield ServerProcess(proc, m.group(1), log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    """`dynalm serve` with the server options the CLI does not offer yet (a short shutdown
+    grace for the SIGTERM test): ``python tests/serve/serving.py MODEL.gguf [options]``."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--shutdown-grace", type=float, default=30)
+    args = ap.parse_args()
+    model = load_model(args.model)
+    config = EngineConfig(ctx=args.ctx, max_num_seqs=args.max_num_seqs)
+    engine = Engine(model, CpuDevice(), config)
+    serve(engine, model, [args.model.stem], port=0, shutdown_grace_s=args.shutdown_grace)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,7 @@ import numpy as np
 from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
 from dynalm.core.memory import trim_heap
-from dynalm.errors import InvalidRequest, PromptTooLong, QueueFull
+from dynalm.errors import EngineFailure, InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
@@ -374,11 +374,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs: list[RequestOutput | BaseException] = list(self.engine.step())
-            except Exception as e:  # a bug in a step: fail every request, keep serving
+            except Exception:  # a bug in a step: fail every request, keep serving
                 log.exception("engine step failed")
                 for rid in self.engine.request_ids:
                     self.engine.abort(rid)
-                outputs = [e]
+                # logged once here; consumers get an error that shows no internals
+                outputs = [EngineFailure("the engine failed on this request (see the server log)")]
             for out in outputs:
                 targets = (
                     list(self._consumers) if isinstance(out, BaseException) else [out.request_id]
@@ -426,13 +427,19 @@ class AsyncEngine:
                 self.engine.abort(request_id)
                 self._wake.set()
 
+    def abort_all(self) -> None:
+        """Stop admitting and abort every request: each ends with finish_reason "abort"."""
+        self._accepting = False
+        for rid in self.engine.request_ids:
+            self.engine.abort(rid)
+        self._wake.set()
+
     def shutdown(self, drain: bool = True) -> None:
         """Stop admitting; finish (``drain``) or abort in-flight requests; stop the thread.
         Blocks until done: from a coroutine, call it through ``asyncio.to_thread``."""
         self._accepting = False
         if not drain:
-            for rid in self.engine.request_ids:
-                self.engine.abort(rid)
+            self.abort_all()
         self._stop = True
         self._wake.set()
         self._thread.join()

@@ -3,8 +3,9 @@
 Latencies and token counts are observed by the server as outputs reach it (what a
 client sees); the engine's state (running / waiting requests, KV usage, prefix-cache
 counters) is read from ``engine.stats`` at scrape time, so it is never stale and the
-engine needs no metrics code. Each server has its own registry, so several servers
-in one process (tests) never share counters.
+engine needs no metrics code. The process's own (``process_resident_memory_bytes``, CPU,
+open files) come from prometheus_client. Each server has its own registry, so several
+servers in one process (tests) never share counters.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +67,7 @@ class ServerMetrics:
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU, fds
         label = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

@@ -1,42 +1,93 @@
 """The wire format of the HTTP API: pydantic models mirroring OpenAI's.
 
-Requests validate ranges here, so a bad parameter is a 400 naming the field before
-anything reaches the engine. Unknown request fields are ignored, as OpenAI does, so
-clients that send newer parameters keep working. Responses are the shapes the
-official ``openai`` client parses.
+Requests validate types and ranges here, so a bad parameter is a 400 naming the field
+before anything reaches the engine. Unknown request fields are ignored, as OpenAI does, so
+clients that send newer parameters keep working; OpenAI's own fields that DynaLM does not
+implement are refused by name instead (`_unsupported`), since ignoring them would silently
+answer another question. Responses are the shapes the official ``openai`` client parses.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 # ---------------------------------------------------------------- requests
 
+MAX_SEED = 2**64 - 1
+MAX_TOKEN_ID = 10**9 - 1  # far above any vocabulary; the server checks its own
+MAX_LOGIT_BIAS = 1024  # entries
 
-class StreamOptions(BaseModel):
+
+def clip(text: str, limit: int = 40) -> str:
+    """``text`` shortened for an error message (a hostile value may be megabytes long)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _unsupported(*neutral: Any) -> Any:
+    """A field of OpenAI's API that DynaLM does not implement: accepted (and ignored) only at
+    a value that asks for nothing, else a 400 naming it."""
+
+    def check(v: Any, info: ValidationInfo) -> Any:
+        if not any(v == x and type(v) is type(x) for x in neutral):  # true is no 1 here
+            allowed = " or ".join(json.dumps(x) for x in neutral)
+            raise ValueError(f"not supported (leave {info.field_name} out or send {allowed})")
+        return v
+
+    schema = {"enum": list(neutral), "description": "Not supported: only these values."}
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
+
+
+class _Request(BaseModel):
+    """Every part of a request body is validated as strictly as the OpenAPI document says:
+    no value is coerced into another type (``"1"`` is no integer, ``0`` no ``false``), and
+    numbers must be finite (``Infinity`` and ``NaN`` parse as JSON but mean nothing here)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Request):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="wrap")
     @classmethod
-    def _text_only(cls, v: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
-        for part in v if isinstance(v, list) else []:
+    def _text_only(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            content = handler(v)
+        except ValidationError:
+            raise ValueError(
+                'must be a string, null or a list of parts {"type": "text", "text": "..."}'
+            ) from None
+        for part in content if isinstance(content, list) else []:
             if part.type != "text" or part.text is None:
-                raise ValueError(f"content parts of type '{part.type}' are not supported")
-        return v
+                raise ValueError(f"content parts of type '{clip(part.type)}' are not supported")
+        return content
 
     def text(self) -> str:
         """The message's text (the text parts joined)."""
@@ -45,7 +96,10 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content)
 
 
-class SamplingRequest(BaseModel):
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,9}")
+
+
+class SamplingRequest(_Request):
     """What chat and completion requests share: the model and the sampling parameters.
 
     Defaults follow OpenAI (temperature 1, nucleus off), not ``dynalm run``'s.
@@ -59,11 +113,22 @@ class SamplingRequest(BaseModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    seed: int | None = None
+    # beyond these, logits overflow (below) or every repeated token is simply banned (above)
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10)] = 1.0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] = []
     n: Annotated[int, Field(ge=1, le=16)] = 1
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # bounded: the sampler applies every entry to every token of the answer
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=f"^{_TOKEN_ID_KEY.pattern}$")],
+                Annotated[float, Field(ge=-100, le=100)],
+            ],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -73,13 +138,18 @@ class SamplingRequest(BaseModel):
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else [] if v is None else v
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key in v or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    def _bias_keys(cls, v: Any) -> Any:
+        # strictly ASCII decimal token ids: "²", "--5" or 5,000 digits are not
+        for key in v if isinstance(v, dict) else {}:
+            if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
+                raise ValueError(f"keys must be token ids (0 to {MAX_TOKEN_ID}), got {clip(key)!r}")
         return v
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -96,6 +166,13 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # tools / tool_choice / response_format are not refused here: they have their own issue
+    functions: _unsupported(None, []) = None
+    function_call: _unsupported(None, "none") = None
+    audio: _unsupported(None) = None
+    modalities: _unsupported(None, ["text"]) = None
+    prediction: _unsupported(None) = None
+    web_search_options: _unsupported(None) = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -111,21 +188,45 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of such lists"
 
 
 class CompletionRequest(SamplingRequest):
     # a string, a batch of strings, one prompt of token ids, or a batch of those
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | list[TokenIds]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: Literal[False] = False
+    echo: _unsupported(None, False) = None
+    suffix: _unsupported(None, "") = None
+    best_of: _unsupported(None, 1) = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_form(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError(
+                f"must be {_PROMPT_FORMS} (not empty; token ids 0 to {MAX_TOKEN_ID})"
+            ) from None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts, however it was written."""
+        single = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if single else list(self.prompt)  # type: ignore[list-item]
 
     @property
     def top_logprob_count(self) -> int | None:
         return self.logprobs
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """Either ``prompt`` (tokenised as a completion prompt) or ``messages`` (chat template)."""
 
     model: str | None = None
@@ -141,9 +242,9 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
 
 
 # ---------------------------------------------------------------- responses
@@ -257,6 +358,10 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
 
 
 class ErrorInfo(BaseModel):

@@ -9,8 +9,14 @@ A request is answered only once each of its engine requests produced a first out
 so what the engine refuses at admission (prompt over the context, queue full) is the
 right HTTP status instead of a broken stream. A client that disconnects at any point
 cancels its engine requests; `AsyncEngine` then aborts them and frees their pages.
-SIGTERM / SIGINT: new requests get 503, in-flight ones get ``SHUTDOWN_GRACE_S`` to
-finish before they are aborted, and the process exits 0.
+SIGTERM / SIGINT: new requests get 503 with Retry-After (the port stays open while
+draining), in-flight ones get ``SHUTDOWN_GRACE_S`` to finish; then they are aborted, so each
+answer still ends properly (``finish_reason: "abort"``, ``data: [DONE]``), and the process
+exits 0.
+
+Hostile input is answered with 4xx, never 500 (`asgi`); tokenising and chat-template rendering
+run off the event loop, and text that could not fit the context is refused before it is
+tokenised, so a huge prompt never stalls other clients or ``/health``.
 """
 
 from __future__ import annotations
@@ -35,67 +41,37 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from dynalm.errors import DynaError, InvalidRequest
+from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime import protocol as p
+from dynalm.runtime.asgi import (
+    MAX_BODY_BYTES,
+    APIError,
+    BodyLimit,
+    ClientGone,
+    Route,
+    error_responses,
+    install_error_handlers,
+    install_openapi,
+)
 from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
 from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from dynalm.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1  # what a 503 asks clients to wait, unless the error says otherwise
 SHUTDOWN_GRACE_S = 30  # after SIGTERM, in-flight requests get this long before being aborted
+_FLUSH_S = 5  # then this long to send their last chunks
+# temperatures below this sample as greedy (as vLLM does): dividing logits by a subnormal
+# number overflows them
+_MIN_TEMPERATURE = 1e-5
 
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    """An error response: an HTTP status and the fields of OpenAI's error JSON."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after: int = RETRY_AFTER_S,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after  # seconds, sent with a 503
-
-    @classmethod
-    def of(cls, e: Exception) -> APIError:
-        """The response for any exception; internal errors never show their details."""
-        if isinstance(e, APIError):
-            return e
-        if isinstance(e, DynaError):
-            code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).lower()
-            retry_after = getattr(e, "retry_after", RETRY_AFTER_S)
-            return cls(e.http_status, str(e), code=code, retry_after=retry_after)
-        log.error("internal error", exc_info=e)
-        return cls(500, "internal server error (see the server log)")
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return p.error_body(self.message, kind, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
 
 
 # ---------------------------------------------------------------- one HTTP request
@@ -447,6 +423,7 @@ class OpenAIServer:
         names: Sequence[str],
         *,
         api_key: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -454,6 +431,11 @@ class OpenAIServer:
         self.names = list(dict.fromkeys(names))  # the first is the name /v1/models shows
         self.ctx = engine.config.ctx
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        # Each character is at least one byte, so text of more characters than the context's
+        # tokens can stand for cannot fit: it is refused before the tokenizer spends time on it.
+        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
+        self.max_text_chars = self.ctx * longest
         self.metrics = ServerMetrics(engine, self.names[0])
         self.draining = False  # set on SIGTERM: refuse new work while in-flight requests end
         self.async_engine: AsyncEngine  # created in the event loop, at startup
@@ -471,41 +453,41 @@ class OpenAIServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="DynaLM", lifespan=self._lifespan)
+        app.router.route_class = Route
+        app.add_middleware(BodyLimit, limit=self.max_body_bytes)
+        install_error_handlers(app)
+        install_openapi(app)
         guarded = [Depends(self._authorize)]
-        app.post("/v1/chat/completions", dependencies=guarded)(self.chat_completions)
-        app.post("/v1/completions", dependencies=guarded)(self.completions)
-        app.get("/v1/models", dependencies=guarded)(self.list_models)
-        app.post("/tokenize", dependencies=guarded)(self.tokenize)
-        app.post("/detokenize", dependencies=guarded)(self.detokenize)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.prometheus)
+        generation = error_responses(400, 401, 404, 413, 500, 503)
+        lookup = error_responses(400, 401, 404, 413)
 
-        async def api_error(_: Request, e: Exception) -> Response:
-            return APIError.of(e).response()
+        def answer(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+            sse = {"schema": {"type": "string"}}  # with "stream": true, server-sent events
+            return {200: {"model": model, "content": {"text/event-stream": sse}}}
 
-        async def invalid_body(_: Request, e: Exception) -> Response:
-            assert isinstance(e, RequestValidationError)
-            error = e.errors()[0]
-            where = ".".join(str(x) for x in error["loc"] if x != "body")
-            if error["type"] == "json_invalid":
-                message = "the request body is not valid JSON"
-            else:
-                message = f"{where or 'body'}: {error['msg']}"
-            return APIError(400, message, param=where or None).response()
-
-        async def http_error(_: Request, e: Exception) -> Response:
-            assert isinstance(e, HTTPException)
-            return APIError(e.status_code, str(e.detail)).response()
-
-        async def client_gone(_: Request, e: Exception) -> Response:
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-
-        app.add_exception_handler(APIError, api_error)
-        app.add_exception_handler(DynaError, api_error)
-        app.add_exception_handler(RequestValidationError, invalid_body)
-        app.add_exception_handler(HTTPException, http_error)
-        app.add_exception_handler(ClientGone, client_gone)
-        app.add_exception_handler(Exception, api_error)
+        app.post(
+            "/v1/chat/completions",
+            dependencies=guarded,
+            response_model=None,
+            responses={**answer(p.ChatCompletion), **generation},
+        )(self.chat_completions)
+        app.post(
+            "/v1/completions",
+            dependencies=guarded,
+            response_model=None,
+            responses={**answer(p.Completion), **generation},
+        )(self.completions)
+        app.get("/v1/models", dependencies=guarded, responses=error_responses(401))(
+            self.list_models
+        )
+        app.post("/tokenize", dependencies=guarded, responses=lookup)(self.tokenize)
+        app.post("/detokenize", dependencies=guarded, responses=lookup)(self.detokenize)
+        app.get("/health", responses=error_responses(503))(self.health)
+        app.get(
+            "/metrics",
+            response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        )(self.prometheus)
         return app
 
     # --- checks
@@ -527,7 +509,8 @@ class OpenAIServer:
         if name is not None and name not in self.names:
             raise APIError(
                 404,
-                f"the model '{name}' does not exist (this server has {', '.join(self.names)})",
+                f"the model '{p.clip(name, 100)}' does not exist "
+                f"(this server has {', '.join(self.names)})",
                 param="model",
                 code="model_not_found",
             )
@@ -539,7 +522,15 @@ class OpenAIServer:
                 f"(0..{self.tokenizer.vocab_size - 1})"
             )
 
-    # --- generation
+    # --- tokenising (blocking: called through asyncio.to_thread)
+
+    def _encode(self, text: str, add_special: bool) -> list[int]:
+        if len(text) > self.max_text_chars:
+            raise PromptTooLong(
+                f"the prompt has {len(text)} characters, more than a context of {self.ctx} "
+                f"tokens can hold (at most {self.max_text_chars})"
+            )
+        return self.tokenizer.encode(text, add_special=add_special)
 
     def _chat_ids(
         self, messages: Sequence[p.ChatMessage], add_generation_prompt: bool
@@ -552,27 +543,27 @@ class OpenAIServer:
             ],
             add_generation_prompt=add_generation_prompt,
         )
-        return self.tokenizer.encode(rendered, add_special=False)
+        return self._encode(rendered, add_special=False)
 
-    def _prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        single = isinstance(prompt, str) or isinstance(prompt[0], int)
-        prompts: list[Any] = [prompt] if single else list(prompt)
+    def _prompt_ids(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
         out = []
         for item in prompts:
             if isinstance(item, str):
-                out.append(self.tokenizer.encode(item, add_special=True))
+                out.append(self._encode(item, add_special=True))
             else:
                 self._check_ids(item, "prompt")
                 out.append(list(item))
         return out
 
+    # --- generation
+
     def _params(self, req: p.SamplingRequest, prompt: list[int], copy: int) -> SamplingParams:
-        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        bias = req.token_bias
         self._check_ids(list(bias), "logit_bias")
         return SamplingParams(
             # OpenAI's default: as much as the context leaves
             max_tokens=req.max_tokens or max(1, self.ctx - len(prompt)),
-            temperature=req.temperature,
+            temperature=req.temperature if req.temperature >= _MIN_TEMPERATURE else 0.0,
             top_k=req.top_k,
             top_p=req.top_p,
             min_p=req.min_p,
@@ -592,6 +583,12 @@ class OpenAIServer:
         prompts: list[list[int]],
         fmt: _Format,
     ) -> Response:
+        count, most = len(prompts) * req.n, self.engine.config.max_queue
+        if count > most:  # more than could ever wait at once: retrying would not help
+            raise InvalidRequest(
+                f"{len(prompts)} prompt(s) x n={req.n} ask for {count} completions; "
+                f"this server takes at most {most} in one request"
+            )
         jobs = [(prompt, self._params(req, prompt, j)) for prompt in prompts for j in range(req.n)]
         gen = _Generation(self, fmt.id, jobs, req.n, req.top_logprob_count)
         try:
@@ -614,15 +611,16 @@ class OpenAIServer:
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: the model's chat template renders the messages."""
         self._admit(body.model)
-        ids = self._chat_ids(body.messages, add_generation_prompt=True)
+        ids = await asyncio.to_thread(self._chat_ids, body.messages, True)
         fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs)
         return await self._generate(request, body, [ids], fmt)
 
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
         self._admit(body.model)
+        prompts = await asyncio.to_thread(self._prompt_ids, body.prompts)
         fmt = _CompletionFormat(self.names[0], self.tokenizer, body.logprobs is not None)
-        return await self._generate(request, body, self._prompt_ids(body.prompt), fmt)
+        return await self._generate(request, body, prompts, fmt)
 
     async def list_models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.names[0], max_model_len=self.ctx)])
@@ -631,20 +629,22 @@ class OpenAIServer:
         """Token ids of a prompt, or of messages rendered with the chat template."""
         self._check_model(body.model)
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+            work = self._chat_ids, body.messages, body.add_generation_prompt
         else:
-            ids = self.tokenizer.encode(body.prompt or "", add_special=body.add_special_tokens)
+            work = self._encode, body.prompt or "", body.add_special_tokens
+        ids = await asyncio.to_thread(*work)
         return p.TokenizeResponse(count=len(ids), max_model_len=self.ctx, tokens=ids)
 
     async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
         self._check_model(body.model)
         self._check_ids(body.tokens, "tokens")
-        return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+        text = await asyncio.to_thread(self.tokenizer.decode, body.tokens)
+        return p.DetokenizeResponse(prompt=text)
 
-    async def health(self) -> Response:
+    async def health(self) -> p.Health:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        return JSONResponse({"status": "ok"})
+        return p.Health()
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -654,13 +654,16 @@ class OpenAIServer:
 
 
 class UvicornServer(uvicorn.Server):
-    """uvicorn that turns away new requests as soon as a signal asks it to stop, and exits
-    normally afterwards (plain uvicorn re-raises the signal, so SIGTERM would end the
-    process with status 143 after an otherwise clean shutdown)."""
+    """uvicorn that drains on a signal: the port stays open and new requests get 503 while
+    in-flight ones finish, for at most ``shutdown_grace_s``; then what still runs is aborted
+    (each answer ends with ``finish_reason: "abort"``), and the process exits normally (plain
+    uvicorn stops listening at once, cancels late responses mid-body, and re-raises the
+    signal, so SIGTERM would end the process with status 143)."""
 
-    def __init__(self, config: uvicorn.Config, api: OpenAIServer) -> None:
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_grace_s: float) -> None:
         super().__init__(config)
         self.api = api
+        self.grace = shutdown_grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.api.draining = True
@@ -678,11 +681,31 @@ class UvicornServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def _requests_end(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every request in progress to end; False if some still run."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.server_state.tasks and not self.force_exit:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.api.draining = True
+        if not await self._requests_end(self.grace) and not self.force_exit:
+            log.warning("aborting the requests still running after %s s", self.grace)
+            self.api.async_engine.abort_all()
+            await self._requests_end(_FLUSH_S)
+        await super().shutdown(sockets)
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it each keep-alive response (and stream chunk) waited ~40 ms for a delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -692,15 +715,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(api: OpenAIServer, *, verbose: bool = False) -> UvicornServer:
+def make_server(
+    api: OpenAIServer, *, verbose: bool = False, shutdown_grace_s: float = SHUTDOWN_GRACE_S
+) -> UvicornServer:
     config = uvicorn.Config(
         api.app,
         log_level="info" if verbose else "warning",
         access_log=verbose,
         lifespan="on",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        timeout_graceful_shutdown=_FLUSH_S,  # after our own drain (`UvicornServer.shutdown`)
     )
-    return UvicornServer(config, api)
+    return UvicornServer(config, api, shutdown_grace_s)
 
 
 def url_of(sock: socket.socket) -> str:
@@ -717,12 +742,14 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     verbose: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S,
 ) -> None:
     """Serve until SIGTERM / SIGINT; the URL goes to stderr once the port is bound."""
-    api = OpenAIServer(engine, model, names, api_key=api_key)
+    api = OpenAIServer(engine, model, names, api_key=api_key, max_body_bytes=max_body_bytes)
     sock = bind_socket(host, port)
     print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
-    make_server(api, verbose=verbose).run(sockets=[sock])
+    make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
 
 
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
