@@ -233,3 +233,9 @@ def test_nan_logits_are_a_clear_error(params: dict):
     row[2] = np.nan
     with pytest.raises(NonFiniteLogits, match="not finite"):
         Sampler(SamplingParams(**{**OFF, "temperature": 1.0, **params})).sample(row)
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    # 5e-324 is 0 in float32: dividing by it would turn the logits into inf and NaN
+    for temperature in (5e-324, 1e-6):
+        assert draws(SamplingParams(temperature=temperature, **OFF), n=20) == {1}

@@ -113,7 +113,8 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature == 0
+        # below this, logits / temperature overflow float32: sample greedily, as vLLM does
+        return self.params.temperature < 1e-5
 
     def truncates(self, n_vocab: int) -> bool:
         """Whether top-k, top-p or min-p cut the distribution (else: the plain softmax)."""

@@ -67,9 +67,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 30  # after SIGTERM, in-flight requests get this long before being aborted
 _FLUSH_S = 5  # then this long to send their last chunks
-# temperatures below this sample as greedy (as vLLM does): dividing logits by a subnormal
-# number overflows them
-_MIN_TEMPERATURE = 1e-5
 
 T = TypeVar("T")
 
@@ -563,7 +560,7 @@ class OpenAIServer:
         return SamplingParams(
             # OpenAI's default: as much as the context leaves
             max_tokens=req.max_tokens or max(1, self.ctx - len(prompt)),
-            temperature=req.temperature if req.temperature >= _MIN_TEMPERATURE else 0.0,
+            temperature=req.temperature,
             top_k=req.top_k,
             top_p=req.top_p,
             min_p=req.min_p,
