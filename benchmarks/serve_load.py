@@ -1,15 +1,17 @@
 """Load on a DynaLM server over loopback: throughput and latency under concurrency, and
 what the prefix cache does to time-to-first-token.
 
-Greedy streamed chat requests (distinct questions) at each concurrency level: aggregate
-output tokens/s (exact, from the usage chunk), time to first token and inter-token
-latency (gaps between content chunks) at p50 / p95, and the throughput ratio of
-8 concurrent to 1. Then TTFT with a cached ~1,000-token shared prefix vs the same length
+Streamed chat requests (distinct questions) at each concurrency level, for each sampling
+setting (``--temperature``: greedy and the OpenAI defaults, temperature 1 and top_p 1, by
+default): aggregate output tokens/s (exact, from the usage chunk), time to first token and
+inter-token latency (gaps between content chunks) at p50 / p95, and the throughput ratio
+of 8 concurrent to 1. Then TTFT with a cached ~1,000-token shared prefix vs the same length
 uncached (ratio). Bounded: each level sends at most ``--requests`` requests and stops
 issuing new ones after ``--level-seconds``; only 127.0.0.1 / localhost / ::1 targets.
 
     python benchmarks/serve_load.py --model /path/model.gguf   # starts `dynalm serve`
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 [--api-key KEY] [--json]
+    python benchmarks/serve_load.py --model M --temperature 0.8 --top-p 0.95
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
@@ -68,13 +70,17 @@ class Client:
         self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits)
         self.model = model
 
-    async def chat(self, messages: list[dict], max_tokens: int) -> Sample:
-        """One greedy streamed chat request, timed from the client's side."""
+    async def chat(
+        self, messages: list[dict], max_tokens: int, sampling: dict | None = None
+    ) -> Sample:
+        """One streamed chat request (greedy unless ``sampling`` says otherwise: e.g.
+        ``{"temperature": 1.0, "top_p": 1.0}``), timed from the client's side."""
         body = {
             "model": self.model,
             "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 0,
+            **(sampling or {}),
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -107,7 +113,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run_level(
-    client: Client, concurrency: int, n_requests: int, max_tokens: int, seconds: float
+    client: Client,
+    concurrency: int,
+    n_requests: int,
+    max_tokens: int,
+    seconds: float,
+    sampling: dict | None = None,
 ) -> Level:
     """``n_requests`` requests, ``concurrency`` at a time, none started after ``seconds``."""
     samples: list[Sample] = []
@@ -120,7 +131,7 @@ async def run_level(
             if time.perf_counter() - t0 > seconds:
                 return
             try:
-                samples.append(await client.chat(question(i), max_tokens))
+                samples.append(await client.chat(question(i), max_tokens, sampling))
             except (RuntimeError, httpx.HTTPError) as e:
                 errors.append(str(e))
 
@@ -168,12 +179,14 @@ async def prefix_ttft(client: Client, prefix_tokens: int, rounds: int) -> dict[s
 
 
 @contextmanager
-def started_server(model: str, ctx: int, max_num_seqs: int, kv_dtype: str) -> Iterator[str]:
-    """`dynalm serve` on a free loopback port; SIGTERM when done."""
+def started_server(
+    model: str, ctx: int, max_num_seqs: int, kv_dtype: str, extra: Sequence[str] = ()
+) -> Iterator[str]:
+    """`dynalm serve` on a free loopback port (``extra``: more flags); SIGTERM when done."""
     with tempfile.TemporaryFile("w+") as log:
         cmd = [sys.executable, "-m", "dynalm.cli", "serve", model, "--port", "0"]
         cmd += ["--ctx", str(ctx), "--max-num-seqs", str(max_num_seqs)]
-        cmd += ["--kv-cache-dtype", kv_dtype]
+        cmd += ["--kv-cache-dtype", kv_dtype, *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ))
         try:
             deadline = time.monotonic() + 300
@@ -202,39 +215,61 @@ async def benchmark(url: str, args: argparse.Namespace) -> dict:
     models = (await probe.http.get("/v1/models")).json()["data"]
     client = Client(url, args.api_key, models[0]["id"])
     await client.chat(question(0), 4)  # warm-up: kernels compiled, first pages touched
-    levels = []
-    for concurrency in args.concurrency:
-        n = min(args.requests, max(4, 2 * concurrency))
-        level = await run_level(client, concurrency, n, args.max_tokens, args.level_seconds)
-        levels.append(level)
-        print(f"  concurrency {concurrency}: {level.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+    settings = []
+    for temperature in args.temperature:
+        sampling = {"temperature": temperature, "top_p": args.top_p}
+        levels = []
+        for concurrency in args.concurrency:
+            n = min(args.requests, max(4, 2 * concurrency))
+            level = await run_level(
+                client, concurrency, n, args.max_tokens, args.level_seconds, sampling
+            )
+            levels.append(level)
+            print(
+                f"  temperature {temperature}, concurrency {concurrency}: "
+                f"{level.tokens_per_s:.1f} tokens/s",
+                file=sys.stderr,
+            )
+        by = {lv.concurrency: lv.tokens_per_s for lv in levels}
+        settings.append(
+            {
+                "sampling": sampling,
+                "levels": [asdict(lv) for lv in levels],
+                "throughput_8_vs_1": by[8] / by[1] if by.get(1) and 8 in by else None,
+            }
+        )
     prefix = await prefix_ttft(client, args.prefix_tokens, args.prefix_rounds)
-    by = {lv.concurrency: lv.tokens_per_s for lv in levels}
     return {
         "url": url,
         "model": client.model,
         "max_tokens": args.max_tokens,
-        "levels": [asdict(lv) for lv in levels],
-        "throughput_8_vs_1": by[8] / by[1] if by.get(1) and 8 in by else None,
+        "settings": settings,
         "prefix": {"tokens": args.prefix_tokens, **prefix},
     }
 
 
 def print_table(result: dict) -> None:
     ms = 1000
-    print(f"model {result['model']}, greedy chat, max_tokens {result['max_tokens']}")
-    print(
-        f"{'conc':>5} {'reqs':>5} {'errors':>6} {'out tok/s':>10} {'TTFT p50':>9} "
-        f"{'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8}   (ms)"
-    )
-    for lv in result["levels"]:
+    for setting in result["settings"]:
+        sampling = setting["sampling"]
+        kind = "greedy" if sampling["temperature"] == 0 else "sampled"
         print(
-            f"{lv['concurrency']:>5} {lv['requests']:>5} {lv['errors']:>6} "
-            f"{lv['tokens_per_s']:>10.1f} {lv['ttft_p50'] * ms:>9.0f} {lv['ttft_p95'] * ms:>9.0f} "
-            f"{lv['itl_p50'] * ms:>8.0f} {lv['itl_p95'] * ms:>8.0f}"
+            f"model {result['model']}, {kind} chat (temperature {sampling['temperature']}, "
+            f"top_p {sampling['top_p']}), max_tokens {result['max_tokens']}"
         )
-    if result["throughput_8_vs_1"] is not None:
-        print(f"aggregate throughput, 8 concurrent vs 1: {result['throughput_8_vs_1']:.2f}x")
+        print(
+            f"{'conc':>5} {'reqs':>5} {'errors':>6} {'out tok/s':>10} {'TTFT p50':>9} "
+            f"{'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8}   (ms)"
+        )
+        for lv in setting["levels"]:
+            print(
+                f"{lv['concurrency']:>5} {lv['requests']:>5} {lv['errors']:>6} "
+                f"{lv['tokens_per_s']:>10.1f} {lv['ttft_p50'] * ms:>9.0f} "
+                f"{lv['ttft_p95'] * ms:>9.0f} {lv['itl_p50'] * ms:>8.0f} {lv['itl_p95'] * ms:>8.0f}"
+            )
+        if setting["throughput_8_vs_1"] is not None:
+            print(f"aggregate throughput, 8 concurrent vs 1: {setting['throughput_8_vs_1']:.2f}x")
+        print()
     p = result["prefix"]
     print(
         f"TTFT with a cached {p['tokens']}-token prefix: {p['cached_ttft_s'] * ms:.0f} ms vs "
@@ -254,6 +289,13 @@ def main() -> None:
         default=[1, 8, 32],
         help="levels, comma-separated (default 1,8,32)",
     )
+    ap.add_argument(
+        "--temperature",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.0, 1.0],
+        help="sampling settings to run, comma-separated (default 0,1: greedy and OpenAI's)",
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="with every temperature")
     ap.add_argument("--requests", type=int, default=64, help="most requests per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--level-seconds", type=float, default=120, help="no new request after")

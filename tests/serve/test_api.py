@@ -265,3 +265,17 @@ def test_client_disconnect_aborts_the_request(server: LiveServer, stream: bool) 
     server.wait_idle()
     assert server.engine.stats.kv_usage == 0  # no page held by a request (the cache may keep some)
     assert metrics(server)[aborted] == before + 1
+
+
+def test_ignore_eos_runs_past_end_of_turn_tokens(server: LiveServer) -> None:
+    """vLLM's ``ignore_eos``: an end-of-turn token pushed to the top by logit_bias ends the
+    answer at once, unless ignore_eos asks to run to max_tokens."""
+    end = {str(min(server.engine.model.stop_token_ids)): 100}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "logit_bias": end}
+    with server.http() as http:
+        stopped = http.post("/v1/completions", json=body).json()
+        ignored = http.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 12

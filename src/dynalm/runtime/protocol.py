@@ -132,6 +132,7 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end-of-turn tokens
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -109,8 +109,9 @@ class _Generation:
         request_id: str,
         jobs: Sequence[tuple[list[int], SamplingParams]],
         n: int,
-        top_logprobs: int | None,
+        options: dict[str, Any],
     ) -> None:
+        """``options``: what `Engine.add_request` takes beyond prompt and parameters."""
         self.n = n
         self.choices = [_Choice(i) for i in range(len(jobs))]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
@@ -118,7 +119,7 @@ class _Generation:
         self._live = len(jobs)
         self._tasks = [
             asyncio.create_task(
-                self._pump(server, i, f"{request_id}-{i}", prompt, params, top_logprobs)
+                self._pump(server, i, f"{request_id}-{i}", prompt, params, options)
             )
             for i, (prompt, params) in enumerate(jobs)
         ]
@@ -130,13 +131,11 @@ class _Generation:
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        top_logprobs: int | None,
+        options: dict[str, Any],
     ) -> None:
         tracker = server.metrics.track()
         try:
-            async for out in server.async_engine.generate(
-                request_id, prompt, params, logprobs=top_logprobs
-            ):
+            async for out in server.async_engine.generate(request_id, prompt, params, **options):
                 tracker.observe(out)
                 self._queue.put_nowait((index, out))
             self._queue.put_nowait((index, None))
@@ -587,7 +586,11 @@ class OpenAIServer:
                 f"this server takes at most {most} in one request"
             )
         jobs = [(prompt, self._params(req, prompt, j)) for prompt in prompts for j in range(req.n)]
-        gen = _Generation(self, fmt.id, jobs, req.n, req.top_logprob_count)
+        options = {
+            "logprobs": req.top_logprob_count,
+            "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
+        }
+        gen = _Generation(self, fmt.id, jobs, req.n, options)
         try:
             await _until_disconnect(request, gen.admitted())
             if req.stream:
