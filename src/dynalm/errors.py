@@ -6,6 +6,20 @@ server maps them to OpenAI-style error JSON with ``http_status``.
 
 from __future__ import annotations
 
+MAX_SHOWN = 200  # characters of a value that a message shows
+
+
+def show(value: object, limit: int = MAX_SHOWN) -> str:
+    """``repr`` of a value for a message, cut to about ``limit`` characters: a corrupt file
+    can hold a megabyte-long key or array, which must not become a megabyte-long line."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        head = ", ".join(show(v, limit // 8) for v in value[:8])
+        return f"[{head}, ... ({len(value)} items)]"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 class DynaError(Exception):
     """Base class of every error a user can cause (bad file, bad name, bad request)."""
