@@ -10,14 +10,19 @@ MAX_SHOWN = 200  # characters of a value that a message shows
 
 
 def show(value: object, limit: int = MAX_SHOWN) -> str:
-    """``repr`` of a value for a message, cut to about ``limit`` characters: a corrupt file
-    can hold a megabyte-long key or array, which must not become a megabyte-long line."""
+    """``repr`` of a value for a message, on one line, cut to about ``limit`` characters: a
+    corrupt file can hold a megabyte-long key or array, which must not become a megabyte-long
+    line."""
     if isinstance(value, str) and len(value) > limit:
         return f"{value[:limit]!r}... ({len(value)} characters)"
-    if isinstance(value, (list, tuple)) and len(value) > 8:
-        head = ", ".join(show(v, limit // 8) for v in value[:8])
-        return f"[{head}, ... ({len(value)} items)]"
-    text = repr(value)
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1:  # a numpy array
+        value, n = value[:9].tolist(), len(value)
+    else:
+        n = len(value) if isinstance(value, (list, tuple)) else 0
+    if n > 8:
+        head = ", ".join(show(v, limit // 8) for v in value[:8])  # type: ignore[index]
+        return f"[{head}, ... ({n} items)]"
+    text = " ".join(repr(value).split())
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 

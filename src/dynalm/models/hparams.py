@@ -75,7 +75,7 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) 
 
     n_layers = integer(metadata, key("block_count"), lo=1)
     layers = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
-    if layers != set(range(n_layers)):
+    if len(layers) != n_layers or layers != set(range(n_layers)):
         found = f"layers {min(layers)} to {max(layers)}" if layers else "no layers"
         raise ModelFormatError(
             f"{key('block_count')} = {n_layers} but the tensors are of {found} "
