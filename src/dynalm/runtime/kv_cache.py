@@ -155,7 +155,8 @@ class PagePool:
         freed = 0
         for page in pages:
             self.refcount[page] -= 1
-            assert self.refcount[page] >= 0, f"page {page} released twice"
+            if self.refcount[page] < 0:
+                raise RuntimeError(f"page {page} released twice")
             if self.refcount[page] == 0:
                 self._free.append(page)
                 freed += 1
