@@ -53,6 +53,8 @@ def integer(
     if type(value) is not int:
         raise bad(key, value, "an integer")
     if not lo <= value <= hi:
+        if lo == hi:
+            raise bad(key, value, str(lo))
         if hi < 2**63 - 1:
             raise bad(key, value, f"an integer from {lo} to {hi}")
         raise bad(key, value, "a positive integer" if lo == 1 else f"an integer of at least {lo}")
@@ -74,14 +76,25 @@ def number(
     return float(value)
 
 
+def _utf8(key: str, s: str) -> str:
+    """``s`` unless it holds bytes that were not UTF-8 (the reader keeps them as lone
+    surrogates, for tokens; no other string may have them)."""
+    if not s.isascii():
+        try:
+            s.encode()
+        except UnicodeEncodeError:
+            raise bad(key, s, "valid UTF-8") from None
+    return s
+
+
 def text(metadata: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
-    """A string."""
+    """A string of valid UTF-8."""
     if key not in metadata:
         return _absent(key, default)
     value = metadata[key]
     if not isinstance(value, str):
         raise bad(key, value, "a string")
-    return value
+    return _utf8(key, value)
 
 
 def flag(metadata: dict[str, Any], key: str, default: bool) -> bool:
@@ -100,11 +113,7 @@ def strings(metadata: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise bad(key, value, "an array of strings")
     for i, s in enumerate(value):
-        if not s.isascii():  # the reader keeps invalid UTF-8 as surrogates: refuse those
-            try:
-                s.encode()
-            except UnicodeEncodeError:
-                raise bad(f"{key}[{i}]", s, "valid UTF-8") from None
+        _utf8(f"{key}[{i}]", s)
     return value
 
 

@@ -213,13 +213,13 @@ class Tokenizer:
             for i, m in enumerate(merges):
                 if len(m) != 2:
                     raise bad(f"tokenizer.ggml.merges[{i}]", m[0], "two tokens and a space")
+        pre = text(metadata, "tokenizer.ggml.pre", "default")
+        space_prefix = flag(metadata, "tokenizer.ggml.add_space_prefix", True)
         try:
             if kind == "gpt2":
-                pre = text(metadata, "tokenizer.ggml.pre", "default")
                 hf = _byte_level_bpe(tokens, types, merges, pre)
                 space_prefix = False
             else:
-                space_prefix = flag(metadata, "tokenizer.ggml.add_space_prefix", True)
                 hf = _sentencepiece_bpe(tokens, merges, metadata, space_prefix)
         except Exception as e:  # tokenizers' own errors (a merge of unknown tokens, ...)
             if isinstance(e, ModelFormatError):
