@@ -18,19 +18,53 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     from dynalm.core.device import CpuDevice
+    from dynalm.models.loader import LoadedModel
     from dynalm.runtime.generator import Generator
     from dynalm.runtime.sampling import SamplingParams
 
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
+DEFAULT_CTX = 4096
+
+
+def print_error(message: str) -> None:
+    """``error: message`` on stderr, on one line of bounded length."""
+    line = " ".join(message.split())
+    if len(line) > MAX_ERROR_CHARS:
+        line = line[: MAX_ERROR_CHARS - 30] + f"... ({len(line)} characters)"
+    err.print(f"[red]error:[/] {escape(line)}")
+
+
+class _Commands(TyperGroup):
+    """Usage errors (a bad option value, a missing argument) as one ``error:`` line like
+    every other error, instead of a framed panel; exit status 2 as click's. (No arguments
+    at all still prints the help.)"""
+
+    def main(self, args: list[str] | None = None, **kwargs: object) -> None:  # type: ignore[override]
+        args = sys.argv[1:] if args is None else args
+        if not args:
+            return super().main(args, **kwargs)
+        try:
+            code = super().main(args, **{**kwargs, "standalone_mode": False})
+        except typer.TyperException as e:
+            print_error(e.format_message())
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="DynaLM: run LLMs on your own machine.",
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class Mode(str, Enum):
@@ -47,42 +81,106 @@ class Backend(str, Enum):
 
 @contextmanager
 def user_errors(verbose: bool) -> Iterator[None]:
-    """Turn failures into one line on stderr and exit status 1 (traceback with --verbose)."""
+    """Turn failures into one line on stderr (the traceback too with --verbose): exit status
+    1 for an error the user can fix (``DynaError``, a file that cannot be read or written,
+    memory), 2 for an internal error, which is a bug to report."""
     from dynalm.errors import DynaError
 
     try:
         yield
-    except DynaError as e:
+    except (typer.Exit, typer.Abort, typer.TyperException):  # usage errors: _Commands
+        raise
+    except Exception as e:
         if verbose:
             err.print_exception()
-        err.print(f"[red]error:[/] {escape(str(e))}")
+        if isinstance(e, DynaError):
+            print_error(str(e))
+        elif isinstance(e, MemoryError):
+            print_error("out of memory (try a smaller --ctx, --kv-cache-memory or model)")
+        elif isinstance(e, OSError):
+            where = f"{e.filename}: " if e.filename else ""
+            print_error(f"{where}{e.strerror or e}")
+        else:
+            print_error(
+                f"internal error ({type(e).__name__}: {e}); please report it with the "
+                "output of --verbose"
+            )
+            raise typer.Exit(2) from None
         raise typer.Exit(1) from None
-    except (OSError, ValueError, RuntimeError) as e:
-        if verbose:
-            err.print_exception()
-        err.print(f"[red]error:[/] {type(e).__name__}: {escape(str(e))}")
-        raise typer.Exit(2) from None
 
 
 def _configure(verbose: bool, threads: int | None) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr
     )
-    if threads:  # must happen before numpy loads its BLAS
+    if threads:  # must happen before numpy loads its BLAS (the device refuses too many)
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = str(threads)
+            os.environ[var] = str(min(threads, os.cpu_count() or 1))
+
+
+def _utf8(text: str, what: str) -> str:
+    """``text`` from the command line, refused if it is not valid UTF-8 (Python keeps such
+    bytes of argv as lone surrogates, which no tokenizer takes)."""
+    from dynalm.errors import InvalidRequest
+
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{what} is not valid UTF-8 text (at character {e.start})") from None
+    return text
+
+
+def _context(ctx: int | None, model: LoadedModel, kv_dtype: str) -> int:
+    """--ctx checked against the model's trained context and this machine's memory (one
+    full context of KV must fit); by default the smaller of 4096 and the trained context."""
+    from dynalm.errors import InvalidRequest
+    from dynalm.runtime.kv_cache import kv_bytes_per_token
+
+    hp = model.hparams
+    if ctx is None:
+        return min(DEFAULT_CTX, hp.n_ctx_train)
+    if ctx > hp.n_ctx_train:
+        raise InvalidRequest(
+            f"--ctx {ctx} is more than the {hp.n_ctx_train} tokens {model.name} was trained "
+            f"for ({hp.arch}.context_length)"
+        )
+    need = ctx * kv_bytes_per_token(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_dtype)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise InvalidRequest(
+            f"--ctx {ctx} needs {need / 2**30:.1f} GiB of {kv_dtype} KV cache, more than this "
+            f"machine's {memory / 2**30:.1f} GiB of memory; lower --ctx"
+        )
+    return ctx
 
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
 Threads = Annotated[
-    int | None, typer.Option("-t", "--threads", help="CPU threads (default: physical cores).")
+    int | None,
+    typer.Option("-t", "--threads", min=1, help="CPU threads (default: physical cores)."),
+]
+Ctx = Annotated[
+    int | None,
+    typer.Option(
+        min=2,
+        help="Context window per request, in tokens (default: 4096, at most "
+        "the model's trained context).",
+    ),
 ]
 ModeOption = Annotated[Mode, typer.Option(help="auto | exact | safe")]
 BackendOption = Annotated[Backend, typer.Option(help="auto | cpu | gpu")]
 CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
 GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
+
+
+class KVCacheDtype(str, Enum):
+    f16 = "f16"
+    f32 = "f32"
+    q8_0 = "q8_0"
+
+
 KVDtype = Annotated[
-    str,
+    KVCacheDtype,
     typer.Option(
         help="KV cache dtype: f16 | f32 | q8_0 (half of f16's bytes per token; each running "
         "sequence's last 32 tokens also kept in f16, for accuracy)"
@@ -157,8 +255,17 @@ def show(
 
 
 def _read_prompt(prompt: str | None) -> str | None:
+    """The prompt argument, or stdin for '-' (or no prompt and no terminal)."""
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        from dynalm.errors import InvalidRequest
+
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode()
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(
+                f"stdin is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+            ) from None
     return prompt
 
 
@@ -186,6 +293,9 @@ def _chat(generator: Generator, params: SamplingParams, system: str | None, verb
             return
         except KeyboardInterrupt:
             err.print("\n[dim]Use Ctrl-D or /bye to exit.[/]")
+            continue
+        except UnicodeDecodeError:
+            err.print("[dim]That line was not UTF-8 text; type it again.[/]")
             continue
         if line.strip() in ("/bye", "/exit", "/quit"):
             return
@@ -221,8 +331,8 @@ def run(
     repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.1,
     seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
-    ctx: Annotated[int, typer.Option(help="Context window in tokens.")] = 4096,
-    kv_cache_dtype: KVDtype = "f16",
+    ctx: Ctx = None,
+    kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -240,6 +350,11 @@ def run(
         from dynalm.runtime.registry import ModelStore
         from dynalm.runtime.sampling import SamplingParams
 
+        for text, what in [(prompt, "the prompt"), (system, "--system")] + [
+            (s, "--stop") for s in stop or []
+        ]:
+            if text is not None:
+                _utf8(text, what)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -254,7 +369,9 @@ def run(
         t0 = time.perf_counter()
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
-        generator = Generator(loaded, device, ctx=ctx, kv_dtype=kv_cache_dtype)
+        kv_dtype = kv_cache_dtype.value
+        ctx = _context(ctx, loaded, kv_dtype)
+        generator = Generator(loaded, device, ctx=ctx, kv_dtype=kv_dtype)
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
                 f"[dim]loaded {loaded.name} on {device.describe()}: file {t1 - t0:.2f} s, "
@@ -286,20 +403,26 @@ def run(
 def serve(
     model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 exposes it).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port (0 picks a free one).")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="TCP port (0 picks a free one).")
+    ] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="DYNALM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
     ] = None,
-    ctx: Annotated[int, typer.Option(help="Context window per request, in tokens.")] = 4096,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 16,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step.")] = 512,
-    max_queue: Annotated[int, typer.Option(help="Waiting requests beyond which: 503.")] = 256,
+    ctx: Ctx = None,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests in one batch.")] = 16,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(min=1, help="Token budget of a step.")
+    ] = 512,
+    max_queue: Annotated[
+        int, typer.Option(min=1, help="Waiting requests beyond which: 503.")
+    ] = 256,
     kv_cache_memory: Annotated[
         str | None,
         typer.Option(help="KV pool size, e.g. 512MiB (default: the engine's)."),
     ] = None,
-    kv_cache_dtype: KVDtype = "f16",
+    kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -315,17 +438,18 @@ def serve(
         from dynalm.runtime.engine import Engine, EngineConfig
         from dynalm.runtime.registry import ModelStore, is_local_path
 
-        config = EngineConfig(
-            ctx=ctx,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_queue=max_queue,
-            kv_cache_memory=server.parse_size(kv_cache_memory) if kv_cache_memory else None,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        kv_memory = server.parse_size(kv_cache_memory) if kv_cache_memory else None
         device = _device(backend, cpu, gpu, mode, threads)
         path = ModelStore().resolve(model)
         loaded = load_model(path)
+        config = EngineConfig(
+            ctx=_context(ctx, loaded, kv_cache_dtype.value),
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_queue=max_queue,
+            kv_cache_memory=kv_memory,
+            kv_cache_dtype=kv_cache_dtype.value,
+        )
         engine = Engine(loaded, device, config)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]

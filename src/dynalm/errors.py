@@ -6,6 +6,25 @@ server maps them to OpenAI-style error JSON with ``http_status``.
 
 from __future__ import annotations
 
+MAX_SHOWN = 200  # characters of a value that a message shows
+
+
+def show(value: object, limit: int = MAX_SHOWN) -> str:
+    """``repr`` of a value for a message, on one line, cut to about ``limit`` characters: a
+    corrupt file can hold a megabyte-long key or array, which must not become a megabyte-long
+    line."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1:  # a numpy array
+        value, n = value[:9].tolist(), len(value)
+    else:
+        n = len(value) if isinstance(value, (list, tuple)) else 0
+    if n > 8:
+        head = ", ".join(show(v, limit // 8) for v in value[:8])  # type: ignore[index]
+        return f"[{head}, ... ({n} items)]"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 class DynaError(Exception):
     """Base class of every error a user can cause (bad file, bad name, bad request)."""

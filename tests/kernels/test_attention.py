@@ -221,3 +221,27 @@ def test_recent_window_result_does_not_depend_on_chunking():
     whole, *_ = run_chunks([64], kernel=True)
     for chunks in ([5, 40, 19], [1] * 64, [33, 31]):
         np.testing.assert_array_equal(run_chunks(chunks, kernel=True, threads=1)[0], whole)
+
+
+def test_binding_refuses_buffers_the_kernel_would_overrun():
+    pool, batch, positions, q, k, v = ragged_step("f32", [([0, 1], 20, 20)])
+    step = StepLayout()
+    step.set(batch, positions)
+    out = np.empty_like(q)
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
+    with pytest.raises(ValueError, match="k: expected float32"):
+        PagedAttention(step, 0, *geometry, out, q, k[:, :-1], v)
+    with pytest.raises(ValueError, match="no attention kernel"):
+        PagedAttention(step, 0, HEADS, 2, HEAD_DIM, 0.125, 0, 1, out, q, k, v)
+    with pytest.raises(ValueError, match="layer 3 of a KV pool of 1"):
+        PagedAttention(step, 3, *geometry, out, q, k, v)()
+    short = PagedAttention(step, 0, *geometry, out[:10], q[:10], k[:10], v[:10])
+    with pytest.raises(ValueError, match="20 tokens in 10 rows"):
+        short()
+    batch.slots[3] = len(pool.k[0])  # a slot past the pages
+    with pytest.raises(ValueError, match="KV slot outside the pool"):
+        StepLayout().set(batch, positions)
+    batch.slots[3] = 3
+    batch.seq_lens[0] = 33  # longer than its two pages
+    with pytest.raises(ValueError, match="longer than its pages"):
+        StepLayout().set(batch, positions)

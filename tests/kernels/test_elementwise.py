@@ -112,3 +112,30 @@ def test_refuses_non_contiguous_arrays():
     x = rand(4, 16)
     with pytest.raises(ValueError, match="C-contiguous"):
         elementwise.add(x[:, :8], x[:, :8], x[:, 8:])
+
+
+def test_bindings_refuse_buffers_the_kernel_would_overrun():
+    """Checks, not asserts (python -O keeps them): each names what does not fit."""
+    x, table = rand(4, 64), cpu_ops.RopeTable(16, 10000.0, 1.0)
+    table.ensure(8)
+    positions = np.arange(4, dtype=np.int64)
+    cases = [
+        (lambda: elementwise.add(x, x, rand(4, 63)), r"y: expected float32 \[4, 64\]"),
+        (lambda: elementwise.gated(x, x, x, "relu"), "unknown gate activation"),
+        (lambda: elementwise.rms_norm(x, x, rand(63), 1e-5), r"weight: expected float32 \[64\]"),
+        (lambda: elementwise.rms_norm(x, x, rand(64), float("nan")), "epsilon nan"),
+        (
+            lambda: elementwise.rope(x, x, positions, table.cos, table.sin, 16, 32, False),
+            "32 of 16",
+        ),
+        (lambda: elementwise.rope(x, x, positions, table.cos, table.sin, 24, 16, False), "of 24"),
+        (
+            lambda: elementwise.rope(x, x, positions[:3], table.cos, table.sin, 16, 16, False),
+            "3 pos",
+        ),
+        (lambda: elementwise.rope(x, x, positions, table.cos, table.sin, 32, 32, False), "cos"),
+        (lambda: elementwise.add(x, x, x, block=np.zeros(2, np.int64)), "block of 2 words"),
+    ]
+    for bind, message in cases:
+        with pytest.raises(ValueError, match=message):
+            bind()

@@ -3,6 +3,9 @@ each fallback against the canonical Hugging Face template it stands in for."""
 
 from __future__ import annotations
 
+import resource
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from tokenizers import models
 from transformers import PreTrainedTokenizerFast
 
 from dynalm.errors import InvalidRequest
+from dynalm.models import chat_template
 from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.tokenizer import Tokenizer
 
@@ -220,3 +224,63 @@ def test_globals_and_filters() -> None:
     out = template.render([{"role": "user", "content": "é<&>"}], extra_var=7)
     year = datetime.now().strftime("%Y")
     assert out == f'<s>|</s>|{{"role": "user", "content": "é<&>"}}|{year}|True|7'
+
+
+BIG = "{% set b = 'x' * 500000 %}"
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}"
+            "{% for k in range(100000) %}{% endfor %}{% endfor %}{% endfor %}",
+            "took more than 0.3 s",
+        ),
+        (
+            "{% for c in messages[0]['content'] * 500 %}{% for d in range(99999) %}{% endfor %}"
+            "{% endfor %}",
+            "took more than",
+        ),
+        ("{{ 'x' * 4000000000 }}", "a repetition of 4000000000 characters"),
+        ("{{ [0] * 4000000000 }}", "a repetition"),
+        ("{{ 2 ** 4000000000 }}", "a power"),
+        ("{{ 'x' | center(4000000000) }}", "the center filter"),
+        ("{{ 'x'.ljust(4000000000) }}", "ljust()"),
+        ("{{ '{:>4000000000}'.format(1) }}", "format()"),
+        ("{{ '%4000000000d' % 1 }}", "a % format"),
+        (BIG + "{{ b.replace('', b) }}", "replace()"),
+        (BIG + "{{ ([b] * 1000) | join }}", "a repetition"),
+        ("{{ ('\n' * 100000) | indent(1000) }}", "the indent filter"),
+        (BIG + "{% for i in range(100000) %}{{ b }}{% endfor %}", "an output"),
+        (
+            "{% set ns = namespace(x='x') %}{% for i in range(64) %}"
+            "{% set ns.x = ns.x ~ ns.x %}{% endfor %}",
+            "a ~ concatenation",
+        ),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+        ("{{ lipsum(1000000) }}", "'lipsum' is undefined"),
+    ],
+)
+def test_render_is_bounded_in_time_and_size(source: str, needle: str, monkeypatch) -> None:
+    """Hostile templates (the model file's code) fail fast, without a memory blow-up."""
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
+    tracer, t0 = sys.gettrace(), time.monotonic()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    template = ChatTemplate(source, name="the test template")
+    with pytest.raises(InvalidRequest, match="^the test template ") as error:
+        template.render([{"role": "user", "content": "hi"}])
+    assert needle in str(error.value) and len(str(error.value)) < 400
+    assert time.monotonic() - t0 < 3
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200_000  # KiB
+    assert sys.gettrace() is tracer
+
+
+def test_budget_grows_with_the_messages() -> None:
+    """A long conversation is not taken for a hostile template: the size budget is 1 MB
+    beyond four times the messages' text."""
+    content = "word " * 1_000_000
+    out = ChatTemplate(HF_CHATML).render([{"role": "user", "content": content}] * 2)
+    assert len(out) > 2 * len(content)
+    with pytest.raises(InvalidRequest, match="too long|at most"):
+        ChatTemplate("x" * (chat_template.MAX_SOURCE_CHARS + 1))

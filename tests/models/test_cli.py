@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -181,3 +182,46 @@ def test_show(smollm2_gguf: Path, flag: list[str]):
 def test_show_system():
     result = dynalm("show", "--system")
     assert result.returncode == 0 and "cores" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "{m}", "hi", "--kv-cache-dtype", "bogus"], "'bogus' is not one of"),
+        (["serve", "{m}", "--kv-cache-dtype", "bogus"], "'bogus' is not one of"),
+        (["serve", "{m}", "--port", "70000"], "--port"),
+        (["run", "{m}", "hi", "--threads", "-3"], "--threads"),
+        (["run", "{m}", "hi", "--max-tokens", "many"], "--max-tokens"),
+        (["run", "{m}", "hi", "--ctx", "1"], "--ctx"),
+        (["run"], "Missing argument 'model'"),
+        (["pull", "x", "--no-such-flag"], "No such option"),
+    ],
+)
+def test_usage_errors_are_one_line(smollm2_gguf: Path, args: list[str], needle: str):
+    result = dynalm(*(a.format(m=smollm2_gguf) for a in args))
+    assert result.returncode == 2
+    assert_one_line_error(result, needle)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--threads", "1000"], ["--threads 1000", "CPUs"]),
+        (["--ctx", "1000000000"], ["--ctx 1000000000", "8192 tokens", "context_length"]),
+    ],
+)
+def test_flags_beyond_the_machine_or_model(smollm2_gguf: Path, flags: list[str], needles):
+    t0 = time.monotonic()
+    result = dynalm("run", str(smollm2_gguf), "hi", *flags)
+    assert_one_line_error(result, *needles)
+    assert time.monotonic() - t0 < 60  # refused, not attempted
+
+
+def test_prompt_that_is_not_utf8(smollm2_gguf: Path):
+    cmd = [*DYNALM, "run", str(smollm2_gguf)]
+    for args, stdin, needle in [([b"caf\xe9"], None, "the prompt"), (["-"], b"\xff\xfe", "stdin")]:
+        raw = subprocess.run([*cmd, *args], input=stdin, capture_output=True, timeout=300)
+        result = subprocess.CompletedProcess(
+            raw.args, raw.returncode, raw.stdout.decode(), raw.stderr.decode()
+        )
+        assert_one_line_error(result, needle, "UTF-8")

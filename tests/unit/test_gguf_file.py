@@ -248,7 +248,7 @@ def test_bad_alignment_and_unknown_value_type(tmp_path: Path) -> None:
     model = write_model(tmp_path / "a.gguf", alignment=64)
     data = model.read_bytes()
     value_at = data.index(b"general.alignment") + len("general.alignment") + 4
-    with pytest.raises(ModelFormatError, match="general.alignment 48 is not a power of two"):
+    with pytest.raises(ModelFormatError, match="general.alignment = 48 is not a power of two"):
         GGUFFile(patched(model, value_at, "<I", 48))
     with pytest.raises(ModelFormatError, match="'general.alignment' has unknown value type 77"):
         GGUFFile(patched(model, value_at - 4, "<I", 77))

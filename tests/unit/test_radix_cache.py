@@ -5,8 +5,10 @@ and copy-on-write of a shared page through the KV manager."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from dynalm.runtime.kv_cache import PagePool, hadamard
+from dynalm.errors import InvalidRequest
+from dynalm.runtime.kv_cache import PagePool, hadamard, kv_bytes_per_token
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.scheduler import KVCacheManager, Request
 
@@ -143,3 +145,12 @@ def test_q8_0_pages_round_trip_at_about_half_the_bytes_of_f16():
         step = np.abs(quantised).reshape(5, 3, 2, 32).max(-1) / 127  # per block
         err = np.abs(x - k).reshape(5, 3, 2, 32).max(-1)
         assert (err <= 0.5 * step * 1.01 + 1e-6).all()
+
+
+def test_unknown_kv_dtype_is_refused_by_name() -> None:
+    for make in (
+        lambda: PagePool(1, 1, 32, 4, dtype="bogus"),
+        lambda: kv_bytes_per_token(1, 1, 32, "bogus"),
+    ):
+        with pytest.raises(InvalidRequest, match="unknown KV cache dtype 'bogus'"):
+            make()

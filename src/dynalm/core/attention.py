@@ -40,6 +40,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from dynalm.core import jit, pool
+from dynalm.core.buffers import check, require
 from dynalm.core.elementwise import exp, intrinsic, loop
 
 if TYPE_CHECKING:
@@ -581,11 +582,27 @@ def _addr(a: np.ndarray) -> int:
         return a.__array_interface__["data"][0]
 
 
-def _row_stride(x: np.ndarray, width: int) -> int:
+def _row_stride(what: str, x: np.ndarray, rows: int, width: int) -> int:
     """Floats between the rows of ``x``: f32 ``[rows, width]`` with contiguous rows."""
-    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != width or x.strides[1] != 4:
-        raise ValueError(f"expected f32 rows of {width} contiguous values, got {x.dtype} {x.shape}")
-    return x.strides[0] // 4
+    return check(what, x, np.float32, (rows, width), strided_rows=True).strides[0] // 4
+
+
+def _check_layout(batch: AttentionBatch, n: int) -> None:
+    """The kernels index the pages with the step's page tables and slots, walk each token's
+    keys up to its sequence's length through its table, and read recent buffers from their
+    first rows: all must lie in the pool."""
+    kv, (pages, seq_of, _, recent_rows, _), slots = batch.kv, batch.kernel_tables, batch.slots
+    require(len(seq_of) == n, f"{len(seq_of)} tokens in the page tables, {n} slots")
+    if not (n and kv.k):
+        return
+    require(slots.min() >= 0 and slots.max() < len(kv.k[0]), "a KV slot outside the pool")
+    n_pages = len(kv.k[0]) // kv.page_size
+    require(pages.min() >= 0 and pages.max() < n_pages, "a page id outside the pool")
+    widths = np.array([len(p) for p in batch.page_tables]) * kv.page_size
+    require(bool((batch.seq_lens <= widths).all()), "a sequence longer than its pages")
+    if kv.recent:
+        end = recent_rows.max() + kv.recent
+        require(recent_rows.min() >= 0 and end <= len(kv.k_recent[0]), "a recent buffer outside")
 
 
 class StepLayout:
@@ -603,8 +620,10 @@ class StepLayout:
         be longer than the step)."""
         pages, seq_of, *per_seq = batch.kernel_tables
         slots = np.ascontiguousarray(batch.slots, np.int64)
-        assert positions.dtype == np.int64 and positions.flags.c_contiguous
         n = len(slots)
+        check("positions", positions, np.int64, (None,))
+        require(len(positions) >= n, f"{len(positions)} positions for {n} tokens")
+        _check_layout(batch, n)
         self._arrays = (pages, seq_of, positions, slots, *per_seq)  # alive while kernels run
         words = (n, _addr(pages), pages.shape[1], _addr(seq_of), _addr(positions), _addr(slots))
         self._block[:] = (*words, *map(_addr, per_seq))
@@ -633,20 +652,24 @@ class PagedAttention:
         k: np.ndarray,
         v: np.ndarray,
     ):
+        require(
+            n_kv_heads >= 1 and n_heads % n_kv_heads == 0 and supported(head_dim, "f32"),
+            f"no attention kernel for {n_heads} heads, {n_kv_heads} kv heads of {head_dim}",
+        )
         self._step, self._layer = step, layer
         self._geometry = (n_heads, n_kv_heads, head_dim)
         self._per_token = n_heads // _item_heads(n_heads // n_kv_heads)
         self._threads = threads if pool.available() else 1
-        if _row_stride(out, n_heads * head_dim) != n_heads * head_dim:
-            raise ValueError("the attention output must be C-contiguous")
+        self._rows = len(out)
+        check("out", out, np.float32, (self._rows, n_heads * head_dim))
         self._arrays = (out, q, k, v)  # alive while the kernel may run
         a = self._args = np.zeros(_N_ARGS, np.int64)
-        for x, at, stride, heads in (
-            (q, _Q, _Q_STRIDE, n_heads),
-            (k, _K_NEW, _K_STRIDE, n_kv_heads),
-            (v, _V_NEW, _V_STRIDE, n_kv_heads),
+        for name, x, at, stride, heads in (
+            ("q", q, _Q, _Q_STRIDE, n_heads),
+            ("k", k, _K_NEW, _K_STRIDE, n_kv_heads),
+            ("v", v, _V_NEW, _V_STRIDE, n_kv_heads),
         ):
-            a[at], a[stride] = _addr(x), _row_stride(x, heads * head_dim)
+            a[at], a[stride] = _addr(x), _row_stride(name, x, self._rows, heads * head_dim)
         a[_OUT], a[_WINDOW], a[_STEP] = _addr(out), window, step.address
         a[_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
         self._ptr = _addr(a)
@@ -658,14 +681,24 @@ class PagedAttention:
         self._write, self._run, self._write_recent = (
             jit.cfunc(fns[f], None, ctypes.c_void_p) for f in ("write", "run", "write_recent")
         )
-        layer = self._layer
-        stores = {_K: kv.k[layer], _V: kv.v[layer]}
+        layer, (_, n_kv_heads, head_dim) = self._layer, self._geometry
+        require(supported(head_dim, kv.dtype), f"no {kv.dtype} attention for heads of {head_dim}")
+        require(0 <= layer < len(kv.k), f"layer {layer} of a KV pool of {len(kv.k)} layers")
+        store = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv.dtype]
+        head = (n_kv_heads, head_dim)
+        slots = len(kv.k[layer])
+        stores = {_K: ("k", kv.k, store, head), _V: ("v", kv.v, store, head)}
         if kv.dtype == "q8_0":
-            stores |= {_KS: kv.k_scale[layer], _VS: kv.v_scale[layer]}
+            scales = (n_kv_heads, head_dim // Q8_BLOCK)
+            stores |= {_KS: ("k_scale", kv.k_scale, np.float16, scales)}
+            stores |= {_VS: ("v_scale", kv.v_scale, np.float16, scales)}
         if kv.recent:
-            stores |= {_KR: kv.k_recent[layer], _VR: kv.v_recent[layer]}
-        for slot, array in stores.items():
-            self._args[slot] = _addr(array)
+            stores |= {_KR: ("k_recent", kv.k_recent, np.float16, head)}
+            stores |= {_VR: ("v_recent", kv.v_recent, np.float16, head)}
+        for at, (name, arrays, dtype, inner) in stores.items():
+            rows = None if name.endswith("recent") else slots
+            array = check(f"KV {name}[{layer}]", arrays[layer], dtype, (rows, *inner))
+            self._args[at] = _addr(array)
         self._kv = kv
 
     def _plan(self) -> tuple[int, int] | None:
@@ -674,6 +707,7 @@ class PagedAttention:
         most 1.5x and measured slower)."""
         if self._step.kv is not self._kv:
             self._bind_kv(self._step.kv)
+        require(self._step.tokens <= self._rows, f"{self._step.tokens} tokens in {self._rows} rows")
         items, threads = self._step.tokens * self._per_token, self._threads
         if threads > 1 and items >= 2 * threads:
             return items, max(1, items // (4 * threads))

@@ -45,6 +45,11 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask): the most threads worth running."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class CpuDevice:
     """Runs DynaIR ops with numpy and quantised-weight matmuls.
 
@@ -61,6 +66,11 @@ class CpuDevice:
     def __init__(self, mode: str = "auto", threads: int | None = None):
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+        if threads is not None and not 1 <= threads <= available_cpus():
+            raise InvalidRequest(
+                f"--threads {threads}: choose from 1 to {available_cpus()}, the CPUs this "
+                "process may run on"
+            )
         self.mode = mode
         self.threads = threads or physical_cores()
         self.repack_seconds = 0.0  # spent repacking weights for the JIT kernels (--verbose)

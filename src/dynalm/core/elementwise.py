@@ -27,6 +27,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from dynalm.core import jit, pool
+from dynalm.core.buffers import check, require
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -323,28 +324,27 @@ def _bind(
     words = [count, *(a.__array_interface__["data"][0] for a in arrays)]
     if block is None:
         block = np.empty(len(words), np.int64)
-    assert block.dtype == np.int64 and block.flags.c_contiguous and block.size >= len(words)
+    check("argument block", block, np.int64, (None,))
+    require(block.size >= len(words), f"argument block of {block.size} words, need {len(words)}")
     block[: len(words)] = words
     bound = BoundKernel(fn, block.__array_interface__["data"][0])
     bound.block, bound.arrays = block, arrays
     return bound
 
 
-def _f32(*arrays: np.ndarray) -> None:
-    """Check that the kernel may index ``arrays`` as dense float32."""
-    for a in arrays:
-        if a.dtype != np.float32:
-            raise ValueError(f"kernel arrays must be float32, got {a.dtype}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"kernel arrays must be C-contiguous, got strides {a.strides}")
+def _same(names: str, *arrays: np.ndarray) -> tuple[int, ...]:
+    """Dense float32 arrays of one shape (the first one's), which is returned."""
+    shape = arrays[0].shape
+    for name, a in zip(names.split(), arrays, strict=True):
+        check(name, a, np.float32, shape)
+    return shape
 
 
 def add(
     out: np.ndarray, x: np.ndarray, y: np.ndarray, block: np.ndarray | None = None
 ) -> BoundKernel:
     """``out = x + y`` (same shapes; ``out`` may be ``x`` or ``y``)."""
-    _f32(out, x, y)
-    assert out.shape == x.shape == y.shape
+    _same("out x y", out, x, y)
     return _bind(_compiled("add"), out.size, (out, x, y), block)
 
 
@@ -356,8 +356,8 @@ def gated(
     block: np.ndarray | None = None,
 ) -> BoundKernel:
     """``out = act(gate) * up`` with ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
-    _f32(out, gate, up)
-    assert out.shape == gate.shape == up.shape and activation in ("silu", "gelu_tanh")
+    _same("out gate up", out, gate, up)
+    require(activation in ("silu", "gelu_tanh"), f"unknown gate activation {activation!r}")
     return _bind(_compiled("gated", activation=activation), out.size, (out, gate, up), block)
 
 
@@ -369,10 +369,12 @@ def rms_norm(
     block: np.ndarray | None = None,
 ) -> BoundKernel:
     """RMSNorm of each row of ``x [rows, width]`` scaled by ``weight [width]``."""
-    _f32(out, x, weight)
-    assert out.shape == x.shape and x.ndim == 2 and weight.size == x.shape[1]
-    fn = _compiled("rms_norm", width=x.shape[1], eps=float(np.float32(eps)))
-    return _bind(fn, x.shape[0], (out, x, weight), block)
+    rows, width = check("x", x, np.float32, (None, None)).shape
+    check("out", out, np.float32, (rows, width))
+    check("weight", weight, np.float32, (width,))
+    require(math.isfinite(eps) and eps > 0, f"rms_norm epsilon {eps} is not a positive number")
+    fn = _compiled("rms_norm", width=width, eps=float(np.float32(eps)))
+    return _bind(fn, rows, (out, x, weight), block)
 
 
 def rope(
@@ -388,17 +390,25 @@ def rope(
 ) -> BoundKernel:
     """Rotary embedding of ``x [T, heads * head_dim]`` at ``positions [T]`` (int64) with
     angle tables ``cos``/``sin`` ``[max_position + 1, rope_dim / 2]``. The rows of ``x``
-    may be strided (a view of some columns of a wider buffer)."""
-    _f32(out, cos, sin, x[:1])  # x: dense rows, at the stride compiled in
-    assert out.shape == x.shape and x.shape[1] % head_dim == 0 and positions.dtype == np.int64
-    assert cos.shape == sin.shape and cos.shape[1] == rope_dim // 2
-    assert positions.flags.c_contiguous
+    may be strided (a view of some columns of a wider buffer). The caller keeps every
+    position below the tables' length (the kernel cannot see it)."""
+    require(
+        0 < rope_dim <= head_dim and rope_dim % 2 == 0,
+        f"rope over {rope_dim} of {head_dim} dimensions per head",
+    )
+    rows, width = check("out", out, np.float32, (None, None)).shape
+    require(width % head_dim == 0, f"rows of {width} values are not heads of {head_dim}")
+    check("x", x, np.float32, (rows, width), strided_rows=True)
+    check("positions", positions, np.int64, (None,))
+    require(len(positions) >= rows, f"{len(positions)} positions for {rows} rows")
+    check("cos", cos, np.float32, (None, rope_dim // 2))
+    check("sin", sin, np.float32, cos.shape)
     fn = _compiled(
         "rope",
-        n_heads=x.shape[1] // head_dim,
+        n_heads=width // head_dim,
         head_dim=head_dim,
         rope_dim=rope_dim,
         neox=neox,
         stride=x.strides[0] // 4,
     )
-    return _bind(fn, x.shape[0], (out, x, positions, cos, sin), block)
+    return _bind(fn, rows, (out, x, positions, cos, sin), block)

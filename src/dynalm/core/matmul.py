@@ -519,7 +519,8 @@ def _lane_order(u: _Unpack, field: str, rows: np.ndarray, dst: np.ndarray) -> No
         return
     unit = 4 if field == "qs" else (2 if u.scale == "half" else 4)
     view = dst.reshape(groups, nb, size // unit, _LANES, unit)
-    assert np.shares_memory(view, dst)  # a view, not a copy
+    if not np.may_share_memory(view, dst):  # a copy would leave dst unwritten
+        raise ValueError(f"{field}: the lane order needs a view of the destination")
     view[...] = src.reshape(groups, _LANES, nb, size // unit, unit).transpose(0, 2, 3, 1, 4)
 
 

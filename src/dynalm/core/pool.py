@@ -26,6 +26,7 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from dynalm.core import jit
+from dynalm.core.buffers import require
 
 # futex(2) syscall number per machine; FUTEX_WAIT_PRIVATE = 128, FUTEX_WAKE_PRIVATE = 129.
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
@@ -322,6 +323,7 @@ class Pool:
         functions = _functions()
         if functions is None:
             raise RuntimeError("the native worker pool needs Linux on x86-64 or AArch64")
+        require(n_threads >= 1, f"a pool of {n_threads} threads")
         worker, self._run, self._program = functions
         self.n_threads = n_threads
         buf = np.zeros(_STATE_BYTES + 64, np.uint8)  # cache-line aligned state words
@@ -338,6 +340,7 @@ class Pool:
     def run(self, fn: int, args: int, total: int, chunk: int) -> None:
         """Run ``fn(args, lo, hi)`` over ``[0, total)`` in pieces of ``chunk``; return when
         all are done. ``fn`` is the address of a ``void (ptr, i64, i64)`` function."""
+        _check_job(fn, args, total, chunk)
         with self._lock:
             self._run(self._addr, fn, args, total, chunk)
 
@@ -345,6 +348,11 @@ class Pool:
         """Run the ``n`` records at address ``records`` (see ``Program``)."""
         with self._lock:
             self._program(self._addr, records, n)
+
+
+def _check_job(fn: int, args: int, total: int, chunk: int) -> None:
+    require(fn != 0 and args != 0, "a native call with a null function or argument block")
+    require(total >= 0 and chunk >= 1, f"a job of {total} rows in chunks of {chunk}")
 
 
 @cache
@@ -360,6 +368,10 @@ class Program:
     ``threads``; only with ``threads > 1``)."""
 
     def __init__(self, records: list[tuple[int, int, int, int, int]], threads: int) -> None:
+        for kind, fn, args, total, chunk in records:
+            require(kind in (PLAIN, RANGE, SPLIT), f"a program record of kind {kind}")
+            require(kind != SPLIT or threads > 1, "a split record in a one-thread program")
+            _check_job(fn, args, total, chunk if kind == SPLIT else 1)
         self._records = np.array(records, np.int64).reshape(-1, 5)
         self._n = len(self._records)
         self._at = self._records.__array_interface__["data"][0]

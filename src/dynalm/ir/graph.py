@@ -19,6 +19,10 @@ from typing import Any
 Dim = int | str
 
 
+class GraphError(ValueError):
+    """A graph that breaks SSA or typing rules (a bug in a builder or a pass)."""
+
+
 @dataclass(frozen=True)
 class TensorType:
     dtype: str
@@ -31,7 +35,8 @@ class TensorType:
     def row_width(self) -> int:
         """Elements per row of a ``[T, w]`` activation (the planner's size class)."""
         width = self.shape[-1]
-        assert isinstance(width, int), f"symbolic last dim in {self}"
+        if not isinstance(width, int):
+            raise GraphError(f"symbolic last dim in {self}")
         return width
 
 
@@ -94,7 +99,9 @@ class Graph:
 
 
 class GraphBuilder:
-    """Appends typed nodes; each method infers its output type from its operands."""
+    """Appends typed nodes; each method infers its output type from its operands and checks
+    the weights it is given against them, so that a model file whose tensors disagree with
+    its hyper-parameters is refused here, before any kernel is bound to the shapes."""
 
     def __init__(self, name: str, weight_types: dict[str, TensorType]):
         self.name = name
@@ -114,12 +121,21 @@ class GraphBuilder:
         self.inputs[name] = value
         return value
 
-    def weight(self, name: str) -> Weight:
-        if name not in self._weight_types:
-            from dynalm.errors import ModelFormatError
+    def weight(self, name: str, *shape: Dim | None) -> Weight:
+        """The weight ``name``, which must have ``shape`` (None: any size on that axis)."""
+        from dynalm.errors import ModelFormatError
 
+        if name not in self._weight_types:
             raise ModelFormatError(f"the model has no tensor '{name}'")
-        return Weight(name, self._weight_types[name])
+        w = Weight(name, self._weight_types[name])
+        actual = w.type.shape
+        fits = len(actual) == len(shape)
+        if not fits or any(e not in (None, a) for e, a in zip(shape, actual, strict=True)):
+            expected = ", ".join("?" if d is None else str(d) for d in shape)
+            raise ModelFormatError(
+                f"tensor '{name}' has shape [{', '.join(map(str, actual))}], expected [{expected}]"
+            )
+        return w
 
     def has_weight(self, name: str) -> bool:
         return name in self._weight_types
@@ -140,23 +156,35 @@ class GraphBuilder:
         return Graph(self.name, dict(self.inputs), list(self.nodes), outputs)
 
     # -- operations ---------------------------------------------------------------
-    def embed(self, ids: Value, table: str) -> Value:
-        w = self.weight(table)
+    def embed(self, ids: Value, table: str, rows: int | None = None) -> Value:
+        w = self.weight(table, rows, None)
         return self._emit("embed", (ids.type.shape[0], w.type.shape[1]), (ids,), (w,))
 
     def rms_norm(self, x: Value, weight: str, eps: float) -> Value:
-        return self._emit("rms_norm", x.type.shape, (x,), (self.weight(weight),), eps=eps)
+        w = self.weight(weight, x.type.row_width)
+        return self._emit("rms_norm", x.type.shape, (x,), (w,), eps=eps)
 
     def head_rms_norm(self, x: Value, weight: str, eps: float, head_dim: int) -> Value:
         """RMSNorm over each head's slice of a ``[T, heads * head_dim]`` value (QK-norm)."""
-        return self._emit(
-            "head_rms_norm", x.type.shape, (x,), (self.weight(weight),), eps=eps, head_dim=head_dim
-        )
+        self._heads(x, head_dim)
+        w = self.weight(weight, head_dim)
+        return self._emit("head_rms_norm", x.type.shape, (x,), (w,), eps=eps, head_dim=head_dim)
 
-    def matmul(self, x: Value, weight: str, bias: str | None = None) -> Value:
-        w = self.weight(weight)
-        weights = (w,) if bias is None else (w, self.weight(bias))
-        return self._emit("matmul", (x.type.shape[0], w.type.shape[0]), (x,), weights)
+    def matmul(
+        self, x: Value, weight: str, bias: str | None = None, rows: int | None = None
+    ) -> Value:
+        """``x @ W^T`` for a weight ``[rows, width of x]`` (any rows when None)."""
+        w = self.weight(weight, rows, x.type.row_width)
+        n = w.type.shape[0]
+        weights = (w,) if bias is None else (w, self.weight(bias, n))
+        return self._emit("matmul", (x.type.shape[0], n), (x,), weights)
+
+    @staticmethod
+    def _heads(x: Value, head_dim: int, heads: int | None = None) -> None:
+        width = x.type.row_width
+        if head_dim < 1 or width % head_dim or (heads is not None and width != heads * head_dim):
+            n = "whole heads" if heads is None else f"{heads} heads"
+            raise GraphError(f"{x.type} is not {n} of {head_dim}")
 
     def rope(
         self,
@@ -170,7 +198,10 @@ class GraphBuilder:
         scale: float = 1.0,
         freq_factors: str | None = None,
     ) -> Value:
-        weights = () if freq_factors is None else (self.weight(freq_factors),)
+        self._heads(x, head_dim)
+        if not (2 <= rope_dim <= head_dim and rope_dim % 2 == 0):
+            raise GraphError(f"rope over {rope_dim} of {head_dim} dimensions")
+        weights = () if freq_factors is None else (self.weight(freq_factors, rope_dim // 2),)
         return self._emit(
             "rope",
             x.type.shape,
@@ -197,6 +228,11 @@ class GraphBuilder:
         window: int = 0,
     ) -> Value:
         """Writes this step's k/v into the layer's KV pages, then attends causally."""
+        if n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise GraphError(f"{n_heads} heads cannot share {n_kv_heads} kv heads")
+        self._heads(q, head_dim, n_heads)
+        self._heads(k, head_dim, n_kv_heads)
+        self._heads(v, head_dim, n_kv_heads)
         return self._emit(
             "attention",
             (q.type.shape[0], n_heads * head_dim),
@@ -210,10 +246,16 @@ class GraphBuilder:
         )
 
     def add(self, a: Value, b: Value) -> Value:
-        return self._emit("add", a.type.shape, (a, b))
+        return self._emit("add", self._same(a, b), (a, b))
 
     def mul(self, a: Value, b: Value) -> Value:
-        return self._emit("mul", a.type.shape, (a, b))
+        return self._emit("mul", self._same(a, b), (a, b))
+
+    @staticmethod
+    def _same(a: Value, b: Value) -> tuple[Dim, ...]:
+        if a.type.shape != b.type.shape:
+            raise GraphError(f"element-wise operands {a.type} and {b.type} differ")
+        return a.type.shape
 
     def scale(self, x: Value, factor: float) -> Value:
         return self._emit("scale", x.type.shape, (x,), factor=factor)

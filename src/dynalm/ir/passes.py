@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from dynalm.core.quant import QUANT_FORMATS
-from dynalm.ir.graph import Graph, Node, TensorType, Value, Weight
+from dynalm.ir.graph import Graph, GraphError, Node, TensorType, Value, Weight
 
 # Merge only matmuls this small: for them the per-call cost (dispatch, re-quantising the
 # input) is a large share; large ones gain nothing and, batched, measured slower merged.
@@ -65,10 +65,6 @@ ARITY = {
 VIEW_OPERANDS = {"rope": (0,), "attention": (0, 1, 2)}
 _SAME_SHAPE = {"add", "mul", "swiglu", "geglu"}  # operands shaped like the result
 _GATES = {"silu": "swiglu", "gelu_tanh": "geglu"}
-
-
-class GraphError(ValueError):
-    """A graph that breaks SSA or typing rules (a bug in a builder or a pass)."""
 
 
 def verify(graph: Graph) -> None:

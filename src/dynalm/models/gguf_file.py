@@ -30,12 +30,14 @@ from typing import Any
 import numpy as np
 
 from dynalm.core.quant import QUANT_FORMATS, ggml_type_name
-from dynalm.errors import ModelFormatError, ModelNotFound, UnsupportedModel
+from dynalm.errors import ModelFormatError, ModelNotFound, UnsupportedModel, show
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
+MAX_KEY_BYTES = 65535  # the GGUF specification's limit on a key
+MAX_NAME_BYTES = 63  # llama.cpp's limit on a tensor name (GGML_MAX_NAME - 1)
 _MAX_ARRAY_NESTING = 8
 
 # Metadata value types.
@@ -112,6 +114,19 @@ class _Cursor:
         start = self.take(n, what)
         # surrogateescape: a token that is not valid UTF-8 keeps its bytes recoverable
         return bytes(self.buf[start : start + n]).decode("utf-8", "surrogateescape")
+
+    def name(self, max_bytes: int, what: str) -> str:
+        """A key or tensor name: at most ``max_bytes`` of valid UTF-8."""
+        at = self.pos
+        n = self.u64(f"length of {what}")
+        if n > max_bytes:
+            raise self.fail(f"{what} at offset {at} is {n} bytes long (at most {max_bytes})")
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start : start + n]).decode()
+        except UnicodeDecodeError:
+            raw = bytes(self.buf[start : start + n])
+            raise self.fail(f"{what} {show(raw)} is not valid UTF-8") from None
 
     def strings(self, n: int, what: str) -> list[str]:
         """``n`` strings in a row: ``string`` inlined, as a vocabulary has ~100k of them and
@@ -201,15 +216,15 @@ class GGUFFile:
 
         self.metadata: dict[str, Any] = {}
         for i in range(n_kv):
-            key = cur.string(f"metadata key #{i}")
+            key = cur.name(MAX_KEY_BYTES, f"metadata key #{i}")
             if key in self.metadata:
-                raise cur.fail(f"duplicate metadata key {key!r}")
-            vtype = cur.u32(f"value type of {key!r}")
-            self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
+                raise cur.fail(f"duplicate metadata key {show(key)}")
+            vtype = cur.u32(f"value type of {show(key)}")
+            self.metadata[key] = cur.value(vtype, f"metadata {show(key)}")
 
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
-            raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
+            raise cur.fail(f"general.alignment = {show(alignment)} is not a power of two")
 
         cur.need(n_tensors * _MIN_TENSOR_INFO_BYTES, f"{n_tensors} tensor infos")
         infos = [self._tensor_info(cur, i) for i in range(n_tensors)]
@@ -233,9 +248,16 @@ class GGUFFile:
                     f"but the file has {self.file_size}"
                 )
             self.tensors[name] = TensorInfo(name, shape, ggml_type, start, nbytes)
+        by_offset = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for a, b in zip(by_offset, by_offset[1:], strict=False):
+            if a.offset + a.nbytes > b.offset:
+                raise cur.fail(
+                    f"tensors {a.name!r} (bytes {a.offset}..{a.offset + a.nbytes}) and "
+                    f"{b.name!r} (from byte {b.offset}) overlap"
+                )
 
     def _tensor_info(self, cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
-        name = cur.string(f"name of tensor #{i}")
+        name = cur.name(MAX_NAME_BYTES, f"name of tensor #{i}")
         what = f"tensor {name!r}"
         n_dims = cur.u32(f"n_dims of {what}")
         if not 1 <= n_dims <= MAX_DIMS:
@@ -262,8 +284,10 @@ class GGUFFile:
     def architecture(self) -> str:
         """``general.architecture``, e.g. ``"llama"``."""
         arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
+        if arch is None:
             raise ModelFormatError(f"{self.path}: metadata has no general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFormatError(f"{self.path}: general.architecture {show(arch)} is not a name")
         return arch
 
     def raw(self, name: str) -> np.ndarray:

@@ -11,7 +11,7 @@ import numpy as np
 
 from dynalm.core.memory import trim_heap
 from dynalm.core.quant import quant_format
-from dynalm.errors import ModelFormatError
+from dynalm.errors import DynaError
 from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.passes import optimize
 from dynalm.models.arch import build_graph, family_of
@@ -77,13 +77,14 @@ class LoadedModel:
 
 
 def load_model(path: str | os.PathLike) -> LoadedModel:
+    """Read and check a GGUF file. Everything the file says is checked here (metadata types
+    and ranges, hyper-parameters against the tensor shapes, the tokenizer), before any
+    kernel or buffer is sized from it; an error names the file and what in it is wrong."""
     gguf = GGUFFile(path)
     try:
         meta = gguf.metadata
         family_of(gguf.architecture)  # refuse unknown architectures before anything else
-        if "token_embd.weight" not in gguf.tensors:
-            raise ModelFormatError(f"{gguf.path.name}: no token_embd.weight tensor")
-        hp = read_hparams(meta, n_vocab=gguf.tensors["token_embd.weight"].shape[0])
+        hp = read_hparams(meta, {name: t.shape for name, t in gguf.tensors.items()})
         weight_types = {
             name: TensorType(quant_format(t.ggml_type).name, t.shape)
             for name, t in gguf.tensors.items()
@@ -94,7 +95,12 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
         for key in _TOKENIZER_ARRAYS:  # the tokenizer holds them now (20 MB at 262k tokens)
             meta.pop(key, None)
         trim_heap()  # and the temporaries of its build
-    except Exception:
+    except DynaError as e:
+        gguf.close()
+        if str(gguf.path) in str(e):
+            raise
+        raise type(e)(f"{gguf.path}: {e}") from e
+    except BaseException:
         gguf.close()
         raise
     return LoadedModel(Path(path), gguf, hp, tokenizer, template, graph, GGUFWeights(gguf))

@@ -26,7 +26,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from dynalm.errors import ModelFormatError, UnsupportedModel
+from dynalm.errors import InvalidRequest, ModelFormatError, UnsupportedModel, show
+from dynalm.models.metadata import bad, flag, integer, numbers, strings, text
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,9 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     return [(tokens[a], tokens[b]) for a, b in pairs]
 
 
-def _int_or_none(value: int | None) -> int | None:
-    return None if value is None else int(value)
+def _token_id(metadata: dict, name: str, n_tokens: int) -> int | None:
+    """``tokenizer.ggml.{name}_token_id``: an id of the vocabulary, or None when absent."""
+    return integer(metadata, f"tokenizer.ggml.{name}_token_id", None, hi=n_tokens - 1)
 
 
 def _byte_level_bpe(
@@ -154,14 +156,10 @@ def _sentencepiece_bpe(
 ) -> HFTokenizer:
     """Sentencepiece BPE with byte fallback, "▁" for spaces (as transformers' LlamaTokenizer)."""
     if merges is None:
-        scores = metadata.get("tokenizer.ggml.scores")
+        scores = numbers(metadata, "tokenizer.ggml.scores", len(tokens))
         scores = [0.0] * len(tokens) if scores is None else [float(s) for s in scores]
-        if len(scores) != len(tokens):
-            raise ModelFormatError(
-                f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
-            )
         merges = _merges_from_scores(tokens, scores)
-    unk_id = _int_or_none(metadata.get("tokenizer.ggml.unknown_token_id"))
+    unk_id = _token_id(metadata, "unknown", len(tokens))
     hf = HFTokenizer(
         models.BPE(
             {tok: i for i, tok in enumerate(tokens)},
@@ -210,29 +208,35 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: dict) -> Tokenizer:
         """Build the tokenizer a GGUF describes (``tokenizer.ggml.*`` keys of its metadata)."""
-        kind = metadata.get("tokenizer.ggml.model")
+        kind = text(metadata, "tokenizer.ggml.model", None)
         if kind not in ("gpt2", "llama"):
             raise UnsupportedModel(
-                f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)"
+                f"tokenizer.ggml.model {show(kind)} is not supported (supported: gpt2, llama)"
             )
-        tokens = list(metadata["tokenizer.ggml.tokens"])
-        types_raw = metadata.get("tokenizer.ggml.token_type")
-        types = [_NORMAL] * len(tokens) if types_raw is None else [int(t) for t in types_raw]
-        if len(types) != len(tokens):
-            raise ModelFormatError(
-                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
-            )
-        merges_raw = metadata.get("tokenizer.ggml.merges")
-        merges = None if merges_raw is None else [tuple(m.split(" ", 1)) for m in merges_raw]
-
-        if kind == "gpt2":
-            hf = _byte_level_bpe(
-                tokens, types, merges, metadata.get("tokenizer.ggml.pre", "default")
-            )
-            space_prefix = False
-        else:
-            space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-            hf = _sentencepiece_bpe(tokens, merges, metadata, space_prefix)
+        tokens = strings(metadata, "tokenizer.ggml.tokens")
+        if not tokens:
+            raise bad("tokenizer.ggml.tokens", tokens, "a vocabulary")
+        types_raw = numbers(metadata, "tokenizer.ggml.token_type", len(tokens), "iu")
+        types = [_NORMAL] * len(tokens) if types_raw is None else types_raw.tolist()
+        merges = strings(metadata, "tokenizer.ggml.merges", None)
+        if merges is not None:
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+            for i, m in enumerate(merges):
+                if len(m) != 2:
+                    raise bad(f"tokenizer.ggml.merges[{i}]", m[0], "two tokens and a space")
+        pre = text(metadata, "tokenizer.ggml.pre", "default")
+        space_prefix = flag(metadata, "tokenizer.ggml.add_space_prefix", True)
+        try:
+            if kind == "gpt2":
+                hf = _byte_level_bpe(tokens, types, merges, pre)
+                space_prefix = False
+            else:
+                hf = _sentencepiece_bpe(tokens, merges, metadata, space_prefix)
+        except Exception as e:  # tokenizers' own errors (a merge of unknown tokens, ...)
+            if isinstance(e, ModelFormatError):
+                raise
+            reason = show(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise ModelFormatError(f"the tokenizer metadata is invalid: {reason}") from e
 
         special = [
             AddedToken(tok, special=ty != _USER_DEFINED, normalized=False)
@@ -242,10 +246,10 @@ class Tokenizer:
         hf.add_special_tokens([t for t in special if t.special])
         hf.add_tokens([t for t in special if not t.special])
 
-        bos_id = _int_or_none(metadata.get("tokenizer.ggml.bos_token_id"))
-        eos_id = _int_or_none(metadata.get("tokenizer.ggml.eos_token_id"))
-        eog_keys = ("eos", "eot", "eom")
-        eog = [_int_or_none(metadata.get(f"tokenizer.ggml.{k}_token_id")) for k in eog_keys]
+        n = len(tokens)
+        _token_id(metadata, "unknown", n)  # only sentencepiece uses it, but it must be an id
+        bos_id, eos_id = _token_id(metadata, "bos", n), _token_id(metadata, "eos", n)
+        eog = [_token_id(metadata, k, n) for k in ("eos", "eot", "eom")]
         eog += [hf.token_to_id(t) for t in _EOG_TEXTS]
         return cls(
             hf,
@@ -254,10 +258,10 @@ class Tokenizer:
             strip_space_prefix=space_prefix,
             bos_id=bos_id,
             eos_id=eos_id,
-            pad_id=_int_or_none(metadata.get("tokenizer.ggml.padding_token_id")),
+            pad_id=_token_id(metadata, "padding", n),
             # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-            add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=flag(metadata, "tokenizer.ggml.add_bos_token", kind == "llama"),
+            add_eos=flag(metadata, "tokenizer.ggml.add_eos_token", False),
             eog_ids=frozenset(i for i in eog if i is not None),
         )
 
@@ -266,9 +270,18 @@ class Tokenizer:
 
         ``add_special`` adds BOS/EOS as the model asks (``add_bos`` / ``add_eos``).
         """
-        # encode_batch releases the GIL (encode holds it: a 5.8 MB prompt froze the server's
-        # other threads for 5.4 s)
-        ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+        try:
+            # encode_batch releases the GIL (encode holds it: a 5.8 MB prompt froze the
+            # server's other threads for 5.4 s)
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+        except TypeError:  # tokenizers takes only valid Unicode
+            bad_at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if bad_at is None:
+                raise
+            raise InvalidRequest(
+                f"the text is not valid Unicode: a lone surrogate {text[bad_at]!r} at "
+                f"character {bad_at} (invalid UTF-8 bytes?)"
+            ) from None
         if add_special and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos and self.eos_id is not None:

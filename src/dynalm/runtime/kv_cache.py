@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynalm.errors import InvalidRequest
+from dynalm.errors import InvalidRequest, show
 
 KV_DTYPES = ("f32", "f16", "q8_0")
 Q8_BLOCK = 32  # values per q8_0 scale
@@ -57,8 +57,17 @@ class OutOfPages(Exception):
     """The pool has no free page left (the scheduler evicts, preempts or waits)."""
 
 
+def check_dtype(dtype: str) -> str:
+    if dtype not in KV_DTYPES:
+        raise InvalidRequest(
+            f"unknown KV cache dtype {show(dtype)} (choose from {', '.join(KV_DTYPES)})"
+        )
+    return dtype
+
+
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
     """Bytes of keys + values one token takes in a pool of ``dtype``."""
+    check_dtype(dtype)
     per_value = {"f32": 4.0, "f16": 2.0, "q8_0": 1.0 + 2.0 / Q8_BLOCK}[dtype]
     return int(2 * n_layers * n_kv_heads * head_dim * per_value)
 
@@ -91,10 +100,7 @@ class PagePool:
         dtype: str = "f16",
         n_seqs: int = 1,
     ):
-        if dtype not in KV_DTYPES:
-            raise InvalidRequest(
-                f"unknown KV cache dtype '{dtype}' (choose from {', '.join(KV_DTYPES)})"
-            )
+        check_dtype(dtype)
         if dtype == "q8_0" and head_dim % Q8_BLOCK:
             raise InvalidRequest(f"q8_0 KV needs head_dim divisible by 32, got {head_dim}")
         if n_pages < 1:
@@ -149,7 +155,8 @@ class PagePool:
         freed = 0
         for page in pages:
             self.refcount[page] -= 1
-            assert self.refcount[page] >= 0, f"page {page} released twice"
+            if self.refcount[page] < 0:
+                raise RuntimeError(f"page {page} released twice")
             if self.refcount[page] == 0:
                 self._free.append(page)
                 freed += 1

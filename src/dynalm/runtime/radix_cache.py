@@ -137,7 +137,8 @@ class RadixCache:
         """Cache whole ``pages`` holding ``tokens`` (``len(tokens) == len(pages) *
         page_size``); pages already cached for the same tokens are kept (the caller's
         duplicates stay the caller's). Returns the node of the last page."""
-        assert len(tokens) == len(pages) * self.page_size
+        if len(tokens) != len(pages) * self.page_size:
+            raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages")
         if not self.enabled:
             return self.root
         node, at = self._walk(tokens)
@@ -162,7 +163,8 @@ class RadixCache:
     def unlock(self, node: Node) -> None:
         while node.parent is not None:
             node.lock -= 1
-            assert node.lock >= 0, "radix cache node unlocked twice"
+            if node.lock < 0:
+                raise RuntimeError("radix cache node unlocked twice")
             if node.lock == 0:
                 self.evictable_pages += len(node.pages)
             node = node.parent

@@ -6,7 +6,7 @@ decoder lacks, add the op to DynaIR and to the device's kernels first.
 
 from __future__ import annotations
 
-from dynalm.errors import UnsupportedModel
+from dynalm.errors import UnsupportedModel, show
 from dynalm.ir.graph import Graph, TensorType
 from dynalm.models.arch.decoder import Family, build_decoder
 from dynalm.models.hparams import HParams
@@ -33,7 +33,7 @@ FAMILIES: dict[str, Family] = {
 def family_of(arch: str) -> Family:
     if arch not in FAMILIES:
         raise UnsupportedModel(
-            f"unknown architecture '{arch}' (supported: {', '.join(sorted(FAMILIES))})"
+            f"unknown architecture {show(arch)} (supported: {', '.join(sorted(FAMILIES))})"
         )
     return FAMILIES[arch]
 

@@ -34,7 +34,7 @@ def build_decoder(
     positions = g.input("positions", "i32", ("T",))
     logit_rows = g.input("logit_rows", "i32", ("S",))
 
-    x = g.embed(tokens, "token_embd.weight")
+    x = g.embed(tokens, "token_embd.weight", rows=hp.n_vocab)
     if family.embed_scale:
         x = g.scale(x, math.sqrt(hp.d_model))
     freq_factors = "rope_freqs.weight" if g.has_weight("rope_freqs.weight") else None
@@ -48,8 +48,9 @@ def build_decoder(
                 h,
                 f"{p}attn_{n}.weight",
                 f"{p}attn_{n}.bias" if g.has_weight(f"{p}attn_{n}.bias") else None,
+                rows=heads * hp.head_dim,
             )
-            for n in "qkv"
+            for n, heads in zip("qkv", (hp.n_heads, hp.n_kv_heads, hp.n_kv_heads), strict=True)
         )
         if family.qk_norm:
             q = g.head_rms_norm(q, p + "attn_q_norm.weight", hp.norm_eps, hp.head_dim)
@@ -74,19 +75,20 @@ def build_decoder(
             scale=1.0 / math.sqrt(hp.head_dim),
             window=hp.sliding_window if local else 0,
         )
-        a = g.matmul(a, p + "attn_output.weight")
+        a = g.matmul(a, p + "attn_output.weight", rows=hp.d_model)
         if family.sandwich_norms:
             a = g.rms_norm(a, p + "post_attention_norm.weight", hp.norm_eps)
         x = g.add(x, a)
 
         h = g.rms_norm(x, p + "ffn_norm.weight", hp.norm_eps)
-        gate = g.matmul(h, p + "ffn_gate.weight")
+        gate = g.matmul(h, p + "ffn_gate.weight", rows=hp.d_ff)
         gate = g.silu(gate) if family.activation == "silu" else g.gelu_tanh(gate)
-        f = g.matmul(g.mul(gate, g.matmul(h, p + "ffn_up.weight")), p + "ffn_down.weight")
+        up = g.matmul(h, p + "ffn_up.weight", rows=hp.d_ff)
+        f = g.matmul(g.mul(gate, up), p + "ffn_down.weight", rows=hp.d_model)
         if family.sandwich_norms:
             f = g.rms_norm(f, p + "post_ffw_norm.weight", hp.norm_eps)
         x = g.add(x, f)
 
     x = g.rms_norm(g.select_rows(x, logit_rows), "output_norm.weight", hp.norm_eps)
     head = "output.weight" if g.has_weight("output.weight") else "token_embd.weight"
-    return g.finish(logits=g.matmul(x, head))
+    return g.finish(logits=g.matmul(x, head, rows=hp.n_vocab))
