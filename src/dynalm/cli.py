@@ -423,6 +423,13 @@ def serve(
         typer.Option(help="KV pool size, e.g. 512MiB (default: the engine's)."),
     ] = None,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
+    max_body_size: Annotated[
+        str, typer.Option(help="Largest request body, e.g. 8MiB (beyond: 413).")
+    ] = "8MiB",
+    shutdown_grace: Annotated[
+        float,
+        typer.Option(min=0, help="Seconds in-flight requests get after SIGTERM, then aborted."),
+    ] = 30.0,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -433,12 +440,16 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C."""
     _configure(verbose, threads)
     with user_errors(verbose):
+        from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
         from dynalm.runtime import server
         from dynalm.runtime.engine import Engine, EngineConfig
         from dynalm.runtime.registry import ModelStore, is_local_path
 
         kv_memory = server.parse_size(kv_cache_memory) if kv_cache_memory else None
+        max_body = server.parse_size(max_body_size)
+        if max_body < 1024:
+            raise InvalidRequest(f"--max-body-size {max_body_size} is under 1 KiB")
         device = _device(backend, cpu, gpu, mode, threads)
         path = ModelStore().resolve(model)
         loaded = load_model(path)
@@ -453,7 +464,17 @@ def serve(
         engine = Engine(loaded, device, config)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
-        server.serve(engine, loaded, names, host=host, port=port, api_key=api_key, verbose=verbose)
+        server.serve(
+            engine,
+            loaded,
+            names,
+            host=host,
+            port=port,
+            api_key=api_key,
+            verbose=verbose,
+            max_body_bytes=max_body,
+            shutdown_grace_s=shutdown_grace,
+        )
 
 
 @app.command()

@@ -190,6 +190,7 @@ def test_show_system():
         (["run", "{m}", "hi", "--kv-cache-dtype", "bogus"], "'bogus' is not one of"),
         (["serve", "{m}", "--kv-cache-dtype", "bogus"], "'bogus' is not one of"),
         (["serve", "{m}", "--port", "70000"], "--port"),
+        (["serve", "{m}", "--shutdown-grace", "-1"], "--shutdown-grace"),
         (["run", "{m}", "hi", "--threads", "-3"], "--threads"),
         (["run", "{m}", "hi", "--max-tokens", "many"], "--max-tokens"),
         (["run", "{m}", "hi", "--ctx", "1"], "--ctx"),
@@ -208,6 +209,8 @@ def test_usage_errors_are_one_line(smollm2_gguf: Path, args: list[str], needle: 
     [
         (["--threads", "1000"], ["--threads 1000", "CPUs"]),
         (["--ctx", "1000000000"], ["--ctx 1000000000", "8192 tokens", "context_length"]),
+        (["--temperature", "inf"], ["temperature", "finite"]),
+        (["--seed", "-1"], ["seed", "2**64"]),
     ],
 )
 def test_flags_beyond_the_machine_or_model(smollm2_gguf: Path, flags: list[str], needles):
@@ -215,6 +218,11 @@ def test_flags_beyond_the_machine_or_model(smollm2_gguf: Path, flags: list[str],
     result = dynalm("run", str(smollm2_gguf), "hi", *flags)
     assert_one_line_error(result, *needles)
     assert time.monotonic() - t0 < 60  # refused, not attempted
+
+
+def test_serve_refuses_bad_sizes_before_loading(smollm2_gguf: Path):
+    for size, needle in (("lots", "cannot read 'lots' as a size"), ("10", "under 1 KiB")):
+        assert_one_line_error(dynalm("serve", str(smollm2_gguf), "--max-body-size", size), needle)
 
 
 def test_prompt_that_is_not_utf8(smollm2_gguf: Path):

@@ -5,7 +5,6 @@ log."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -21,10 +20,10 @@ import httpx
 import openai
 
 from dynalm.core.device import CpuDevice
-from dynalm.models.loader import LoadedModel, load_model
+from dynalm.models.loader import LoadedModel
 from dynalm.runtime.asgi import MAX_BODY_BYTES
 from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, serve, url_of
+from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, url_of
 
 MODEL = "smollm2:135m"
 
@@ -113,22 +112,3 @@ def server_process(args: list[str], log: Path) -> Iterator[ServerProcess]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def main() -> None:
-    """`dynalm serve` with the server options the CLI does not offer yet (a short shutdown
-    grace for the SIGTERM test): ``python tests/serve/serving.py MODEL.gguf [options]``."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--ctx", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--shutdown-grace", type=float, default=30)
-    args = ap.parse_args()
-    model = load_model(args.model)
-    config = EngineConfig(ctx=args.ctx, max_num_seqs=args.max_num_seqs)
-    engine = Engine(model, CpuDevice(), config)
-    serve(engine, model, [args.model.stem], port=0, shutdown_grace_s=args.shutdown_grace)
-
-
-if __name__ == "__main__":
-    main()

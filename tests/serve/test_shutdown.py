@@ -16,8 +16,6 @@ from serving import server_process
 
 from dynalm.models.loader import LoadedModel
 
-SERVING = str(Path(__file__).with_name("serving.py"))
-
 
 def assert_refused_while_draining(url: str, body: dict) -> None:
     late = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
@@ -63,8 +61,9 @@ def test_sigterm_under_load_ends_every_stream(
 ) -> None:
     """8 long streams on 4 sequences (4 run, 4 wait); SIGTERM with a 2 s grace: every stream
     still ends with a final chunk (finish_reason "abort") and [DONE], nothing in the log."""
-    args = [SERVING, str(smollm2_gguf), "--ctx", "1024", "--max-num-seqs", "4"]
-    with server_process([*args, "--shutdown-grace", "2"], tmp_path / "stderr.txt") as server:
+    args = ["-m", "dynalm.cli", "serve", str(smollm2_gguf), "--port", "0", "--ctx", "1024"]
+    args += ["--max-num-seqs", "4", "--shutdown-grace", "2"]
+    with server_process(args, tmp_path / "stderr.txt") as server:
         no_eos = {str(t): -100 for t in smollm2.stop_token_ids}  # answers run until aborted
         body = {"prompt": "Once upon a time", "temperature": 0, "logit_bias": no_eos}
         streams: list[list[str]] = [[] for _ in range(8)]
