@@ -220,7 +220,7 @@ async def benchmark(url: str, args: argparse.Namespace) -> dict:
         sampling = {"temperature": temperature, "top_p": args.top_p}
         levels = []
         for concurrency in args.concurrency:
-            n = min(args.requests, max(4, 2 * concurrency))
+            n = min(args.requests, max(8, 4 * concurrency))
             level = await run_level(
                 client, concurrency, n, args.max_tokens, args.level_seconds, sampling
             )

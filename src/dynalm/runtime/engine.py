@@ -25,7 +25,7 @@ import numpy as np
 from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
 from dynalm.core.memory import trim_heap
-from dynalm.errors import EngineFailure, InvalidRequest, PromptTooLong, QueueFull
+from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
@@ -351,6 +351,11 @@ class Engine:
             return self.cache.evict(self.pool.n_pages)
 
 
+def _hand_over(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class AsyncEngine:
     """Runs ``Engine.step`` in a background thread while requests exist and streams each
     request's outputs to its asyncio consumer."""
@@ -374,20 +379,28 @@ class AsyncEngine:
                 continue
             try:
                 outputs: list[RequestOutput | BaseException] = list(self.engine.step())
-            except Exception:  # a bug in a step: fail every request, keep serving
+            except Exception as e:  # a failed step: fail every request, keep serving
                 log.exception("engine step failed")
                 for rid in self.engine.request_ids:
                     self.engine.abort(rid)
-                # logged once here; consumers get an error that shows no internals
-                outputs = [EngineFailure("the engine failed on this request (see the server log)")]
+                # logged once here; consumers get an error that shows no internals (a
+                # DynaError, such as non-finite logits, says what it is already)
+                outputs = [
+                    e
+                    if isinstance(e, DynaError)
+                    else EngineFailure("the engine failed on this request (see the server log)")
+                ]
+            # One hand-over per event loop and step, not one per output: each wakes the loop
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
             for out in outputs:
                 targets = (
                     list(self._consumers) if isinstance(out, BaseException) else [out.request_id]
                 )
-                consumer = [self._consumers.get(rid) for rid in targets]
-                for loop, queue in filter(None, consumer):
-                    with contextlib.suppress(RuntimeError):  # that event loop is closed
-                        loop.call_soon_threadsafe(queue.put_nowait, out)
+                for loop, queue in filter(None, map(self._consumers.get, targets)):
+                    by_loop.setdefault(loop, []).append((queue, out))
+            for loop, items in by_loop.items():
+                with contextlib.suppress(RuntimeError):  # that event loop is closed
+                    loop.call_soon_threadsafe(_hand_over, items)
 
     async def generate(
         self,

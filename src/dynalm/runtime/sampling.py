@@ -203,10 +203,11 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:
         else:
             plain.append(i)
     if plain:
-        rows = logits[plain]  # a copy, exponentiated in place
+        picked = logits[plain] if len(plain) < len(samplers) else logits
+        rows = picked - picked.max(axis=1, keepdims=True)  # a copy, exponentiated in place
         temperatures = np.array([[samplers[i].params.temperature] for i in plain], np.float32)
-        rows -= rows.max(axis=1, keepdims=True)
-        rows /= temperatures
+        if (temperatures != 1).any():  # OpenAI's default is 1: one pass fewer
+            rows /= temperatures
         np.exp(rows, out=rows)
         sums = np.add.reduceat(rows, np.arange(0, n_vocab, _BLOCK), axis=1)
         for row, i in enumerate(plain):
