@@ -119,11 +119,13 @@ async def run_level(
     max_tokens: int,
     seconds: float,
     sampling: dict | None = None,
+    first: int = 0,
 ) -> Level:
-    """``n_requests`` requests, ``concurrency`` at a time, none started after ``seconds``."""
+    """``n_requests`` requests, ``concurrency`` at a time, none started after ``seconds``;
+    questions numbered from ``first`` (a number asked before would hit the prefix cache)."""
     samples: list[Sample] = []
     errors: list[str] = []
-    counter = iter(range(n_requests))
+    counter = iter(range(first, first + n_requests))
     t0 = time.perf_counter()
 
     async def worker() -> None:
@@ -215,15 +217,16 @@ async def benchmark(url: str, args: argparse.Namespace) -> dict:
     models = (await probe.http.get("/v1/models")).json()["data"]
     client = Client(url, args.api_key, models[0]["id"])
     await client.chat(question(0), 4)  # warm-up: kernels compiled, first pages touched
-    settings = []
+    settings, asked = [], 1  # question 0 was the warm-up
     for temperature in args.temperature:
         sampling = {"temperature": temperature, "top_p": args.top_p}
         levels = []
         for concurrency in args.concurrency:
             n = min(args.requests, max(8, 4 * concurrency))
             level = await run_level(
-                client, concurrency, n, args.max_tokens, args.level_seconds, sampling
+                client, concurrency, n, args.max_tokens, args.level_seconds, sampling, asked
             )
+            asked += n
             levels.append(level)
             print(
                 f"  temperature {temperature}, concurrency {concurrency}: "
