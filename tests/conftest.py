@@ -16,18 +16,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Print the machine the numbers are measured on (even under -q): numeric budgets must
     hold on every CPU (AVX2, AVX-512 and AMX hosts sum in other orders), so a failure
     report should name the CPU."""
-    from dynalm.core import jit
+    from dynalm.kernel import backends
     from dynalm.show import cpu_description
 
     name, features = cpu_description()
     blas = os.environ.get("OPENBLAS_CORETYPE", "detected")
-    line = (
+    lines = [
         f"cpu: {name} ({' '.join(features) or 'no vector features detected'}); "
-        f"kernel isa {jit.host_features()['isa']}; OpenBLAS core {blas}"
-    )
+        f"OpenBLAS core {blas}",
+        f"kernel backends: {backends.select().name} selected; " + backends.coverage(),
+    ]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(line)
+        for line in lines:
+            reporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

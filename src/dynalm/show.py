@@ -5,9 +5,9 @@ from __future__ import annotations
 import platform
 from collections import Counter
 
-from dynalm.core import jit
 from dynalm.core.device import MODES, CpuDevice, physical_cores
 from dynalm.core.quant import QUANT_FORMATS, quant_format
+from dynalm.kernel import backends, jit
 from dynalm.models.loader import LoadedModel
 
 
@@ -87,12 +87,28 @@ def describe_system() -> str:
             "Kernels",
             f"  jit target          {host['cpu']} ({host['triple']}, llvmlite {host['llvmlite']})",
             f"  jit features        {' '.join(host['features']) or 'none'}",
-            f"  kernel isa          {host['isa']}",
+            *_backend_lines(),
             "  element-wise        jit: rms_norm rope swiglu geglu add (safe: numpy)",
             "",
             _matmul_table(),
         ]
     )
+
+
+def _backend_lines() -> list[str]:
+    """Each kernel backend: whether this host runs it, its width and int8 dot; the one
+    kernels are built for (``$DYNALM_ISA`` overrides the host's best)."""
+    try:
+        chosen = backends.select().name
+    except backends.BackendUnavailable as e:
+        chosen = f"none ({e})"
+    lines = [f"  kernel backend      {chosen}"]
+    for b in backends.BACKENDS:
+        caps = b.capabilities()
+        where = "native" if caps["runs_here"] else f"twin only (lacks {', '.join(caps['missing'])})"
+        width, dot = caps["fp32_lanes"], caps["int8_dot"]
+        lines.append(f"    {b.name:<16}  {width} fp32 lanes, int8 dot {dot}: {where}")
+    return lines
 
 
 def _matmul_table() -> str:

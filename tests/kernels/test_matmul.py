@@ -1,5 +1,11 @@
 """QuantMatmul against the numpy reference: dequantise (dynalm.core.quant), fp64 matmul.
 
+Every kernel backend (``dynalm.kernel.backends``) is checked: natively where this CPU has
+its instructions (a test per backend not runnable here is skipped naming the missing
+features), and always through its portable twin (same program and width, plain integer
+IR), so AVX-512 numerics are tested on an AVX2-only host too. ``auto`` kernels of every
+backend and twin give bitwise the same output (exact integer sums, same float order).
+
 Every supported format x mode x path (GEMV T=1, small batches, prefill-sized T) on shapes
 whose N is not a multiple of any tile. Legacy formats quantise random weights with gguf;
 K-quants (which gguf cannot quantise) are random valid blocks. Budgets: ``exact``, every
@@ -21,6 +27,7 @@ from gguf import quants
 from dynalm.core import elementwise, matmul, pool
 from dynalm.core.matmul import QuantMatmul
 from dynalm.core.quant import QK_K, dequantize, random_blocks
+from dynalm.kernel import backends, layouts
 from tolerances import sum_bound
 
 LEGACY = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -77,14 +84,46 @@ def test_matches_reference(ggml_type: T, mode: str, k: int) -> None:
         check(mm(x), raw, ggml_type, x, mode)
 
 
+# Each backend natively, and each one's portable twin.
+ALL_BACKENDS = [*backends.BACKENDS, *(b.twin() for b in backends.BACKENDS if b.native)]
+
+
+def runnable(backend: backends.Backend) -> backends.Backend:
+    missing = backend.missing()
+    if missing:
+        pytest.skip(f"{backend.name} not native here (CPU lacks {', '.join(missing)}): twin only")
+    return backend
+
+
 @pytest.mark.parametrize("mode", ["exact", "auto"])
-@pytest.mark.parametrize("ggml_type", [T.F16, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
-def test_portable_kernels(ggml_type: T, mode: str) -> None:
+@pytest.mark.parametrize(
+    "ggml_type", [T.F16, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K, T.Q4_K, T.Q2_K], ids=lambda t: t.name
+)
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
+def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> None:
     raw = weights(ggml_type, N, 768)
-    mm = QuantMatmul(raw, ggml_type, 768, mode=mode, isa="generic")
+    mm = QuantMatmul(raw, ggml_type, 768, mode=mode, backend=runnable(backend))
     for t_rows in (1, 8):
         x = activations(t_rows, 768)
         check(mm(x), raw, ggml_type, x, mode)
+
+
+@pytest.mark.parametrize(
+    "ggml_type",
+    [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K],
+    ids=lambda t: t.name,
+)
+def test_auto_backends_agree_bitwise(ggml_type: T) -> None:
+    """int8 sums are exact whatever the instructions (vpdpbusd into int32, vpmaddubsw pairs
+    into int16, widened IR), and each backend converts and scales them in one float order:
+    a backend (or its twin) never changes an auto result, so auto's validation holds for
+    all of them."""
+    raw = weights(ggml_type, N, 512)
+    x = activations(9, 512)
+    here = [b for b in ALL_BACKENDS if not b.missing()]
+    ys = [QuantMatmul(raw, ggml_type, 512, mode="auto", backend=b)(x) for b in here]
+    for b, y in zip(here[1:], ys[1:], strict=True):
+        assert np.array_equal(y, ys[0]), f"{b.name} differs from {here[0].name}"
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
@@ -171,12 +210,13 @@ def test_repack_in_chunks_equals_repack_at_once(
     raw = weights(ggml_type, N, 512)
     whole = QuantMatmul(raw, ggml_type, 512, mode=mode)
     released: list[tuple[int, int]] = []
-    monkeypatch.setattr(matmul, "_REPACK_CHUNK_BYTES", raw.shape[1])  # one group a chunk
+    monkeypatch.setattr(layouts, "_REPACK_CHUNK_BYTES", raw.shape[1])  # one group a chunk
     chunked = QuantMatmul(
         raw, ggml_type, 512, mode=mode, release_rows=lambda lo, hi: released.append((lo, hi))
     )
     assert np.array_equal(chunked._weights, whole._weights)
-    assert released == [(lo, min(lo + 8, N)) for lo in range(0, N, 8)]
+    group = whole._kernels.layout.rows
+    assert released == [(lo, min(lo + group, N)) for lo in range(0, N, group)]
     x = activations(3, 512)
     assert np.array_equal(chunked(x), whole(x))
 

@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING
 import llvmlite.ir as ir
 import numpy as np
 
-from dynalm.core import jit, pool
+from dynalm.core import pool
 from dynalm.core.buffers import check, require
 from dynalm.core.elementwise import exp, intrinsic, loop
+from dynalm.kernel import jit
 
 if TYPE_CHECKING:
     from dynalm.core.cpu_ops import AttentionBatch, KVStorage

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from dynalm.core import quant
 from dynalm.core.matmul import AUTO_VALIDATED, ActivationScratch, QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
+from dynalm.kernel import backends
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,15 @@ class CpuDevice:
             )
         self.mode = mode
         self.threads = threads or physical_cores()
+        try:  # the kernels' backend: the host's best, or $DYNALM_ISA's
+            self.backend = backends.select() if mode != "safe" else None
+        except backends.BackendUnavailable as e:
+            raise InvalidRequest(f"$DYNALM_ISA: {e}") from None
         self.repack_seconds = 0.0  # spent repacking weights for the JIT kernels (--verbose)
 
     def describe(self) -> str:
-        return f"cpu ({self.threads} threads, mode {self.mode})"
+        kernels = f", kernels {self.backend.name}" if self.backend else ""
+        return f"cpu ({self.threads} threads, mode {self.mode}{kernels})"
 
     def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
         """A small weight (norm scale, bias) as fp32."""
@@ -117,6 +123,7 @@ class CpuDevice:
                 n_cols,
                 mode=kernel.removeprefix("jit-"),
                 threads=self.threads,
+                backend=self.backend,
                 scratch=scratch,
                 release_rows=release_rows,
             )

@@ -1,7 +1,7 @@
 """Fused element-wise kernels (RMSNorm, RoPE, SwiGLU / GeGLU, add) as JIT-compiled LLVM IR.
 
 The IR is generated from Python with ``llvmlite.ir`` and compiled for the host by
-``core.jit`` (on-disk object cache). Each kernel is specialised on its constant shapes
+``kernel.jit`` (on-disk object cache). Each kernel is specialised on its constant shapes
 (row width, head size, eps, rope layout) and written as explicit 8-lane vector loops
 plus a 1-lane tail, so odd sizes work and nothing depends on the auto-vectoriser
 (which would give up on in-place calls such as ``out += residual``).
@@ -26,8 +26,9 @@ from collections.abc import Callable
 import llvmlite.ir as ir
 import numpy as np
 
-from dynalm.core import jit, pool
+from dynalm.core import pool
 from dynalm.core.buffers import check, require
+from dynalm.kernel import jit
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)

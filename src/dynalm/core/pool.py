@@ -25,8 +25,8 @@ from functools import cache
 import llvmlite.binding as llvm
 import numpy as np
 
-from dynalm.core import jit
 from dynalm.core.buffers import require
+from dynalm.kernel import jit
 
 # futex(2) syscall number per machine; FUTEX_WAIT_PRIVATE = 128, FUTEX_WAKE_PRIVATE = 129.
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}

@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from dynalm.errors import UnsupportedModel
+from dynalm.kernel.gguf_blocks import bit_fields, f16_field, k_scales_mins
 
 QK_K = 256  # elements per K-quant super-block
 
@@ -44,35 +45,6 @@ class QuantFormat:
 # --- shared helpers ---------------------------------------------------------------
 
 
-def _f16(b: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 field at byte ``at`` of each block, as float32 [n, 1]."""
-    return np.ascontiguousarray(b[:, at : at + 2]).view("<f2").astype(np.float32)
-
-
-def _bits(x: np.ndarray, width: int) -> np.ndarray:
-    """Split each byte of ``x [..., k]`` into ``width``-bit fields, lowest field first.
-
-    Returns ``[..., (8 // width) * k]`` where element ``s * k + j`` is field ``s``
-    of byte ``j`` (for width 4: all low nibbles, then all high nibbles).
-    """
-    shifts = np.arange(0, 8, width, dtype=np.uint8)[:, None]
-    fields = (x[..., None, :] >> shifts) & np.uint8((1 << width) - 1)
-    return fields.reshape(*x.shape[:-1], -1)
-
-
-def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: eight 6-bit (scale, min) pairs packed in 12 bytes, as float32 [n, 8].
-
-    Bytes 0-3 hold scales 0-3 in bits 0-5; bytes 4-7 hold mins 0-3 likewise. Pairs
-    4-7 take their low 4 bits from bytes 8-11 (scale: low nibble, min: high nibble)
-    and their top 2 bits from bits 6-7 of bytes 0-3 (scales) and 4-7 (mins).
-    """
-    lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    scales = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 6) << 4)], axis=1)
-    mins = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 6) << 4)], axis=1)
-    return scales.astype(np.float32), mins.astype(np.float32)
-
-
 def _q5_high_bits(b: np.ndarray, at: int) -> np.ndarray:
     """Q5_0/Q5_1: the 32 fifth bits (a little-endian u32 at ``at``) as uint8 [n, 32]."""
     return np.unpackbits(b[:, at : at + 4], axis=1, bitorder="little") << np.uint8(4)
@@ -96,30 +68,30 @@ def _deq_bf16(b: np.ndarray) -> np.ndarray:
 
 def _deq_q4_0(b: np.ndarray) -> np.ndarray:
     # fp16 d | 16 B nibbles (x[j] = low nibble of byte j, x[j+16] = high nibble); (q-8)*d
-    q = _bits(b[:, 2:18], 4).astype(np.float32) - 8
-    return _f16(b, 0) * q
+    q = bit_fields(b[:, 2:18], 4).astype(np.float32) - 8
+    return f16_field(b, 0) * q
 
 
 def _deq_q4_1(b: np.ndarray) -> np.ndarray:
     # fp16 d | fp16 m | 16 B nibbles as in Q4_0; q*d + m
-    return _f16(b, 0) * _bits(b[:, 4:20], 4).astype(np.float32) + _f16(b, 2)
+    return f16_field(b, 0) * bit_fields(b[:, 4:20], 4).astype(np.float32) + f16_field(b, 2)
 
 
 def _deq_q5_0(b: np.ndarray) -> np.ndarray:
     # fp16 d | u32 fifth bits (bit j for x[j]) | 16 B nibbles as in Q4_0; (q-16)*d
-    q = (_bits(b[:, 6:22], 4) | _q5_high_bits(b, 2)).astype(np.float32) - 16
-    return _f16(b, 0) * q
+    q = (bit_fields(b[:, 6:22], 4) | _q5_high_bits(b, 2)).astype(np.float32) - 16
+    return f16_field(b, 0) * q
 
 
 def _deq_q5_1(b: np.ndarray) -> np.ndarray:
     # fp16 d | fp16 m | u32 fifth bits | 16 B nibbles; q*d + m
-    q = (_bits(b[:, 8:24], 4) | _q5_high_bits(b, 4)).astype(np.float32)
-    return _f16(b, 0) * q + _f16(b, 2)
+    q = (bit_fields(b[:, 8:24], 4) | _q5_high_bits(b, 4)).astype(np.float32)
+    return f16_field(b, 0) * q + f16_field(b, 2)
 
 
 def _deq_q8_0(b: np.ndarray) -> np.ndarray:
     # fp16 d | 32 x int8; q*d
-    return _f16(b, 0) * b[:, 2:34].view(np.int8).astype(np.float32)
+    return f16_field(b, 0) * b[:, 2:34].view(np.int8).astype(np.float32)
 
 
 def _deq_q2_k(b: np.ndarray) -> np.ndarray:
@@ -128,9 +100,9 @@ def _deq_q2_k(b: np.ndarray) -> np.ndarray:
     # fp16 d | fp16 dmin;  x = d*scale*q - dmin*min
     n = len(b)
     sc = b[:, 0:16]
-    q = _bits(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16).astype(np.float32)
-    dl = (_f16(b, 80) * (sc & 0x0F).astype(np.float32))[:, :, None]
-    ml = (_f16(b, 82) * (sc >> 4).astype(np.float32))[:, :, None]
+    q = bit_fields(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16).astype(np.float32)
+    dl = (f16_field(b, 80) * (sc & 0x0F).astype(np.float32))[:, :, None]
+    ml = (f16_field(b, 82) * (sc >> 4).astype(np.float32))[:, :, None]
     return (dl * q - ml).reshape(n, QK_K)
 
 
@@ -140,11 +112,11 @@ def _deq_q3_k(b: np.ndarray) -> np.ndarray:
     # top 2 bits: 2-bit fields of bytes 8-11) | fp16 d;
     # x = d*(scale-32)*(q - (high bit clear ? 4 : 0))
     n = len(b)
-    low = _bits(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, QK_K)
-    minus4 = (_bits(b[:, 0:32], 1) ^ np.uint8(1)) << np.uint8(2)
+    low = bit_fields(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, QK_K)
+    minus4 = (bit_fields(b[:, 0:32], 1) ^ np.uint8(1)) << np.uint8(2)
     q = (low.astype(np.float32) - minus4.astype(np.float32)).reshape(n, 16, 16)
-    sc = _bits(b[:, 96:104], 4) | (_bits(b[:, 104:108], 2) << np.uint8(4))
-    dl = (_f16(b, 108) * (sc.astype(np.float32) - 32))[:, :, None]
+    sc = bit_fields(b[:, 96:104], 4) | (bit_fields(b[:, 104:108], 2) << np.uint8(4))
+    dl = (f16_field(b, 108) * (sc.astype(np.float32) - 32))[:, :, None]
     return (dl * q).reshape(n, QK_K)
 
 
@@ -153,10 +125,10 @@ def _deq_q4_k(b: np.ndarray) -> np.ndarray:
     # each 64 elements (low nibbles, then high); 8 sub-blocks of 32;
     # x = d*scale*q - dmin*min
     n = len(b)
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    q = _bits(b[:, 16:144].reshape(n, 4, 32), 4).reshape(n, 8, 32).astype(np.float32)
-    dl = (_f16(b, 0) * scales)[:, :, None]
-    ml = (_f16(b, 2) * mins)[:, :, None]
+    scales, mins = k_scales_mins(b[:, 4:16])
+    q = bit_fields(b[:, 16:144].reshape(n, 4, 32), 4).reshape(n, 8, 32).astype(np.float32)
+    dl = (f16_field(b, 0) * scales)[:, :, None]
+    ml = (f16_field(b, 2) * mins)[:, :, None]
     return (dl * q - ml).reshape(n, QK_K)
 
 
@@ -164,11 +136,11 @@ def _deq_q5_k(b: np.ndarray) -> np.ndarray:
     # fp16 d | fp16 dmin | 12 B 6-bit scales/mins | 32 B fifth bits (x[32*s + l] = bit s
     # of byte l) | 128 B nibbles as in Q4_K;  x = d*scale*q - dmin*min
     n = len(b)
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    low = _bits(b[:, 48:176].reshape(n, 4, 32), 4).reshape(n, QK_K)
-    q = (low | (_bits(b[:, 16:48], 1) << np.uint8(4))).reshape(n, 8, 32).astype(np.float32)
-    dl = (_f16(b, 0) * scales)[:, :, None]
-    ml = (_f16(b, 2) * mins)[:, :, None]
+    scales, mins = k_scales_mins(b[:, 4:16])
+    low = bit_fields(b[:, 48:176].reshape(n, 4, 32), 4).reshape(n, QK_K)
+    q = (low | (bit_fields(b[:, 16:48], 1) << np.uint8(4))).reshape(n, 8, 32).astype(np.float32)
+    dl = (f16_field(b, 0) * scales)[:, :, None]
+    ml = (f16_field(b, 2) * mins)[:, :, None]
     return (dl * q - ml).reshape(n, QK_K)
 
 
@@ -177,10 +149,10 @@ def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     # 64 B top 2 bits (two halves of 32 B; x[32*s + l] = bits 2s of byte l) |
     # 16 x int8 scales (one per 16 elements) | fp16 d;  x = d*scale*(q-32)
     n = len(b)
-    low = _bits(b[:, 0:128].reshape(n, 2, 64), 4).reshape(n, QK_K)
-    high = _bits(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, QK_K)
+    low = bit_fields(b[:, 0:128].reshape(n, 2, 64), 4).reshape(n, QK_K)
+    high = bit_fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, QK_K)
     q = (low | (high << np.uint8(4))).astype(np.float32).reshape(n, 16, 16) - 32
-    dl = (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
+    dl = (f16_field(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
     return (dl * q).reshape(n, QK_K)
 
 

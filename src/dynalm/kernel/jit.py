@@ -1,12 +1,13 @@
 """The LLVM JIT: host detection, compile-and-cache of generated IR, callable function pointers.
 
-Kernels are generated in Python as LLVM IR text, compiled for the host CPU (its name and
-feature flags, opt level 3) and loaded into one process-wide MCJIT engine. Compiled object
-code is kept on disk under ``$DYNALM_CACHE/jit`` (default ``~/.cache/dynalm/jit``), keyed by
-the IR text, the CPU name, its features and the llvmlite version, so a second process skips
-LLVM entirely; the IR text is stored beside each object for debugging.
+Kernel programs (``kernel.lang``) are lowered by a backend to LLVM IR text, compiled for
+the host CPU (its name and feature flags, opt level 3) and loaded into one process-wide
+MCJIT engine. Compiled object code is kept on disk under ``$DYNALM_CACHE/jit`` (default
+``~/.cache/dynalm/jit``), keyed by the IR text, the CPU name, its features and the
+llvmlite version, so a second process skips LLVM entirely; the IR text is stored beside
+each object for debugging.
 
-This module and ``core`` are the only places that deal in raw addresses.
+This module, the kernel bindings and ``core`` are the only places that deal in raw addresses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -35,6 +37,8 @@ _REPORTED = (
     "avx512vl",
     "avx512vnni",
     "avxvnni",
+    "amx-tile",
+    "amx-int8",
     "neon",
     "dotprod",
 )
@@ -54,16 +58,24 @@ def _target_machine() -> llvm.TargetMachine:
 
 
 @cache
-def host_features() -> dict[str, object]:
-    """The host as the JIT sees it: CPU name, triple, kernel ISA and the relevant features."""
+def host_flags() -> dict[str, bool]:
+    """The host's LLVM feature flags ("avx2": True, ...)."""
     _target_machine()
-    flags = llvm.get_host_cpu_features()
-    have = sorted(f for f in _REPORTED if flags.get(f, False))
+    return dict(llvm.get_host_cpu_features())
+
+
+def triple() -> str:
+    return llvm.get_process_triple()
+
+
+@cache
+def host_features() -> dict[str, object]:
+    """The host as the JIT sees it: CPU name, triple and the features kernels choose by."""
+    flags = host_flags()
     return {
         "cpu": llvm.get_host_cpu_name(),
-        "triple": llvm.get_process_triple(),
-        "isa": "avx2" if {"avx2", "fma", "f16c"} <= set(have) else "generic",
-        "features": have,
+        "triple": triple(),
+        "features": sorted(f for f in _REPORTED if flags.get(f, False)),
         "llvmlite": llvmlite.__version__,
     }
 
@@ -89,10 +101,11 @@ class _Engine:
         )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def _object_code(self, ir: str, key: str) -> bytes:
+    def _object_code(self, ir: str, key: str) -> tuple[bytes, bool]:
+        """The module's object code, and whether it had to be compiled (not cached)."""
         path = cache_dir() / f"{key}.o"
         try:
-            return path.read_bytes()
+            return path.read_bytes(), False
         except OSError:
             pass
         mod = llvm.parse_assembly(ir)
@@ -104,7 +117,7 @@ class _Engine:
         pb.getModulePassManager().run(mod, pb)
         obj = self._tm.emit_object(mod)
         self._store(path, obj, ir)
-        return obj
+        return obj, True
 
     @staticmethod
     def _store(path: Path, obj: bytes, ir: str) -> None:
@@ -119,11 +132,15 @@ class _Engine:
         except OSError:
             pass  # a read-only cache only costs compile time
 
-    def compile(self, ir: str, names: Sequence[str]) -> dict[str, int]:
+    def compile(self, ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
         key = self._key(ir)
+        seconds = 0.0
         with self._lock:
             if key not in self._loaded:
-                obj = self._object_code(ir, key)
+                t0 = time.perf_counter()
+                obj, compiled = self._object_code(ir, key)
+                if compiled:
+                    seconds = time.perf_counter() - t0
                 self._ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
                 self._ee.finalize_object()
                 self._loaded[key] = {}
@@ -133,7 +150,7 @@ class _Engine:
                     addrs[name] = self._ee.get_function_address(name)
                     if not addrs[name]:
                         raise LookupError(f"JIT module has no function {name!r}")
-            return {name: addrs[name] for name in names}
+            return {name: addrs[name] for name in names}, seconds
 
 
 @cache
@@ -141,13 +158,18 @@ def _engine() -> _Engine:
     return _Engine()
 
 
-def compile_ir(ir: str, names: Sequence[str]) -> dict[str, int]:
-    """Compile (or load from the disk cache) an IR module; return its functions' addresses.
+def compile_module(ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
+    """Compile (or load from the disk cache) an IR module: its functions' addresses, and
+    the seconds LLVM took (0.0 when the object code came from the cache or was loaded).
 
     Function names must be unique across all modules of the process (include a hash of the
     generating parameters in them).
     """
     return _engine().compile(ir, names)
+
+
+def compile_ir(ir: str, names: Sequence[str]) -> dict[str, int]:
+    return compile_module(ir, names)[0]
 
 
 def cfunc(address: int, restype: type | None, *argtypes: type) -> ctypes._CFuncPtr:

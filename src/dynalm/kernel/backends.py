@@ -1,0 +1,213 @@
+"""Backends: how a kernel program becomes machine code for one target.
+
+A backend is ``name``, ``capabilities()`` and ``lower(program, spec) -> Executable``. It
+fixes the vector width programs are written for (``lanes`` fp32 lanes) and lowers the
+ISA-dependent primitives of ``kernel.lang``:
+
+==============  =====  ===========================================  =====================
+backend         lanes  int8 dot (u8 x s8, 4 products per i32 lane)  needs (LLVM features)
+==============  =====  ===========================================  =====================
+x86-avx512      16     ``vpdpbusd`` (AVX-512 VNNI)                   avx512f/bw/vl/vnni
+x86-avx2        8      ``vpmaddubsw`` + ``vpmaddwd``                 avx2, fma, f16c
+generic         8      widened integer IR (any LLVM target)          --
+==============  =====  ===========================================  =====================
+
+Every backend has a *portable twin* (``backend.twin()``): the same program at the same
+width with the primitives written as plain integer IR. Integer sums are exact, so a twin
+computes bitwise what its backend computes; the tests run each backend's twin on any
+host and the native instructions where the host has them.
+
+Selection (``select``) takes the best backend the host supports, or the one named by
+``$DYNALM_ISA`` (``avx512``, ``avx2``, ``generic``) -- refused, naming the missing
+features, where the host cannot run it natively.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+
+import llvmlite.ir as ir
+
+from dynalm.kernel import jit
+from dynalm.kernel.lang import I16, I32, Kernel, Module, const, vec
+
+Spec = Mapping[str, object]  # the values a program is specialised on (shapes, format, ...)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A kernel program: ``build(module, **spec)`` adds its functions to ``module``."""
+
+    name: str
+    build: Callable[..., None]
+
+
+@dataclass(frozen=True)
+class Executable:
+    """A lowered program: its exported functions' addresses (by name, without the
+    module's prefix), and how long lowering took (0 when loaded from the disk cache)."""
+
+    addresses: dict[str, int]
+    compile_seconds: float
+
+    def cfunc(self, name: str, *argtypes: type) -> ctypes._CFuncPtr:
+        return jit.cfunc(self.addresses[name], None, *argtypes)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    isa: str  # the short name ``$DYNALM_ISA`` takes
+    lanes: int
+    requires: tuple[str, ...] = ()
+    int8_dot: str = "widened integer IR"
+    accumulate: str = "int16"  # where auto kernels sum byte products: "int16" pairs or "int32"
+    native: bool = True
+    _lowered: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def capabilities(self) -> dict[str, object]:
+        missing = self.missing()
+        return {
+            "backend": self.name,
+            "fp32_lanes": self.lanes,
+            "int8_dot": self.int8_dot if self.native else "widened integer IR (twin)",
+            "native": self.native,
+            "runs_here": not missing,
+            "missing": missing,
+        }
+
+    def missing(self) -> list[str]:
+        """Host features this backend's native instructions need and the host lacks."""
+        if not self.native:
+            return []
+        have = jit.host_flags()
+        return [f for f in self.requires if not have.get(f, False)]
+
+    def twin(self) -> Backend:
+        """The same width with portable primitives: same integer sums, any host."""
+        return Backend(
+            f"{self.name}-twin", self.isa, self.lanes, accumulate=self.accumulate, native=False
+        )
+
+    def lower(self, program: Program, spec: Spec) -> Executable:
+        """Build ``program`` for this backend, specialised on ``spec``; compile (or load
+        from the disk cache) once per process."""
+        key = (program.name, tuple(sorted(spec.items())))
+        done = self._lowered.get(key)
+        if done is not None:
+            return done
+        tag = hashlib.sha256(repr((self.name, key)).encode()).hexdigest()[:12]
+        prefix = f"dynalm_{program.name}_{tag}"
+        module = Module(prefix, self, jit.triple())
+        program.build(module, **spec)
+        addresses, seconds = jit.compile_module(module.text(), module.names)
+        short = {
+            n.removeprefix(prefix + "_") if n != prefix else "": a for n, a in addresses.items()
+        }
+        done = self._lowered[key] = Executable(short, seconds)
+        return done
+
+    # -- the ISA-dependent primitives ---------------------------------------------------
+    def _x86(self) -> str | None:
+        """The intrinsic family to use: "avx2", "avx512" or None (portable IR)."""
+        return self.isa if self.native and self.isa in ("avx2", "avx512") else None
+
+    def pair_products(self, k: Kernel, u: ir.Value, s: ir.Value) -> ir.Value:
+        """Unsigned bytes ``u`` times signed bytes ``s``, adjacent products summed to
+        int16 (the caller keeps the sums far from saturation)."""
+        n = u.type.count
+        isa = self._x86()
+        if isa:
+            name = (
+                "llvm.x86.avx2.pmadd.ub.sw" if isa == "avx2" else "llvm.x86.avx512.pmaddubs.w.512"
+            )
+            return k.call(name, vec(I16, n // 2), u, s)
+        prod = k.b.mul(k.convert(u, I16, signed=False), k.convert(s, I16))
+        return k.b.add(k.shuffle(prod, range(0, n, 2)), k.shuffle(prod, range(1, n, 2)))
+
+    def pair_sums(self, k: Kernel, v: ir.Value) -> ir.Value:
+        """int16 lanes -> int32, adjacent lanes summed."""
+        n = v.type.count
+        isa = self._x86()
+        if isa:
+            name = "llvm.x86.avx2.pmadd.wd" if isa == "avx2" else "llvm.x86.avx512.pmaddw.d.512"
+            return k.call(name, vec(I32, n // 2), v, const(v.type, 1))
+        wide = k.convert(v, I32)
+        return k.b.add(k.shuffle(wide, range(0, n, 2)), k.shuffle(wide, range(1, n, 2)))
+
+    def dot_u8s8(self, k: Kernel, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
+        """``acc`` (int32 lanes) plus, per lane, the sum of its 4 ``u`` x ``s`` byte
+        products, exactly (``vpdpbusd``)."""
+        n = acc.type.count
+        if self._x86() == "avx512":
+            args = [k.bitcast(x, vec(I32, n)) for x in (u, s)]
+            return k.call("llvm.x86.avx512.vpdpbusd.512", acc.type, acc, *args)
+        if self._x86() == "avx2":  # exact while u <= 128: two products < 2**15 per int16
+            return k.b.add(acc, self.pair_sums(k, self.pair_products(k, u, s)))
+        prod = k.b.mul(k.convert(u, I32, signed=False), k.convert(s, I32))
+        quads = [k.shuffle(prod, range(c, 4 * n, 4)) for c in range(4)]
+        return k.b.add(acc, k.b.add(k.b.add(quads[0], quads[1]), k.b.add(quads[2], quads[3])))
+
+    def sign_of(self, k: Kernel, x: ir.Value, q: ir.Value) -> ir.Value:
+        """``x`` negated where ``q < 0`` and zeroed where ``q == 0`` (``|q| * result ==
+        q * x``: a signed weight's sign moves onto the activation, as the unsigned-by-
+        signed byte products want)."""
+        if self._x86() == "avx2":
+            return k.call("llvm.x86.avx2.psign.b", x.type, x, q)
+        zero = ir.Constant(x.type, None)
+        flipped = k.b.select(k.b.icmp_signed("<", q, zero), k.b.sub(zero, x), x)
+        return k.b.select(k.b.icmp_signed("==", q, zero), zero, flipped)
+
+
+AVX512 = Backend(
+    "x86-avx512",
+    "avx512",
+    16,
+    ("avx512f", "avx512bw", "avx512vl", "avx512vnni"),
+    "vpdpbusd",
+    accumulate="int32",
+)
+AVX2 = Backend("x86-avx2", "avx2", 8, ("avx2", "fma", "f16c"), "vpmaddubsw + vpmaddwd")
+GENERIC = Backend("generic", "generic", 8)
+BACKENDS = (AVX512, AVX2, GENERIC)  # best first
+BY_ISA = {b.isa: b for b in BACKENDS}
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def by_name(isa: str) -> Backend:
+    """The backend ``isa`` names ("avx512", "avx2", "generic"), checked against the host."""
+    if isa not in BY_ISA:
+        raise BackendUnavailable(f"unknown kernel ISA {isa!r} (choose from {', '.join(BY_ISA)})")
+    backend = BY_ISA[isa]
+    missing = backend.missing()
+    if missing:
+        raise BackendUnavailable(f"kernel ISA {isa}: this CPU lacks {', '.join(missing)}")
+    return backend
+
+
+@cache
+def host_best() -> Backend:
+    """The widest backend this host runs natively."""
+    return next(b for b in BACKENDS if not b.missing())
+
+
+def select() -> Backend:
+    """The backend kernels are built for: ``$DYNALM_ISA`` if set, else the host's best."""
+    isa = os.environ.get("DYNALM_ISA", "").strip()
+    return by_name(isa) if isa else host_best()
+
+
+def coverage() -> str:
+    """Which backends run natively here and which only through their twins, and why."""
+    native = [b.name for b in BACKENDS if not b.missing()]
+    twins = [f"{b.name} (lacks {', '.join(b.missing())})" for b in BACKENDS if b.missing()]
+    text = f"native: {', '.join(native)}"
+    return text + (f"; twin only: {'; '.join(twins)}" if twins else "")

@@ -1,0 +1,444 @@
+"""Quantised matmul programs ``y[T, N] = x[T, K] @ W[N, K]^T``, one pattern per mode over
+the per-format unpacks of ``kernel.formats``.
+
+* ``exact`` -- fp32 activations and fp32 FMAs (the accuracy contract). A block's
+  ``(q + offset) * x`` is summed first and ``d`` applied once, and a min per block as
+  ``m * sum(x)`` (``d`` and ``m`` factor out; fewer multiplies); only Q2_K's per-16 mins
+  dequantise each weight in registers. A register tile of ``mr`` activation rows x ``nr``
+  weight rows with accumulators of the backend's width, over ``RowLayout`` weights.
+* ``auto`` -- activations quantised per 32-block to int8 (two scales ``dx`` per block and
+  ``dx * sum(q)``, like ggml's Q8_1) and integer dot products: one fp32 lane per weight row
+  over ``LaneLayout`` weights, so one byte-dot against 4 broadcast activation bytes serves
+  a whole register of rows. On AVX-512 VNNI a chunk is one ``vpdpbusd`` into int32
+  accumulators; elsewhere products are summed in int16 (``Unpack.bound`` says how many
+  stay exact) and widened once. Either way the integer sums are exact and identical, and
+  are converted and scaled in the same float order: every backend's auto kernel gives
+  bitwise the same ``y``. Float weights and Q2_K (a min per 16 weights) use ``exact``.
+
+One pattern per mode serves every batch size: the activation rows walked in L1/L2-sized
+chunks, ``T < mr`` by a GEMV variant (``mr = 1``, weights prefetched). Tiles over the
+edge of the matrix repeat its last row instead of needing remainder variants (less code,
+faster compiles). Every output sums in the same order whatever the tile, so rows are
+bitwise independent of the batch.
+
+Kernel signature: ``void f(i64 *args, i64 lo, i64 hi)`` over weight rows ``[lo, hi)`` (the
+quantiser: activation rows), so ``core.pool`` can hand out chunks of rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import llvmlite.ir as ir
+
+from dynalm.kernel.backends import Backend, Program
+from dynalm.kernel.formats import QK, UNPACKS, Unpack, byte_lanes, nibbles
+from dynalm.kernel.lang import F32, I8, I32, I64, PTR, Kernel, Module, const, vec
+from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
+
+# Argument block words (one int64 array per call site).
+A_W, A_X, A_XD, A_XS, A_Y, A_T, A_NB, A_LDY = range(8)
+N_ARGS = 8
+_PARAMS = (PTR, I64, I64)
+ROWS = 4  # weight rows interleaved in memory for exact tiles: one stream per thread
+
+# Activation scale groups: elements whose index // 4 is even, then odd. They match the
+# auto kernels' chunks (chunk j is elements 4j..4j+3, in group j % 2), so each chunk's
+# products take one scale, and halve the rounding error of one scale per 32 (outliers hurt
+# one group).
+X_GROUPS = [[e for e in range(QK) if e // 4 % 2 == k] for k in (0, 1)]
+
+
+@dataclass(frozen=True)
+class Shape:
+    mr: int  # activation rows per register tile
+    nr: int  # weight rows per register tile (auto: the backend's lanes)
+    tc: int  # activation rows per cache chunk
+    pf: int = 0  # prefetch weights this many bytes ahead (0: none)
+
+
+# GEMV streams weights from memory: prefetching 8 KB ahead measured 1.4x (auto Q4_1) to
+# 1.9x (exact Q8_0) on a decode step's 66 MB of layer weights. GEMM: 4 KB ahead measured
+# 1.1-1.2x at T = 4..8 for auto; for exact 1.2-1.4x at T = 4..8 but 0.7x at T = 512 (off).
+def shapes(mode: str, lanes: int) -> tuple[Shape, Shape]:
+    """(GEMV, GEMM) tiles of a mode for a backend of ``lanes`` fp32 lanes."""
+    if mode == "exact":
+        return Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=4, nr=2, tc=32)
+    return Shape(mr=1, nr=lanes, tc=64, pf=8192), Shape(mr=4, nr=lanes, tc=64, pf=4096)
+
+
+def layout(mode: str, lanes: int) -> Layout:
+    return LaneLayout(lanes) if mode == "auto" else RowLayout(ROWS)
+
+
+class _Args:
+    """The argument block's words as values (pointers where they are addresses)."""
+
+    def __init__(self, k: Kernel) -> None:
+        words = k.words(k.args[0], N_ARGS)
+        self.t_rows, self.nb, self.ldy = words[A_T], words[A_NB], words[A_LDY]
+        self.w, self.x, self.xd, self.xs, self.y = (
+            k.pointer(words[i]) for i in (A_W, A_X, A_XD, A_XS, A_Y)
+        )
+
+
+def _clamped(k: Kernel, first: ir.Value, count: int, last: ir.Value) -> list[ir.Value]:
+    """Rows ``first .. first+count`` capped at ``last``: a tile over the edge repeats the
+    last row (same values stored twice) instead of needing remainder variants."""
+    return [first] + [k.smin(k.add(first, i), last) for i in range(1, count)]
+
+
+def _walk(
+    k: Kernel, s: Shape, t_rows: ir.Value, tile: Callable[[ir.Value, ir.Value], None]
+) -> None:
+    """Call ``tile(t, n)`` over activation chunks of ``s.tc`` rows, in each the weight rows
+    ``[lo, hi)`` ``s.nr`` at a time, in each the chunk's rows ``s.mr`` at a time."""
+    lo, hi = k.args[1], k.args[2]
+
+    def chunk(t0: ir.Value) -> None:
+        t_next = k.add(t0, s.tc)
+        t_end = k.select(k.lt(t_next, t_rows), t_next, t_rows)
+        k.loop(
+            lo,
+            hi,
+            s.nr,
+            lambda n: k.loop(t0, t_end, s.mr, lambda t: tile(t, n), partial=True),
+            partial=True,
+        )
+
+    k.loop(0, t_rows, s.tc, chunk, partial=True)
+
+
+def _scales(k: Kernel, u: Unpack, at: ir.Value, n: int, offset: int = 0) -> ir.Value:
+    """``n`` weight scales at ``at + offset`` as ``<n x float>``."""
+    return k.convert(k.load(vec(u.scale_type, n), at, offset), F32)
+
+
+def _integers(k: Kernel, u: Unpack, q: ir.Value) -> ir.Value:
+    """Integer lanes -> ``q + offset`` as fp32 (small integers: exact)."""
+    qf = k.convert(q, F32, signed=u.kind == "s8")
+    return k.add(qf, float(u.offset)) if u.offset else qf
+
+
+def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
+    """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles and
+    bytes widen from memory 8 at a time (``vpmovzxbd`` / ``vpmovsxbd`` loads), which
+    costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``."""
+    if u.lanes not in (nibbles, byte_lanes):
+        return _integers(k, u, u.lanes(k, p))
+    signed = u.kind == "s8"
+    if u.lanes is byte_lanes:
+        ints = [
+            k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=signed) for at in (0, 8, 16, 24)
+        ]
+    else:  # byte k holds elements k (low nibble) and k + 16 (high)
+        wide = [k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8)]
+        ints = [k.and_(w, 15) for w in wide] + [k.lshr(w, 4) for w in wide]
+    parts = [k.convert(v, F32, signed=signed) for v in ints]
+    if u.offset:
+        parts = [k.add(v, float(u.offset)) for v in parts]
+    return k.concat(parts)
+
+
+def _exact(k: Kernel, u: Unpack, s: Shape) -> None:
+    """``exact``: one matmul function over weight rows ``[lo, hi)`` and all T activation
+    rows, fp32 activations, weights dequantised in registers."""
+    a = _Args(k)
+    aw = k.target.lanes  # fp32 lanes per accumulator
+    acc_ty = vec(F32, aw)
+    zero = ir.Constant(acc_ty, None)
+    x_block = QK * 4  # bytes of one activation block
+    h = u.halves
+    n_last, t_last = k.add(k.args[2], -1), k.add(a.t_rows, -1)
+    group_bytes = ROWS * u.block_bytes
+    factored = u.has_min and h == 1  # a min per block factors out like d (see below)
+
+    def per_lane(v: ir.Value, n: int, b: int) -> ir.Value:
+        """Block ``b``'s scale(s) of a ``<n x float>`` of ``h`` per block, over 32 lanes
+        (with two per block, the first 16 lanes take the first)."""
+        return k.shuffle(v, [b * h + lane * h // 32 for lane in range(32)])
+
+    def tile(t: ir.Value, n: ir.Value) -> None:
+        mr, nr = s.mr, s.nr
+        accs = [[k.var(zero) for _ in range(nr)] for _ in range(mr)]
+        w_rows = _clamped(k, n, nr, n_last)
+        x_rows = _clamped(k, t, mr, t_last)
+        # Row r lives in row group r // ROWS at slot r % ROWS (see ``RowLayout``).
+        row_bytes = k.mul(a.nb, u.block_bytes)
+        w_group = [k.at(a.w, k.mul(k.and_(r, -ROWS), row_bytes)) for r in w_rows]
+        w_slot = [k.and_(r, ROWS - 1) for r in w_rows]
+        x_off = [k.mul(k.mul(r, a.nb), x_block) for r in x_rows]
+
+        def group(kb: ir.Value, g: int) -> None:
+            """Blocks kb .. kb+g of the tile; scales are loaded and converted g at a time."""
+            w_at, dw, mw = [], [], []
+            record = k.mul(kb, group_bytes)
+            for j in range(nr):
+                base = k.at(w_group[j], record)
+                w_at.append(
+                    {
+                        f: k.at(base, k.add(k.mul(w_slot[j], g * size), ROWS * g * at_f))
+                        for f, size, at_f in u.fields
+                    }
+                )
+                if s.pf and j == 0:
+                    k.prefetch(base, s.pf, g * group_bytes)
+                if u.has_scale:
+                    dw.append(_scales(k, u, w_at[j]["d"], g * h))
+                    mw.append(_scales(k, u, w_at[j]["m"], g * h) if u.has_min else None)
+            xk = [k.add(o, k.mul(kb, x_block)) for o in x_off]
+            for b in range(g):
+                # Each block unpacked where it is used (unpacking all g up front keeps too
+                # many registers live).
+                planes = [{f: k.at(p, b * u.size(f)) for f, p in at.items()} for at in w_at]
+                xs = []
+                for i in range(mr):
+                    xv = k.load(vec(F32, 32), a.x, k.add(xk[i], b * x_block))
+                    xs.append([k.part(xv, c, aw) for c in range(0, 32, aw)])
+                # sum(w x) = d sum(q x) + m sum(x): two FMAs per block instead of
+                # dequantising every weight (~15 % faster GEMV).
+                xsum = [k.total(xs[i]) for i in range(mr)] if factored else []
+                for j in range(nr):
+                    if u.has_min and not factored:
+                        d, m = (per_lane(v[j], g * h, b) for v in (dw, mw))
+                        # d * (q + offset) is exact in fp32: one rounding, for + m.
+                        w = k.fma(_integers(k, u, u.lanes(k, planes[j])), d, m)
+                    elif u.has_scale:
+                        w = _integer_floats(k, u, planes[j])
+                    else:
+                        w = u.lanes(k, planes[j])
+                    w = [k.part(w, c, aw) for c in range(0, 32, aw)]
+                    for i in range(mr):
+                        acc = accs[i][j].get()
+                        if factored:
+                            part = k.mul(w[0], xs[i][0])
+                            for c in range(1, len(w)):
+                                part = k.fma(w[c], xs[i][c], part)
+                            acc = k.fma(part, k.lane(dw[j], b, aw), acc)
+                            acc = k.fma(xsum[i], k.lane(mw[j], b, aw), acc)
+                        elif u.has_min or not u.has_scale:
+                            for c, wc in enumerate(w):
+                                acc = k.fma(wc, xs[i][c], acc)
+                        else:
+                            # Without a min, d factors out of each of the block's h parts:
+                            # sum q * x in fp32, then one FMA by d.
+                            per = len(w) // h
+                            for half in range(h):
+                                part = k.mul(w[half * per], xs[i][half * per])
+                                for c in range(half * per + 1, (half + 1) * per):
+                                    part = k.fma(w[c], xs[i][c], part)
+                                acc = k.fma(part, k.lane(dw[j], b * h + half, aw), acc)
+                        accs[i][j].set(acc)
+
+        rest = k.loop(0, a.nb, GROUP, lambda kb: group(kb, GROUP))
+        k.loop(rest, a.nb, 1, lambda kb: group(kb, 1))
+        for i in range(mr):
+            y_row = k.mul(x_rows[i], a.ldy)
+            for j in range(nr):
+                total = k.reduce("fadd", accs[i][j].get())
+                k.store(total, a.y, k.mul(k.add(y_row, w_rows[j]), 4), 4)
+
+    _walk(k, s, a.t_rows, tile)
+
+
+def _auto(k: Kernel, u: Unpack, s: Shape) -> None:
+    """``auto``: one int8 matmul function over weight rows ``[lo, hi)`` (``lo`` a multiple
+    of the lanes) and all T activation rows, one weight row per fp32 lane.
+
+    Per block and activation row: each chunk's integer dot against the activation's 4
+    matching elements (broadcast) serves every row of the register; the block's sums are
+    kept per activation scale group and sub-block, converted once and scaled by the rows'
+    ``d`` in one FMA. The output of a tile is ``lanes`` consecutive floats of y: no
+    horizontal sums."""
+    a, target = _Args(k), k.target
+    lanes = target.lanes
+    f_l, i32_l = vec(F32, lanes), vec(I32, lanes)
+    h = u.halves
+    record = lanes * u.block_bytes
+    field_at = {f: lanes * at for f, _, at in u.fields}
+    int32_sums = target.accumulate == "int32"
+    run = max(1, 32767 // (2 * u.bound * 127))  # int16 pair products summed before widening
+    t_last = k.add(a.t_rows, -1)
+
+    def row_scales(at: ir.Value, n: int) -> ir.Value:
+        """The rows' ``n``-th scale of the block as ``<lanes x float>``."""
+        return _scales(k, u, at, lanes, n * lanes * u.scale_bytes)
+
+    def widened(products: list[ir.Value]) -> ir.Value:
+        """Sum of int16 pair products as fp32: in int16 ``run`` at a time, then int32."""
+        total = None
+        for r in range(0, len(products), run):
+            part = products[r]
+            for p in products[r + 1 : r + run]:
+                part = k.b.add(part, p)
+            part = target.pair_sums(k, part)
+            total = part if total is None else k.b.add(total, part)
+        return k.convert(total, F32)
+
+    def tile(t: ir.Value, n: ir.Value) -> None:
+        x_rows = _clamped(k, t, s.mr, t_last)
+        group = k.at(a.w, k.mul(k.udiv(n, lanes), k.mul(a.nb, record)))
+        first = [k.mul(r, a.nb) for r in x_rows]  # each row's first block
+        accs = [k.var(ir.Constant(f_l, None)) for _ in range(s.mr)]
+
+        def block(b: ir.Value) -> None:
+            base = k.at(group, k.mul(b, record))
+            if s.pf:
+                k.prefetch(base, s.pf, record)
+            p = {f: k.at(base, at) for f, at in field_at.items()}
+            chunks = u.chunks(k, p, lanes)
+            if u.kind == "s8":  # the sign moves onto the activations (``sign_of``)
+                mags = [
+                    k.call(f"llvm.abs.v{4 * lanes}i8", c.type, c, ir.Constant(ir.IntType(1), 0))
+                    for c in chunks
+                ]
+            else:
+                mags = chunks
+            dw = [row_scales(p["d"], n) for n in range(h)]
+            m_eff = row_scales(p["m"], 0) if u.has_min else None
+            if u.offset:  # w = d * (q + offset) + m: the offset joins the min
+                m_eff = k.fma(const(f_l, float(u.offset)), dw[0], m_eff or ir.Constant(f_l, None))
+            for i in range(s.mr):
+                blk = k.add(first[i], b)
+                xq = k.at(a.x, k.mul(blk, QK))
+                # Sums by (sub-block, activation scale group): chunk j is elements 4j..4j+3,
+                # scale group j % 2 (see X_GROUPS).
+                sums: dict[tuple[int, int], list[ir.Value]] = {}
+                for j in range(8):
+                    xj = k.bitcast(k.splat(k.load(I32, xq, 4 * j), lanes), vec(I8, 4 * lanes))
+                    if u.kind == "s8":
+                        xj = target.sign_of(k, xj, chunks[j])
+                    key = (j * h // 8, j % 2)
+                    if int32_sums:
+                        prev = sums.get(key, [ir.Constant(i32_l, None)])[0]
+                        sums[key] = [target.dot_u8s8(k, prev, mags[j], xj)]
+                    else:
+                        sums.setdefault(key, []).append(target.pair_products(k, mags[j], xj))
+                dx = k.load(vec(F32, 2), a.xd, k.mul(blk, 8))
+                dx = [k.lane(dx, g, lanes) for g in range(2)]
+                acc = accs[i].get()
+                for n in range(h):
+                    f0, f1 = (
+                        k.convert(sums[n, g][0], F32) if int32_sums else widened(sums[n, g])
+                        for g in range(2)
+                    )
+                    both = k.fma(f1, dx[1], k.mul(f0, dx[0]))
+                    acc = k.fma(both, dw[n], acc)
+                if m_eff is not None:  # the min's part, m * sum(x)
+                    xs = k.load(F32, a.xs, k.mul(blk, 4))
+                    acc = k.fma(m_eff, k.splat(xs, lanes), acc)
+                accs[i].set(acc)
+
+        k.loop(0, a.nb, 1, block)
+        left = k.sub(a.ldy, n)  # rows of the group that exist
+        for i in range(s.mr):
+            acc = accs[i].get()
+            y = k.at(a.y, k.mul(k.add(k.mul(x_rows[i], a.ldy), n), 4))
+
+            def one_by_one(r: ir.Value, acc: ir.Value = acc, y: ir.Value = y) -> None:
+                k.store(k.b.extract_element(acc, r), y, k.mul(r, 4), 4)
+
+            k.branch(
+                k.ge(left, lanes),
+                lambda acc=acc, y=y: k.store(acc, y, 0, 4),
+                lambda: k.loop(0, left, 1, one_by_one),
+            )
+
+    _walk(k, s, a.t_rows, tile)
+
+
+def _quantize(k: Kernel) -> None:
+    """Activation rows [lo, hi) of fp32 [T, K] -> int8 [T, K], per-block scales dx
+    [T, nb, 2] (one per ``X_GROUPS`` group) and sum(dx * q) [T, nb]."""
+    a = _Args(k)
+    x_in = a.y  # the fp32 source rides in the y slot
+    f32x32 = vec(F32, 32)
+
+    def block(b: ir.Value) -> None:
+        v = k.load(f32x32, x_in, k.mul(b, QK * 4), 4)
+        mag = k.call("llvm.fabs.v32f32", f32x32, v)
+        amax = [k.reduce("fmax", k.shuffle(mag, g)) for g in X_GROUPS]
+        d = [k.b.fdiv(m, ir.Constant(F32, 127.0)) for m in amax]
+        inv = [
+            k.select(
+                k.b.fcmp_ordered(">", m, ir.Constant(F32, 0.0)),
+                k.b.fdiv(ir.Constant(F32, 127.0), m),
+                0.0,
+            )
+            for m in amax
+        ]
+        pair = k.b.insert_element(ir.Constant(vec(F32, 2), None), inv[0], ir.Constant(I32, 0))
+        pair = k.b.insert_element(pair, inv[1], ir.Constant(I32, 1))
+        scaled = k.mul(v, k.shuffle(pair, [i // 4 % 2 for i in range(QK)]))
+        q = k.convert(k.call("llvm.nearbyint.v32f32", f32x32, scaled), I8)
+        k.store(q, a.x, k.mul(b, QK))
+        wide = k.convert(q, I32)
+        total = ir.Constant(F32, 0.0)
+        for g, lanes in enumerate(X_GROUPS):
+            part = k.convert(k.reduce("add", k.shuffle(wide, lanes)), F32)
+            total = k.fma(d[g], part, total)
+            k.store(d[g], a.xd, k.add(k.mul(b, 8), 4 * g), 4)
+        k.store(total, a.xs, k.mul(b, 4), 4)
+
+    k.loop(k.mul(k.args[1], a.nb), k.mul(k.args[2], a.nb), 1, block)
+
+
+def _build(module: Module, ggml_type: int, mode: str) -> None:
+    u = UNPACKS[ggml_type]
+    gemv, gemm = shapes(mode, module.target.lanes)
+    body = _auto if mode == "auto" else _exact
+    for tag, shape in (("gemv", gemv), ("gemm", gemm)):
+        k = module.kernel(f"{module.ir.name}_{tag}", _PARAMS)
+        body(k, u, shape)
+        k.ret()
+    if mode == "auto":
+        k = module.kernel(f"{module.ir.name}_quantize", _PARAMS)
+        _quantize(k)
+        k.ret()
+
+
+MATMUL = Program("mm", _build)
+
+_Fn = Callable[[int, int, int], None]  # (args, lo, hi)
+
+
+@dataclass(frozen=True)
+class MatmulKernels:
+    """A weight format's kernels in one mode for one backend."""
+
+    addresses: list[int]  # gemv, gemm[, quantize]: what the pool calls natively
+    calls: list[_Fn]  # the same through ctypes, for one thread
+    mr: int  # activation rows from which the GEMM tile is used
+    layout: Layout  # the weights' repacked layout
+    backend: str
+    compile_seconds: float
+
+
+def supported(ggml_type: int, mode: str) -> bool:
+    """Whether a kernel exists for this GGUF type in ``mode`` ("exact" or "auto"; auto
+    falls back to exact for formats without int8 kernels)."""
+    return ggml_type in UNPACKS and mode in ("exact", "auto")
+
+
+def effective_mode(ggml_type: int, mode: str) -> str:
+    return mode if UNPACKS[ggml_type].has_int8 else "exact"
+
+
+@cache
+def matmul_kernels(ggml_type: int, mode: str, backend: Backend) -> MatmulKernels:
+    mode = effective_mode(ggml_type, mode)
+    done = backend.lower(MATMUL, {"ggml_type": int(ggml_type), "mode": mode})
+    tags = ["gemv", "gemm"] + (["quantize"] if mode == "auto" else [])
+    addrs = [done.addresses[t] for t in tags]
+    sig = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+    return MatmulKernels(
+        addrs,
+        [done.cfunc(t, *sig) for t in tags],
+        shapes(mode, backend.lanes)[1].mr,
+        layout(mode, backend.lanes),
+        backend.name,
+        done.compile_seconds,
+    )
