@@ -121,8 +121,7 @@ class QuantMatmul:
         u = UNPACKS[ggml_type]
         if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != u.row_bytes(n_cols):
             raise ValueError(
-                f"{u.name}: expected uint8 [N, {u.row_bytes(n_cols)}], "
-                f"got {raw.dtype} {raw.shape}"
+                f"{u.name}: expected uint8 [N, {u.row_bytes(n_cols)}], got {raw.dtype} {raw.shape}"
             )
         if n_cols % QK:
             raise ValueError(f"{u.name}: K={n_cols} is not a multiple of {QK}")
@@ -130,7 +129,7 @@ class QuantMatmul:
         self.mode = programs.effective_mode(ggml_type, mode)
         self._nb = n_cols // QK
         self.backend = backend or backends.select()
-        self._kernels = programs.matmul_kernels(ggml_type, self.mode, self.backend)
+        self._kernels = programs.MatmulKernels(ggml_type, self.mode, self.backend, n_cols)
         self._weights = layouts.repack(u, raw, n_cols, self._kernels.layout, release_rows)
         threads = threads or default_threads()
         small = raw.nbytes < _PARALLEL_MIN_BYTES
@@ -189,8 +188,8 @@ class QuantMatmul:
     def records(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """``self(x, out)`` as native calls: ``pool.Program`` records (kind, fn, args,
         total, chunk), valid while ``x`` and ``out`` stay this object's bound arrays."""
-        fns = self._kernels.addresses
-        return [(kind, fns[k], *rest) for kind, k, *rest in self._plan(x, out)]
+        address = self._kernels.address
+        return [(kind, address(k), *rest) for kind, k, *rest in self._plan(x, out)]
 
     def _plan(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """Bind ``x``/``out``; the calls of one product: (kind, kernel, args, total, chunk)."""
@@ -201,9 +200,10 @@ class QuantMatmul:
             self._bind_x(x)
         self._bind_out(out)
         t_rows, threads = x.shape[0], self._threads
-        calls = [(0 if t_rows < self._kernels.mr else 1, self._args_at, self.n_rows, self._chunk)]
+        gemm = programs.GEMV if t_rows < self._kernels.mr else programs.GEMM
+        calls = [(gemm, self._args_at, self.n_rows, self._chunk)]
         if self.mode == "auto":  # quantise the activations first
-            calls.insert(0, (2, self._qargs_at, t_rows, -(-t_rows // threads)))
+            calls.insert(0, (programs.QUANTIZE, self._qargs_at, t_rows, -(-t_rows // threads)))
         self._calls = [
             (pool.SPLIT if threads > 1 and total > chunk else pool.RANGE, which, args, total, chunk)
             for which, args, total, chunk in calls
@@ -216,7 +216,7 @@ class QuantMatmul:
             out = np.empty((x.shape[0], self.n_rows), np.float32)
         for kind, which, args, total, chunk in self._plan(x, out):
             if kind == pool.SPLIT:
-                self._pool.run(self._kernels.addresses[which], args, total, chunk)
+                self._pool.run(self._kernels.address(which), args, total, chunk)
             else:
-                self._kernels.calls[which](args, 0, total)
+                self._kernels.call(which)(args, 0, total)
         return out

@@ -30,11 +30,10 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import llvmlite.ir as ir
 
-from dynalm.kernel.backends import Backend, Program
+from dynalm.kernel.backends import Backend, Executable, Program
 from dynalm.kernel.formats import QK, UNPACKS, Unpack, byte_lanes, nibbles
 from dynalm.kernel.lang import F32, I8, I32, I64, PTR, Kernel, Module, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
@@ -75,11 +74,13 @@ def layout(mode: str, lanes: int) -> Layout:
 
 
 class _Args:
-    """The argument block's words as values (pointers where they are addresses)."""
+    """The argument block's words as values (pointers where they are addresses); the
+    number of 32-blocks per row is a constant when the kernel is specialised on K."""
 
-    def __init__(self, k: Kernel) -> None:
+    def __init__(self, k: Kernel, k_blocks: int) -> None:
         words = k.words(k.args[0], N_ARGS)
-        self.t_rows, self.nb, self.ldy = words[A_T], words[A_NB], words[A_LDY]
+        self.t_rows, self.ldy = words[A_T], words[A_LDY]
+        self.nb = k.i64(k_blocks)
         self.w, self.x, self.xd, self.xs, self.y = (
             k.pointer(words[i]) for i in (A_W, A_X, A_XD, A_XS, A_Y)
         )
@@ -143,10 +144,10 @@ def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
     return k.concat(parts)
 
 
-def _exact(k: Kernel, u: Unpack, s: Shape) -> None:
+def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     """``exact``: one matmul function over weight rows ``[lo, hi)`` and all T activation
     rows, fp32 activations, weights dequantised in registers."""
-    a = _Args(k)
+    a = _Args(k, k_blocks)
     aw = k.target.lanes  # fp32 lanes per accumulator
     acc_ty = vec(F32, aw)
     zero = ir.Constant(acc_ty, None)
@@ -244,7 +245,7 @@ def _exact(k: Kernel, u: Unpack, s: Shape) -> None:
     _walk(k, s, a.t_rows, tile)
 
 
-def _auto(k: Kernel, u: Unpack, s: Shape) -> None:
+def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     """``auto``: one int8 matmul function over weight rows ``[lo, hi)`` (``lo`` a multiple
     of the lanes) and all T activation rows, one weight row per fp32 lane.
 
@@ -253,7 +254,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape) -> None:
     kept per activation scale group and sub-block, converted once and scaled by the rows'
     ``d`` in one FMA. The output of a tile is ``lanes`` consecutive floats of y: no
     horizontal sums."""
-    a, target = _Args(k), k.target
+    a, target = _Args(k, k_blocks), k.target
     lanes = target.lanes
     f_l, i32_l = vec(F32, lanes), vec(I32, lanes)
     h = u.halves
@@ -350,10 +351,10 @@ def _auto(k: Kernel, u: Unpack, s: Shape) -> None:
     _walk(k, s, a.t_rows, tile)
 
 
-def _quantize(k: Kernel) -> None:
+def _quantize(k: Kernel, k_blocks: int) -> None:
     """Activation rows [lo, hi) of fp32 [T, K] -> int8 [T, K], per-block scales dx
     [T, nb, 2] (one per ``X_GROUPS`` group) and sum(dx * q) [T, nb]."""
-    a = _Args(k)
+    a = _Args(k, k_blocks)
     x_in = a.y  # the fp32 source rides in the y slot
     f32x32 = vec(F32, 32)
 
@@ -386,35 +387,24 @@ def _quantize(k: Kernel) -> None:
     k.loop(k.mul(k.args[1], a.nb), k.mul(k.args[2], a.nb), 1, block)
 
 
-def _build(module: Module, ggml_type: int, mode: str) -> None:
-    u = UNPACKS[ggml_type]
-    gemv, gemm = shapes(mode, module.target.lanes)
-    body = _auto if mode == "auto" else _exact
-    for tag, shape in (("gemv", gemv), ("gemm", gemm)):
-        k = module.kernel(f"{module.ir.name}_{tag}", _PARAMS)
-        body(k, u, shape)
-        k.ret()
-    if mode == "auto":
-        k = module.kernel(f"{module.ir.name}_quantize", _PARAMS)
-        _quantize(k)
-        k.ret()
+def _build(module: Module, kind: str, k_blocks: int, ggml_type: int = -1, mode: str = "") -> None:
+    """One kernel: ``kind`` "gemv" / "gemm" of a format in a mode, or the activations'
+    "quantize" (the same for every format), specialised on K = 32 * ``k_blocks``."""
+    k = module.kernel(module.ir.name, _PARAMS)
+    if kind == "quantize":
+        _quantize(k, k_blocks)
+    else:
+        gemv, gemm = shapes(mode, module.target.lanes)
+        body = _auto if mode == "auto" else _exact
+        body(k, UNPACKS[ggml_type], gemv if kind == "gemv" else gemm, k_blocks)
+    k.ret()
 
 
 MATMUL = Program("mm", _build)
 
-_Fn = Callable[[int, int, int], None]  # (args, lo, hi)
-
-
-@dataclass(frozen=True)
-class MatmulKernels:
-    """A weight format's kernels in one mode for one backend."""
-
-    addresses: list[int]  # gemv, gemm[, quantize]: what the pool calls natively
-    calls: list[_Fn]  # the same through ctypes, for one thread
-    mr: int  # activation rows from which the GEMM tile is used
-    layout: Layout  # the weights' repacked layout
-    backend: str
-    compile_seconds: float
+GEMV, GEMM, QUANTIZE = range(3)  # the kernels of a matmul, by index
+_KINDS = ("gemv", "gemm", "quantize")
+_SIG = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
 
 def supported(ggml_type: int, mode: str) -> bool:
@@ -427,18 +417,39 @@ def effective_mode(ggml_type: int, mode: str) -> str:
     return mode if UNPACKS[ggml_type].has_int8 else "exact"
 
 
-@cache
-def matmul_kernels(ggml_type: int, mode: str, backend: Backend) -> MatmulKernels:
-    mode = effective_mode(ggml_type, mode)
-    done = backend.lower(MATMUL, {"ggml_type": int(ggml_type), "mode": mode})
-    tags = ["gemv", "gemm"] + (["quantize"] if mode == "auto" else [])
-    addrs = [done.addresses[t] for t in tags]
-    sig = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
-    return MatmulKernels(
-        addrs,
-        [done.cfunc(t, *sig) for t in tags],
-        shapes(mode, backend.lanes)[1].mr,
-        layout(mode, backend.lanes),
-        backend.name,
-        done.compile_seconds,
-    )
+class MatmulKernels:
+    """A weight format's kernels in one mode for one backend and K, each lowered when first
+    asked for (a decode-only server never compiles a GEMM)."""
+
+    def __init__(self, ggml_type: int, mode: str, backend: Backend, n_cols: int) -> None:
+        self.mode = effective_mode(ggml_type, mode)
+        self.backend = backend
+        self.mr = shapes(self.mode, backend.lanes)[1].mr  # T from which GEMM tiles are used
+        self.layout = layout(self.mode, backend.lanes)
+        self._specs = [
+            {"kind": kind, "k_blocks": n_cols // QK, "ggml_type": int(ggml_type), "mode": self.mode}
+            for kind in _KINDS[:2]
+        ] + [{"kind": "quantize", "k_blocks": n_cols // QK}]
+        self._done: list[Executable | None] = [None] * 3
+        self._calls: list[Callable[[int, int, int], None] | None] = [None] * 3
+
+    def _lowered(self, which: int) -> Executable:
+        done = self._done[which]
+        if done is None:
+            done = self._done[which] = self.backend.lower(MATMUL, self._specs[which])
+        return done
+
+    def address(self, which: int) -> int:
+        """The native entry point of kernel ``which`` (GEMV, GEMM or QUANTIZE)."""
+        return self._lowered(which).addresses[""]
+
+    def call(self, which: int) -> Callable[[int, int, int], None]:
+        """Kernel ``which`` through ctypes, for one thread: ``call(args, lo, hi)``."""
+        fn = self._calls[which]
+        if fn is None:
+            fn = self._calls[which] = self._lowered(which).cfunc("", *_SIG)
+        return fn
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(d.compile_seconds for d in self._done if d is not None)

@@ -1,0 +1,289 @@
+"""Kernel micro-benchmarks: each matmul kernel x backend x shape of a real model, next to
+the host's measured peaks, with compile times; ``--baseline REV`` compares another git
+revision in the same run.
+
+Shapes are SmolLM2-135M's (Q4_1 layers, Q8_0 tied output; ``--format`` swaps the layer
+format) with random weights in the real layouts. Per backend (every one this CPU runs
+natively, or ``--backends``) and mode, per shape and batch (T = 1: GEMV, the decode step;
+T = 8: a batched decode step; T = 128: a prefill chunk): the best time of repeated calls,
+weight GB/s (bytes of the GGUF weight / time) and GMAC/s (T x N x K / time).
+
+Peaks (kernel programs of their own, ``dynalm.kernel.probes``): the streaming-read
+bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply-accumulate
+rate on registers. Compile time: every kernel the table used, lowered in a fresh process
+with an empty JIT cache (median and the slowest).
+
+Every variant runs in a worker process of its own (``--worker``, the revision's ``src``
+on its path, an empty JIT cache); jobs are sent to the workers in turn, so machine noise
+hits the revisions alike. ``--baseline REV`` adds a worker for git revision REV (its
+default kernels; revisions before DynaKernel know no backends).
+
+    python benchmarks/kernel_bench.py [--threads 2] [--backends avx512,avx2]
+        [--modes auto,exact] [--batches 1,8,128] [--format q4_1] [--baseline REV] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+ROOT = Path(__file__).resolve().parents[1]
+# (name, N, K) of SmolLM2-135M's matmuls: 30 layers, tied 49152-token output.
+SHAPES = [
+    ("attn_q/o", 576, 576),
+    ("attn_k/v", 192, 576),
+    ("ffn_gate/up", 1536, 576),
+    ("ffn_down", 576, 1536),
+    ("output", 49152, 576),
+]
+
+
+# --- the worker: runs jobs with whatever dynalm is on its path ---------------------------
+
+
+def worker() -> None:
+    """Answer one JSON job per stdin line with one JSON result per stdout line."""
+    from dynalm.core.matmul import QuantMatmul
+    from dynalm.core.quant import quant_format, random_blocks
+
+    has_backends = "backend" in inspect.signature(QuantMatmul).parameters
+    rng = np.random.default_rng(0)
+    built: dict[tuple, tuple] = {}
+    for line in sys.stdin:
+        job = json.loads(line)
+        key = (job["type"], job["n"], job["k"], job["mode"], job["isa"], job["threads"])
+        if key not in built:
+            fmt = quant_format(job["type"])
+            raw = random_blocks(job["type"], job["n"] * job["k"] // fmt.block_size, rng)
+            kw = {"mode": job["mode"], "threads": job["threads"]}
+            if has_backends and job["isa"]:
+                from dynalm.kernel import backends
+
+                kw["backend"] = backends.by_name(job["isa"])
+            mm = QuantMatmul(raw.reshape(job["n"], -1), job["type"], job["k"], **kw)
+            built[key] = (mm, raw.nbytes, {})
+        mm, nbytes, arrays = built[key]
+        t = job["t"]
+        if t not in arrays:
+            x = rng.standard_normal((t, job["k"])).astype(np.float32)
+            arrays[t] = (x, np.empty((t, job["n"]), np.float32))
+            mm(*arrays[t])  # first call: lowers (compiles) the kernel for this batch
+        x, y = arrays[t]
+        best = float("inf")
+        for _ in range(job["repeat"]):
+            t0 = time.perf_counter()
+            mm(x, y)
+            best = min(best, time.perf_counter() - t0)
+        kernels = getattr(mm, "_kernels", None)
+        compiled = getattr(kernels, "compile_seconds", None)
+        print(json.dumps({"seconds": best, "bytes": nbytes, "compile": compiled}), flush=True)
+
+
+class Worker:
+    def __init__(self, label: str, src: Path, threads: int) -> None:
+        self.label = label
+        self.cache = tempfile.TemporaryDirectory(prefix="dynalm-bench-jit-")
+        env = {**os.environ, "PYTHONPATH": str(src), "DYNALM_CACHE": self.cache.name}
+        env["DYNALM_THREADS"] = str(threads)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def run(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.label}: worker died on {job}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.cache.cleanup()
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """``src/`` of git revision ``rev``, extracted under ``into``."""
+    archive = subprocess.run(
+        ["git", "archive", rev, "src"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+# --- peaks -----------------------------------------------------------------------------
+
+
+def peaks(backend_names: list[str], threads: int) -> dict:
+    """Streaming-read GB/s (1 and ``threads`` threads) and int8 GMAC/s per backend."""
+    from dynalm.core import pool
+    from dynalm.kernel import backends, jit, probes
+
+    signature = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+    def run(fn: int, args: np.ndarray, total: int, n: int) -> float:
+        at = args.__array_interface__["data"][0]
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            if n > 1:
+                pool.pool(n).run(fn, at, total, -(-total // n))
+            else:
+                jit.cfunc(fn, None, *signature)(at, 0, total)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    out: dict = {"stream_gbs": {}, "int8_gmacs": {}}
+    host = backends.select()
+    buf = np.ones(256 << 20, np.uint8)
+    sums = np.zeros(buf.size // probes.PAGE, np.int32)
+    args = np.array([buf.ctypes.data, sums.ctypes.data], np.int64)
+    fn = host.lower(probes.STREAM, {}).addresses[""]
+    for n in sorted({1, threads}):
+        out["stream_gbs"][n] = buf.nbytes / run(fn, args, buf.size // probes.PAGE, n) / 1e9
+    rounds = 1 << 22
+    result = np.zeros(threads, np.int32)
+    for name in backend_names:
+        b = backends.by_name(name)
+        fn = b.lower(probes.INT8_DOT, {}).addresses[""]
+        dot_args = np.array([0, result.ctypes.data], np.int64)
+        per = {}
+        for n in sorted({1, threads}):
+            seconds = run(fn, dot_args, rounds * n, n)
+            per[n] = rounds * n * probes.macs_per_round(b.lanes) / seconds / 1e9
+        out["int8_gmacs"][b.name] = per
+    return out
+
+
+# --- the driver --------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backends", help="comma-separated ISAs (default: all native here)")
+    ap.add_argument("--modes", default="auto,exact")
+    ap.add_argument("--batches", default="1,8,128")
+    ap.add_argument("--format", default="q4_1", help="layer weight format (output: q8_0)")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--baseline", metavar="REV", help="also run git revision REV's kernels")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker()
+        return
+
+    from dynalm.core.matmul import AUTO_VALIDATED
+    from dynalm.kernel import backends
+
+    isas = (
+        args.backends.split(",")
+        if args.backends
+        else [b.isa for b in backends.BACKENDS if not b.missing()]
+    )
+    layer_type = int(GGMLQuantizationType[args.format.upper()])
+    q8_0 = int(GGMLQuantizationType.Q8_0)
+    modes, batches = args.modes.split(","), [int(t) for t in args.batches.split(",")]
+
+    tmp = tempfile.TemporaryDirectory(prefix="dynalm-bench-src-")
+    workers = [Worker("this tree", ROOT / "src", args.threads)]
+    if args.baseline:
+        workers.append(Worker(args.baseline, checkout(args.baseline, Path(tmp.name)), args.threads))
+    variants = [(w, isa) for w in workers[:1] for isa in isas]
+    variants += [(w, "") for w in workers[1:]]  # a baseline runs its own default kernels
+
+    rows, compile_times = [], []
+    for mode in modes:
+        for name, n, k in SHAPES:
+            ggml_type = q8_0 if name == "output" else layer_type
+            kernel_mode = mode if ggml_type in AUTO_VALIDATED else "exact"
+            for t in batches:
+                if name == "output" and t > 1:
+                    continue  # logits are taken for each sequence's last token only
+                job = {"type": ggml_type, "n": n, "k": k, "t": t, "mode": kernel_mode}
+                job |= {"threads": args.threads, "repeat": args.repeat}
+                results = [w.run({**job, "isa": isa}) for w, isa in variants]
+                for (w, isa), r in zip(variants, results, strict=True):
+                    label = w.label if not isa else f"{w.label} {backends.by_name(isa).name}"
+                    if r["compile"]:
+                        compile_times.append(r["compile"])
+                    rows.append(
+                        {
+                            "variant": label,
+                            "mode": kernel_mode,
+                            "shape": name,
+                            "n": n,
+                            "k": k,
+                            "t": t,
+                            "us": r["seconds"] * 1e6,
+                            "gbs": r["bytes"] / r["seconds"] / 1e9,
+                            "gmacs": t * n * k / r["seconds"] / 1e9,
+                        }
+                    )
+    for w in workers:
+        w.close()
+    tmp.cleanup()
+    report = {
+        "threads": args.threads,
+        "format": args.format,
+        "peaks": peaks(isas, args.threads),
+        "compile_ms": {
+            "kernels": len(compile_times),
+            "median": 1e3 * statistics.median(compile_times) if compile_times else None,
+            "max": 1e3 * max(compile_times) if compile_times else None,
+        },
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print_report(report)
+
+
+def print_report(r: dict) -> None:
+    p = r["peaks"]
+    stream = ", ".join(f"{n} thread(s) {v:.1f} GB/s" for n, v in p["stream_gbs"].items())
+    print(f"peaks: streaming read {stream}")
+    for name, per in p["int8_gmacs"].items():
+        rates = ", ".join(f"{n} thread(s) {v:.0f}" for n, v in per.items())
+        print(f"       int8 MAC {name}: {rates} GMAC/s")
+    c = r["compile_ms"]
+    if c["kernels"]:
+        print(
+            f"compile (empty cache): {c['kernels']} kernels, median {c['median']:.0f} ms, ", end=""
+        )
+        print(f"slowest {c['max']:.0f} ms")
+    print(f"\n{r['format']} layers + q8_0 output, {r['threads']} threads, best of repeats\n")
+    print("| mode | shape | N x K | T | variant | us | GB/s | GMAC/s | x first |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    first: dict[tuple, float] = {}
+    for row in r["rows"]:
+        key = (row["mode"], row["shape"], row["t"])
+        base = first.setdefault(key, row["us"])
+        print(
+            f"| {row['mode']} | {row['shape']} | {row['n']}x{row['k']} | {row['t']} | "
+            f"{row['variant']} | {row['us']:.1f} | {row['gbs']:.1f} | {row['gmacs']:.1f} | "
+            f"{base / row['us']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
