@@ -26,7 +26,7 @@ import numpy as np
 
 from dynalm.kernel.formats import QK, Unpack
 
-GROUP = 8  # blocks per exact main-loop step: their scales are loaded and converted as one vector
+GROUP = 4  # blocks per exact main-loop step: their scales are loaded and converted as one vector
 
 # Repack this many bytes of GGUF rows at a time.
 _REPACK_CHUNK_BYTES = 4 << 20
