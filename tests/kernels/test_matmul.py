@@ -103,7 +103,7 @@ def runnable(backend: backends.Backend) -> backends.Backend:
 def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> None:
     raw = weights(ggml_type, N, 768)
     mm = QuantMatmul(raw, ggml_type, 768, mode=mode, backend=runnable(backend))
-    for t_rows in (1, 8):
+    for t_rows in (1, 5, 8):  # each batch bucket's tile (kernel.matmul.buckets)
         x = activations(t_rows, 768)
         check(mm(x), raw, ggml_type, x, mode)
 

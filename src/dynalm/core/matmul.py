@@ -200,10 +200,10 @@ class QuantMatmul:
             self._bind_x(x)
         self._bind_out(out)
         t_rows, threads = x.shape[0], self._threads
-        gemm = programs.GEMV if t_rows < self._kernels.mr else programs.GEMM
-        calls = [(gemm, self._args_at, self.n_rows, self._chunk)]
+        kernels = self._kernels
+        calls = [(kernels.tile_for(t_rows), self._args_at, self.n_rows, self._chunk)]
         if self.mode == "auto":  # quantise the activations first
-            calls.insert(0, (programs.QUANTIZE, self._qargs_at, t_rows, -(-t_rows // threads)))
+            calls.insert(0, (kernels.quantize, self._qargs_at, t_rows, -(-t_rows // threads)))
         self._calls = [
             (pool.SPLIT if threads > 1 and total > chunk else pool.RANGE, which, args, total, chunk)
             for which, args, total, chunk in calls

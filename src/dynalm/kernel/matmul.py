@@ -16,7 +16,8 @@ the per-format unpacks of ``kernel.formats``.
   bitwise the same ``y``. Float weights and Q2_K (a min per 16 weights) use ``exact``.
 
 One pattern per mode serves every batch size: the activation rows walked in L1/L2-sized
-chunks, ``T < mr`` by a GEMV variant (``mr = 1``, weights prefetched). Tiles over the
+chunks by tiles of ``mr`` rows chosen per batch bucket (``buckets``; ``mr = 1`` is the
+GEMV, weights prefetched), each kernel specialised on K. Tiles over the
 edge of the matrix repeat its last row instead of needing remainder variants (less code,
 faster compiles). Every output sums in the same order whatever the tile, so rows are
 bitwise independent of the batch.
@@ -59,14 +60,21 @@ class Shape:
     pf: int = 0  # prefetch weights this many bytes ahead (0: none)
 
 
-# GEMV streams weights from memory: prefetching 8 KB ahead measured 1.4x (auto Q4_1) to
-# 1.9x (exact Q8_0) on a decode step's 66 MB of layer weights. GEMM: 4 KB ahead measured
-# 1.1-1.2x at T = 4..8 for auto; for exact 1.2-1.4x at T = 4..8 but 0.7x at T = 512 (off).
-def shapes(mode: str, lanes: int) -> tuple[Shape, Shape]:
-    """(GEMV, GEMM) tiles of a mode for a backend of ``lanes`` fp32 lanes."""
+# Tiles per batch bucket, smallest T first. GEMV streams weights from memory: prefetching
+# 8 KB ahead measured 1.4x (auto Q4_1) to 1.9x (exact Q8_0) on a decode step's 66 MB of
+# layer weights. GEMM: 4 KB ahead measured 1.1-1.2x at T = 4..8 for auto; for exact
+# 1.2-1.4x at T = 4..8 but 0.7x at T = 512 (off). AVX-512's 32 registers take 8 activation
+# rows per tile: 1.15-1.2x over 4 at T = 8 on the FFN shapes, the same at T = 128.
+def buckets(mode: str, lanes: int) -> list[Shape]:
+    """The tiles of a mode for a backend of ``lanes`` fp32 lanes, by batch bucket: the
+    tile of ``mr`` rows serves batches of ``mr`` rows up to the next bucket's (the first,
+    ``mr = 1``, is the GEMV)."""
     if mode == "exact":
-        return Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=4, nr=2, tc=32)
-    return Shape(mr=1, nr=lanes, tc=64, pf=8192), Shape(mr=4, nr=lanes, tc=64, pf=4096)
+        return [Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=4, nr=2, tc=32)]
+    gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
+    if lanes >= 16:
+        gemms.append(Shape(mr=8, nr=lanes, tc=64, pf=4096))
+    return [Shape(mr=1, nr=lanes, tc=64, pf=8192), *gemms]
 
 
 def layout(mode: str, lanes: int) -> Layout:
@@ -387,23 +395,21 @@ def _quantize(k: Kernel, k_blocks: int) -> None:
     k.loop(k.mul(k.args[1], a.nb), k.mul(k.args[2], a.nb), 1, block)
 
 
-def _build(module: Module, kind: str, k_blocks: int, ggml_type: int = -1, mode: str = "") -> None:
-    """One kernel: ``kind`` "gemv" / "gemm" of a format in a mode, or the activations'
-    "quantize" (the same for every format), specialised on K = 32 * ``k_blocks``."""
+def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", mr: int = 0) -> None:
+    """One kernel: the matmul tile of ``mr`` activation rows of a format in a mode, or
+    (``mr = 0``) the activations' quantiser (the same for every format), specialised on
+    K = 32 * ``k_blocks``."""
     k = module.kernel(module.ir.name, _PARAMS)
-    if kind == "quantize":
+    if not mr:
         _quantize(k, k_blocks)
     else:
-        gemv, gemm = shapes(mode, module.target.lanes)
+        shape = next(s for s in buckets(mode, module.target.lanes) if s.mr == mr)
         body = _auto if mode == "auto" else _exact
-        body(k, UNPACKS[ggml_type], gemv if kind == "gemv" else gemm, k_blocks)
+        body(k, UNPACKS[ggml_type], shape, k_blocks)
     k.ret()
 
 
 MATMUL = Program("mm", _build)
-
-GEMV, GEMM, QUANTIZE = range(3)  # the kernels of a matmul, by index
-_KINDS = ("gemv", "gemm", "quantize")
 _SIG = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
 
@@ -418,20 +424,29 @@ def effective_mode(ggml_type: int, mode: str) -> str:
 
 
 class MatmulKernels:
-    """A weight format's kernels in one mode for one backend and K, each lowered when first
-    asked for (a decode-only server never compiles a GEMM)."""
+    """A weight format's kernels in one mode for one backend and K -- a tile per batch
+    bucket and the activations' quantiser -- each lowered when first asked for (a
+    decode-only server never compiles a GEMM)."""
 
     def __init__(self, ggml_type: int, mode: str, backend: Backend, n_cols: int) -> None:
         self.mode = effective_mode(ggml_type, mode)
         self.backend = backend
-        self.mr = shapes(self.mode, backend.lanes)[1].mr  # T from which GEMM tiles are used
         self.layout = layout(self.mode, backend.lanes)
-        self._specs = [
-            {"kind": kind, "k_blocks": n_cols // QK, "ggml_type": int(ggml_type), "mode": self.mode}
-            for kind in _KINDS[:2]
-        ] + [{"kind": "quantize", "k_blocks": n_cols // QK}]
-        self._done: list[Executable | None] = [None] * 3
-        self._calls: list[Callable[[int, int, int], None] | None] = [None] * 3
+        self._mrs = [s.mr for s in buckets(self.mode, backend.lanes)]
+        nb = n_cols // QK
+        spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
+        self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
+        self._done: list[Executable | None] = [None] * len(self._specs)
+        self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._specs)
+
+    @property
+    def quantize(self) -> int:
+        """The index of the quantiser (auto mode)."""
+        return len(self._specs) - 1
+
+    def tile_for(self, t_rows: int) -> int:
+        """The index of the tile for a batch of ``t_rows``: the tallest that fits."""
+        return max(i for i, mr in enumerate(self._mrs) if mr <= max(t_rows, 1))
 
     def _lowered(self, which: int) -> Executable:
         done = self._done[which]
@@ -440,7 +455,7 @@ class MatmulKernels:
         return done
 
     def address(self, which: int) -> int:
-        """The native entry point of kernel ``which`` (GEMV, GEMM or QUANTIZE)."""
+        """The native entry point of kernel ``which`` (``tile_for(T)`` or ``quantize``)."""
         return self._lowered(which).addresses[""]
 
     def call(self, which: int) -> Callable[[int, int, int], None]:
