@@ -63,7 +63,7 @@ def decode_steps(engine: Engine, prompt: list[int], batch: int, tokens: int, gui
 def mask_costs(engine: Engine, prompt: list[int], repeats: int = 200) -> tuple[float, float]:
     """Seconds per sequence-token: a mask computed alone; a mask applied to one row."""
     guide = engine.grammars.compile(json_grammar(SCHEMA))
-    for token in engine.grammars.tokenizer.tokenize_str('{"title": "The keeper'):
+    for token in engine.grammars.tokenizer.greedy_tokenize('{"title": "The keeper'):
         guide.consume(token)
 
     worker = MaskWorker(engine.model.hparams.n_vocab)
