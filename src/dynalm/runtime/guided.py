@@ -39,9 +39,19 @@ class _VocabularyView:
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
         self._tokenizer = tokenizer
+        self._byte_ids: dict[int, int] = {}  # a token of each single byte
+        for i, data in enumerate(self.tokens):
+            if len(data) == 1:
+                self._byte_ids.setdefault(data[0], i)
 
     def __call__(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special=False)
+        ids = self._tokenizer.encode_continuation(text)
+        data = text.encode()
+        if b"".join(self.tokens[i] for i in ids) == data or not set(data) <= self._byte_ids.keys():
+            return ids
+        # The ids spell other bytes than the text: a sentencepiece space falls back to the
+        # bytes of "▁" where the vocabulary has no "▁" piece. Spell the text byte by byte.
+        return [self._byte_ids[b] for b in data]
 
 
 class Guide:
