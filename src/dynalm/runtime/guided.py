@@ -15,13 +15,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 
 from dynalm.errors import InvalidRequest
 from dynalm.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where used: `dynalm run` without a schema never needs it
+    import llguidance
 
 # Grammar size and per-step work are bounded (a hostile schema cannot stall the engine):
 # llguidance's defaults, with its error messages kept short (no parser state dumped).
@@ -87,6 +89,8 @@ class GrammarCompiler:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         with self._lock:
             if self._tokenizer is None:
                 wrapper = llguidance.TokenizerWrapper(_VocabularyView(self._source))
@@ -97,6 +101,8 @@ class GrammarCompiler:
 
     def compile(self, grammar: str, what: str = "the grammar") -> Guide:
         """A guide at the start of ``grammar``; `InvalidRequest` if llguidance rejects it."""
+        import llguidance
+
         limits = llguidance.LLParserLimits(**_LIMITS)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
@@ -109,6 +115,8 @@ class MaskWorker:
     so the work overlaps the model's forward pass."""
 
     def __init__(self, n_vocab: int) -> None:
+        import llguidance
+
         self.n_vocab = n_vocab
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynalm-masks")
         self._executor = llguidance.LLExecutor()
@@ -118,6 +126,8 @@ class MaskWorker:
         return self._thread.submit(self._compute, list(guides))
 
     def _compute(self, guides: list[Guide]) -> np.ndarray:
+        import llguidance.numpy
+
         masks = llguidance.numpy.allocate_token_bitmask(len(guides), self.n_vocab)
         pairs = [(g.matcher, i) for i, g in enumerate(guides)]
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, masks)
