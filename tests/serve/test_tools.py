@@ -128,6 +128,22 @@ def test_parallel_calls(client: openai.OpenAI, parallel: bool) -> None:
             assert len(calls) == 1 and choice.finish_reason == "tool_calls"
 
 
+def test_auto_streamed_equals_whole(client: openai.OpenAI) -> None:
+    """The model chooses; whatever it wrote, the stream says the same as the whole answer."""
+    for question in ("What is the weather in Paris?", "Say hello."):
+        kw = dict(messages=[{"role": "user", "content": question}], tools=TOOLS, **GREEDY)
+        whole = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        content, calls, reason = streamed_calls(client, **kw)
+        # (the stream sends the text before a call as written, the whole answer stripped)
+        assert content.strip() == (whole.message.content or "").strip()
+        assert reason == whole.finish_reason
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()
+        ]
+        if calls:
+            check_calls(whole.message.tool_calls, {"get_weather", "get_time"})
+
+
 def test_none_answers_in_text(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=16

@@ -12,6 +12,7 @@ guided row's disallowed tokens (-inf) before the sampler sees it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from dynalm.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: `dynalm run` without a schema never needs it
     import llguidance
+
+log = logging.getLogger(__name__)
 
 # Grammar size and per-step work are bounded (a hostile schema cannot stall the engine):
 # llguidance's defaults, with its error messages kept short (no parser state dumped).
@@ -66,9 +69,10 @@ class Guide:
         return Guide(self.matcher.deep_copy())
 
     def consume(self, token: int) -> None:
-        """Advance past a sampled token (one the mask allowed, so the grammar accepts it)."""
+        """Advance past a sampled token (one the mask allowed). A matcher that fails (over
+        llguidance's limits) is stopped: its request ends, the others of the step go on."""
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            log.warning("grammar stopped at token %d: %s", token, self.matcher.get_error())
 
     @property
     def done(self) -> bool:

@@ -103,6 +103,7 @@ class ToolFields(BaseModel):
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_CALL_MARKERS = (_HERMES_OPEN, _PYTHON_TAG)  # text from one on is a call, never content
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
 FALLBACK_PROMPT = (
@@ -325,9 +326,6 @@ class ToolStream:
         self.sent = 0  # characters of text sent as content
         self.calling = False
 
-    def _markers(self) -> tuple[str, ...]:
-        return (_HERMES_OPEN, _PYTHON_TAG)
-
     def push(self, text: str) -> str:
         """Add generated text; return the content that can be sent now."""
         self.text += text
@@ -336,13 +334,13 @@ class ToolStream:
         rest = self.text[self.sent :]
         if self.plan.llama3 and self.sent == 0 and rest.lstrip()[:1] in ("", "{"):
             return ""  # a bare JSON call may be starting: hold it
-        hits = [i for i in (rest.find(m) for m in self._markers()) if i >= 0]
+        hits = [i for i in (rest.find(m) for m in _CALL_MARKERS) if i >= 0]
         if hits:
             self.calling = True
             upto = min(hits)
         else:  # hold a tail that may be the start of a marker
             upto = len(rest)
-            for marker in self._markers():
+            for marker in _CALL_MARKERS:
                 for n in range(min(len(marker) - 1, len(rest)), 0, -1):
                     if rest.endswith(marker[:n]):
                         upto = min(upto, len(rest) - n)
@@ -352,10 +350,10 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end: the content still unsent and the calls (empty if none parsed)."""
-        content, calls = self.plan.parse(self.text)
+        calls = self.plan.parse(self.text)[1]
         if not calls:
             return self.text[self.sent :], []
-        return (content or "")[self.sent :], calls
+        return "", calls  # the text before the first call went out already
 
 
 def call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
