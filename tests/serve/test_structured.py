@@ -321,5 +321,6 @@ def test_rejected_constraints_are_400_naming_the_problem(
         "/v1/chat/completions", json={"messages": chat("Hi."), "max_tokens": 4, **body}
     )
     assert r.status_code == 400, r.text
-    assert named in r.json()["error"]["message"], r.json()
+    message = r.json()["error"]["message"]
+    assert named in message and "\n" not in message, message
     assert server.http().get("/health").status_code == 200

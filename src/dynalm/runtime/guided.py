@@ -13,6 +13,7 @@ guided row's disallowed tokens (-inf) before the sampler sees it.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,8 +111,18 @@ class GrammarCompiler:
         limits = llguidance.LLParserLimits(**_LIMITS)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise InvalidRequest(f"{what} cannot be used: {matcher.get_error().strip()}")
+            raise InvalidRequest(f"{what} cannot be used: {_one_line(matcher.get_error())}")
         return Guide(matcher)
+
+
+_SOURCE_ECHO = re.compile(r"\s*(\d+\s*\|.*|[\^~]+|\|)\s*")  # llguidance's quote of the source
+
+
+def _one_line(message: str, limit: int = 500) -> str:
+    """llguidance's error as one line: its lines joined, the quoted source left out."""
+    lines = [ln.strip() for ln in message.splitlines()]
+    text = " ".join(ln for ln in lines if ln and not _SOURCE_ECHO.fullmatch(ln))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class MaskWorker:
