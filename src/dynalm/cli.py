@@ -7,12 +7,14 @@ one line, ``error: ...``, and a non-zero exit; ``--verbose`` adds the traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from dynalm.core.device import CpuDevice
     from dynalm.models.loader import LoadedModel
     from dynalm.runtime.generator import Generator
+    from dynalm.runtime.guided import Guide
     from dynalm.runtime.sampling import SamplingParams
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -269,10 +272,15 @@ def _read_prompt(prompt: str | None) -> str | None:
     return prompt
 
 
-def _stream(generator: Generator, prompt_ids: list[int], params: SamplingParams) -> str:
+def _stream(
+    generator: Generator,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    guide: Guide | None = None,
+) -> str:
     """Write the answer to stdout as it is generated; returns it."""
     pieces = []
-    for event in generator.generate(prompt_ids, params):
+    for event in generator.generate(prompt_ids, params, guide=guide):
         if event.text:
             pieces.append(event.text)
             sys.stdout.write(event.text)
@@ -280,7 +288,27 @@ def _stream(generator: Generator, prompt_ids: list[int], params: SamplingParams)
     return "".join(pieces)
 
 
-def _chat(generator: Generator, params: SamplingParams, system: str | None, verbose: bool) -> None:
+def _schema_guide(generator: Generator, path: Path) -> Guide:
+    """The grammar of the JSON schema in file ``path`` (--json-schema)."""
+    from dynalm.errors import InvalidRequest
+    from dynalm.runtime.structured import json_grammar
+
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidRequest(f"--json-schema {path}: cannot read a JSON schema: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"--json-schema {path}: a JSON schema is an object")
+    return generator.engine.grammars.compile(json_grammar(schema), f"--json-schema {path}")
+
+
+def _chat(
+    generator: Generator,
+    params: SamplingParams,
+    system: str | None,
+    verbose: bool,
+    guide: Guide | None = None,
+) -> None:
     """Interactive multi-turn chat: /bye or Ctrl-D exits; Ctrl-C stops the answer."""
     model = generator.model
     messages = [{"role": "system", "content": system}] if system else []
@@ -304,7 +332,7 @@ def _chat(generator: Generator, params: SamplingParams, system: str | None, verb
         messages.append({"role": "user", "content": line})
         ids = model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
         try:
-            answer = _stream(generator, ids, params)
+            answer = _stream(generator, ids, params, guide)
         except KeyboardInterrupt:
             answer = ""
             err.print("\n[dim](stopped)[/]")
@@ -331,6 +359,9 @@ def run(
     repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.1,
     seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option(help="Answer as JSON valid against this JSON schema file.")
+    ] = None,
     ctx: Ctx = None,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     threads: Threads = None,
@@ -378,9 +409,10 @@ def run(
                 f"bind {time.perf_counter() - t1:.2f} s (weight repack "
                 f"{device.repack_seconds:.2f} s)[/]"
             )
+        guide = None if json_schema is None else _schema_guide(generator, json_schema)
         text = _read_prompt(prompt)
         if text is None:
-            _chat(generator, params, system, verbose)
+            _chat(generator, params, system, verbose, guide)
             return
         if raw:
             ids = loaded.tokenizer.encode(text, add_special=True)
@@ -389,7 +421,7 @@ def run(
             messages.append({"role": "user", "content": text})
             ids = loaded.tokenizer.encode(loaded.chat_template.render(messages), add_special=False)
         try:
-            answer = _stream(generator, ids, params)
+            answer = _stream(generator, ids, params, guide)
         except KeyboardInterrupt:
             answer = ""
             err.print("\n[dim](stopped)[/]")

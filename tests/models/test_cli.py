@@ -6,6 +6,7 @@ stderr naming the problem, a non-zero exit, no traceback (unless --verbose).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import gguf
+import jsonschema
 import numpy as np
 import pytest
 
@@ -83,8 +85,29 @@ def test_run_imports_nothing_it_does_not_use(smollm2_gguf: Path):
     result = subprocess.run([*cmd, *GREEDY], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in result.stderr.splitlines()}
-    for heavy in ("fastapi", "uvicorn", "transformers", "torch", "httpx", "huggingface_hub"):
+    heavy_modules = ("fastapi", "uvicorn", "transformers", "torch", "httpx", "huggingface_hub")
+    for heavy in (*heavy_modules, "llguidance"):
         assert heavy not in imported, heavy
+
+
+def test_run_json_schema(smollm2_gguf: Path, tmp_path: Path):
+    schema = {
+        "type": "object",
+        "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+        "required": ["colours"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    result = dynalm("run", str(smollm2_gguf), "List three colours", "--json-schema", str(path))
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+    path.write_text('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+    result = dynalm("run", str(smollm2_gguf), "hi", "--json-schema", str(path))
+    assert_one_line_error(result, "--json-schema", "/nowhere")
+    path.write_text("[1, 2")
+    result = dynalm("run", str(smollm2_gguf), "hi", "--json-schema", str(path))
+    assert_one_line_error(result, "--json-schema", "cannot read a JSON schema")
 
 
 def test_same_seed_same_output(smollm2_gguf: Path):

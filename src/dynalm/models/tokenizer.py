@@ -288,6 +288,13 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of ``text`` as it continues other text: no BOS/EOS and no sentencepiece prefix
+        space (a grammar's forced text is tokenized so; special tokens are not parsed)."""
+        if not self.strip_space_prefix:
+            return self.encode(text, add_special=False)
+        return [t.id for t in self._hf.model.tokenize(text.replace(" ", "▁"))]
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of ``ids``; ``skip_special`` drops control and unknown tokens, not user-defined."""
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)

@@ -29,6 +29,7 @@ from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLon
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
+from dynalm.runtime.guided import GrammarCompiler, Guide, MaskWorker, apply_masks
 from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token, recent_bytes_per_seq
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
@@ -101,6 +102,7 @@ class _Stream:
     stops: StopMatcher
     stop_ids: frozenset[int]
     logprobs: int | None
+    guide: Guide | None = None  # the grammar its output follows, if constrained
 
 
 def flat_batch(
@@ -180,6 +182,8 @@ class Engine:
         )
         model.gguf.release_pages()  # the executor holds its own (repacked) copy of the weights
         trim_heap()  # and the repack's temporaries are gone
+        self.grammars = GrammarCompiler(model.tokenizer, model.stop_token_ids, hp.n_vocab)
+        self._masks: MaskWorker | None = None  # started at the first constrained request
         self._streams: dict[str, _Stream] = {}
         self._aborts: set[str] = set()
         self._ready: list[RequestOutput] = []  # outputs decided outside a step
@@ -194,8 +198,10 @@ class Engine:
         *,
         logprobs: int | None = None,
         stop_ids: frozenset[int] | None = None,
+        guide: Guide | None = None,
     ) -> None:
-        """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull."""
+        """Queue a request (``guide``: from `grammars`, its own copy); raises PromptTooLong,
+        InvalidRequest or QueueFull."""
         ctx = self.config.ctx
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -219,6 +225,7 @@ class Engine:
             StopMatcher(params.stop),
             self.model.stop_token_ids if stop_ids is None else stop_ids,
             logprobs,
+            guide,
         )
         with self._lock:
             if request_id in self._streams:
@@ -256,12 +263,19 @@ class Engine:
             sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
+        with self._lock:
+            streams = [self._streams[c.request.request_id] for c in sched.chunks if c.samples]
+        guided = [i for i, stream in enumerate(streams) if stream.guide is not None]
+        if guided:  # the masks are computed while the model runs
+            self._masks = self._masks or MaskWorker(self.model.hparams.n_vocab)
+            masks = self._masks.start([streams[i].guide for i in guided])  # type: ignore[misc]
         logits = self._run(sched.chunks)
         with self._lock:
             self.scheduler.advance(sched)
-            streams = [self._streams[c.request.request_id] for c in sched.chunks if c.samples]
             for stream, row in zip(streams, logits, strict=True):
                 stream.sampler.penalize(row, stream.request.token_ids)
+            if guided:
+                apply_masks(logits, guided, masks.result())
             tokens = sample_rows([stream.sampler for stream in streams], logits)
             for stream, row, token in zip(streams, logits, tokens.tolist(), strict=True):
                 outputs.append(self._emit(stream, row, token))
@@ -285,7 +299,9 @@ class Engine:
             reason = "stop"
         else:
             text, matched = stream.stops.push(stream.decoder.push(token))
-            if matched:
+            if stream.guide is not None:
+                stream.guide.consume(token)
+            if matched or (stream.guide is not None and stream.guide.done):
                 reason = "stop"
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.ctx:
                 reason = "length"

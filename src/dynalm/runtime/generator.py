@@ -17,6 +17,7 @@ import numpy as np
 from dynalm.core.device import CpuDevice
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
+from dynalm.runtime.guided import Guide
 from dynalm.runtime.kv_cache import PagePool
 from dynalm.runtime.sampling import SamplingParams
 from dynalm.runtime.scheduler import Request, ScheduledChunk
@@ -65,12 +66,18 @@ class Generator:
         self._scoring_pool: PagePool | None = None
 
     def generate(
-        self, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int] | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        stop_ids: frozenset[int] | None = None,
+        guide: Guide | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream one answer; stopping the iteration early aborts the request."""
+        """Stream one answer (following ``guide``'s grammar, if given: a fresh copy each
+        time); stopping the iteration early aborts the request."""
         rid = f"run-{next(self._ids)}"
         stop_ids = self.model.stop_token_ids if stop_ids is None else stop_ids
-        self.engine.add_request(rid, prompt, params, stop_ids=stop_ids)
+        guide = None if guide is None else guide.copy()
+        self.engine.add_request(rid, prompt, params, stop_ids=stop_ids, guide=guide)
         self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
         t0 = first = time.perf_counter()
         finished = False

@@ -27,6 +27,9 @@ from pydantic import (
     model_validator,
 )
 
+from dynalm.runtime.structured import ConstraintFields
+from dynalm.runtime.tools import ToolCall, ToolFields
+
 # ---------------------------------------------------------------- requests
 
 MAX_SEED = 2**64 - 1
@@ -74,6 +77,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -99,7 +104,7 @@ class ChatMessage(_Request):
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,9}")
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Request, ConstraintFields):
     """What chat and completion requests share: the model and the sampling parameters.
 
     Defaults follow OpenAI (temperature 1, nucleus off), not ``dynalm run``'s.
@@ -162,12 +167,11 @@ class SamplingRequest(_Request):
         raise NotImplementedError
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # tools / tool_choice / response_format are not refused here: they have their own issue
     functions: _unsupported(None, []) = None
     function_call: _unsupported(None, "none") = None
     audio: _unsupported(None) = None
@@ -289,7 +293,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -301,7 +306,7 @@ class ChatChoice(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, {} at the end
+    delta: dict[str, Any]  # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -49,6 +49,7 @@ from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime import protocol as p
+from dynalm.runtime import tools
 from dynalm.runtime.asgi import (
     MAX_BODY_BYTES,
     APIError,
@@ -60,6 +61,7 @@ from dynalm.runtime.asgi import (
     install_openapi,
 )
 from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
+from dynalm.runtime.guided import Guide
 from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from dynalm.runtime.sampling import SamplingParams
 
@@ -134,6 +136,8 @@ class _Generation:
         options: dict[str, Any],
     ) -> None:
         tracker = server.metrics.track()
+        if (guide := options.get("guide")) is not None:  # each sequence follows its own copy
+            options = {**options, "guide": guide.copy()}
         try:
             async for out in server.async_engine.generate(request_id, prompt, params, **options):
                 tracker.observe(out)
@@ -224,7 +228,7 @@ class _Format:
         text: str,
         logprobs: Sequence[TokenLogprob] | None,
         finish_reason: str | None = None,
-    ) -> BaseModel:
+    ) -> BaseModel | None:
         raise NotImplementedError
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
@@ -236,6 +240,38 @@ class _Format:
 
 class _ChatFormat(_Format):
     id_prefix = "chatcmpl"
+
+    def __init__(
+        self, model_name: str, tokenizer: Tokenizer, logprobs: bool, plan: tools.ToolPlan | None
+    ) -> None:
+        super().__init__(model_name, tokenizer, logprobs)
+        self.plan = plan  # with tools: calls are read out of the text
+        self._tool_streams: dict[int, tools.ToolStream] = {}
+
+    def _delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A streamed chunk's delta and finish reason (calls go out whole at the end)."""
+        if self.plan is None:
+            return ({"content": text} if finish_reason is None else {}), finish_reason
+        stream = self._tool_streams.setdefault(index, self.plan.stream())
+        if finish_reason is None:
+            content = stream.push(text)
+            return ({"content": content} if content else {}), None
+        rest, calls = stream.finish()
+        delta: dict[str, Any] = {"content": rest} if rest else {}
+        if calls:
+            delta["tool_calls"] = tools.call_deltas(calls)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return delta, finish_reason
+
+    def _message(self, choice: _Choice) -> tuple[p.AssistantMessage, str | None]:
+        text, reason = "".join(choice.text), choice.finish_reason
+        if self.plan is None:
+            return p.AssistantMessage(content=text), reason
+        content, calls = self.plan.parse(text)
+        if not calls:
+            return p.AssistantMessage(content=text), reason
+        reason = "tool_calls" if reason == "stop" else reason
+        return p.AssistantMessage(content=content, tool_calls=calls), reason
 
     def _logprobs(self, lps: Sequence[TokenLogprob] | None) -> p.ChatLogprobs | None:
         if not self.logprobs or lps is None:
@@ -267,10 +303,13 @@ class _ChatFormat(_Format):
         text: str,
         logprobs: Sequence[TokenLogprob] | None,
         finish_reason: str | None = None,
-    ) -> BaseModel:
+    ) -> BaseModel | None:
+        delta, finish_reason = self._delta(choice.index, text, finish_reason)
+        if not delta and finish_reason is None and not logprobs:
+            return None
         streamed = p.ChatStreamChoice(
             index=choice.index,
-            delta={"content": text} if finish_reason is None else {},
+            delta=delta,
             logprobs=self._logprobs(logprobs),
             finish_reason=finish_reason,
         )
@@ -283,11 +322,12 @@ class _ChatFormat(_Format):
         choices = [
             p.ChatChoice(
                 index=c.index,
-                message=p.AssistantMessage(content="".join(c.text)),
+                message=message,
                 logprobs=self._logprobs(c.logprobs),
-                finish_reason=c.finish_reason,
+                finish_reason=reason,
             )
             for c in gen.choices
+            for message, reason in [self._message(c)]
         ]
         return p.ChatCompletion(**self._common(), choices=choices, usage=gen.usage())
 
@@ -357,7 +397,9 @@ async def _sse(gen: _Generation, fmt: _Format, include_usage: bool) -> AsyncIter
                 yield _event(opening)
         async for choice, out in gen.outputs():
             if out.text or out.logprobs:
-                yield _event(fmt.chunk(choice, out.text, out.logprobs))
+                chunk = fmt.chunk(choice, out.text, out.logprobs)
+                if chunk is not None:  # None: the text is held back (a tool call may begin)
+                    yield _event(chunk)
             if out.finished:
                 yield _event(fmt.chunk(choice, "", None, out.finish_reason or "stop"))
         if include_usage:
@@ -529,17 +571,37 @@ class OpenAIServer:
         return self.tokenizer.encode(text, add_special=add_special)
 
     def _chat_ids(
-        self, messages: Sequence[p.ChatMessage], add_generation_prompt: bool
+        self,
+        messages: Sequence[p.ChatMessage],
+        add_generation_prompt: bool,
+        plan: tools.ToolPlan | None = None,
     ) -> list[int]:
-        rendered = self.model.chat_template.render(
+        template = self.model.chat_template
+        shown, extra = tools.template_messages(
             [
                 # "developer" is OpenAI's new name for "system"; templates know only the old one
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                {
+                    "role": "system" if m.role == "developer" else m.role,
+                    "content": m.text(),
+                    "tool_calls": m.tool_calls,
+                    "tool_call_id": m.tool_call_id,
+                    "name": m.name if m.role == "tool" else None,
+                }
                 for m in messages
             ],
-            add_generation_prompt=add_generation_prompt,
+            plan,
+            template.source,
         )
+        rendered = template.render(shown, add_generation_prompt=add_generation_prompt, **extra)
         return self._encode(rendered, add_special=False)
+
+    def _guide(self, req: p.SamplingRequest, plan: tools.ToolPlan | None = None) -> Guide | None:
+        """The grammar the answer must follow (a tool call, or the requested format)."""
+        if plan is not None and (grammar := plan.grammar()) is not None:
+            return self.engine.grammars.compile(grammar, "the tools' parameters")
+        if (constraint := req.constraint()) is None:
+            return None
+        return self.engine.grammars.compile(constraint.grammar(), constraint.field)
 
     def _prompt_ids(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
         out = []
@@ -578,6 +640,7 @@ class OpenAIServer:
         req: p.SamplingRequest,
         prompts: list[list[int]],
         fmt: _Format,
+        guide: Guide | None = None,
     ) -> Response:
         count, most = len(prompts) * req.n, self.engine.config.max_queue
         if count > most:  # more than could ever wait at once: retrying would not help
@@ -589,6 +652,7 @@ class OpenAIServer:
         options = {
             "logprobs": req.top_logprob_count,
             "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
+            "guide": guide,
         }
         gen = _Generation(self, fmt.id, jobs, req.n, options)
         try:
@@ -611,16 +675,19 @@ class OpenAIServer:
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: the model's chat template renders the messages."""
         self._admit(body.model)
-        ids = await asyncio.to_thread(self._chat_ids, body.messages, True)
-        fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs)
-        return await self._generate(request, body, [ids], fmt)
+        plan = tools.plan(body, self.model.chat_template.source)
+        ids = await asyncio.to_thread(self._chat_ids, body.messages, True, plan)
+        guide = await asyncio.to_thread(self._guide, body, plan)
+        fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs, plan)
+        return await self._generate(request, body, [ids], fmt, guide)
 
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
         self._admit(body.model)
         prompts = await asyncio.to_thread(self._prompt_ids, body.prompts)
+        guide = await asyncio.to_thread(self._guide, body)
         fmt = _CompletionFormat(self.names[0], self.tokenizer, body.logprobs is not None)
-        return await self._generate(request, body, prompts, fmt)
+        return await self._generate(request, body, prompts, fmt, guide)
 
     async def list_models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.names[0], max_model_len=self.ctx)])
