@@ -189,15 +189,18 @@ def test_refuses_what_it_cannot_run() -> None:
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
-def test_rows_do_not_depend_on_the_batch(ggml_type: T, mode: str) -> None:
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
+def test_rows_do_not_depend_on_the_batch(
+    backend: backends.Backend, ggml_type: T, mode: str
+) -> None:
     # The engine relies on it: a sequence's logits are bitwise the same whatever it is
-    # batched with (GEMV and GEMM tiles sum each row in the same order).
+    # batched with (every batch bucket's tile sums each row in the same order).
     raw = weights(ggml_type, N, 768)
-    mm = QuantMatmul(raw, ggml_type, 768, mode=mode)
+    mm = QuantMatmul(raw, ggml_type, 768, mode=mode, backend=runnable(backend))
     x = activations(37, 768)
     batched = mm(x)
-    for t in (0, 5, 36):
-        assert np.array_equal(mm(x[t : t + 1].copy())[0], batched[t])
+    for t, size in ((0, 1), (5, 4), (20, 8), (36, 1)):  # each bucket's tile
+        assert np.array_equal(mm(x[t : t + size].copy())[0], batched[t])
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
