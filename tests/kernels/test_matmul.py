@@ -85,7 +85,7 @@ def test_matches_reference(ggml_type: T, mode: str, k: int) -> None:
 
 
 # Each backend natively, and each one's portable twin.
-ALL_BACKENDS = [*backends.BACKENDS, *(b.twin() for b in backends.BACKENDS if b.native)]
+ALL_BACKENDS = [*backends.BACKENDS, *(b.twin() for b in backends.BACKENDS if b.requires)]
 
 
 def runnable(backend: backends.Backend) -> backends.Backend:
