@@ -183,7 +183,9 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
-            self.file_size = self.path.stat().st_size
+            # Read before mapping: the identity the repack cache keys this file's weights by.
+            self.stat = self.path.stat()
+            self.file_size = self.stat.st_size
             if self.path.is_dir():
                 raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
             if self.file_size == 0:

@@ -47,6 +47,19 @@ class GGUFWeights:
     def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.gguf.read_rows(name, ids)
 
+    def source(self, names: tuple[str, ...]) -> tuple[str, str]:
+        """Where the rows of ``names`` (stacked) lie: the file's real path and their byte
+        ranges; and the file's identity when it was opened (device, inode, size, mtime and
+        ctime in ns: any change through the file system changes one). The repack cache's
+        key (``kernel.repack_cache``)."""
+        st, infos = self.gguf.stat, [self.gguf.tensors[n] for n in names]
+        where = (
+            os.path.realpath(self.gguf.path)
+            + "@"
+            + ",".join(f"{t.offset}+{t.nbytes}" for t in infos)
+        )
+        return where, f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         """The executor holds its own copy of ``name`` (or of its ``rows``) now: drop the
         mapped pages from RSS."""
