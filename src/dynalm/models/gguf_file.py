@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -184,7 +185,7 @@ class GGUFFile:
         self.path = Path(path)
         try:
             # Read before mapping: the identity the repack cache keys this file's weights by.
-            self.stat = self.path.stat()
+            self.stat, self.opened_at = self.path.stat(), time.time()
             self.file_size = self.stat.st_size
             if self.path.is_dir():
                 raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
