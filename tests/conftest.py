@@ -7,9 +7,29 @@ DYNALM_TEST_MODEL with its path; a missing model is an error, never a skip.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+_repack_dir: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Repacked weights go to a directory of this session's (unless $DYNALM_REPACK_CACHE
+    says where): tests load many temporary GGUF files, whose entries would otherwise pile
+    up in the shared cache of `make test`."""
+    global _repack_dir
+    if "DYNALM_REPACK_CACHE" not in os.environ:
+        _repack_dir = tempfile.mkdtemp(prefix="dynalm-repack-")
+        os.environ["DYNALM_REPACK_CACHE"] = _repack_dir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _repack_dir is not None:
+        shutil.rmtree(_repack_dir, ignore_errors=True)
+        os.environ.pop("DYNALM_REPACK_CACHE", None)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

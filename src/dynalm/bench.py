@@ -375,10 +375,21 @@ def bench_command(
     ctx = max(t.n for t in tests) + TG_PROMPT + 16
     if vs and importlib.util.find_spec("llama_cpp") is None:  # fail before loading anything
         raise InvalidRequest(INSTALL_HINT)
+    t0 = time.perf_counter()
     model = load_model(path)
+    t1 = time.perf_counter()
     n_vocab = model.hparams.n_vocab
     ours = DynaLMRunner(model, device, ctx)
+    load = {  # binding repacks the weights, or maps them from the repack cache
+        "file_s": round(t1 - t0, 3),
+        "bind_s": round(time.perf_counter() - t1, 3),
+        "repack_s": round(device.repack_seconds, 3),
+        "weights_repacked": device.repacked,
+        "weights_mapped": device.mapped,
+        "peak_rss_bytes": peak_rss(),
+    }
     summary = {"model": model.name, "file": str(path), "threads": device.threads, "mode": mode}
+    summary["load"] = load
     if profile:
         for test in tests:  # warm-up: JIT compiles, first binding of each step shape
             profile_test(ours, test, n_vocab)
@@ -404,4 +415,11 @@ def bench_command(
         f"threads {device.threads} · mode {mode} · {repetitions} runs"
         + (", engines alternating" if vs else "")
     )
-    return f"{format_table(results, header, [r.name for r in runners])}\n\n{memory.line()}"
+    loaded = (
+        f"load: file {load['file_s']:.2f} s, bind {load['bind_s']:.2f} s (weight repack "
+        f"{load['repack_s']:.2f} s; {load['weights_mapped']} of "
+        f"{load['weights_mapped'] + load['weights_repacked']} weights mapped from the repack "
+        f"cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
+    )
+    table = format_table(results, header, [r.name for r in runners])
+    return f"{table}\n\n{memory.line()}\n{loaded}"

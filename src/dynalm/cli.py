@@ -407,7 +407,8 @@ def run(
             err.print(
                 f"[dim]loaded {loaded.name} on {device.describe()}: file {t1 - t0:.2f} s, "
                 f"bind {time.perf_counter() - t1:.2f} s (weight repack "
-                f"{device.repack_seconds:.2f} s)[/]"
+                f"{device.repack_seconds:.2f} s, {device.mapped} of "
+                f"{device.mapped + device.repacked} weights from the repack cache)[/]"
             )
         guide = None if json_schema is None else _schema_guide(generator, json_schema)
         text = _read_prompt(prompt)

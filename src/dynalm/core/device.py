@@ -79,6 +79,7 @@ class CpuDevice:
         except backends.BackendUnavailable as e:
             raise InvalidRequest(f"$DYNALM_ISA: {e}") from None
         self.repack_seconds = 0.0  # spent repacking weights for the JIT kernels (--verbose)
+        self.repacked = self.mapped = 0  # JIT weights repacked / mapped from the repack cache
 
     def describe(self) -> str:
         kernels = f", kernels {self.backend.name}" if self.backend else ""
@@ -100,18 +101,23 @@ class CpuDevice:
 
     def matmul(
         self,
-        raw: np.ndarray,
+        raw: np.ndarray | Callable[[], np.ndarray],
         ggml_type: int,
         shape: tuple[int, int],
         *,
         scratch: ActivationScratch | None = None,
         release_rows: Callable[[int, int], None] | None = None,
+        source: tuple[str, str] | None = None,
     ) -> MatmulFn:
-        """``out = x @ W.T`` for a weight ``W`` of ``shape`` ``[N, K]`` stored in ``raw``.
-        A JIT kernel repacks ``raw`` into memory of its own, calling ``release_rows(lo, hi)``
-        as it goes, and quantises activations in ``scratch`` (see ``QuantMatmul``)."""
+        """``out = x @ W.T`` for a weight ``W`` of ``shape`` ``[N, K]`` stored in ``raw``
+        (or read by calling it, only when needed). A JIT kernel repacks ``raw`` into memory
+        of its own, calling ``release_rows(lo, hi)`` as it goes, or with ``source`` (where
+        the bytes lie, see ``kernel.repack_cache``) maps the repack cache's copy; it
+        quantises activations in ``scratch`` (see ``QuantMatmul``)."""
         n_rows, n_cols = shape
         kernel = self.matmul_kernel(ggml_type)
+        if not kernel.startswith("jit-") or n_cols % 32:
+            raw = raw() if callable(raw) else raw
         if kernel == "numpy":
             dense = quant.dequantize(raw, ggml_type, n_cols)
             return lambda x, out: np.matmul(x, dense.T, out=out)
@@ -126,8 +132,14 @@ class CpuDevice:
                 backend=self.backend,
                 scratch=scratch,
                 release_rows=release_rows,
+                source=source,
+                n_rows=n_rows,
             )
-            self.repack_seconds += time.perf_counter() - t0
+            if mm.repacked:
+                self.repacked += 1
+                self.repack_seconds += time.perf_counter() - t0
+            else:
+                self.mapped += 1
             return mm
         # Formats without a JIT kernel yet: dequantise L2-sized row tiles, multiply with BLAS.
         tile_rows = max(1, _TILE_BYTES // (4 * n_cols))

@@ -19,9 +19,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as _T
 
 from dynalm.core import pool
-from dynalm.kernel import backends, layouts
+from dynalm.kernel import backends, layouts, repack_cache
 from dynalm.kernel import matmul as programs
-from dynalm.kernel.formats import QK, UNPACKS
+from dynalm.kernel.formats import QK, UNPACKS, Unpack
 from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XS, A_Y, N_ARGS
 
 # Formats whose ``auto`` (int8) kernels met the model-level budget of
@@ -101,7 +101,7 @@ class QuantMatmul:
 
     def __init__(
         self,
-        raw: np.ndarray,
+        raw: np.ndarray | Callable[[], np.ndarray],
         ggml_type: int,
         n_cols: int,
         *,
@@ -110,29 +110,50 @@ class QuantMatmul:
         backend: backends.Backend | None = None,
         scratch: ActivationScratch | None = None,
         release_rows: Callable[[int, int], None] | None = None,
+        source: tuple[str, str] | None = None,
+        n_rows: int | None = None,
     ) -> None:
-        """``threads``: default ``default_threads()``; ``backend``: the kernels' backend
+        """``raw``: the GGUF rows, uint8 ``[N, row bytes]``, or a function that reads them
+        (then ``n_rows`` is N), called only if the weight must be repacked;
+        ``threads``: default ``default_threads()``; ``backend``: the kernels' backend
         (default ``backends.select()``: the host's best or ``$DYNALM_ISA``); ``scratch``:
         where ``auto`` quantises the activations (default: a buffer of its own);
         ``release_rows(lo, hi)``: called once rows ``lo:hi`` of ``raw`` are repacked, e.g.
-        to drop their mapped pages."""
+        to drop their mapped pages; ``source``: where ``raw``'s bytes come from and that
+        file's identity (``kernel.repack_cache``): given, the repacked weight is mapped
+        from the repack cache when it holds it, and stored there when not (``repacked``
+        says which)."""
         if not self.supported(ggml_type, mode):
             raise ValueError(f"no {mode} matmul kernel for GGUF type {ggml_type}")
         u = UNPACKS[ggml_type]
-        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != u.row_bytes(n_cols):
-            raise ValueError(
-                f"{u.name}: expected uint8 [N, {u.row_bytes(n_cols)}], got {raw.dtype} {raw.shape}"
-            )
         if n_cols % QK:
             raise ValueError(f"{u.name}: K={n_cols} is not a multiple of {QK}")
-        self.ggml_type, self.n_rows, self.n_cols = ggml_type, raw.shape[0], n_cols
+        if not callable(raw):
+            self._check_rows(u, raw, n_cols, None)
+            n_rows = raw.shape[0]
+        elif n_rows is None:
+            raise ValueError("n_rows is needed when raw is a function")
+        self.ggml_type, self.n_rows, self.n_cols = ggml_type, n_rows, n_cols
         self.mode = programs.effective_mode(ggml_type, mode)
         self._nb = n_cols // QK
         self.backend = backend or backends.select()
         self._kernels = programs.MatmulKernels(ggml_type, self.mode, self.backend, n_cols)
-        self._weights = layouts.repack(u, raw, n_cols, self._kernels.layout, release_rows)
+        layout = self._kernels.layout
+
+        def repack() -> np.ndarray:
+            rows = raw() if callable(raw) else raw
+            self._check_rows(u, rows, n_cols, n_rows)
+            return layouts.repack(u, rows, n_cols, layout, release_rows)
+
+        if source is None:
+            self._weights, self.repacked = repack(), True
+        else:
+            nbytes = -(-n_rows // layout.rows) * layout.rows * self._nb * u.block_bytes
+            what = f"{u.name} [{n_rows}, {n_cols}] {layout!r}"
+            cache = repack_cache.shared()
+            self._weights, self.repacked = cache.load_or_build(source, what, nbytes, repack)
         threads = threads or default_threads()
-        small = raw.nbytes < _PARALLEL_MIN_BYTES
+        small = n_rows * u.row_bytes(n_cols) < _PARALLEL_MIN_BYTES
         self._threads = 1 if small or not pool.available() else threads
         # The pool's smallest grab (its first grabs are larger, see core.pool): small enough
         # to even out uneven threads at the end of a job, and whole row groups.
@@ -151,6 +172,15 @@ class QuantMatmul:
         self._calls: list[tuple[int, int, int, int, int]] = []
         self._scratch = scratch or ActivationScratch()
         self._generation = -1  # the scratch's generation the bound addresses belong to
+
+    @staticmethod
+    def _check_rows(u: Unpack, raw: np.ndarray, n_cols: int, n_rows: int | None) -> None:
+        rows = raw.shape[0] if n_rows is None else n_rows
+        if raw.dtype != np.uint8 or raw.shape != (rows, u.row_bytes(n_cols)):
+            raise ValueError(
+                f"{u.name}: expected uint8 [{n_rows or 'N'}, {u.row_bytes(n_cols)}], "
+                f"got {raw.dtype} {raw.shape}"
+            )
 
     @staticmethod
     def supported(ggml_type: int, mode: str) -> bool:

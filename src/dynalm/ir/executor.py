@@ -186,12 +186,18 @@ class Executor:
         are read on demand, so the file's pages do not stay in memory beside the copy."""
         key = (name, use)
         if key not in self._prepared:
-            raw, qtype, shape = self._raw(name)
+            raw, qtype, shape = self._raw(name, lazy=use == "matmul")
             w, parts = self._weights, self._parts.get(name)
             if use == "matmul":
                 release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
+                source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
                 prepared = self.device.matmul(
-                    raw, qtype, shape, scratch=self._scratch, release_rows=release
+                    raw,
+                    qtype,
+                    shape,
+                    scratch=self._scratch,
+                    release_rows=release,
+                    source=source(parts or (name,)) if source else None,
                 )
                 if isinstance(prepared, QuantMatmul) and parts:  # stacked parts: a copy
                     for part in parts:
@@ -204,16 +210,18 @@ class Executor:
             self._prepared[key] = prepared
         return self._prepared[key]
 
-    def _raw(self, name: str) -> tuple[np.ndarray, int, tuple[int, ...]]:
+    def _raw(self, name: str, lazy: bool = False) -> tuple[object, int, tuple[int, ...]]:
         """A weight's bytes, ggml type and shape; a merged weight's parts' rows are
-        concatenated (quantised rows are independent, so this is exact)."""
+        concatenated (quantised rows are independent, so this is exact), by a function
+        when ``lazy`` (a matmul whose repacked copy is cached never reads them)."""
         w = self._weights
         parts = self._parts.get(name)
         if parts is None:
             return w.raw(name), w.tensor_type(name), tuple(w.tensor_shape(name))
         shapes = [tuple(w.tensor_shape(p)) for p in parts]
-        raw = np.concatenate([w.raw(p) for p in parts], axis=0)
-        return raw, w.tensor_type(parts[0]), (sum(s[0] for s in shapes), *shapes[0][1:])
+        raw = lambda: np.concatenate([w.raw(p) for p in parts], axis=0)  # noqa: E731
+        shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+        return raw if lazy else raw(), w.tensor_type(parts[0]), shape
 
     def _split(self, nodes: list[Node]) -> Call:
         """Copy column ranges of one value into the planned outputs of ``split`` nodes."""

@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -183,7 +184,9 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
-            self.file_size = self.path.stat().st_size
+            # Read before mapping: the identity the repack cache keys this file's weights by.
+            self.stat, self.opened_at = self.path.stat(), time.time()
+            self.file_size = self.stat.st_size
             if self.path.is_dir():
                 raise ModelFormatError(f"{self.path} is a directory, not a GGUF file")
             if self.file_size == 0:

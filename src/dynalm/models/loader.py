@@ -29,6 +29,10 @@ _TOKENIZER_ARRAYS = (
 )
 
 
+# A file changed this recently when opened may change again unseen (see GGUFWeights.source).
+RACY_SECONDS = 2.0
+
+
 class GGUFWeights:
     """The executor's view of a GGUF file's tensors (memory-mapped, never copied)."""
 
@@ -46,6 +50,23 @@ class GGUFWeights:
 
     def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.gguf.read_rows(name, ids)
+
+    def source(self, names: tuple[str, ...]) -> tuple[str, str] | None:
+        """Where the rows of ``names`` (stacked) lie: the file's real path and their byte
+        ranges; and the file's identity when it was opened (device, inode, size, mtime and
+        ctime in ns: any change through the file system changes one). The repack cache's
+        key (``kernel.repack_cache``). ``None`` (not cached) for a file changed less than
+        ``RACY_SECONDS`` before it was opened: a write within the same timestamp tick
+        (file systems keep coarse clocks) would leave its identity as it is."""
+        st, infos = self.gguf.stat, [self.gguf.tensors[n] for n in names]
+        if self.gguf.opened_at - st.st_ctime < RACY_SECONDS:
+            return None
+        where = (
+            os.path.realpath(self.gguf.path)
+            + "@"
+            + ",".join(f"{t.offset}+{t.nbytes}" for t in infos)
+        )
+        return where, f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         """The executor holds its own copy of ``name`` (or of its ``rows``) now: drop the
