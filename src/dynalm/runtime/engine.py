@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -261,7 +261,8 @@ class Engine:
             self.scheduler.advance(sched)
             streams = [self._streams[c.request.request_id] for c in sched.chunks if c.samples]
             for stream, row in zip(streams, logits, strict=True):
-                stream.sampler.penalize(row, stream.request.token_ids)
+                req = stream.request
+                stream.sampler.penalize(row, req.token_ids, len(req.prompt_ids))
             tokens = sample_rows([stream.sampler for stream in streams], logits)
             for stream, row, token in zip(streams, logits, tokens.tolist(), strict=True):
                 outputs.append(self._emit(stream, row, token))
@@ -407,10 +408,12 @@ class AsyncEngine:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        queued: Callable[[], None] | None = None,
         **kw: object,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes; cancelling the consumer
-        (client disconnect) aborts it. Raises what ``Engine.add_request`` raises."""
+        (client disconnect) aborts it. Raises what ``Engine.add_request`` raises; ``queued``
+        is called once the engine has taken the request (before any output)."""
         if not self._accepting:
             raise QueueFull("the server is shutting down")
         if request_id in self._consumers:
@@ -426,6 +429,8 @@ class AsyncEngine:
             del self._consumers[request_id]
             raise
         self._wake.set()
+        if queued is not None:
+            queued()
         finished = False
         try:
             while not finished:

@@ -5,9 +5,10 @@ prompt (`_Generation`), merged into one stream of outputs; the two endpoints dif
 only in how outputs are written (`_ChatFormat`, `_CompletionFormat`), either as
 server-sent events or collected into one response.
 
-A request is answered only once each of its engine requests produced a first output,
-so what the engine refuses at admission (prompt over the context, queue full) is the
-right HTTP status instead of a broken stream. A client that disconnects at any point
+A request is answered only once the engine has queued each of its engine requests, so
+what the engine refuses at admission (prompt over the context, queue full) is the right
+HTTP status instead of a broken stream; a stream's status and headers go out at that
+moment, before the request waits for a slot or its prompt is prefilled. A client that disconnects at any point
 cancels its engine requests; `AsyncEngine` then aborts them and frees their pages.
 SIGTERM / SIGINT: new requests get 503 with Retry-After (the port stays open while
 draining), in-flight ones get ``SHUTDOWN_GRACE_S`` to finish; then they are aborted, so each
@@ -22,6 +23,7 @@ tokenised, so a huge prompt never stalls other clients or ``/health``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -96,6 +98,9 @@ class _Choice:
         self.finish_reason = out.finish_reason
 
 
+_QUEUED = object()  # on a `_Generation`'s queue: the engine has taken that engine request
+
+
 class _Generation:
     """The engine requests behind one HTTP request (``n`` per prompt), merged into one stream.
 
@@ -114,8 +119,8 @@ class _Generation:
         """``options``: what `Engine.add_request` takes beyond prompt and parameters."""
         self.n = n
         self.choices = [_Choice(i) for i in range(len(jobs))]
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-        self._ready: deque[tuple[int, RequestOutput | Exception | None]] = deque()
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._ready: deque[tuple[int, object]] = deque()
         self._live = len(jobs)
         self._tasks = [
             asyncio.create_task(
@@ -134,8 +139,12 @@ class _Generation:
         options: dict[str, Any],
     ) -> None:
         tracker = server.metrics.track()
+        queued = functools.partial(self._queue.put_nowait, (index, _QUEUED))
         try:
-            async for out in server.async_engine.generate(request_id, prompt, params, **options):
+            stream = server.async_engine.generate(
+                request_id, prompt, params, queued=queued, **options
+            )
+            async for out in stream:
                 tracker.observe(out)
                 self._queue.put_nowait((index, out))
             self._queue.put_nowait((index, None))
@@ -146,19 +155,23 @@ class _Generation:
             self._queue.put_nowait((index, e))
 
     async def admitted(self) -> None:
-        """Wait for the first output of every engine request; raise the first refusal."""
+        """Wait until the engine has queued every engine request; raise the first refusal."""
         waiting = set(range(len(self.choices)))
         while waiting:
             index, out = item = await self._queue.get()
             if isinstance(out, Exception):
                 raise out
-            waiting.discard(index)
-            self._ready.append(item)
+            if out is _QUEUED:
+                waiting.discard(index)
+            else:  # an output that overtook its engine request's own marker
+                self._ready.append(item)
 
     async def outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Every output in arrival order, with the choice it updated, until all finish."""
         while self._live:
             index, out = self._ready.popleft() if self._ready else await self._queue.get()
+            if out is _QUEUED:
+                continue
             if out is None:
                 self._live -= 1
                 continue
@@ -556,9 +569,18 @@ class OpenAIServer:
     def _params(self, req: p.SamplingRequest, prompt: list[int], copy: int) -> SamplingParams:
         bias = req.token_bias
         self._check_ids(list(bias), "logit_bias")
+        room = self.ctx - len(prompt)  # a prompt that leaves none is the engine's 400
+        if req.max_tokens is not None and 0 < room < req.max_tokens:
+            raise APIError(
+                400,
+                f"max_tokens is {req.max_tokens}, but the context of {self.ctx} tokens leaves "
+                f"{room} after the prompt's {len(prompt)}; lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return SamplingParams(
             # OpenAI's default: as much as the context leaves
-            max_tokens=req.max_tokens or max(1, self.ctx - len(prompt)),
+            max_tokens=req.max_tokens or max(1, room),
             temperature=req.temperature,
             top_k=req.top_k,
             top_p=req.top_p,
