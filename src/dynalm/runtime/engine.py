@@ -30,6 +30,7 @@ from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
 from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token, recent_bytes_per_seq
+from dynalm.runtime.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
@@ -76,6 +77,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens reused from the prefix cache
     completion_tokens: int  # generated so far
     logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
+    # with the first output, when asked: one per prompt token from the first one scored
+    prompt_logprobs: list[ScoredLogprob] | None = None
 
 
 @dataclass
@@ -101,6 +104,8 @@ class _Stream:
     stops: StopMatcher
     stop_ids: frozenset[int]
     logprobs: int | None
+    prompt_logprobs: int | None = None  # alternatives per scored prompt token
+    scored: list[ScoredLogprob] | None = None  # until the first output takes them
 
 
 def flat_batch(
@@ -194,8 +199,12 @@ class Engine:
         *,
         logprobs: int | None = None,
         stop_ids: frozenset[int] | None = None,
+        prompt_logprobs: int | None = None,
+        prompt_logprobs_from: int = 1,
     ) -> None:
-        """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull."""
+        """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull.
+        ``prompt_logprobs``: score the prompt's tokens from ``prompt_logprobs_from`` on
+        (the first output carries them), with that many alternatives each."""
         ctx = self.config.ctx
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -211,7 +220,15 @@ class Engine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {n_vocab})")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}"
+            )
+        if not 1 <= prompt_logprobs_from <= len(prompt_ids):
+            raise InvalidRequest(f"prompt_logprobs_from must be in [1, {len(prompt_ids)}]")
         req = Request(request_id, list(prompt_ids), min(params.max_tokens, ctx - len(prompt_ids)))
+        if prompt_logprobs is not None:
+            req.scored_until = prompt_logprobs_from
         stream = _Stream(
             req,
             Sampler(params),  # validates params
@@ -219,6 +236,8 @@ class Engine:
             StopMatcher(params.stop),
             self.model.stop_token_ids if stop_ids is None else stop_ids,
             logprobs,
+            prompt_logprobs,
+            None if prompt_logprobs is None else [],
         )
         with self._lock:
             if request_id in self._streams:
@@ -256,9 +275,12 @@ class Engine:
             sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
-        logits = self._run(sched.chunks)
+        scoring, logits = self._run(sched.chunks)
         with self._lock:
             self.scheduler.advance(sched)
+            if scoring.spans:
+                self._score_prompts(scoring, logits)
+                logits = logits[len(scoring.rows) :]
             streams = [self._streams[c.request.request_id] for c in sched.chunks if c.samples]
             for stream, row in zip(streams, logits, strict=True):
                 req = stream.request
@@ -268,13 +290,26 @@ class Engine:
                 outputs.append(self._emit(stream, row, token))
         return outputs
 
-    def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
-        """The logits of the step's sampling rows: a view of the executor's buffer, which
-        the sampler penalises in place (the next step overwrites it)."""
+    def _run(self, chunks: list[ScheduledChunk]) -> tuple[PromptRows, np.ndarray]:
+        """The rows scoring prompt tokens, and the logits: those rows first, then the
+        step's sampling rows; a view of the executor's buffer, which the sampler penalises
+        in place (the next step overwrites it)."""
         tokens, positions, batch = flat_batch(self.pool, chunks)
         last_rows = batch.query_start[1:] - 1
         rows = last_rows[np.array([c.samples for c in chunks])]
-        return self.executor.run(tokens, positions, rows, batch)
+        scoring = prompt_rows(chunks, batch.query_start)
+        if scoring.spans:
+            rows = np.concatenate([scoring.rows, rows])
+        return scoring, self.executor.run(tokens, positions, rows, batch)
+
+    def _score_prompts(self, scoring: PromptRows, logits: np.ndarray) -> None:
+        at = 0
+        for req, first, n in scoring.spans:
+            stream = self._streams[req.request_id]
+            targets = req.prompt_ids[first : first + n]
+            stream.scored += score_rows(logits[at : at + n], targets, stream.prompt_logprobs)
+            req.scored_until = first + n
+            at += n
 
     def _emit(self, stream: _Stream, penalized: np.ndarray, token: int) -> RequestOutput:
         """Append a sampled token to its request: its text, logprob, and whether it ends."""
@@ -317,6 +352,7 @@ class Engine:
         lp: TokenLogprob | None = None,
     ) -> RequestOutput:
         req = stream.request
+        scored, stream.scored = stream.scored, None
         return RequestOutput(
             request_id=req.request_id,
             text=text,
@@ -327,6 +363,7 @@ class Engine:
             cached_tokens=req.num_cached_tokens,
             completion_tokens=req.num_output_tokens,
             logprobs=None if stream.logprobs is None else [lp] if lp else [],
+            prompt_logprobs=scored,
         )
 
     # -- state ----------------------------------------------------------------------

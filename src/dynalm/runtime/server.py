@@ -8,8 +8,9 @@ server-sent events or collected into one response.
 A request is answered only once the engine has queued each of its engine requests, so
 what the engine refuses at admission (prompt over the context, queue full) is the right
 HTTP status instead of a broken stream; a stream's status and headers go out at that
-moment, before the request waits for a slot or its prompt is prefilled. A client that disconnects at any point
-cancels its engine requests; `AsyncEngine` then aborts them and frees their pages.
+moment, before the request waits for a slot or its prompt is prefilled. A client that
+disconnects at any point cancels its engine requests; `AsyncEngine` then aborts them and
+frees their pages.
 SIGTERM / SIGINT: new requests get 503 with Retry-After (the port stays open while
 draining), in-flight ones get ``SHUTDOWN_GRACE_S`` to finish; then they are aborted, so each
 answer still ends properly (``finish_reason: "abort"``, ``data: [DONE]``), and the process
@@ -63,6 +64,8 @@ from dynalm.runtime.asgi import (
 )
 from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
 from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
+from dynalm.runtime.prompt_format import PromptEcho, joined
+from dynalm.runtime.prompt_logprobs import ScoredLogprob
 from dynalm.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,8 +91,11 @@ class _Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[ScoredLogprob] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
         self.chars += len(out.text)
         self.logprobs.extend(out.logprobs or ())
@@ -308,6 +314,46 @@ class _ChatFormat(_Format):
 class _CompletionFormat(_Format):
     id_prefix = "cmpl"
 
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Tokenizer,
+        logprobs: bool,
+        echo: PromptEcho,
+        prompts: list[list[int]],
+        n: int,
+    ) -> None:
+        super().__init__(model_name, tokenizer, logprobs)
+        self.echo, self.prompts, self.n = echo, prompts, n
+        self._opened: set[int] = set()  # the choices whose first chunk went out
+
+    def _choice(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        offset: int,
+        finish_reason: str | None,
+        first: bool,
+    ) -> p.CompletionChoice:
+        """A choice's text from ``offset`` on; its first also carries what the request asked
+        to see of the prompt (echo, prompt_logprobs)."""
+        prompt = choice.index // self.n
+        echoed = self.echo.text(prompt)
+        out = p.CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=self._logprobs(logprobs, len(echoed) + offset),
+            finish_reason=finish_reason,
+        )
+        if first:
+            scored = choice.prompt_logprobs or []
+            out.text = echoed + text
+            echo_logprobs = self.echo.logprobs(self.tokenizer, self.prompts[prompt], scored)
+            out.logprobs = joined(echo_logprobs, out.logprobs)
+            out.prompt_logprobs = self.echo.vllm(self.tokenizer, scored)
+        return out
+
     def _logprobs(
         self, lps: Sequence[TokenLogprob] | None, offset: int
     ) -> p.CompletionLogprobs | None:
@@ -331,12 +377,10 @@ class _CompletionFormat(_Format):
         logprobs: Sequence[TokenLogprob] | None,
         finish_reason: str | None = None,
     ) -> BaseModel:
-        streamed = p.CompletionChoice(
-            index=choice.index,
-            text=text,
-            logprobs=self._logprobs(logprobs, choice.chars - len(text)),
-            finish_reason=finish_reason,
-        )
+        first = choice.index not in self._opened
+        self._opened.add(choice.index)
+        offset = choice.chars - len(text)
+        streamed = self._choice(choice, text, logprobs, offset, finish_reason, first)
         return p.Completion(**self._common(), choices=[streamed])
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
@@ -344,12 +388,7 @@ class _CompletionFormat(_Format):
 
     def response(self, gen: _Generation) -> BaseModel:
         choices = [
-            p.CompletionChoice(
-                index=c.index,
-                text="".join(c.text),
-                logprobs=self._logprobs(c.logprobs, 0),
-                finish_reason=c.finish_reason,
-            )
+            self._choice(c, "".join(c.text), c.logprobs, 0, c.finish_reason, first=True)
             for c in gen.choices
         ]
         return p.Completion(**self._common(), choices=choices, usage=gen.usage())
@@ -611,6 +650,7 @@ class OpenAIServer:
         options = {
             "logprobs": req.top_logprob_count,
             "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
+            "prompt_logprobs": req.prompt_logprob_count,
         }
         gen = _Generation(self, fmt.id, jobs, req.n, options)
         try:
@@ -641,7 +681,20 @@ class OpenAIServer:
         """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
         self._admit(body.model)
         prompts = await asyncio.to_thread(self._prompt_ids, body.prompts)
-        fmt = _CompletionFormat(self.names[0], self.tokenizer, body.logprobs is not None)
+        texts = None
+        if body.echo:  # the prompt as given; token ids as their text
+            decode = self.tokenizer.decode
+            texts = await asyncio.to_thread(
+                lambda: [x if isinstance(x, str) else decode(x) for x in body.prompts]
+            )
+        echo = PromptEcho(
+            texts=texts,
+            echo_top=body.logprobs,
+            vllm_top=body.prompt_logprobs,
+        )
+        fmt = _CompletionFormat(
+            self.names[0], self.tokenizer, body.logprobs is not None, echo, prompts, body.n
+        )
         return await self._generate(request, body, prompts, fmt)
 
     async def list_models(self) -> p.ModelList:
