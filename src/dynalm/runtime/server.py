@@ -62,6 +62,7 @@ from dynalm.runtime.asgi import (
     install_error_handlers,
     install_openapi,
 )
+from dynalm.runtime.chat_page import install_chat_page
 from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
 from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from dynalm.runtime.prompt_format import PromptEcho, joined
@@ -536,6 +537,7 @@ class OpenAIServer:
             response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
         )(self.prometheus)
+        install_chat_page(app)
         return app
 
     # --- checks
