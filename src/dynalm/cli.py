@@ -554,9 +554,9 @@ def perplexity(
                 raise InvalidRequest(f"{text_file} is not UTF-8 text (at byte {e.start})") from None
         device = _device(backend, cpu, gpu, mode, threads)
         loaded = load_model(ModelStore().resolve(model))
-        # one token past the window: the engine samples one after each window's prompt
-        _context(ctx + 1, loaded, kv_cache_dtype.value)
+        _context(ctx, loaded, kv_cache_dtype.value)
         tok = loaded.tokenizer
+        # a token past the window: the engine samples one after each window (never computed)
         config = EngineConfig(
             ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
         )

@@ -52,6 +52,19 @@ def test_echo_returns_the_prompt_and_its_logprobs_first_null(server: LiveServer)
     )
     plain = complete(server, prompt=PROMPT, max_tokens=3)["choices"][0]
     assert PROMPT + plain["text"] == choice["text"]
+    # the official client reads it, vLLM's extension through extra_body
+    official = server.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 1},
+    )
+    assert official.choices[0].text == choice["text"]
+    assert official.choices[0].logprobs.token_logprobs == lp["token_logprobs"]
+    assert len(official.choices[0].model_extra["prompt_logprobs"]) == len(ids)
 
 
 def test_a_prompt_token_scores_as_it_was_generated(server: LiveServer) -> None:

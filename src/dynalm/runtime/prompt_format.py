@@ -1,6 +1,6 @@
-"""The wire forms of a prompt's log-probs on ``/v1/completions``: OpenAI's legacy ``echo``
-(the prompt's tokens ahead of the answer's in ``logprobs``, the first one null) and vLLM's
-``prompt_logprobs`` (per token, a dict by token id of logprob, rank and text)."""
+"""``/v1/completions``'s log-probs on the wire: OpenAI's legacy ``logprobs`` (of the answer,
+and with ``echo`` of the prompt ahead of it, its first token null) and vLLM's
+``prompt_logprobs`` (per prompt token, a dict by token id of logprob, rank and text)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime import protocol as p
+from dynalm.runtime.engine import TokenLogprob
 from dynalm.runtime.prompt_logprobs import ScoredLogprob
 
 
@@ -30,20 +31,10 @@ class PromptEcho:
         if self.texts is None or self.echo_top is None:
             return None
         first = _text(tokenizer, prompt_ids[0])
-        out = p.CompletionLogprobs(
+        head = p.CompletionLogprobs(
             tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
         )
-        offset = len(first)
-        for lp in scored:
-            token = _text(tokenizer, lp.token_id)
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(
-                {_text(tokenizer, t): v for t, v in lp.top_logprobs[: self.echo_top]}
-            )
-            out.text_offset.append(offset)
-            offset += len(token)
-        return out
+        return joined(head, legacy_logprobs(tokenizer, scored, len(first), self.echo_top))
 
     def vllm(
         self, tokenizer: Tokenizer, scored: Sequence[ScoredLogprob]
@@ -67,6 +58,25 @@ class PromptEcho:
 
 def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def legacy_logprobs(
+    tokenizer: Tokenizer,
+    lps: Sequence[TokenLogprob | ScoredLogprob],
+    offset: int,
+    top: int | None = None,
+) -> p.CompletionLogprobs:
+    """OpenAI's legacy ``logprobs`` of tokens whose text starts at ``offset`` in the choice's
+    text, with at most ``top`` alternatives each."""
+    out = p.CompletionLogprobs()
+    for lp in lps:
+        token = _text(tokenizer, lp.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({_text(tokenizer, t): v for t, v in lp.top_logprobs[:top]})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
 
 
 def joined(

@@ -43,9 +43,9 @@ class PromptRows:
 def prompt_rows(chunks: Sequence[ScheduledChunk], query_start: np.ndarray) -> PromptRows:
     """The flat-batch rows of ``chunks`` that score prompt tokens not scored yet."""
     rows, spans = [], []
-    for chunk, first_row in zip(chunks, query_start.tolist(), strict=False):
+    for chunk, first_row in zip(chunks, query_start, strict=False):
         req = chunk.request
-        if req.scored_until is None:
+        if req.scored_until is None:  # most requests: a test per chunk and step
             continue
         begin = max(chunk.start, req.scored_until - 1)
         end = min(chunk.start + chunk.n, len(req.prompt_ids) - 1)

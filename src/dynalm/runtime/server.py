@@ -65,7 +65,7 @@ from dynalm.runtime.asgi import (
 from dynalm.runtime.chat_page import install_chat_page
 from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
 from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
-from dynalm.runtime.prompt_format import PromptEcho, joined
+from dynalm.runtime.prompt_format import PromptEcho, joined, legacy_logprobs
 from dynalm.runtime.prompt_logprobs import ScoredLogprob
 from dynalm.runtime.sampling import SamplingParams
 
@@ -361,15 +361,7 @@ class _CompletionFormat(_Format):
         """The legacy format; ``offset`` is where the first token's text starts."""
         if not self.logprobs or lps is None:
             return None
-        out = p.CompletionLogprobs()
-        for lp in lps:
-            token = self._token(lp.token_id)[0]
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token(t)[0]: v for t, v in lp.top_logprobs})
-            out.text_offset.append(offset)
-            offset += len(token)
-        return out
+        return legacy_logprobs(self.tokenizer, lps, offset)
 
     def chunk(
         self,
