@@ -9,7 +9,7 @@ export DYNALM_CACHE ?= $(CURDIR)/.cache/dynalm
 TEST_MODEL := $(DYNALM_HOME)/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Why is the sky blue? Answer in two sentences.
 
-.PHONY: install install-test demo test lint clean
+.PHONY: install install-test demo test lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,19 @@ demo: install $(TEST_MODEL)
 lint: install-test
 	$(BIN)/ruff check src tests benchmarks
 
-test: install-test $(TEST_MODEL) lint
+# The chat page test drives Debian's chromium; as root it is installed here, otherwise
+# that test is skipped and says how to install it.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			chromium chromium-driver >/dev/null; \
+	else \
+		echo "note: not root, so the chat page test will be skipped; to run it:" \
+			"sudo apt-get update && sudo apt-get install -y chromium chromium-driver"; \
+	fi
+
+test: install-test $(TEST_MODEL) lint browser
 	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests
 
 clean:

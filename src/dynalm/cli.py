@@ -1,4 +1,4 @@
-"""The ``dynalm`` command line: pull · run · serve · list · show · rm · bench.
+"""The ``dynalm`` command line: pull · run · serve · list · show · rm · bench · perplexity.
 
 stdout carries only what a command produces (the generated text for ``run``), so
 it can be piped; banners, statistics and errors go to stderr. A user error is
@@ -547,6 +547,60 @@ def bench(
                 profile=profile,
             )
         )
+
+
+@app.command()
+def perplexity(
+    model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
+    text_file: Annotated[str, typer.Argument(help="UTF-8 text file to score ('-': stdin)")],
+    ctx: Annotated[
+        int, typer.Option(min=4, help="Window in tokens; the second half of each is scored.")
+    ] = 512,
+    kv_cache_dtype: KVDtype = KVCacheDtype.f16,
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
+    verbose: Verbose = False,
+) -> None:
+    """Perplexity over a text file, as llama-perplexity measures it: PPL +/- its standard
+    error, and tokens/s (a progress bar on stderr)."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        from pathlib import Path
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        from dynalm.errors import InvalidRequest
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.engine import Engine, EngineConfig
+        from dynalm.runtime.perplexity import perplexity as score
+        from dynalm.runtime.registry import ModelStore
+
+        if text_file == "-":
+            text = _read_prompt("-") or ""
+        else:
+            try:
+                text = Path(text_file).read_bytes().decode()
+            except UnicodeDecodeError as e:
+                raise InvalidRequest(f"{text_file} is not UTF-8 text (at byte {e.start})") from None
+        device = _device(backend, cpu, gpu, mode, threads)
+        loaded = load_model(ModelStore().resolve(model))
+        _context(ctx, loaded, kv_cache_dtype.value)
+        tok = loaded.tokenizer
+        # a token past the window: the engine samples one after each window (never computed)
+        config = EngineConfig(
+            ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
+        )
+        engine = Engine(loaded, device, config)
+        ids = tok.encode(text, add_special=False)
+        bos = tok.bos_id if tok.add_bos else None
+        columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task("windows", total=max(1, len(ids) // ctx))
+            result = score(engine, ids, ctx, bos, lambda done: bar.update(task, completed=done))
+        typer.echo(result.summary())
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from dynalm.core.device import CpuDevice
 from dynalm.models.loader import LoadedModel, load_model
@@ -43,15 +42,6 @@ CONTINUATION = 32
 @pytest.fixture(scope="module")
 def model(smollm2_gguf: Path) -> LoadedModel:
     return load_model(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_gguf: Path) -> torch.nn.Module:
-    torch.set_num_threads(2)
-    ref = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return ref.eval()
 
 
 @pytest.fixture(scope="module")

@@ -178,7 +178,9 @@ HOSTILE: dict[str, tuple[str, str | bytes, int, tuple[str, ...]]] = {
     # OpenAI fields DynaLM does not implement: refused, naming the field
     "suffix": (COMPLETIONS, completion('"suffix": "x"'), 400, ("suffix", "not supported")),
     "best_of 3": (COMPLETIONS, completion('"best_of": 3'), 400, ("best_of", "not supported")),
-    "echo": (COMPLETIONS, completion('"echo": true'), 400, ("echo", "not supported")),
+    "echo a number": (COMPLETIONS, completion('"echo": 1'), 400, ("echo", "boolean")),
+    "prompt_logprobs 21": (COMPLETIONS, completion('"prompt_logprobs": 21'), 400, ("prompt_logp",)),
+    "chat prompt_logprobs": (CHAT, chat(extra=', "prompt_logprobs": 1'), 400, ("prompt_logp",)),
     "functions": (CHAT, chat(extra=', "functions": [{"name": "f"}]'), 400, ("functions",)),
     "function_call": (CHAT, chat(extra=', "function_call": "auto"'), 400, ("function_call",)),
     "audio": (CHAT, chat(extra=', "audio": {"voice": "x"}'), 400, ("audio",)),

@@ -71,6 +71,18 @@ def test_presence_and_frequency_penalties():
     assert out[1] == pytest.approx(3.0)
 
 
+def test_presence_and_frequency_penalties_skip_the_prompt_but_repeat_penalty_does_not():
+    params = SamplingParams(temperature=0, presence_penalty=1, frequency_penalty=1, **OFF)
+    row = LOGITS.copy()
+    Sampler(params).penalize(row, [2, 2, 3], n_prompt=2)  # only token 3 was generated
+    assert row[2] == LOGITS[2] and row[3] == pytest.approx(LOGITS[3] - 2)
+    row = LOGITS.copy()
+    Sampler(SamplingParams(temperature=0, **{**OFF, "repeat_penalty": 2.0})).penalize(
+        row, [1, 4], n_prompt=2
+    )
+    assert row[1] == pytest.approx(LOGITS[1] / 2)
+
+
 def test_penalties_touch_only_the_history_and_sample_leaves_its_input():
     out = penalized(SamplingParams(repeat_penalty=1.3, presence_penalty=1, **FREE), [1, 4])
     untouched = np.ones(LOGITS.size, bool)

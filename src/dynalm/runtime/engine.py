@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
 from dynalm.runtime.guided import GrammarCompiler, Guide, MaskWorker, apply_masks
 from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token, recent_bytes_per_seq
+from dynalm.runtime.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
@@ -77,6 +78,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens reused from the prefix cache
     completion_tokens: int  # generated so far
     logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
+    # with the first output, when asked: one per prompt token from the first one scored
+    prompt_logprobs: list[ScoredLogprob] | None = None
 
 
 @dataclass
@@ -103,6 +106,8 @@ class _Stream:
     stop_ids: frozenset[int]
     logprobs: int | None
     guide: Guide | None = None  # the grammar its output follows, if constrained
+    prompt_logprobs: int | None = None  # alternatives per scored prompt token
+    scored: list[ScoredLogprob] | None = None  # until the first output takes them
 
 
 def flat_batch(
@@ -199,9 +204,13 @@ class Engine:
         logprobs: int | None = None,
         stop_ids: frozenset[int] | None = None,
         guide: Guide | None = None,
+        prompt_logprobs: int | None = None,
+        prompt_logprobs_from: int = 1,
     ) -> None:
-        """Queue a request (``guide``: from `grammars`, its own copy); raises PromptTooLong,
-        InvalidRequest or QueueFull."""
+        """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull. ``guide``:
+        from `grammars`, its own copy. ``prompt_logprobs``: score the prompt's tokens from
+        ``prompt_logprobs_from`` on (the first output carries them), with that many
+        alternatives each."""
         ctx = self.config.ctx
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -217,7 +226,15 @@ class Engine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {n_vocab})")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}"
+            )
+        if not 1 <= prompt_logprobs_from <= len(prompt_ids):
+            raise InvalidRequest(f"prompt_logprobs_from must be in [1, {len(prompt_ids)}]")
         req = Request(request_id, list(prompt_ids), min(params.max_tokens, ctx - len(prompt_ids)))
+        if prompt_logprobs is not None:
+            req.scored_until = prompt_logprobs_from
         stream = _Stream(
             req,
             Sampler(params),  # validates params
@@ -226,6 +243,8 @@ class Engine:
             self.model.stop_token_ids if stop_ids is None else stop_ids,
             logprobs,
             guide,
+            prompt_logprobs,
+            None if prompt_logprobs is None else [],
         )
         with self._lock:
             if request_id in self._streams:
@@ -269,11 +288,15 @@ class Engine:
         if guided:  # the masks are computed while the model runs
             self._masks = self._masks or MaskWorker(self.model.hparams.n_vocab)
             masks = self._masks.start([streams[i].guide for i in guided])  # type: ignore[misc]
-        logits = self._run(sched.chunks)
+        scoring, logits = self._run(sched.chunks)
         with self._lock:
             self.scheduler.advance(sched)
+            if scoring.spans:  # prompt log-probs from the raw logits, before any mask
+                self._score_prompts(scoring, logits)
+                logits = logits[len(scoring.rows) :]
             for stream, row in zip(streams, logits, strict=True):
-                stream.sampler.penalize(row, stream.request.token_ids)
+                req = stream.request
+                stream.sampler.penalize(row, req.token_ids, len(req.prompt_ids))
             if guided:
                 apply_masks(logits, guided, masks.result())
             tokens = sample_rows([stream.sampler for stream in streams], logits)
@@ -281,13 +304,26 @@ class Engine:
                 outputs.append(self._emit(stream, row, token))
         return outputs
 
-    def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
-        """The logits of the step's sampling rows: a view of the executor's buffer, which
-        the sampler penalises in place (the next step overwrites it)."""
+    def _run(self, chunks: list[ScheduledChunk]) -> tuple[PromptRows, np.ndarray]:
+        """The rows scoring prompt tokens, and the logits: those rows first, then the
+        step's sampling rows; a view of the executor's buffer, which the sampler penalises
+        in place (the next step overwrites it)."""
         tokens, positions, batch = flat_batch(self.pool, chunks)
         last_rows = batch.query_start[1:] - 1
         rows = last_rows[np.array([c.samples for c in chunks])]
-        return self.executor.run(tokens, positions, rows, batch)
+        scoring = prompt_rows(chunks, batch.query_start)
+        if scoring.spans:
+            rows = np.concatenate([scoring.rows, rows])
+        return scoring, self.executor.run(tokens, positions, rows, batch)
+
+    def _score_prompts(self, scoring: PromptRows, logits: np.ndarray) -> None:
+        at = 0
+        for req, first, n in scoring.spans:
+            stream = self._streams[req.request_id]
+            targets = req.prompt_ids[first : first + n]
+            stream.scored += score_rows(logits[at : at + n], targets, stream.prompt_logprobs)
+            req.scored_until = first + n
+            at += n
 
     def _emit(self, stream: _Stream, penalized: np.ndarray, token: int) -> RequestOutput:
         """Append a sampled token to its request: its text, logprob, and whether it ends."""
@@ -332,6 +368,7 @@ class Engine:
         lp: TokenLogprob | None = None,
     ) -> RequestOutput:
         req = stream.request
+        scored, stream.scored = stream.scored, None
         return RequestOutput(
             request_id=req.request_id,
             text=text,
@@ -342,6 +379,7 @@ class Engine:
             cached_tokens=req.num_cached_tokens,
             completion_tokens=req.num_output_tokens,
             logprobs=None if stream.logprobs is None else [lp] if lp else [],
+            prompt_logprobs=scored,
         )
 
     # -- state ----------------------------------------------------------------------
@@ -423,10 +461,12 @@ class AsyncEngine:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        queued: Callable[[], None] | None = None,
         **kw: object,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes; cancelling the consumer
-        (client disconnect) aborts it. Raises what ``Engine.add_request`` raises."""
+        (client disconnect) aborts it. Raises what ``Engine.add_request`` raises; ``queued``
+        is called once the engine has taken the request (before any output)."""
         if not self._accepting:
             raise QueueFull("the server is shutting down")
         if request_id in self._consumers:
@@ -442,6 +482,8 @@ class AsyncEngine:
             del self._consumers[request_id]
             raise
         self._wake.set()
+        if queued is not None:
+            queued()
         finished = False
         try:
             while not finished:

@@ -166,6 +166,11 @@ class SamplingRequest(_Request, ConstraintFields):
         """How many alternatives per token to report; None when logprobs are off."""
         raise NotImplementedError
 
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """How many alternatives per prompt token to score; None: the prompt is not scored."""
+        return None
+
 
 class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -178,6 +183,7 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
     modalities: _unsupported(None, ["text"]) = None
     prediction: _unsupported(None) = None
     web_search_options: _unsupported(None) = None
+    prompt_logprobs: _unsupported(None) = None  # /v1/completions scores prompts
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -206,7 +212,9 @@ class CompletionRequest(SamplingRequest):
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: _unsupported(None, False) = None
+    # the prompt before the answer (and with logprobs, its tokens' log-probs, first null)
+    echo: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # vLLM's
     suffix: _unsupported(None, "") = None
     best_of: _unsupported(None, 1) = None
 
@@ -229,6 +237,11 @@ class CompletionRequest(SamplingRequest):
     @property
     def top_logprob_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((w for w in wanted if w is not None), default=None)
 
 
 class TokenizeRequest(_Request):
@@ -285,10 +298,19 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    # with echo, the prompt's first token has no log-prob: null (nothing precedes it)
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class AssistantMessage(BaseModel):
@@ -316,6 +338,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token (the first null), its own and the most likely tokens
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class _Response(BaseModel):

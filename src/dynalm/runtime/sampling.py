@@ -121,23 +121,27 @@ class Sampler:
         p = self.params
         return 0 < p.top_k < n_vocab or p.top_p < 1 or p.min_p > 0
 
-    def penalize(self, logits: np.ndarray, history: Sequence[int]) -> None:
+    def penalize(self, logits: np.ndarray, history: Sequence[int], n_prompt: int = 0) -> None:
         """Apply the penalties and the logit bias to one row of logits, in place, touching
-        only the ids of the recent history and the biased ids."""
+        only the penalised and biased ids. ``history`` is the prompt's ``n_prompt`` tokens,
+        then the generated ones: the repeat penalty looks at its last ``repeat_last_n``
+        (llama.cpp's), presence and frequency penalties at the generated tokens only (as
+        OpenAI defines them: a prompt that repeats a word does not penalise the answer)."""
         p = self.params
-        penalize = p.repeat_penalty != 1 or p.presence_penalty or p.frequency_penalty
-        if penalize and p.repeat_last_n and len(history):
-            ids, counts = np.unique(np.asarray(history[-p.repeat_last_n :]), return_counts=True)
+        if p.repeat_penalty != 1 and p.repeat_last_n and len(history):
+            ids = np.unique(np.asarray(history[-p.repeat_last_n :]))
             vals = logits[ids]
-            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-            logits[ids] = vals - (p.frequency_penalty * counts + p.presence_penalty)
+            logits[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and len(history) > n_prompt:
+            ids, counts = np.unique(np.asarray(history[n_prompt:]), return_counts=True)
+            logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
         if self._bias_ids.size:
             logits[self._bias_ids] += self._bias
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (), n_prompt: int = 0) -> int:
         """One token from one row of logits (not modified): penalties, then the draw."""
         row = np.array(logits, np.float32)
-        self.penalize(row, history)
+        self.penalize(row, history, n_prompt)
         return int(sample_rows([self], row[None])[0])
 
     def draw(self, weights: np.ndarray, block_sums: np.ndarray) -> int:

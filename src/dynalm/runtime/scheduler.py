@@ -41,6 +41,8 @@ class Request:
     num_cached_pages: int = 0  # leading pages already offered to the prefix cache
     recent: int | None = None  # its recent buffer while running (q8_0 pools)
     recent_from: int = 0  # the first position it computed itself since admission
+    # prompt log-probs (`prompt_logprobs`): the next prompt token to score, None if none wanted
+    scored_until: int | None = None
     _admitted: bool = False
 
     def __post_init__(self) -> None:
@@ -68,8 +70,12 @@ class KVCacheManager:
 
     def match(self, req: Request) -> int:
         """Start ``req`` from its longest cached prefix (leaving at least its last token
-        to compute, whose logits are needed); returns the tokens reused."""
-        hit = self.cache.match(req.token_ids[: req.num_tokens - 1])
+        to compute, whose logits are needed, and every position whose logits score a prompt
+        token not scored yet); returns the tokens reused."""
+        end = req.num_tokens - 1
+        if req.scored_until is not None and req.scored_until < len(req.prompt_ids):
+            end = min(end, req.scored_until - 1)
+        hit = self.cache.match(req.token_ids[:end])
         self.pool.retain(hit.pages)
         self.cache.lock(hit.node)
         req.pages, req.cache_node = hit.pages, hit.node

@@ -5,10 +5,12 @@ prompt (`_Generation`), merged into one stream of outputs; the two endpoints dif
 only in how outputs are written (`_ChatFormat`, `_CompletionFormat`), either as
 server-sent events or collected into one response.
 
-A request is answered only once each of its engine requests produced a first output,
-so what the engine refuses at admission (prompt over the context, queue full) is the
-right HTTP status instead of a broken stream. A client that disconnects at any point
-cancels its engine requests; `AsyncEngine` then aborts them and frees their pages.
+A request is answered only once the engine has queued each of its engine requests, so
+what the engine refuses at admission (prompt over the context, queue full) is the right
+HTTP status instead of a broken stream; a stream's status and headers go out at that
+moment, before the request waits for a slot or its prompt is prefilled. A client that
+disconnects at any point cancels its engine requests; `AsyncEngine` then aborts them and
+frees their pages.
 SIGTERM / SIGINT: new requests get 503 with Retry-After (the port stays open while
 draining), in-flight ones get ``SHUTDOWN_GRACE_S`` to finish; then they are aborted, so each
 answer still ends properly (``finish_reason: "abort"``, ``data: [DONE]``), and the process
@@ -22,6 +24,7 @@ tokenised, so a huge prompt never stalls other clients or ``/health``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -60,9 +63,12 @@ from dynalm.runtime.asgi import (
     install_error_handlers,
     install_openapi,
 )
+from dynalm.runtime.chat_page import install_chat_page
 from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
 from dynalm.runtime.guided import Guide
 from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
+from dynalm.runtime.prompt_format import PromptEcho, joined, legacy_logprobs
+from dynalm.runtime.prompt_logprobs import ScoredLogprob
 from dynalm.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,14 +94,20 @@ class _Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[ScoredLogprob] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
         self.chars += len(out.text)
         self.logprobs.extend(out.logprobs or ())
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.completion_tokens = out.completion_tokens
         self.finish_reason = out.finish_reason
+
+
+_QUEUED = object()  # on a `_Generation`'s queue: the engine has taken that engine request
 
 
 class _Generation:
@@ -116,8 +128,8 @@ class _Generation:
         """``options``: what `Engine.add_request` takes beyond prompt and parameters."""
         self.n = n
         self.choices = [_Choice(i) for i in range(len(jobs))]
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-        self._ready: deque[tuple[int, RequestOutput | Exception | None]] = deque()
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._ready: deque[tuple[int, object]] = deque()
         self._live = len(jobs)
         self._tasks = [
             asyncio.create_task(
@@ -138,8 +150,12 @@ class _Generation:
         tracker = server.metrics.track()
         if (guide := options.get("guide")) is not None:  # each sequence follows its own copy
             options = {**options, "guide": guide.copy()}
+        queued = functools.partial(self._queue.put_nowait, (index, _QUEUED))
         try:
-            async for out in server.async_engine.generate(request_id, prompt, params, **options):
+            stream = server.async_engine.generate(
+                request_id, prompt, params, queued=queued, **options
+            )
+            async for out in stream:
                 tracker.observe(out)
                 self._queue.put_nowait((index, out))
             self._queue.put_nowait((index, None))
@@ -150,19 +166,23 @@ class _Generation:
             self._queue.put_nowait((index, e))
 
     async def admitted(self) -> None:
-        """Wait for the first output of every engine request; raise the first refusal."""
+        """Wait until the engine has queued every engine request; raise the first refusal."""
         waiting = set(range(len(self.choices)))
         while waiting:
             index, out = item = await self._queue.get()
             if isinstance(out, Exception):
                 raise out
-            waiting.discard(index)
-            self._ready.append(item)
+            if out is _QUEUED:
+                waiting.discard(index)
+            else:  # an output that overtook its engine request's own marker
+                self._ready.append(item)
 
     async def outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Every output in arrival order, with the choice it updated, until all finish."""
         while self._live:
             index, out = self._ready.popleft() if self._ready else await self._queue.get()
+            if out is _QUEUED:
+                continue
             if out is None:
                 self._live -= 1
                 continue
@@ -335,21 +355,53 @@ class _ChatFormat(_Format):
 class _CompletionFormat(_Format):
     id_prefix = "cmpl"
 
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Tokenizer,
+        logprobs: bool,
+        echo: PromptEcho,
+        prompts: list[list[int]],
+        n: int,
+    ) -> None:
+        super().__init__(model_name, tokenizer, logprobs)
+        self.echo, self.prompts, self.n = echo, prompts, n
+        self._opened: set[int] = set()  # the choices whose first chunk went out
+
+    def _choice(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        offset: int,
+        finish_reason: str | None,
+        first: bool,
+    ) -> p.CompletionChoice:
+        """A choice's text from ``offset`` on; its first also carries what the request asked
+        to see of the prompt (echo, prompt_logprobs)."""
+        prompt = choice.index // self.n
+        echoed = self.echo.text(prompt)
+        out = p.CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=self._logprobs(logprobs, len(echoed) + offset),
+            finish_reason=finish_reason,
+        )
+        if first:
+            scored = choice.prompt_logprobs or []
+            out.text = echoed + text
+            echo_logprobs = self.echo.logprobs(self.tokenizer, self.prompts[prompt], scored)
+            out.logprobs = joined(echo_logprobs, out.logprobs)
+            out.prompt_logprobs = self.echo.vllm(self.tokenizer, scored)
+        return out
+
     def _logprobs(
         self, lps: Sequence[TokenLogprob] | None, offset: int
     ) -> p.CompletionLogprobs | None:
         """The legacy format; ``offset`` is where the first token's text starts."""
         if not self.logprobs or lps is None:
             return None
-        out = p.CompletionLogprobs()
-        for lp in lps:
-            token = self._token(lp.token_id)[0]
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token(t)[0]: v for t, v in lp.top_logprobs})
-            out.text_offset.append(offset)
-            offset += len(token)
-        return out
+        return legacy_logprobs(self.tokenizer, lps, offset)
 
     def chunk(
         self,
@@ -358,12 +410,10 @@ class _CompletionFormat(_Format):
         logprobs: Sequence[TokenLogprob] | None,
         finish_reason: str | None = None,
     ) -> BaseModel:
-        streamed = p.CompletionChoice(
-            index=choice.index,
-            text=text,
-            logprobs=self._logprobs(logprobs, choice.chars - len(text)),
-            finish_reason=finish_reason,
-        )
+        first = choice.index not in self._opened
+        self._opened.add(choice.index)
+        offset = choice.chars - len(text)
+        streamed = self._choice(choice, text, logprobs, offset, finish_reason, first)
         return p.Completion(**self._common(), choices=[streamed])
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
@@ -371,12 +421,7 @@ class _CompletionFormat(_Format):
 
     def response(self, gen: _Generation) -> BaseModel:
         choices = [
-            p.CompletionChoice(
-                index=c.index,
-                text="".join(c.text),
-                logprobs=self._logprobs(c.logprobs, 0),
-                finish_reason=c.finish_reason,
-            )
+            self._choice(c, "".join(c.text), c.logprobs, 0, c.finish_reason, first=True)
             for c in gen.choices
         ]
         return p.Completion(**self._common(), choices=choices, usage=gen.usage())
@@ -526,6 +571,7 @@ class OpenAIServer:
             response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
         )(self.prometheus)
+        install_chat_page(app)
         return app
 
     # --- checks
@@ -618,9 +664,18 @@ class OpenAIServer:
     def _params(self, req: p.SamplingRequest, prompt: list[int], copy: int) -> SamplingParams:
         bias = req.token_bias
         self._check_ids(list(bias), "logit_bias")
+        room = self.ctx - len(prompt)  # a prompt that leaves none is the engine's 400
+        if req.max_tokens is not None and 0 < room < req.max_tokens:
+            raise APIError(
+                400,
+                f"max_tokens is {req.max_tokens}, but the context of {self.ctx} tokens leaves "
+                f"{room} after the prompt's {len(prompt)}; lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return SamplingParams(
             # OpenAI's default: as much as the context leaves
-            max_tokens=req.max_tokens or max(1, self.ctx - len(prompt)),
+            max_tokens=req.max_tokens or max(1, room),
             temperature=req.temperature,
             top_k=req.top_k,
             top_p=req.top_p,
@@ -653,6 +708,7 @@ class OpenAIServer:
             "logprobs": req.top_logprob_count,
             "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
             "guide": guide,
+            "prompt_logprobs": req.prompt_logprob_count,
         }
         gen = _Generation(self, fmt.id, jobs, req.n, options)
         try:
@@ -686,7 +742,20 @@ class OpenAIServer:
         self._admit(body.model)
         prompts = await asyncio.to_thread(self._prompt_ids, body.prompts)
         guide = await asyncio.to_thread(self._guide, body)
-        fmt = _CompletionFormat(self.names[0], self.tokenizer, body.logprobs is not None)
+        texts = None
+        if body.echo:  # the prompt as given; token ids as their text
+            decode = self.tokenizer.decode
+            texts = await asyncio.to_thread(
+                lambda: [x if isinstance(x, str) else decode(x) for x in body.prompts]
+            )
+        echo = PromptEcho(
+            texts=texts,
+            echo_top=body.logprobs,
+            vllm_top=body.prompt_logprobs,
+        )
+        fmt = _CompletionFormat(
+            self.names[0], self.tokenizer, body.logprobs is not None, echo, prompts, body.n
+        )
         return await self._generate(request, body, prompts, fmt, guide)
 
     async def list_models(self) -> p.ModelList:
