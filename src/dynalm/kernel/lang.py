@@ -80,10 +80,12 @@ class Module:
         self.target = target
         self.names: list[str] = []
 
-    def kernel(self, name: str, params: Sequence[ir.Type], *, private: bool = False) -> Kernel:
-        """A new function ``void name(params)``; exported (named in ``names``) unless
-        ``private``."""
-        fn = ir.Function(self.ir, ir.FunctionType(VOID, list(params)), name)
+    def kernel(
+        self, name: str, params: Sequence[ir.Type], *, ret: ir.Type = VOID, private: bool = False
+    ) -> Kernel:
+        """A new function ``ret name(params)`` (``void`` unless ``ret``); exported (named in
+        ``names``) unless ``private``."""
+        fn = ir.Function(self.ir, ir.FunctionType(ret, list(params)), name)
         if private:
             fn.linkage = "private"
         else:
@@ -92,6 +94,12 @@ class Module:
 
     def function(self, name: str) -> ir.Function:
         return self.ir.globals[name]
+
+    def declare(
+        self, name: str, ret: ir.Type, params: Sequence[ir.Type], *, var_arg: bool = False
+    ) -> ir.Function:
+        """An external function (a symbol the JIT resolves), e.g. a C varargs function."""
+        return ir.Function(self.ir, ir.FunctionType(ret, list(params), var_arg=var_arg), name)
 
     def text(self) -> str:
         return str(self.ir)
@@ -122,8 +130,11 @@ class Kernel:
         self.b = ir.IRBuilder(entry)
         self.args = list(fn.args)
 
-    def ret(self) -> None:
-        self.b.ret_void()
+    def ret(self, value: ir.Value | None = None) -> None:
+        if value is None:
+            self.b.ret_void()
+        else:
+            self.b.ret(value)
 
     # -- constants and operands ---------------------------------------------------------
     @staticmethod
@@ -231,6 +242,11 @@ class Kernel:
             fn = ir.Function(self.module.ir, ir.FunctionType(ret, [a.type for a in args]), name)
         return self.b.call(fn, args, fastmath=tuple(flags))
 
+    def call_at(self, fn: ir.Value, ret: ir.Type, *args: ir.Value) -> ir.Value:
+        """Call the function whose address is the pointer ``fn`` (``ret fn(args)``)."""
+        fn.function_type = ir.FunctionType(ret, [a.type for a in args])
+        return self.b.call(fn, args)
+
     # -- vectors ------------------------------------------------------------------------
     def shuffle(self, a: ir.Value, idx: Sequence[int], x: ir.Value | None = None) -> ir.Value:
         """Lanes ``idx`` of ``a`` (then ``x``'s lanes, numbered after ``a``'s)."""
@@ -265,6 +281,10 @@ class Kernel:
             return base
         off = offset if isinstance(offset, ir.Value) else self.i64(offset)
         return self.b.gep(base, [off], source_etype=I8)
+
+    def index(self, base: ir.Value, i: Operand, elem: ir.Type) -> ir.Value:
+        """The address of ``base[i]``, ``base`` an array of ``elem``."""
+        return self.b.gep(base, [self.like(self.i64(0), i)], source_etype=elem)
 
     def load(self, ty: ir.Type, base: ir.Value, offset: Operand = 0, align: int = 1) -> ir.Value:
         return self.b.load(self.at(base, offset), typ=ty, align=align)
@@ -360,7 +380,7 @@ class Kernel:
     def exp(self, x: ir.Value) -> ir.Value:
         """e**x of an f32 vector: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial of r
         times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range)."""
-        ty, w = x.type, lanes_of(x.type)
+        ty = x.type
         x = self.call(f"llvm.maxnum.{_suffix(ty)}", ty, x, const(ty, -87.33654))
         x = self.call(f"llvm.minnum.{_suffix(ty)}", ty, x, const(ty, 88.37626))
         n = self.call(f"llvm.rint.{_suffix(ty)}", ty, self.mul(x, 1.4426950408889634))
@@ -371,7 +391,7 @@ class Kernel:
             p = self.add(self.mul(p, r), c)
         p = self.add(self.add(self.mul(p, self.mul(r, r)), r), 1.0)
         bits = self.shl(self.add(self.convert(n, I32), 127), 23)
-        return self.mul(p, self.bitcast(bits, ty if w > 1 else F32))
+        return self.mul(p, self.bitcast(bits, ty))
 
 
 def _bits(ty: ir.Type) -> int:
