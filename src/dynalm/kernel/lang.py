@@ -244,8 +244,7 @@ class Kernel:
 
     def call_at(self, fn: ir.Value, ret: ir.Type, *args: ir.Value) -> ir.Value:
         """Call the function whose address is the pointer ``fn`` (``ret fn(args)``)."""
-        fn.function_type = ir.FunctionType(ret, [a.type for a in args])
-        return self.b.call(fn, args)
+        return self.b.call(_Callee(fn, ir.FunctionType(ret, [a.type for a in args])), args)
 
     # -- vectors ------------------------------------------------------------------------
     def shuffle(self, a: ir.Value, idx: Sequence[int], x: ir.Value | None = None) -> ir.Value:
@@ -291,6 +290,19 @@ class Kernel:
 
     def store(self, value: ir.Value, base: ir.Value, offset: Operand = 0, align: int = 1) -> None:
         self.b.store(value, self.at(base, offset), align=align)
+
+    def load_atomic(
+        self, ty: ir.Type, base: ir.Value, offset: Operand, ordering: str, align: int
+    ) -> ir.Value:
+        """An atomic load (``ordering``: "monotonic", "acquire", "seq_cst", ...)."""
+        return self.b.load_atomic(self.at(base, offset), ordering, align, typ=ty)
+
+    def store_atomic(
+        self, value: ir.Value, base: ir.Value, offset: Operand, ordering: str, align: int
+    ) -> None:
+        """An atomic store (``IRBuilder.store_atomic`` wants typed pointers)."""
+        at = self.at(base, offset)
+        self.b._insert(ir.instructions.StoreAtomicInstr(self.b.block, value, at, ordering, align))
 
     def words(self, block: ir.Value, n: int) -> list[ir.Value]:
         """The first ``n`` int64 words of an argument block."""
@@ -392,6 +404,17 @@ class Kernel:
         p = self.add(self.add(self.mul(p, self.mul(r, r)), r), 1.0)
         bits = self.shl(self.add(self.convert(n, I32), 127), 23)
         return self.mul(p, self.bitcast(bits, ty))
+
+
+class _Callee:
+    """A pointer called as a function of type ``function_type`` (what ``IRBuilder.call``
+    asks of its callee; a pointer value alone has no function type)."""
+
+    def __init__(self, ptr: ir.Value, function_type: ir.FunctionType) -> None:
+        self.ptr, self.type, self.function_type = ptr, ptr.type, function_type
+
+    def get_reference(self) -> str:
+        return self.ptr.get_reference()
 
 
 def _bits(ty: ir.Type) -> int:
