@@ -64,12 +64,9 @@ def _wait_ne(module: Module, machine: str) -> Kernel:
     the futex (counted in ``*sleepers`` if not null). Returns whether it had to sleep."""
     k = module.kernel(f"{module.ir.name}_wait_ne", (PTR, I32, PTR), ret=I1, private=True)
     b, (word, old, sleepers) = k.b, k.args
-    spin, quick, more, pause, sleep, count, check, futex, woke, uncount, recheck, done = (
-        _blocks(
-            k, "spin", "quick", "more", "pause", "sleep", "count", "check", "futex", "woke",
-            "uncount", "recheck", "done",
-        )
-    )  # fmt: skip
+    spin, quick, more, pause, sleep, done = _blocks(
+        k, "spin", "quick", "more", "pause", "sleep", "done"
+    )
     entry = b.block
     b.branch(spin)
     b.position_at_end(spin)
@@ -86,26 +83,15 @@ def _wait_ne(module: Module, machine: str) -> Kernel:
     i.add_incoming(i1, pause)
     _pause(k, machine)
     b.branch(spin)
-    b.position_at_end(sleep)
+    b.position_at_end(sleep)  # until *word changes: counted as a sleeper, on the futex
     counted = b.icmp_unsigned("!=", sleepers, ir.Constant(PTR, None))
-    b.cbranch(counted, count, check)
-    b.position_at_end(count)
-    b.atomic_rmw("add", sleepers, const(I32, 1), "seq_cst")
-    b.branch(check)
-    b.position_at_end(check)
-    w = k.load_atomic(I32, word, 0, "seq_cst", 4)
-    b.cbranch(b.icmp_unsigned("==", w, old), futex, woke)
-    b.position_at_end(futex)
-    _futex(k, machine, word, _FUTEX_WAIT, k.convert(old, I64, signed=False), ir.Constant(PTR, None))
-    b.branch(woke)
-    b.position_at_end(woke)
-    b.cbranch(counted, uncount, recheck)
-    b.position_at_end(uncount)
-    b.atomic_rmw("sub", sleepers, const(I32, 1), "seq_cst")
-    b.branch(recheck)
-    b.position_at_end(recheck)
-    r = k.load_atomic(I32, word, 0, "acquire", 4)
-    b.cbranch(b.icmp_unsigned("==", r, old), sleep, done)
+    k.branch(counted, lambda: b.atomic_rmw("add", sleepers, const(I32, 1), "seq_cst"))
+    same = b.icmp_unsigned("==", k.load_atomic(I32, word, 0, "seq_cst", 4), old)
+    wait = k.convert(old, I64, signed=False), ir.Constant(PTR, None)
+    k.branch(same, lambda: _futex(k, machine, word, _FUTEX_WAIT, *wait))
+    k.branch(counted, lambda: b.atomic_rmw("sub", sleepers, const(I32, 1), "seq_cst"))
+    again = b.icmp_unsigned("==", k.load_atomic(I32, word, 0, "acquire", 4), old)
+    b.cbranch(again, sleep, done)
     b.position_at_end(done)
     k.ret(const(I1, 1))
     return k
