@@ -18,9 +18,15 @@ from collections.abc import Callable
 import llvmlite.ir as ir
 
 from dynalm.kernel.backends import Program
-from dynalm.kernel.lang import F32, I64, PTR, Kernel, Module, const, vec
+from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
 
 ARRAYS = {"add": 3, "gated": 3, "rms_norm": 3, "rope": 5}  # addresses after the count
+# RMSNorm sums its squares in 8 lanes on every backend: the one reduction here, and its
+# order is the contract (auto mode rounds the normalised activations to int8, where a
+# last-bit difference can flip a rounding and, through the layers, a greedy token), so a
+# model's outputs do not depend on the host's vector width. The rest is lane-wise and
+# bitwise the same at any width.
+SUM_LANES = 8
 
 
 def _kernel(module: Module, kind: str) -> tuple[Kernel, ir.Value, list[ir.Value]]:
@@ -72,25 +78,26 @@ def _build_gated(module: Module, activation: str) -> None:
 
 
 def _build_rms_norm(module: Module, width: int, eps: float) -> None:
-    """Per row: out = x / sqrt(mean(x^2) + eps) * w (the reference's order of operations)."""
+    """Per row: out = x / sqrt(mean(x^2) + eps) * w (the reference's order of operations;
+    the squares summed in ``SUM_LANES`` lanes, the scaling at the backend's width)."""
     k, rows, (out, x, weight) = _kernel(module, "rms_norm")
     lanes, d = k.target.lanes, k.i64(width)
 
     def row(r: ir.Value) -> None:
         base = k.mul(r, d)
-        acc = {w: k.var(const(vec(F32, w), 0.0)) for w in (lanes, 1)}
+        acc = {w: k.var(const(vec(F32, w), 0.0)) for w in (SUM_LANES, 1)}
 
         def square(i: ir.Value, w: int) -> None:
             v = _floats(k, x, k.add(base, i), w)
             acc[w].set(k.add(acc[w].get(), k.mul(v, v)))
 
-        k.lanes(k.i64(0), d, lanes, square)
-        tail = k.b.extract_element(acc[1].get(), ir.Constant(ir.IntType(32), 0))
+        k.lanes(k.i64(0), d, SUM_LANES, square)
+        tail = k.b.extract_element(acc[1].get(), const(I32, 0))
         total = k.call(
-            f"llvm.vector.reduce.fadd.v{lanes}f32",
+            f"llvm.vector.reduce.fadd.v{SUM_LANES}f32",
             F32,
             tail,
-            acc[lanes].get(),
+            acc[SUM_LANES].get(),
             flags=("reassoc",),
         )
         ms = k.add(k.b.fdiv(total, const(F32, float(width))), eps)

@@ -131,6 +131,7 @@ class Kernel:
         self.args = list(fn.args)
 
     def ret(self, value: ir.Value | None = None) -> None:
+        """Return ``value`` (nothing from a ``void`` function)."""
         if value is None:
             self.b.ret_void()
         else:
@@ -390,8 +391,8 @@ class Kernel:
 
     # -- numeric building blocks --------------------------------------------------------
     def exp(self, x: ir.Value) -> ir.Value:
-        """e**x of an f32 vector: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial of r
-        times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range)."""
+        """e**x of f32 lanes (a scalar or a vector): x = n ln2 + r, |r| <= ln2/2, a degree-6
+        polynomial of r times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range)."""
         ty = x.type
         x = self.call(f"llvm.maxnum.{_suffix(ty)}", ty, x, const(ty, -87.33654))
         x = self.call(f"llvm.minnum.{_suffix(ty)}", ty, x, const(ty, 88.37626))
