@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_matmul import ALL_BACKENDS, runnable
 
 from dynalm.core import cpu_ops
 from dynalm.core.attention import PagedAttention, StepLayout
+from dynalm.kernel import backends
 from dynalm.runtime.kv_cache import PagePool
 from tolerances import U, sum_bound
 
@@ -52,12 +54,15 @@ def ragged_step(
     return pool, batch, positions, q, k, v
 
 
-def attend(batch, positions, q, k, v, heads, kv_heads, head_dim, scale, window, threads):
+def attend(
+    batch, positions, q, k, v, heads, kv_heads, head_dim, scale, window, threads, backend=None
+):
     """The kernel's output for one step (it stores the step's k/v in the pool first)."""
     step = StepLayout()
     step.set(batch, positions)
     out = np.full((len(q), heads * head_dim), np.nan, np.float32)
-    PagedAttention(step, 0, heads, kv_heads, head_dim, scale, window, threads, out, q, k, v)()
+    geometry = (heads, kv_heads, head_dim, scale, window, threads)
+    PagedAttention(step, 0, *geometry, out, q, k, v, backend=backend)()
     return out
 
 
@@ -133,6 +138,26 @@ def test_long_context_and_other_geometries(
     cpu_ops.attention(ref, q, k, v, positions, batch, 0, heads, kv_heads, head_dim, 0.1, window)
     out = attend(batch, positions, q, k, v, heads, kv_heads, head_dim, 0.1, window, 2)
     assert_close(out, ref, attention_bound(pool, *tables(batch), q, heads, head_dim, 0.1))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
+def test_every_backend_computes_the_same(backend: backends.Backend, dtype: str):
+    """The attention program is written for 8 lanes and no ISA-dependent primitive, so
+    every backend (native where this CPU runs it, and each one's portable twin) lowers it
+    to the same float order: within the numpy budget, and outputs and pages bitwise those
+    of the selected backend."""
+    seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1), ([2], 1, 1)]
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 5, 2)
+    pool, batch, positions, q, k, v = ragged_step(dtype, seqs)
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry[:-1])
+    expected = attend(batch, positions, q, k, v, *geometry)
+    ours, batch, *_ = ragged_step(dtype, seqs)
+    out = attend(batch, positions, q, k, v, *geometry, backend=runnable(backend))
+    assert np.array_equal(out, expected)
+    assert_same_pages(ours, pool)
+    assert_close(out, ref, attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125))
 
 
 def test_rotated_q8_0_keys_with_outlier_channels_halve_the_error_of_plain_q8_0():

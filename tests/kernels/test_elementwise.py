@@ -1,5 +1,7 @@
 """The JIT element-wise kernels (core.elementwise) against the numpy references of
-core.cpu_ops, on odd widths (vector body + scalar tail) and 1 and 3 rows.
+core.cpu_ops, on odd widths (vector body + scalar tail) and 1 and 3 rows; with every kernel
+backend (its vector width: 16 lanes on x86-avx512, 8 elsewhere), natively where this CPU
+runs it and through its portable twin.
 
 Budgets: add and RoPE are exact (same fp32 operations); RMSNorm differs in the summation
 order of the mean square (`tolerances.sum_bound` of the width, halved by the square root)
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_matmul import ALL_BACKENDS, runnable
 
 from dynalm.core import cpu_ops, elementwise
+from dynalm.kernel import backends
 from tolerances import U, sum_bound
 
 WIDTHS = [1, 7, 37, 576]
@@ -106,6 +110,44 @@ def test_rope(neox: bool, head_dim: int, rope_dim: int, rows: int, view: bool):
     cpu_ops.rope(expected, x, positions, table, head_dim, rope_dim, neox)
     elementwise.rope(out, x, positions, table.cos, table.sin, head_dim, rope_dim, neox)()
     np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
+def test_every_backend(backend: backends.Backend):
+    """Each program at the backend's width, over widths with and without a vector tail:
+    add and RoPE bitwise as numpy, the others within the budgets above, and every result
+    bitwise that of the selected backend (lane-wise work, and RMSNorm's sum in 8 lanes
+    everywhere: a model's outputs do not depend on the host's vector width)."""
+    on = {"backend": runnable(backend)}
+    for width in (7, 37, 576):
+        x, y = rand(3, width, scale=3, seed=12), rand(3, width, seed=13)
+        out, expected, selected = (np.empty_like(x) for _ in range(3))
+        elementwise.add(out, x, y, **on)()
+        np.testing.assert_array_equal(out, x + y)
+        for activation in ("silu", "gelu_tanh"):
+            elementwise.gated(out, x, y, activation, **on)()
+            cpu_ops.gated(expected, x, y, activation)
+            assert (np.abs(out - expected) <= 16 * U * (np.abs(expected) + np.abs(x * y))).all()
+            elementwise.gated(selected, x, y, activation)()
+            np.testing.assert_array_equal(out, selected)
+        w = rand(width, seed=14)
+        elementwise.rms_norm(out, x, w, 1e-6, **on)()
+        cpu_ops.rms_norm(expected, x, w, 1e-6)
+        np.testing.assert_allclose(out, expected, rtol=rms_norm_rtol(width), atol=0)
+        elementwise.rms_norm(selected, x, w, 1e-6)()
+        np.testing.assert_array_equal(out, selected)
+    positions = np.array([7, 0, 300], np.int64)
+    for neox in (False, True):
+        for head_dim, rope_dim in ((64, 64), (18, 18), (40, 24)):
+            x = rand(3, 3 * head_dim, seed=15)
+            table = cpu_ops.RopeTable(rope_dim, 10000.0, 1.0)
+            table.ensure(512)
+            out, expected = np.empty_like(x), np.empty_like(x)
+            cpu_ops.rope(expected, x, positions, table, head_dim, rope_dim, neox)
+            elementwise.rope(
+                out, x, positions, table.cos, table.sin, head_dim, rope_dim, neox, **on
+            )()
+            np.testing.assert_array_equal(out, expected)
 
 
 def test_refuses_non_contiguous_arrays():

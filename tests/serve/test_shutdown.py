@@ -27,7 +27,9 @@ def assert_refused_while_draining(url: str, body: dict) -> None:
 def test_sigterm_finishes_in_flight_and_exits_0(
     smollm2: LoadedModel, smollm2_gguf: Path, tmp_path: Path
 ) -> None:
-    cmd = ["-m", "dynalm.cli", "serve", str(smollm2_gguf), "--port", "0", "--ctx", "256"]
+    # Long enough (1,000 tokens) to still be running when SIGTERM comes, even when a loaded
+    # machine starves this test process while the server generates.
+    cmd = ["-m", "dynalm.cli", "serve", str(smollm2_gguf), "--port", "0", "--ctx", "1024"]
     with server_process(cmd, tmp_path / "stderr.txt") as server:
         no_eos = {str(t): -100 for t in smollm2.stop_token_ids}  # still running at the 503 check
         body = {
@@ -40,7 +42,7 @@ def test_sigterm_finishes_in_flight_and_exits_0(
         with httpx.stream(
             "POST",
             f"{server.url}/v1/completions",
-            json={**body, "max_tokens": 240, "stream": True},
+            json={**body, "max_tokens": 1000, "stream": True},
             timeout=120,
         ) as r:
             lines = r.iter_lines()

@@ -77,6 +77,7 @@ class Executor:
         self.profile: dict[str, float] | None = None
         self._weights = weights
         self._native = device.mode != "safe"
+        self._backend = getattr(device, "backend", None)  # lowers the native kernels
         self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
         self._prepared: dict[tuple[str, str], object] = {}
         self._rope_tables: dict[tuple, cpu_ops.RopeTable] = {}
@@ -244,7 +245,7 @@ class Executor:
         """``bind(*args)`` a JIT kernel over full buffers, its argument block a row of
         ``_blocks``, so that ``_resize`` sets its count."""
         block = self._blocks[len(self._counted)]
-        kernel = bind(*args, block=block)
+        kernel = bind(*args, block=block, backend=self._backend)
         self._counted.append((int(block[0]) // self._capacity, rows))
         return kernel
 
@@ -322,7 +323,13 @@ class Executor:
             if native and attention.supported(head_dim, "f32"):
                 geometry = (a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
                 return attention.PagedAttention(
-                    self._layout, layer, *geometry, self.device.threads, out, *ins
+                    self._layout,
+                    layer,
+                    *geometry,
+                    self.device.threads,
+                    out,
+                    *ins,
+                    backend=self._backend,
                 )
             attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
             return lambda: cpu_ops.attention(v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs)

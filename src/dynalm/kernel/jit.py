@@ -180,8 +180,9 @@ def compile_module(ir: str, names: Sequence[str]) -> tuple[dict[str, int], float
     return _engine().compile(ir, names)
 
 
-def compile_ir(ir: str, names: Sequence[str]) -> dict[str, int]:
-    return compile_module(ir, names)[0]
+def add_symbol(name: str, address: int) -> None:
+    """Let compiled code call the function at ``address`` as the external ``name``."""
+    llvm.add_symbol(name, address)
 
 
 def cfunc(address: int, restype: type | None, *argtypes: type) -> ctypes._CFuncPtr:

@@ -80,10 +80,12 @@ class Module:
         self.target = target
         self.names: list[str] = []
 
-    def kernel(self, name: str, params: Sequence[ir.Type], *, private: bool = False) -> Kernel:
-        """A new function ``void name(params)``; exported (named in ``names``) unless
-        ``private``."""
-        fn = ir.Function(self.ir, ir.FunctionType(VOID, list(params)), name)
+    def kernel(
+        self, name: str, params: Sequence[ir.Type], *, ret: ir.Type = VOID, private: bool = False
+    ) -> Kernel:
+        """A new function ``ret name(params)`` (``void`` unless ``ret``); exported (named in
+        ``names``) unless ``private``."""
+        fn = ir.Function(self.ir, ir.FunctionType(ret, list(params)), name)
         if private:
             fn.linkage = "private"
         else:
@@ -92,6 +94,12 @@ class Module:
 
     def function(self, name: str) -> ir.Function:
         return self.ir.globals[name]
+
+    def declare(
+        self, name: str, ret: ir.Type, params: Sequence[ir.Type], *, var_arg: bool = False
+    ) -> ir.Function:
+        """An external function (a symbol the JIT resolves), e.g. a C varargs function."""
+        return ir.Function(self.ir, ir.FunctionType(ret, list(params), var_arg=var_arg), name)
 
     def text(self) -> str:
         return str(self.ir)
@@ -122,8 +130,12 @@ class Kernel:
         self.b = ir.IRBuilder(entry)
         self.args = list(fn.args)
 
-    def ret(self) -> None:
-        self.b.ret_void()
+    def ret(self, value: ir.Value | None = None) -> None:
+        """Return ``value`` (nothing from a ``void`` function)."""
+        if value is None:
+            self.b.ret_void()
+        else:
+            self.b.ret(value)
 
     # -- constants and operands ---------------------------------------------------------
     @staticmethod
@@ -231,6 +243,10 @@ class Kernel:
             fn = ir.Function(self.module.ir, ir.FunctionType(ret, [a.type for a in args]), name)
         return self.b.call(fn, args, fastmath=tuple(flags))
 
+    def call_at(self, fn: ir.Value, ret: ir.Type, *args: ir.Value) -> ir.Value:
+        """Call the function whose address is the pointer ``fn`` (``ret fn(args)``)."""
+        return self.b.call(_Callee(fn, ir.FunctionType(ret, [a.type for a in args])), args)
+
     # -- vectors ------------------------------------------------------------------------
     def shuffle(self, a: ir.Value, idx: Sequence[int], x: ir.Value | None = None) -> ir.Value:
         """Lanes ``idx`` of ``a`` (then ``x``'s lanes, numbered after ``a``'s)."""
@@ -266,11 +282,28 @@ class Kernel:
         off = offset if isinstance(offset, ir.Value) else self.i64(offset)
         return self.b.gep(base, [off], source_etype=I8)
 
+    def index(self, base: ir.Value, i: Operand, elem: ir.Type) -> ir.Value:
+        """The address of ``base[i]``, ``base`` an array of ``elem``."""
+        return self.b.gep(base, [self.like(self.i64(0), i)], source_etype=elem)
+
     def load(self, ty: ir.Type, base: ir.Value, offset: Operand = 0, align: int = 1) -> ir.Value:
         return self.b.load(self.at(base, offset), typ=ty, align=align)
 
     def store(self, value: ir.Value, base: ir.Value, offset: Operand = 0, align: int = 1) -> None:
         self.b.store(value, self.at(base, offset), align=align)
+
+    def load_atomic(
+        self, ty: ir.Type, base: ir.Value, offset: Operand, ordering: str, align: int
+    ) -> ir.Value:
+        """An atomic load (``ordering``: "monotonic", "acquire", "seq_cst", ...)."""
+        return self.b.load_atomic(self.at(base, offset), ordering, align, typ=ty)
+
+    def store_atomic(
+        self, value: ir.Value, base: ir.Value, offset: Operand, ordering: str, align: int
+    ) -> None:
+        """An atomic store (``IRBuilder.store_atomic`` wants typed pointers)."""
+        at = self.at(base, offset)
+        self.b._insert(ir.instructions.StoreAtomicInstr(self.b.block, value, at, ordering, align))
 
     def words(self, block: ir.Value, n: int) -> list[ir.Value]:
         """The first ``n`` int64 words of an argument block."""
@@ -358,9 +391,9 @@ class Kernel:
 
     # -- numeric building blocks --------------------------------------------------------
     def exp(self, x: ir.Value) -> ir.Value:
-        """e**x of an f32 vector: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial of r
-        times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range)."""
-        ty, w = x.type, lanes_of(x.type)
+        """e**x of f32 lanes (a scalar or a vector): x = n ln2 + r, |r| <= ln2/2, a degree-6
+        polynomial of r times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range)."""
+        ty = x.type
         x = self.call(f"llvm.maxnum.{_suffix(ty)}", ty, x, const(ty, -87.33654))
         x = self.call(f"llvm.minnum.{_suffix(ty)}", ty, x, const(ty, 88.37626))
         n = self.call(f"llvm.rint.{_suffix(ty)}", ty, self.mul(x, 1.4426950408889634))
@@ -371,7 +404,18 @@ class Kernel:
             p = self.add(self.mul(p, r), c)
         p = self.add(self.add(self.mul(p, self.mul(r, r)), r), 1.0)
         bits = self.shl(self.add(self.convert(n, I32), 127), 23)
-        return self.mul(p, self.bitcast(bits, ty if w > 1 else F32))
+        return self.mul(p, self.bitcast(bits, ty))
+
+
+class _Callee:
+    """A pointer called as a function of type ``function_type`` (what ``IRBuilder.call``
+    asks of its callee; a pointer value alone has no function type)."""
+
+    def __init__(self, ptr: ir.Value, function_type: ir.FunctionType) -> None:
+        self.ptr, self.type, self.function_type = ptr, ptr.type, function_type
+
+    def get_reference(self) -> str:
+        return self.ptr.get_reference()
 
 
 def _bits(ty: ir.Type) -> int:

@@ -1,0 +1,171 @@
+"""Fused element-wise programs: RMSNorm, RoPE, SwiGLU / GeGLU, add.
+
+Each is specialised on its constant shapes (row width, head size, eps, rope layout) and
+written as explicit vector loops of the backend's width (``target.lanes``) plus a 1-lane
+tail, so odd sizes work and nothing depends on the auto-vectoriser (which would give up on
+in-place calls such as ``out += residual``). ``exp`` is the language's polynomial (about
+1 ulp), so SiLU and GELU vectorise instead of calling libm per element.
+
+Kernel signature: ``void f(i64 *args)``, ``args`` a count (rows, or elements for ``add``
+and ``gated``) followed by the arrays' addresses (``core.elementwise`` binds them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import llvmlite.ir as ir
+
+from dynalm.kernel.backends import Program
+from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
+
+ARRAYS = {"add": 3, "gated": 3, "rms_norm": 3, "rope": 5}  # addresses after the count
+# RMSNorm sums its squares in 8 lanes on every backend: the one reduction here, and its
+# order is the contract (auto mode rounds the normalised activations to int8, where a
+# last-bit difference can flip a rounding and, through the layers, a greedy token), so a
+# model's outputs do not depend on the host's vector width. The rest is lane-wise and
+# bitwise the same at any width.
+SUM_LANES = 8
+
+
+def _kernel(module: Module, kind: str) -> tuple[Kernel, ir.Value, list[ir.Value]]:
+    """The program's one function, its count and its arrays (the words of its block)."""
+    k = module.kernel(f"{module.ir.name}_{kind}", (PTR,))
+    count, *arrays = k.words(k.args[0], 1 + ARRAYS[kind])
+    return k, count, [k.pointer(a) for a in arrays]
+
+
+def _floats(k: Kernel, array: ir.Value, i: ir.Value, w: int) -> ir.Value:
+    """``array[i : i + w]`` of an f32 array as ``<w x float>``."""
+    return k.load(vec(F32, w), k.index(array, i, F32), align=4)
+
+
+def _put(k: Kernel, value: ir.Value, array: ir.Value, i: ir.Value) -> None:
+    k.store(value, k.index(array, i, F32), align=4)
+
+
+def _elementwise(module: Module, kind: str, body: Callable[..., ir.Value]) -> None:
+    """``out[i] = body(k, x[i], y[i])`` over ``count`` elements."""
+    k, count, (out, x, y) = _kernel(module, kind)
+    k.lanes(
+        k.i64(0),
+        count,
+        k.target.lanes,
+        lambda i, w: _put(k, body(k, _floats(k, x, i, w), _floats(k, y, i, w)), out, i),
+    )
+    k.ret()
+
+
+def _build_add(module: Module) -> None:
+    _elementwise(module, "add", lambda k, x, y: k.add(x, y))
+
+
+def _build_gated(module: Module, activation: str) -> None:
+    """out = act(gate) * up with act(g) = g * sigmoid(z): z = g for SiLU, and
+    z = 2 sqrt(2/pi) (g + 0.044715 g^3) for tanh-GELU (0.5 (1 + tanh(y)) = sigmoid(2y))."""
+
+    def gate(k: Kernel, g: ir.Value, up: ir.Value) -> ir.Value:
+        z = g
+        if activation == "gelu_tanh":
+            inner = k.add(g, k.mul(k.mul(k.mul(g, g), g), 0.044715))
+            z = k.mul(inner, 2.0 * math.sqrt(2.0 / math.pi))
+        e = k.exp(k.sub(const(z.type, 0.0), z))
+        act = k.b.fdiv(g, k.add(e, 1.0))
+        return k.mul(act, up)
+
+    _elementwise(module, "gated", gate)
+
+
+def _build_rms_norm(module: Module, width: int, eps: float) -> None:
+    """Per row: out = x / sqrt(mean(x^2) + eps) * w (the reference's order of operations;
+    the squares summed in ``SUM_LANES`` lanes, the scaling at the backend's width)."""
+    k, rows, (out, x, weight) = _kernel(module, "rms_norm")
+    lanes, d = k.target.lanes, k.i64(width)
+
+    def row(r: ir.Value) -> None:
+        base = k.mul(r, d)
+        acc = {w: k.var(const(vec(F32, w), 0.0)) for w in (SUM_LANES, 1)}
+
+        def square(i: ir.Value, w: int) -> None:
+            v = _floats(k, x, k.add(base, i), w)
+            acc[w].set(k.add(acc[w].get(), k.mul(v, v)))
+
+        k.lanes(k.i64(0), d, SUM_LANES, square)
+        tail = k.b.extract_element(acc[1].get(), const(I32, 0))
+        total = k.call(
+            f"llvm.vector.reduce.fadd.v{SUM_LANES}f32",
+            F32,
+            tail,
+            acc[SUM_LANES].get(),
+            flags=("reassoc",),
+        )
+        ms = k.add(k.b.fdiv(total, const(F32, float(width))), eps)
+        inv = k.b.fdiv(const(F32, 1.0), k.call("llvm.sqrt.f32", F32, ms))
+
+        def scale(i: ir.Value, w: int) -> None:
+            at = k.add(base, i)
+            y = k.mul(k.mul(_floats(k, x, at, w), k.splat(inv, w)), _floats(k, weight, i, w))
+            _put(k, y, out, at)
+
+        k.lanes(k.i64(0), d, lanes, scale)
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _build_rope(
+    module: Module, n_heads: int, head_dim: int, rope_dim: int, neox: bool, stride: int
+) -> None:
+    """Rotate each head's first ``rope_dim`` dims by the token's angles; NeoX pairs
+    (i, i + rope_dim/2), the GGUF llama layout pairs (2i, 2i + 1); the rest is copied.
+    The rows of ``x`` are ``stride`` floats apart (a column range of a wider buffer)."""
+    k, tokens, (out, x, pos, cos, sin) = _kernel(module, "rope")
+    lanes, half = k.target.lanes, rope_dim // 2
+
+    def token(t: ir.Value) -> None:
+        angle0 = k.mul(k.load(I64, k.index(pos, t, I64), align=8), half)
+
+        def head(h: ir.Value) -> None:
+            base = k.mul(k.add(k.mul(t, n_heads), h), head_dim)
+            src = k.add(k.mul(t, stride), k.mul(h, head_dim))
+
+            def pair(i: ir.Value, w: int) -> None:
+                c = _floats(k, cos, k.add(angle0, i), w)
+                s = _floats(k, sin, k.add(angle0, i), w)
+                if neox:
+                    xa = _floats(k, x, k.add(src, i), w)
+                    xb = _floats(k, x, k.add(k.add(src, half), i), w)
+                else:
+                    both = _floats(k, x, k.add(src, k.mul(i, 2)), 2 * w)
+                    xa, xb = (k.shuffle(both, range(o, 2 * w, 2)) for o in (0, 1))
+                ya = k.sub(k.mul(xa, c), k.mul(xb, s))
+                yb = k.add(k.mul(xb, c), k.mul(xa, s))
+                if neox:
+                    _put(k, ya, out, k.add(base, i))
+                    _put(k, yb, out, k.add(k.add(base, half), i))
+                else:
+                    mix = [j // 2 + (j % 2) * w for j in range(2 * w)]
+                    _put(k, k.shuffle(ya, mix, yb), out, k.add(base, k.mul(i, 2)))
+
+            k.lanes(k.i64(0), k.i64(half), lanes, pair)
+            if rope_dim < head_dim:
+                k.lanes(
+                    k.i64(rope_dim),
+                    k.i64(head_dim),
+                    lanes,
+                    lambda i, w: _put(k, _floats(k, x, k.add(src, i), w), out, k.add(base, i)),
+                )
+
+        k.loop(0, n_heads, 1, head)
+
+    k.loop(0, tokens, 1, token)
+    k.ret()
+
+
+PROGRAMS = {
+    "add": Program("ew_add", _build_add),
+    "gated": Program("ew_gated", _build_gated),
+    "rms_norm": Program("ew_rms_norm", _build_rms_norm),
+    "rope": Program("ew_rope", _build_rope),
+}
