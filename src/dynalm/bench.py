@@ -89,36 +89,78 @@ class DynaLMRunner:
 
 
 class LlamaCppRunner:
-    """The same GGUF in llama-cpp-python: ``eval`` over the prompt / one token at a time."""
+    """The same GGUF in llama-cpp-python, in a process of its own (``eval`` over the prompt
+    / one token at a time, timed there). In-process, llama.cpp's OpenMP threads and ours
+    (and OpenBLAS's) spin-wait beside each other between runs: on a 2-core machine that
+    cost llama.cpp up to 10x, which would flatter the ratio."""
 
     name = "llama.cpp"
 
     def __init__(self, path: Path, threads: int, ctx: int):
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise InvalidRequest(INSTALL_HINT) from None
-        self.llm = Llama(
-            model_path=str(path),
-            n_ctx=ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
+        import multiprocessing
+
+        mp = multiprocessing.get_context("spawn")
+        self._conn, child = mp.Pipe()
+        self._proc = mp.Process(
+            target=_llama_cpp_worker, args=(child, str(path), threads, ctx), daemon=True
         )
+        self._proc.start()
+        child.close()
+        self._call("ready")
+
+    def _call(self, *request: object) -> float:
+        self._conn.send(request)
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise InvalidRequest("llama.cpp's worker process died (see its stderr)") from None
+        if kind == "error":
+            raise InvalidRequest(f"llama.cpp: {value}")
+        return value
 
     def prefill(self, ids: list[int]) -> float:
-        self.llm.reset()  # the next eval starts from an empty KV cache
-        t0 = time.perf_counter()
-        self.llm.eval(ids)
-        return time.perf_counter() - t0
+        return self._call("prefill", ids)
 
     def decode(self, prompt: list[int], ids: list[int]) -> float:
-        self.llm.reset()
-        self.llm.eval(prompt)
+        return self._call("decode", prompt, ids)
+
+    def close(self) -> None:
+        self._conn.close()
+        self._proc.join(timeout=30)
+
+
+def _llama_cpp_worker(conn, path: str, threads: int, ctx: int) -> None:  # noqa: ANN001
+    """``LlamaCppRunner``'s process: answers (what, *args) with ("ok", seconds)."""
+    try:
+        from llama_cpp import Llama
+
+        llm = Llama(
+            model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            what, *args = conn.recv()
+        except EOFError:
+            return
+        if what == "ready":
+            conn.send(("ok", 0.0))
+            continue
+        llm.reset()  # each run starts from an empty KV cache
+        if what == "decode":
+            prompt, ids = args
+            llm.eval(prompt)
+        else:
+            ids = args[0]
         t0 = time.perf_counter()
-        for token in ids:
-            self.llm.eval([token])
-        return time.perf_counter() - t0
+        if what == "decode":
+            for token in ids:
+                llm.eval([token])
+        else:
+            llm.eval(ids)
+        conn.send(("ok", time.perf_counter() - t0))
 
 
 @dataclass
@@ -406,6 +448,8 @@ def bench_command(
         runners.append(LlamaCppRunner(path, device.threads, ctx))
         work.warm_up(runners[-1])
     results = work.rounds(runners, repetitions)
+    for runner in runners[1:]:
+        runner.close()
     if as_json:
         return json.dumps(
             {**summary, "results": [r.as_json() for r in results], "memory": memory.as_json()}
