@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -233,6 +234,10 @@ def rm(model: str, verbose: Verbose = False) -> None:
 def show(
     model: Annotated[str | None, typer.Argument(help="Model name or GGUF path")] = None,
     graph: Annotated[bool, typer.Option("--graph", help="Print the DynaIR graph.")] = False,
+    graph_file: Annotated[
+        Path | None,
+        typer.Option("--graph-file", help="Read a DynaIR text file, check it, print it."),
+    ] = None,
     system: Annotated[bool, typer.Option("--system", help="Describe this machine.")] = False,
     verbose: Verbose = False,
 ) -> None:
@@ -244,8 +249,13 @@ def show(
 
             typer.echo(describe_system())
             return
+        if graph_file is not None:
+            from dynalm.ir.text import print_graph, read_graph
+
+            typer.echo(print_graph(read_graph(graph_file.read_text(), str(graph_file))))
+            return
         if model is None:
-            raise typer.BadParameter("give a MODEL or --system")
+            raise typer.BadParameter("give a MODEL, --graph-file or --system")
         from dynalm.models.loader import load_model
         from dynalm.runtime.registry import ModelStore
         from dynalm.show import describe_model

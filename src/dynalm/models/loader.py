@@ -76,6 +76,15 @@ class LoadedModel:
         return self.tokenizer.eog_ids | self.chat_template.stop_token_ids
 
 
+def model_graph(gguf: GGUFFile, hp: HParams) -> Graph:
+    """The forward pass of a model file as its family builds it (before any pass)."""
+    weight_types = {
+        name: TensorType(quant_format(t.ggml_type).name, t.shape)
+        for name, t in gguf.tensors.items()
+    }
+    return build_graph(hp, weight_types)
+
+
 def load_model(path: str | os.PathLike) -> LoadedModel:
     """Read and check a GGUF file. Everything the file says is checked here (metadata types
     and ranges, hyper-parameters against the tensor shapes, the tokenizer), before any
@@ -85,11 +94,7 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
         meta = gguf.metadata
         family_of(gguf.architecture)  # refuse unknown architectures before anything else
         hp = read_hparams(meta, {name: t.shape for name, t in gguf.tensors.items()})
-        weight_types = {
-            name: TensorType(quant_format(t.ggml_type).name, t.shape)
-            for name, t in gguf.tensors.items()
-        }
-        graph = optimize(build_graph(hp, weight_types))  # fused ops for the executor
+        graph = optimize(model_graph(gguf, hp))  # fused ops for the executor
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
         for key in _TOKENIZER_ARRAYS:  # the tokenizer holds them now (20 MB at 262k tokens)

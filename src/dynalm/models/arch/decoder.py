@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dynalm.ir.graph import Graph, GraphBuilder, TensorType
+from dynalm.ir.builder import GraphBuilder
+from dynalm.ir.graph import Graph, TensorType, Value, Weight
 from dynalm.models.hparams import HParams
 
 
@@ -34,37 +35,44 @@ def build_decoder(
     positions = g.input("positions", "i32", ("T",))
     logit_rows = g.input("logit_rows", "i32", ("S",))
 
-    x = g.embed(tokens, "token_embd.weight", rows=hp.n_vocab)
+    def opt(name: str) -> Weight | None:
+        return g.weight(name) if g.has_weight(name) else None
+
+    def norm(x: Value, weight: str) -> Value:
+        return g.op("rms_norm", x, weights=(g.weight(weight),), eps=hp.norm_eps)
+
+    def matmul(x: Value, weight: str, rows: int, bias: str = "") -> Value:
+        w = g.weight(weight, rows, None)
+        return g.op("matmul", x, weights=(w, opt(bias) if bias else None))
+
+    x = g.op("embed", tokens, weights=(g.weight("token_embd.weight", hp.n_vocab, None),))
     if family.embed_scale:
-        x = g.scale(x, math.sqrt(hp.d_model))
-    freq_factors = "rope_freqs.weight" if g.has_weight("rope_freqs.weight") else None
+        x = g.op("scale", x, factor=math.sqrt(hp.d_model))
+    freq_factors = opt("rope_freqs.weight")
 
     for i in range(hp.n_layers):
         p = f"blk.{i}."
         local = family.swa_period > 0 and (i + 1) % family.swa_period != 0
-        h = g.rms_norm(x, p + "attn_norm.weight", hp.norm_eps)
+        h = norm(x, p + "attn_norm.weight")
         q, k, v = (
-            g.matmul(
-                h,
-                f"{p}attn_{n}.weight",
-                f"{p}attn_{n}.bias" if g.has_weight(f"{p}attn_{n}.bias") else None,
-                rows=heads * hp.head_dim,
-            )
+            matmul(h, f"{p}attn_{n}.weight", heads * hp.head_dim, f"{p}attn_{n}.bias")
             for n, heads in zip("qkv", (hp.n_heads, hp.n_kv_heads, hp.n_kv_heads), strict=True)
         )
         if family.qk_norm:
-            q = g.head_rms_norm(q, p + "attn_q_norm.weight", hp.norm_eps, hp.head_dim)
-            k = g.head_rms_norm(k, p + "attn_k_norm.weight", hp.norm_eps, hp.head_dim)
+            head = dict(eps=hp.norm_eps, head_dim=hp.head_dim)
+            q = g.op("head_rms_norm", q, weights=(g.weight(p + "attn_q_norm.weight"),), **head)
+            k = g.op("head_rms_norm", k, weights=(g.weight(p + "attn_k_norm.weight"),), **head)
         rope = dict(
             head_dim=hp.head_dim,
             rope_dim=hp.rope_dim,
-            neox=family.neox_rope,
             base=family.local_rope_base if local else hp.rope_base,
+            neox=family.neox_rope,
             scale=1.0 if local else hp.rope_scale,
-            freq_factors=freq_factors,
         )
-        q, k = g.rope(q, positions, **rope), g.rope(k, positions, **rope)
-        a = g.attention(
+        q = g.op("rope", q, positions, weights=(freq_factors,), **rope)
+        k = g.op("rope", k, positions, weights=(freq_factors,), **rope)
+        a = g.op(
+            "attention",
             q,
             k,
             v,
@@ -75,20 +83,20 @@ def build_decoder(
             scale=1.0 / math.sqrt(hp.head_dim),
             window=hp.sliding_window if local else 0,
         )
-        a = g.matmul(a, p + "attn_output.weight", rows=hp.d_model)
+        a = matmul(a, p + "attn_output.weight", hp.d_model)
         if family.sandwich_norms:
-            a = g.rms_norm(a, p + "post_attention_norm.weight", hp.norm_eps)
-        x = g.add(x, a)
+            a = norm(a, p + "post_attention_norm.weight")
+        x = g.op("add", x, a)
 
-        h = g.rms_norm(x, p + "ffn_norm.weight", hp.norm_eps)
-        gate = g.matmul(h, p + "ffn_gate.weight", rows=hp.d_ff)
-        gate = g.silu(gate) if family.activation == "silu" else g.gelu_tanh(gate)
-        up = g.matmul(h, p + "ffn_up.weight", rows=hp.d_ff)
-        f = g.matmul(g.mul(gate, up), p + "ffn_down.weight", rows=hp.d_model)
+        h = norm(x, p + "ffn_norm.weight")
+        gate = matmul(h, p + "ffn_gate.weight", hp.d_ff)
+        gate = g.op(family.activation, gate)
+        up = matmul(h, p + "ffn_up.weight", hp.d_ff)
+        f = matmul(g.op("mul", gate, up), p + "ffn_down.weight", hp.d_model)
         if family.sandwich_norms:
-            f = g.rms_norm(f, p + "post_ffw_norm.weight", hp.norm_eps)
-        x = g.add(x, f)
+            f = norm(f, p + "post_ffw_norm.weight")
+        x = g.op("add", x, f)
 
-    x = g.rms_norm(g.select_rows(x, logit_rows), "output_norm.weight", hp.norm_eps)
+    x = norm(g.op("select_rows", x, logit_rows), "output_norm.weight")
     head = "output.weight" if g.has_weight("output.weight") else "token_embd.weight"
-    return g.finish(logits=g.matmul(x, head, rows=hp.n_vocab))
+    return g.finish(logits=matmul(x, head, hp.n_vocab))
