@@ -264,6 +264,23 @@ def show(
         typer.echo(str(loaded.graph) if graph else describe_model(loaded))
 
 
+@app.command()
+def check(
+    file: Annotated[Path, typer.Argument(help="A Lumen (.lum) architecture file")],
+    gguf: Annotated[
+        Path | None,
+        typer.Option("--gguf", help="Also elaborate it against this model's metadata and tensors."),
+    ] = None,
+    verbose: Verbose = False,
+) -> None:
+    """Parse and type-check a .lum file (errors as file:line:col)."""
+    _configure(verbose, None)
+    with user_errors(verbose):
+        from dynalm.models.arch import check_file
+
+        typer.echo(check_file(file, gguf))
+
+
 def _read_prompt(prompt: str | None) -> str | None:
     """The prompt argument, or stdin for '-' (or no prompt and no terminal)."""
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):

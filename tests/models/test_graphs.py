@@ -3,11 +3,12 @@ their text reads back to the same graph, before and after the passes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import pytest
-from graph_cases import CASES, GRAPHS, case_path
+from graph_cases import CASES, GRAPHS, PINNED, case_path
 
 from dynalm.ir.graph import Graph
 from dynalm.ir.passes import optimize, verify
@@ -17,27 +18,33 @@ from dynalm.models.hparams import read_hparams
 from dynalm.models.loader import model_graph
 
 
-@pytest.fixture(scope="module", params=CASES)
-def built(
-    request: pytest.FixtureRequest, smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Graph]]:
-    path = case_path(request.param, smollm2_gguf, tmp_path_factory.mktemp("graphs"))
-    gguf = GGUFFile(path)
-    try:
-        hp = read_hparams(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
-        yield request.param, model_graph(gguf, hp)
-    finally:
-        gguf.close()
+@pytest.fixture(scope="module")
+def graph_of(
+    smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Graph]:
+    """Case name -> the graph its family's ``.lum`` builds (before the passes), built once."""
+    tmp = tmp_path_factory.mktemp("graphs")
+
+    @cache
+    def build(name: str) -> Graph:
+        with GGUFFile(case_path(name, smollm2_gguf, tmp)) as gguf:
+            hp = read_hparams(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
+            return model_graph(gguf, hp)
+
+    return build
 
 
-def test_family_builds_the_pinned_graph(built: tuple[str, Graph]) -> None:
-    name, graph = built
+@pytest.mark.parametrize("name", PINNED)
+def test_family_builds_the_pinned_graph(graph_of: Callable[[str], Graph], name: str) -> None:
     want = (GRAPHS / f"{name}.dynair").read_text()
-    assert print_graph(graph) + "\n" == want
+    assert print_graph(graph_of(name)) + "\n" == want
 
 
-def test_text_reads_back_before_and_after_the_passes(built: tuple[str, Graph]) -> None:
-    _, graph = built
+@pytest.mark.parametrize("name", CASES)
+def test_text_reads_back_before_and_after_the_passes(
+    graph_of: Callable[[str], Graph], name: str
+) -> None:
+    graph = graph_of(name)
     optimized = optimize(graph)
     assert "split" in {n.op for n in optimized.nodes}  # merged weights and their splits
     assert any(n.attrs.get("view") for n in optimized.nodes)

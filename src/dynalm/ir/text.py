@@ -93,6 +93,20 @@ def _parser() -> Lark:
     return Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 
+def _unexpected(e: UnexpectedInput) -> str:
+    token = getattr(e, "token", None)
+    if token is None:
+        return f"unexpected character {getattr(e, 'char', '')!r}"
+    found = "end of input" if token.type == "$END" else repr(str(token))
+    names = sorted(getattr(e, "expected", None) or ())
+    shown = []
+    for name in names[:8]:
+        pattern = next((t.pattern for t in _parser().terminals if t.name == name), None)
+        literal = pattern is not None and pattern.type == "str"
+        shown.append(repr(pattern.value) if literal else name.lower())
+    return f"unexpected {found}" + (f", expected {' or '.join(shown)}" if shown else "")
+
+
 class _Reader:
     def __init__(self, where: str):
         self.where = where
@@ -184,10 +198,7 @@ def _parse(text: str, where: str) -> tuple[Graph, list[str]]:
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as e:
-        found = getattr(e, "token", None) or getattr(e, "char", "") or "end of input"
-        expected = sorted(getattr(e, "expected", None) or getattr(e, "allowed", None) or ())
-        hint = f", expected {' or '.join(expected[:6])}" if expected else ""
-        raise IRSyntaxError(f"{where}:{e.line}:{e.column}: unexpected {found!r}{hint}") from None
+        raise IRSyntaxError(f"{where}:{e.line}:{e.column}: {_unexpected(e)}") from None
     reader = _Reader(where)
     name, *rest = tree.children
     name = json.loads(name) if name.type == "STRING" else str(name)
