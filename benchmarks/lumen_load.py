@@ -24,8 +24,8 @@ gguf = GGUFFile(sys.argv[1])
 types = {n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()}
 clocks = (time.process_time, time.perf_counter)
 t0 = [c() for c in clocks]
-from dynalm.lumen import Elaborator
-from dynalm.lumen.syntax import _parser
+from dynalm.ir.lumen import Elaborator
+from dynalm.ir.lumen.syntax import _parser
 from dynalm.models.arch import family_file, family_program
 t1 = [c() for c in clocks]
 _parser()

@@ -13,9 +13,9 @@ import pytest
 
 from dynalm.errors import DynaError, ModelFormatError
 from dynalm.ir.graph import TensorType
+from dynalm.ir.lumen import Elaborator, LumenError, load_program
+from dynalm.ir.lumen.syntax import GRAMMAR, TABLES, _build, _grammar_hash, _parser
 from dynalm.ir.passes import verify
-from dynalm.lumen import Elaborator, LumenError, load_program
-from dynalm.lumen.syntax import GRAMMAR, TABLES, _build, _grammar_hash, _parser
 from dynalm.models.arch import ARCH_DIR, family_files
 
 D, F, V = 8, 16, 20
@@ -202,7 +202,7 @@ forward {
 
 
 def test_the_grammar_tables_are_current():
-    """`python -m dynalm.lumen.syntax` rewrites them after a grammar change."""
+    """`python -m dynalm.ir.lumen.syntax` rewrites them after a grammar change."""
     assert f'"grammar": "{_grammar_hash()}"' in TABLES.read_text()
     text = (ARCH_DIR / "llama.lum").read_text()
     assert _parser().parse(text) == _build().parse(text)

@@ -6,7 +6,7 @@ typed with their stored (possibly quantised) dtype, so a graph prints as
 
     %8: tensor<f32, [T, 576]> = matmul %7, @"blk.0.attn_q.weight": tensor<q4_1, [576, 576]>
 
-Graphs are built by the Lumen elaborator (``dynalm.lumen``) from a family's ``.lum`` file
+Graphs are built by the Lumen elaborator (``dynalm.ir.lumen``) from a family's ``.lum`` file
 through :class:`dynalm.ir.builder.GraphBuilder`; the ops are defined in ``dynalm.ir.ops``;
 ``dynalm.ir.text`` prints and parses them; passes rewrite them; the executor runs them.
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 from dynalm.errors import UnsupportedModel, show
 from dynalm.ir.graph import Graph, TensorType
-from dynalm.lumen import Elaborator, Program, load_file
+from dynalm.ir.lumen import Elaborator, Program, load_file
 
 ARCH_DIR = Path(__file__).parent
 _FAMILY = re.compile(r"^family\s+(.+)$", re.MULTILINE)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from lark import Token, Tree
 
+from dynalm.ir.lumen.syntax import LumenError, at, parse
 from dynalm.ir.ops import OPS, REQUIRED
-from dynalm.lumen.syntax import LumenError, at, parse
 
 # Built-in functions: name -> (fewest, most positional arguments, keyword arguments).
 BUILTINS: dict[str, tuple[int, int, tuple[str, ...]]] = {

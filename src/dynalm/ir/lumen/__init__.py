@@ -4,8 +4,8 @@
 model file's metadata and tensor types and yields its DynaIR graph. See ``docs/lumen.md``.
 """
 
-from dynalm.lumen.elaborate import Elaborator
-from dynalm.lumen.program import Program, load_file, load_program
-from dynalm.lumen.syntax import LumenError
+from dynalm.ir.lumen.elaborate import Elaborator
+from dynalm.ir.lumen.program import Program, load_file, load_program
+from dynalm.ir.lumen.syntax import LumenError
 
 __all__ = ["Elaborator", "LumenError", "Program", "load_file", "load_program"]

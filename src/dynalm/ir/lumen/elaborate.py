@@ -21,9 +21,9 @@ from lark import Token, Tree
 from dynalm.errors import DynaError
 from dynalm.ir.builder import GraphBuilder, check_weight_shape
 from dynalm.ir.graph import Graph, GraphError, TensorType, Value, Weight
+from dynalm.ir.lumen.program import Program
+from dynalm.ir.lumen.syntax import LumenError
 from dynalm.ir.ops import OPS, WEIGHT_DTYPES, op_def
-from dynalm.lumen.program import Program
-from dynalm.lumen.syntax import LumenError
 
 DTYPES = WEIGHT_DTYPES | {"f32", "i32"}
 MAX_CALL_DEPTH = 64

@@ -88,14 +88,12 @@ def at(where: str, node: Tree | object, message: str) -> LumenError:
 
 
 # Building the LALR tables takes ~90 ms, loading them ~5 ms: they are kept, as JSON (no
-# pickle), next to this file, under the grammar's hash; `python -m dynalm.lumen.syntax`
+# pickle), next to this file, under the grammar's hash; `python -m dynalm.ir.lumen.syntax`
 # rewrites them after a grammar change (a test checks they are current).
 TABLES = Path(__file__).with_name("lalr_tables.json")
 # One lexer for the whole grammar: the contextual lexer's per-state scanners cost ~70 ms
 # of regex compilation at the first parse.
-_OPTIONS = dict(
-    parser="lalr", lexer="basic", propagate_positions=True, maybe_placeholders=True
-)
+_OPTIONS = dict(parser="lalr", lexer="basic", propagate_positions=True, maybe_placeholders=True)
 
 
 def _grammar_hash() -> str:
