@@ -1,5 +1,6 @@
 """What a family's ``.lum`` file adds to model load: in a fresh process (nothing cached),
-importing lark and loading the grammar's tables, parsing and checking the family's file,
+importing lark and Lumen (beyond what the loader imports anyway), loading the grammar's
+tables, parsing and checking the family's file,
 and elaborating it against the model's metadata and tensor types (the DynaIR graph); each
 timed in its own child process, ``--repeat`` times, the median printed as CPU time of the
 process (steadier than wall time on a shared machine) and wall time.
@@ -20,6 +21,9 @@ import json, sys, time
 from dynalm.core.quant import quant_format
 from dynalm.ir.graph import TensorType
 from dynalm.models.gguf_file import GGUFFile
+# what model load imports anyway (the loader's other modules), so that "import" is Lumen's
+import dynalm.ir.builder, dynalm.ir.passes, dynalm.models.chat_template, dynalm.models.hparams
+import dynalm.models.tokenizer
 gguf = GGUFFile(sys.argv[1])
 types = {n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()}
 clocks = (time.process_time, time.perf_counter)
