@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from test_passes import attention_inputs
 
+from dynalm.ir.builder import GraphBuilder
 from dynalm.ir.graph import GraphError, TensorType
 from dynalm.ir.ops import OPS, check_attrs, infer
 from dynalm.ir.passes import optimize
@@ -118,3 +119,12 @@ def test_bad_text_is_refused_at_line_and_column(edit, message: str):
         read_graph(edit(text))
     assert message in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_dynamic_and_named_dims_read_back():
+    g = GraphBuilder("dyn", {})
+    x = g.input("x", "f32", ("?", 8))
+    graph = g.finish(y=g.op("scale", g.op("silu", x), factor=-0.5))
+    text = print_graph(graph)
+    assert "tensor<f32, [?, 8]> = silu %0" in text and "factor=-0.5" in text
+    assert read_graph(text) == graph
