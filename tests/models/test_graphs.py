@@ -8,11 +8,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from graph_cases import CASES, GRAPHS, PINNED, case_path
+from graph_cases import CASES, GRAPHS, PINNED, case_path, gemma3_270m_layout
 
-from dynalm.ir.graph import Graph
+from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.passes import optimize, verify
 from dynalm.ir.text import parse_graph, print_graph
+from dynalm.models.arch import build_graph
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hparams import read_hparams
 from dynalm.models.loader import model_graph
@@ -54,3 +55,13 @@ def test_text_reads_back_before_and_after_the_passes(
         assert back == g
         verify(back)
         assert print_graph(back) == text
+
+
+def test_gemma3_at_a_real_layout_builds_the_pinned_graph() -> None:
+    """Gemma 3 270M's shapes (18 layers: 15 local, 3 global) from its metadata and tensor
+    directory alone; its text was pinned from the Python builder like the others."""
+    metadata, layout = gemma3_270m_layout()
+    graph = build_graph("gemma3", metadata, {n: TensorType(d, s) for n, (d, s) in layout.items()})
+    assert print_graph(graph) + "\n" == (GRAPHS / "gemma3-270m-layout.dynair").read_text()
+    optimized = optimize(graph)
+    assert parse_graph(print_graph(optimized)) == optimized
