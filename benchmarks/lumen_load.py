@@ -18,25 +18,22 @@ import sys
 
 CHILD = r"""
 import json, sys, time
-from dynalm.core.quant import quant_format
-from dynalm.ir.graph import TensorType
 from dynalm.models.gguf_file import GGUFFile
 # what model load imports anyway (the loader's other modules), so that "import" is Lumen's
 import dynalm.ir.builder, dynalm.ir.passes, dynalm.models.chat_template, dynalm.models.hparams
 import dynalm.models.tokenizer
 gguf = GGUFFile(sys.argv[1])
-types = {n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()}
 clocks = (time.process_time, time.perf_counter)
 t0 = [c() for c in clocks]
 from dynalm.ir.lumen import Elaborator
 from dynalm.ir.lumen.syntax import _parser
-from dynalm.models.arch import family_file, family_program
+from dynalm.models.arch import family_file, family_program, tensor_types
 t1 = [c() for c in clocks]
 _parser()
 t2 = [c() for c in clocks]
 program = family_program(family_file(gguf.architecture))
 t3 = [c() for c in clocks]
-graph = Elaborator(program, gguf.architecture, gguf.metadata, types).run()
+graph = Elaborator(program, gguf.architecture, gguf.metadata, tensor_types(gguf)).run()
 t4 = [c() for c in clocks]
 steps = {"import": (t0, t1), "tables": (t1, t2), "parse": (t2, t3), "elaborate": (t3, t4)}
 print(json.dumps({

@@ -3,6 +3,7 @@ their text reads back to the same graph, before and after the passes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from graph_cases import CASES, GRAPHS, PINNED, case_path, gemma3_270m_layout
 
+from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.passes import optimize, verify
 from dynalm.ir.text import parse_graph, print_graph
@@ -65,3 +67,14 @@ def test_gemma3_at_a_real_layout_builds_the_pinned_graph() -> None:
     assert print_graph(graph) + "\n" == (GRAPHS / "gemma3-270m-layout.dynair").read_text()
     optimized = optimize(graph)
     assert parse_graph(print_graph(optimized)) == optimized
+
+
+def test_attention_must_fit_the_kv_cache_of_the_checked_hyper_parameters(
+    smollm2_gguf: Path,
+) -> None:
+    """The KV cache is sized from read_hparams; a family file whose attention disagreed
+    with it (here: hyper-parameters that say 2 kv heads) is refused at load."""
+    with GGUFFile(smollm2_gguf) as gguf:
+        hp = read_hparams(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
+        with pytest.raises(ModelFormatError, match="does not fit the KV cache of 30 layers, 2"):
+            model_graph(gguf, dataclasses.replace(hp, n_kv_heads=2))

@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from dynalm.core.memory import trim_heap
-from dynalm.core.quant import quant_format
 from dynalm.errors import DynaError, ModelFormatError
-from dynalm.ir.graph import Graph, TensorType
+from dynalm.ir.graph import Graph
 from dynalm.ir.passes import optimize
-from dynalm.models.arch import build_graph, family_file
+from dynalm.models.arch import build_graph, family_file, tensor_types
 from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hparams import HParams, read_hparams
@@ -78,11 +77,7 @@ class LoadedModel:
 
 def model_graph(gguf: GGUFFile, hp: HParams) -> Graph:
     """The forward pass of a model file as its family builds it (before any pass)."""
-    weight_types = {
-        name: TensorType(quant_format(t.ggml_type).name, t.shape)
-        for name, t in gguf.tensors.items()
-    }
-    graph = build_graph(hp.arch, gguf.metadata, weight_types)
+    graph = build_graph(hp.arch, gguf.metadata, tensor_types(gguf))
     _check_kv_geometry(graph, hp)
     return graph
 

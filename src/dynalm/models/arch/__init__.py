@@ -12,9 +12,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from dynalm.core.quant import quant_format
 from dynalm.errors import UnsupportedModel, show
 from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.lumen import Elaborator, Program, load_file
+from dynalm.models.gguf_file import GGUFFile
 
 ARCH_DIR = Path(__file__).parent
 _FAMILY = re.compile(r"^family\s+(.+)$", re.MULTILINE)
@@ -46,6 +48,11 @@ def family_program(path: Path) -> Program:
     return load_file(path)
 
 
+def tensor_types(gguf: GGUFFile) -> dict[str, TensorType]:
+    """A model file's tensor directory as DynaIR types (stored dtype, shape)."""
+    return {n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()}
+
+
 def build_graph(arch: str, metadata: dict[str, Any], weight_types: dict[str, TensorType]) -> Graph:
     """The forward pass of a model of architecture ``arch``, from its family's ``.lum``."""
     return Elaborator(family_program(family_file(arch)), arch, metadata, weight_types).run()
@@ -55,9 +62,7 @@ def check_file(path: Path, model: Path | None = None) -> str:
     """``dynalm check``: parse and check a ``.lum`` file; with ``model``, also elaborate it
     against that GGUF file's metadata and tensor types and verify the graph. Returns a
     summary line; a fault raises a one-line error naming ``file:line:col``."""
-    from dynalm.core.quant import quant_format
     from dynalm.ir.passes import verify
-    from dynalm.models.gguf_file import GGUFFile
 
     program = load_file(path)
     summary = (
@@ -72,9 +77,6 @@ def check_file(path: Path, model: Path | None = None) -> str:
             raise UnsupportedModel(
                 f"{model} is a {show(arch)} model; {path} builds {', '.join(program.families)}"
             )
-        types = {
-            n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()
-        }
-        graph = Elaborator(program, arch, gguf.metadata, types).run()
+        graph = Elaborator(program, arch, gguf.metadata, tensor_types(gguf)).run()
     verify(graph)
     return f"{summary}; {model}: a graph of {len(graph.nodes)} nodes"
