@@ -4,7 +4,11 @@ graph their ops describe."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +17,7 @@ import pytest
 
 from dynalm.errors import DynaError, ModelFormatError
 from dynalm.ir.graph import TensorType
-from dynalm.ir.lumen import Elaborator, LumenError, load_program
+from dynalm.ir.lumen import Elaborator, LumenError, load_file, load_program
 from dynalm.ir.lumen.syntax import GRAMMAR, TABLES, _build, _grammar_hash, _parser
 from dynalm.ir.passes import verify
 from dynalm.models.arch import ARCH_DIR, family_files
@@ -234,3 +238,23 @@ forward {
     assert "argument b of both: expected tensor<f32, [T, W]>, found tensor<f32, [T, 16]>" in (
         error(text)
     )
+
+
+def test_parsed_trees_are_cached_so_model_load_needs_no_lark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("DYNALM_CACHE", str(tmp_path))
+    path = ARCH_DIR / "llama.lum"
+    parsed = load_program(path.read_text(), str(path))
+    first = load_file(path)  # parses, then writes the cache
+    (entry,) = (tmp_path / "lumen").iterdir()
+    assert load_file(path).params == first.params == parsed.params  # read back from it
+    entry.write_text("[not json")  # a damaged entry is parsed again and rewritten
+    assert load_file(path).fns.keys() == parsed.fns.keys()
+    assert json.loads(entry.read_text())
+    child = (
+        "import sys\nfrom dynalm.models.arch import family_file, family_program\n"
+        "family_program(family_file('llama'))\nassert 'lark' not in sys.modules"
+    )
+    env = {**os.environ, "DYNALM_CACHE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env)

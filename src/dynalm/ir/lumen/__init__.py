@@ -6,6 +6,6 @@ model file's metadata and tensor types and yields its DynaIR graph. See ``docs/l
 
 from dynalm.ir.lumen.elaborate import Elaborator
 from dynalm.ir.lumen.program import Program, load_file, load_program
-from dynalm.ir.lumen.syntax import LumenError
+from dynalm.ir.lumen.tree import LumenError
 
 __all__ = ["Elaborator", "LumenError", "Program", "load_file", "load_program"]

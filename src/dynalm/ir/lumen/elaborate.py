@@ -16,13 +16,12 @@ import re
 from typing import Any
 
 import numpy as np
-from lark import Token, Tree
 
 from dynalm.errors import DynaError
 from dynalm.ir.builder import GraphBuilder, check_weight_shape
 from dynalm.ir.graph import Graph, GraphError, TensorType, Value, Weight
 from dynalm.ir.lumen.program import Program
-from dynalm.ir.lumen.syntax import LumenError
+from dynalm.ir.lumen.tree import LumenError, Node, Tok
 from dynalm.ir.ops import OPS, WEIGHT_DTYPES, op_def
 
 DTYPES = WEIGHT_DTYPES | {"f32", "i32"}
@@ -86,7 +85,7 @@ class Elaborator:
             raise self.p.error(self.p.forward, "forward gives no output")
         return self.builder.finish(**outputs)
 
-    def scalar(self, kind: Token, value: Any, node: Tree) -> Any:
+    def scalar(self, kind: Tok, value: Any, node: Node) -> Any:
         """``value`` as the scalar type ``kind`` (an int is a float)."""
         want = {"int": int, "float": float, "bool": bool, "str": str}[str(kind)]
         if want is float and type(value) is int:
@@ -95,14 +94,14 @@ class Elaborator:
             raise self.p.error(node, f"expected {kind}, found {describe(value)} ({value!r})")
         return value
 
-    def input_type(self, t: Tree) -> tuple[str, tuple]:
+    def input_type(self, t: Node) -> tuple[str, tuple]:
         """An input's declared type: a concrete dtype, dims numbers or symbols (T, S)."""
         dtype, *dims = t.children
         shape: list = []
         for d in (d for d in dims if d is not None):
-            if isinstance(d, Tree) and d.data == "var" and str(d.children[0]) not in self.globals:
+            if isinstance(d, Node) and d.data == "var" and str(d.children[0]) not in self.globals:
                 shape.append(str(d.children[0]))
-            elif isinstance(d, Tree):
+            elif isinstance(d, Node):
                 shape.append(self.int(self.eval(d, {}), d))
             else:
                 raise self.p.error(d, "an input's dims are numbers or symbols, not ?")
@@ -110,10 +109,10 @@ class Elaborator:
             raise self.p.error(t, f"an input's dtype is one of {', '.join(sorted(DTYPES))}")
         return str(dtype), tuple(shape)
 
-    def matches(self, t: Tree | Token, value: Any, env: dict, bound: dict) -> bool:
+    def matches(self, t: Node | Tok, value: Any, env: dict, bound: dict) -> bool:
         """Whether ``value`` has the declared type ``t``. A name the scope does not bind is
         a type variable: its first use binds it (in ``bound``), later uses must agree."""
-        if isinstance(t, Token):
+        if isinstance(t, Tok):
             want = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,)}
             return type(value) in want[str(t)]
         if not isinstance(value, (Value, Weight)):
@@ -124,10 +123,10 @@ class Elaborator:
         if len(dims) != len(actual.shape):
             return False
         for want, got in [(dtype, actual.dtype), *zip(dims, actual.shape, strict=True)]:
-            if isinstance(want, Token) and want.type == "ANY":
+            if isinstance(want, Tok) and want.type == "ANY":
                 continue
-            name = str(want.children[0]) if isinstance(want, Tree) and want.data == "var" else None
-            if isinstance(want, Token):  # the dtype
+            name = str(want.children[0]) if isinstance(want, Node) and want.data == "var" else None
+            if isinstance(want, Tok):  # the dtype
                 name = None if str(want) in DTYPES else str(want)
                 if name is None and str(want) != got:
                     return False
@@ -136,16 +135,16 @@ class Elaborator:
                     return False
             elif name is not None and name not in env and name not in self.globals:
                 bound[name] = got
-            elif isinstance(want, Tree) and self.eval(want, env) != got:
+            elif isinstance(want, Node) and self.eval(want, env) != got:
                 return False
         return True
 
     # -- statements -------------------------------------------------------------------
-    def block(self, block: Tree, env: dict, outputs: dict | None) -> None:
+    def block(self, block: Node, env: dict, outputs: dict | None) -> None:
         for s in block.children:
             self.statement(s, env, outputs)
 
-    def statement(self, s: Tree, env: dict, outputs: dict | None) -> None:
+    def statement(self, s: Node, env: dict, outputs: dict | None) -> None:
         kind = s.data
         if kind == "let":
             name, *t, expr = s.children  # let NAME [: type] = expr
@@ -164,7 +163,9 @@ class Elaborator:
             branch = then if self.bool(self.eval(cond, env), cond) else other
             if branch is not None:
                 self.block(
-                    branch if branch.data == "block" else Tree("block", [branch]), env, outputs
+                    branch if branch.data == "block" else Node("block", [branch], branch.meta),
+                    env,
+                    outputs,
                 )
         elif kind == "return_":
             raise _Return(self.eval(s.children[0], env))
@@ -175,14 +176,14 @@ class Elaborator:
                 raise self.p.error(expr, f"an output is a tensor, found {describe(value)}")
             outputs[str(name)] = value
 
-    def mismatch(self, expr: Tree, t: Tree | Token, value: Any, env: dict) -> LumenError:
-        want = str(t) if isinstance(t, Token) else self.p.source(t)
+    def mismatch(self, expr: Node, t: Node | Tok, value: Any, env: dict) -> LumenError:
+        want = str(t) if isinstance(t, Tok) else self.p.source(t)
         return self.p.error(
             expr, f"{self.p.source(expr)}: expected {want}, found {describe(value)}"
         )
 
     # -- expressions ------------------------------------------------------------------
-    def lookup(self, name: str, env: dict, node: Tree, missing: bool = False) -> Any:
+    def lookup(self, name: str, env: dict, node: Node, missing: bool = False) -> Any:
         if name in env:
             return env[name]
         if name in self.globals:
@@ -204,7 +205,7 @@ class Elaborator:
             raise self.p.error(node, f"a condition is a bool, found {describe(value)}")
         return value
 
-    def eval(self, e: Tree, env: dict) -> Any:
+    def eval(self, e: Node, env: dict) -> Any:
         kind = e.data
         if kind == "number":
             text = str(e.children[0])
@@ -236,7 +237,7 @@ class Elaborator:
             return -value
         return self.binop(e, env)
 
-    def weight(self, e: Tree, env: dict) -> Weight | None:
+    def weight(self, e: Node, env: dict) -> Weight | None:
         token, *dims = e.children
         optional = token.startswith("w?")
         name = self.format(str(token)[3 if optional else 2 : -1], env, e)
@@ -246,14 +247,14 @@ class Elaborator:
             w = self.builder.weight(name)
             if e.data == "shaped_weight":
                 shape = [
-                    None if isinstance(d, Token) else self.int(self.eval(d, env), d) for d in dims
+                    None if isinstance(d, Tok) else self.int(self.eval(d, env), d) for d in dims
                 ]
                 check_weight_shape(w, tuple(shape))
         except DynaError as err:
             raise type(err)(f"{self.p.where}:{e.meta.line}:{e.meta.column}: {err}") from None
         return w
 
-    def binop(self, e: Tree, env: dict) -> Any:
+    def binop(self, e: Node, env: dict) -> Any:
         left, op, right = e.children
         a, b = self.eval(left, env), self.eval(right, env)
         if isinstance(a, Value) or isinstance(b, Value):
@@ -269,7 +270,7 @@ class Elaborator:
             raise self.p.error(e, f"{self.p.source(e)}: division by zero") from None
         raise self.p.error(e, f"cannot apply '{op}' to {describe(a)} and {describe(b)}")
 
-    def tensor_binop(self, e: Tree, op: str, a: Any, b: Any) -> Value:
+    def tensor_binop(self, e: Node, op: str, a: Any, b: Any) -> Value:
         """``a + b`` is the op add, ``a * b`` mul, ``a * number`` scale."""
         if op == "*" and isinstance(a, Value) and type(b) in (int, float):
             return self.emit(e, "scale", [a], [], {"factor": float(b)})
@@ -278,7 +279,7 @@ class Elaborator:
         raise self.p.error(e, f"cannot apply '{op}' to {describe(a)} and {describe(b)}")
 
     # -- calls --------------------------------------------------------------------------
-    def call(self, e: Tree, env: dict) -> Any:
+    def call(self, e: Node, env: dict) -> Any:
         name, *args = (a for a in e.children if a is not None)
         positional = [self.eval(a, env) for a in args if a.data != "kwarg"]
         keywords = {str(a.children[0]): a.children[1] for a in args if a.data == "kwarg"}
@@ -289,7 +290,7 @@ class Elaborator:
             return self.call_op(e, str(name), positional, values)
         return self.builtin(e, str(name), positional, keywords, env)
 
-    def call_fn(self, e: Tree, fn: Tree, args: list[Any]) -> Any:
+    def call_fn(self, e: Node, fn: Node, args: list[Any]) -> Any:
         name, *params, ret, body = fn.children
         params = [p for p in params if p is not None]
         if len(args) != len(params):
@@ -304,7 +305,7 @@ class Elaborator:
                 raise self.p.error(
                     e,
                     f"{self.p.source(e)}: argument {pname} of {name}: expected "
-                    f"{self.p.source(t) if isinstance(t, Tree) else t}, found {describe(value)}",
+                    f"{self.p.source(t) if isinstance(t, Node) else t}, found {describe(value)}",
                 )
             env[str(pname)] = float(value) if str(t) == "float" else value
         env.update(bound)  # a function may read the dims and dtypes its arguments bound
@@ -321,11 +322,11 @@ class Elaborator:
             raise self.p.error(
                 e,
                 f"{self.p.source(e)}: {name} returns {describe(result)}, declared "
-                f"{self.p.source(ret) if isinstance(ret, Tree) else ret}",
+                f"{self.p.source(ret) if isinstance(ret, Node) else ret}",
             )
         return result
 
-    def call_op(self, e: Tree, name: str, args: list[Any], attrs: dict[str, Any]) -> Value:
+    def call_op(self, e: Node, name: str, args: list[Any], attrs: dict[str, Any]) -> Value:
         op = op_def(name)
         values, weights = args[: len(op.operands)], args[len(op.operands) :]
         for operand, v in zip(op.operands, values, strict=False):
@@ -344,14 +345,14 @@ class Elaborator:
                 )
         return self.emit(e, name, values, weights, attrs)
 
-    def emit(self, e: Tree, name: str, values: list, weights: list, attrs: dict) -> Value:
+    def emit(self, e: Node, name: str, values: list, weights: list, attrs: dict) -> Value:
         try:
             return self.builder.op(name, *values, weights=tuple(weights), **attrs)
         except GraphError as err:
             raise self.p.error(e, f"{self.p.source(e)}: {err}") from None
 
     def builtin(
-        self, e: Tree, name: str, args: list[Any], keywords: dict[str, Tree], env: dict
+        self, e: Node, name: str, args: list[Any], keywords: dict[str, Node], env: dict
     ) -> Any:
         (arg,) = args
         if name == "sqrt":

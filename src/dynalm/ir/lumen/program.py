@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lark import Token, Tree
-
-from dynalm.ir.lumen.syntax import LumenError, at, parse
+from dynalm.ir.lumen.syntax import parse, parse_cached
+from dynalm.ir.lumen.tree import LumenError, Node, Tok, at
 from dynalm.ir.ops import OPS, REQUIRED
 
 # Built-in functions: name -> (fewest, most positional arguments, keyword arguments).
@@ -27,25 +26,27 @@ class Program:
     where: str
     text: str
     families: list[str] = field(default_factory=list)
-    params: list[Tree] = field(default_factory=list)
-    inputs: list[Tree] = field(default_factory=list)
-    fns: dict[str, Tree] = field(default_factory=dict)
-    forward: Tree | None = None
+    params: list[Node] = field(default_factory=list)
+    inputs: list[Node] = field(default_factory=list)
+    fns: dict[str, Node] = field(default_factory=dict)
+    forward: Node | None = None
 
-    def error(self, node: Tree | Token, message: str) -> LumenError:
+    def error(self, node: Node | Tok, message: str) -> LumenError:
         return at(self.where, node, message)
 
-    def source(self, node: Tree) -> str:
+    def source(self, node: Node) -> str:
         """The text of ``node``, on one line and short, for messages."""
         text = " ".join(self.text[node.meta.start_pos : node.meta.end_pos].split())
         return text if len(text) <= 80 else text[:77] + "..."
 
 
-def load_program(text: str, where: str) -> Program:
-    """Parse and check ``text``; a ``LumenError`` names the first fault's line and column."""
+def load_program(text: str, where: str, cached: bool = False) -> Program:
+    """Parse (``cached``: through the tree cache) and check ``text``; a ``LumenError`` names
+    the first fault's line and column."""
     program = Program(where, text)
     names: set[str] = {"arch"}
-    for item in parse(text, where).children:
+    tree = parse_cached(text, where) if cached else parse(text, where)
+    for item in tree.children:
         if item.data == "family":
             program.families += [str(t) for t in item.children]
             continue
@@ -70,7 +71,7 @@ def load_program(text: str, where: str) -> Program:
 
 
 def load_file(path: Path) -> Program:
-    return load_program(path.read_text(), str(path))
+    return load_program(path.read_text(), str(path), cached=True)
 
 
 class _Checker:
@@ -91,8 +92,8 @@ class _Checker:
             types = [p.children[1] for p in params]
             # the names a parameter's type leaves unbound are type variables, bound by the call
             variables = {
-                str(t) for tt in types if isinstance(tt, Tree) for t in tt.children[:1]
-            } | {n for tt in types if isinstance(tt, Tree) for n in self.free(tt)}
+                str(t) for tt in types if isinstance(tt, Node) for t in tt.children[:1]
+            } | {n for tt in types if isinstance(tt, Node) for n in self.free(tt)}
             scope = self.globals | {str(p.children[0]) for p in params} | variables
             self.types([*types, ret], scope)
             self.block(body, scope | self.bound(body), in_fn=True)
@@ -101,7 +102,7 @@ class _Checker:
         body = self.p.forward.children[0]
         self.block(body, self.globals | self.bound(body), in_fn=False)
 
-    def bound(self, block: Tree) -> set[str]:
+    def bound(self, block: Node) -> set[str]:
         """Names a block's statements bind (let, for), nested blocks included."""
         names = set()
         for s in block.iter_subtrees():
@@ -113,48 +114,48 @@ class _Checker:
         """Types may name unbound dimensions and dtypes (type variables): only calls in
         them are checked."""
         for t in types:
-            if isinstance(t, Tree):
+            if isinstance(t, Node):
                 for dim in t.children[1:]:
-                    if isinstance(dim, Tree):
+                    if isinstance(dim, Node):
                         self.expr(dim, scope | self.free(dim))
 
     @staticmethod
-    def free(tree: Tree) -> set[str]:
+    def free(tree: Node) -> set[str]:
         return {str(v.children[0]) for v in tree.iter_subtrees() if v.data == "var"}
 
-    def block(self, block: Tree, scope: set[str], in_fn: bool) -> None:
+    def block(self, block: Node, scope: set[str], in_fn: bool) -> None:
         for s in block.children:
             if s.data == "return_" and not in_fn:
                 raise self.p.error(s, "return outside a function (forward ends with output)")
             if s.data == "output" and in_fn:
                 raise self.p.error(s, "output inside a function (functions return)")
             for child in s.children:
-                if isinstance(child, Tree) and child.data == "block":
+                if isinstance(child, Node) and child.data == "block":
                     self.block(child, scope, in_fn)
-                elif isinstance(child, Tree) and child.data == "if_":
-                    self.block(Tree("block", [child]), scope, in_fn)
-                elif isinstance(child, Tree) and child.data == "tensor_type":
+                elif isinstance(child, Node) and child.data == "if_":
+                    self.block(Node("block", [child], child.meta), scope, in_fn)
+                elif isinstance(child, Node) and child.data == "tensor_type":
                     self.types([child], scope)
-                elif isinstance(child, Tree):
+                elif isinstance(child, Node):
                     self.expr(child, scope)
 
-    def expr(self, tree: Tree, scope: set[str]) -> None:
-        if not isinstance(tree, Tree):
+    def expr(self, tree: Node, scope: set[str]) -> None:
+        if not isinstance(tree, Node):
             return
         if tree.data == "var" and str(tree.children[0]) not in scope:
             raise self.p.error(tree, f"unknown name '{tree.children[0]}'")
         if tree.data == "call":
             self.call(tree)
         for child in tree.children:
-            if isinstance(child, Tree) and child.data == "kwarg":
+            if isinstance(child, Node) and child.data == "kwarg":
                 self.expr(child.children[1], scope)
-            elif isinstance(child, Tree):
+            elif isinstance(child, Node):
                 self.expr(child, scope)
 
-    def call(self, tree: Tree) -> None:
+    def call(self, tree: Node) -> None:
         name, *args = (a for a in tree.children if a is not None)
-        positional = sum(1 for a in args if not (isinstance(a, Tree) and a.data == "kwarg"))
-        keywords = [str(a.children[0]) for a in args if isinstance(a, Tree) and a.data == "kwarg"]
+        positional = sum(1 for a in args if not (isinstance(a, Node) and a.data == "kwarg"))
+        keywords = [str(a.children[0]) for a in args if isinstance(a, Node) and a.data == "kwarg"]
         if str(name) in self.p.fns:
             params = [p for p in self.p.fns[str(name)].children[1:-2] if p is not None]
             lo = hi = len(params)

@@ -1,4 +1,6 @@
-"""The Lumen grammar (lark, LALR, positions kept) and its parse errors.
+"""The Lumen grammar (lark, LALR, positions kept), its parse errors, and the parsed tree
+as ``tree.Node``s (cached, so that model load imports lark only for a file it has not
+parsed before).
 
 A ``.lum`` file declares a family: the architectures it serves, parameters bound from GGUF
 metadata, the graph's inputs, functions, and one ``forward`` block; see ``docs/lumen.md``.
@@ -10,13 +12,12 @@ import hashlib
 import json
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from lark import Lark, Tree
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
-from lark.grammar import Rule
-from lark.lexer import TerminalDef
+from dynalm.ir.lumen.tree import LumenError, Meta, Node, Tok, cached_tree
 
-from dynalm.errors import DynaError
+if TYPE_CHECKING:
+    from lark import Lark
 
 GRAMMAR = r"""
 start: _item*
@@ -75,18 +76,6 @@ COMMENT: /#[^\n]*/
 """
 
 
-class LumenError(DynaError):
-    """A ``.lum`` program that does not parse, check or elaborate: ``file:line:col: what``."""
-
-
-def at(where: str, node: Tree | object, message: str) -> LumenError:
-    line, col = getattr(node, "line", None), getattr(node, "column", None)
-    meta = getattr(node, "meta", None)
-    if meta is not None and not getattr(meta, "empty", True):
-        line, col = meta.line, meta.column
-    return LumenError(f"{where}:{line}:{col}: {message}" if line else f"{where}: {message}")
-
-
 # Building the LALR tables takes ~90 ms, loading them ~5 ms: they are kept, as JSON (no
 # pickle), next to this file, under the grammar's hash; `python -m dynalm.ir.lumen.syntax`
 # rewrites them after a grammar change (a test checks they are current).
@@ -96,11 +85,14 @@ TABLES = Path(__file__).with_name("lalr_tables.json")
 _OPTIONS = dict(parser="lalr", lexer="basic", propagate_positions=True, maybe_placeholders=True)
 
 
+@cache
 def _grammar_hash() -> str:
     return hashlib.sha256(f"{GRAMMAR}{sorted(_OPTIONS.items())}".encode()).hexdigest()
 
 
 def _build() -> Lark:
+    from lark import Lark
+
     return Lark(GRAMMAR, **_OPTIONS)
 
 
@@ -111,6 +103,8 @@ def _int_keys(obj: dict) -> dict:
 
 @cache
 def _parser() -> Lark:
+    from lark import Lark
+
     try:
         saved = json.loads(TABLES.read_text(), object_hook=_int_keys)
     except (OSError, ValueError):
@@ -121,14 +115,20 @@ def _parser() -> Lark:
 
 
 def write_tables() -> None:
+    from lark.grammar import Rule
+    from lark.lexer import TerminalDef
+
     data, memo = _build().memo_serialize([TerminalDef, Rule])
     tables = {"grammar": _grammar_hash(), "data": data, "memo": memo}
     TABLES.write_text(json.dumps(tables, sort_keys=True) + "\n")
 
 
-def parse(text: str, where: str) -> Tree:
+def parse(text: str, where: str) -> Node:
+    """``text``'s tree; a ``LumenError`` at the first token the grammar does not allow."""
+    from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
     try:
-        return _parser().parse(text)
+        return _convert(_parser().parse(text))
     except UnexpectedToken as e:
         expected = sorted(_pretty(t) for t in e.accepts or e.expected)
         found = "end of file" if e.token.type == "$END" else repr(str(e.token))
@@ -140,16 +140,29 @@ def parse(text: str, where: str) -> Tree:
         raise LumenError(f"{where}:{e.line}:{e.column}: {e}") from None
 
 
+def parse_cached(text: str, where: str) -> Node:
+    """``parse``, through the tree cache (model load: no lark for a file parsed before)."""
+    return cached_tree(text, _grammar_hash(), lambda: parse(text, where))
+
+
+def _convert(x: Any) -> Node | Tok | None:
+    from lark import Token, Tree
+
+    if isinstance(x, Tree):
+        m = x.meta
+        position = [getattr(m, k, 0) for k in ("line", "column", "start_pos", "end_pos")]
+        return Node(str(x.data), [_convert(c) for c in x.children], Meta(*position))
+    if isinstance(x, Token):
+        return Tok(x.type, str(x), x.line, x.column)
+    return None
+
+
 def _pretty(terminal: str) -> str:
     try:
         pattern = _parser().get_terminal(terminal).pattern
     except KeyError:
         return terminal
     return repr(pattern.value) if pattern.type == "str" else terminal.lower()
-
-
-def parse_file(path: Path) -> Tree:
-    return parse(path.read_text(), str(path))
 
 
 if __name__ == "__main__":
