@@ -236,6 +236,10 @@ def rm(model: str, verbose: Verbose = False) -> None:
 def show(
     model: Annotated[str | None, typer.Argument(help="Model name or GGUF path")] = None,
     graph: Annotated[bool, typer.Option("--graph", help="Print the DynaIR graph.")] = False,
+    graph_file: Annotated[
+        Path | None,
+        typer.Option("--graph-file", help="Read a DynaIR text file, check it, print it."),
+    ] = None,
     system: Annotated[bool, typer.Option("--system", help="Describe this machine.")] = False,
     verbose: Verbose = False,
 ) -> None:
@@ -247,14 +251,36 @@ def show(
 
             typer.echo(describe_system())
             return
+        if graph_file is not None:
+            from dynalm.ir.text import print_graph, read_graph
+
+            typer.echo(print_graph(read_graph(graph_file.read_text(), str(graph_file))))
+            return
         if model is None:
-            raise typer.BadParameter("give a MODEL or --system")
+            raise typer.BadParameter("give a MODEL, --graph-file or --system")
         from dynalm.models.loader import load_model
         from dynalm.runtime.registry import ModelStore
         from dynalm.show import describe_model
 
         loaded = load_model(ModelStore().resolve(model))
         typer.echo(str(loaded.graph) if graph else describe_model(loaded))
+
+
+@app.command()
+def check(
+    file: Annotated[Path, typer.Argument(help="A Lumen (.lum) architecture file")],
+    gguf: Annotated[
+        Path | None,
+        typer.Option("--gguf", help="Also elaborate it against this model's metadata and tensors."),
+    ] = None,
+    verbose: Verbose = False,
+) -> None:
+    """Parse and type-check a .lum file (errors as file:line:col)."""
+    _configure(verbose, None)
+    with user_errors(verbose):
+        from dynalm.models.arch import check_file
+
+        typer.echo(check_file(file, gguf))
 
 
 def _read_prompt(prompt: str | None) -> str | None:

@@ -7,6 +7,7 @@ from collections import Counter
 
 from dynalm.core.device import MODES, CpuDevice, physical_cores
 from dynalm.core.quant import QUANT_FORMATS, quant_format
+from dynalm.ir.ops import OPS
 from dynalm.kernel import backends, jit
 from dynalm.models.loader import LoadedModel
 
@@ -75,6 +76,7 @@ _VECTOR_FEATURES = (
 
 def describe_system() -> str:
     name, simd = cpu_description()
+    jit_ops = [op.name for op in OPS.values() if op.kernel == "jit"]
     host = jit.host_features()
     return "\n".join(
         [
@@ -88,7 +90,7 @@ def describe_system() -> str:
             f"  jit target          {host['cpu']} ({host['triple']}, llvmlite {host['llvmlite']})",
             f"  jit features        {' '.join(host['features']) or 'none'}",
             *_backend_lines(),
-            "  element-wise        jit: rms_norm rope swiglu geglu add (safe: numpy)",
+            f"  element-wise        jit: {' '.join(jit_ops)} (safe: numpy)",
             "",
             _matmul_table(),
         ]

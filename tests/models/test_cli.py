@@ -256,3 +256,52 @@ def test_prompt_that_is_not_utf8(smollm2_gguf: Path):
             raw.args, raw.returncode, raw.stdout.decode(), raw.stderr.decode()
         )
         assert_one_line_error(result, needle, "UTF-8")
+
+
+LLAMA_LUM = Path(__file__).parents[2] / "src/dynalm/models/arch/llama.lum"
+
+
+def test_check_a_family_file_alone_and_against_a_model(smollm2_gguf: Path) -> None:
+    alone = dynalm("check", str(LLAMA_LUM))
+    assert alone.returncode == 0 and "ok (family llama, mistral, qwen2" in alone.stdout
+    both = dynalm("check", str(LLAMA_LUM), "--gguf", str(smollm2_gguf))
+    assert both.returncode == 0 and "a graph of 484 nodes" in both.stdout
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "where", "what"),
+    [
+        ("let h = norm(x,", "let h = norm(x,,", ":39:20: ", "expected"),
+        ("silu(matmul", "swish(matmul", ":50:16: ", "unknown function or op 'swish'"),
+        ('w"blk.{i}.ffn_up.weight"', 'w"blk.{i}.ffn_upp.weight"', ":51:24: ",
+         "the model has no tensor 'blk.0.ffn_upp.weight'"),
+        ('"{arch}.feed_forward_length")', '"{arch}.ffn_length")', ":12:19: ",
+         "the model's metadata has no llama.ffn_length and gguf() has no default"),
+        ('gate.weight": [d_ff, d_model]', 'gate.weight": [d_model, d_ff]', ":50:31: ",
+         "tensor 'blk.0.ffn_gate.weight' has shape [1536, 576], expected [576, 1536]"),
+        ("return matmul(gate * up,", "return matmul(gate * h,", ":52:19: ",
+         "operands of different shapes [T, 1536], [T, 576]"),
+    ],
+)  # fmt: skip
+def test_check_reports_one_line_at_file_line_col(
+    smollm2_gguf: Path, tmp_path: Path, old: str, new: str, where: str, what: str
+) -> None:
+    text = LLAMA_LUM.read_text()
+    assert old in text
+    bad = tmp_path / "bad.lum"
+    bad.write_text(text.replace(old, new, 1))
+    result = dynalm("check", str(bad), "--gguf", str(smollm2_gguf))
+    assert_one_line_error(result, f"{bad}{where}", what)
+    verbose = dynalm("check", str(bad), "--gguf", str(smollm2_gguf), "--verbose")
+    assert "Traceback" in verbose.stderr and verbose.returncode == 1
+
+
+def test_show_graph_text_reads_back(smollm2_gguf: Path, tmp_path: Path) -> None:
+    printed = dynalm("show", str(smollm2_gguf), "--graph")
+    assert printed.returncode == 0 and printed.stdout.startswith("graph @llama(")
+    path = tmp_path / "g.dynair"
+    path.write_text(printed.stdout)
+    again = dynalm("show", "--graph-file", str(path))
+    assert again.returncode == 0 and again.stdout == printed.stdout
+    path.write_text(printed.stdout.replace("= swiglu", "= swiglo", 1))
+    assert_one_line_error(dynalm("show", "--graph-file", str(path)), f"{path}:", "unknown op")

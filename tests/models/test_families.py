@@ -1,4 +1,5 @@
-"""Fidelity per family: tiny random-weight GGUFs (llama, qwen2, gemma3) give the same logits
+"""Fidelity per family: tiny random-weight GGUFs (llama, qwen2, gemma3, and qwen3 and olmo2,
+whose only source in DynaLM is their ``.lum`` file) give the same logits
 as transformers' own implementation of that family, in fp32 and with Q8_0 weights.
 
 Each model is written the way llama.cpp's converter writes that family (see `tiny_models`),
@@ -121,6 +122,11 @@ def test_all_positions_match_transformers(f32_case: Case, mode: str) -> None:
 def test_kv_cache_continuation_matches_transformers(f32_case: Case, mode: str) -> None:
     diff = _max_diff(_continued(f32_case.model, mode), f32_case.ref_logits)
     assert diff <= TOL, f"{f32_case.spec.family} ({mode}): max |diff| {diff:.3g}"
+
+
+def test_exact_mode_picks_the_same_top_token_as_transformers(f32_case: Case) -> None:
+    got = _all_positions(f32_case.model, "exact")
+    assert (got.argmax(axis=1) == f32_case.ref_logits.argmax(axis=1)).all()
 
 
 def test_gemma3_exercises_local_and_global_layers() -> None:

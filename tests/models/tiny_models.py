@@ -1,10 +1,10 @@
 """Tiny random-weight models of several families, as transformers modules and as GGUF files.
 
 `reference_model` builds a small transformers model of a family (``llama``, ``qwen2``,
-``gemma3``) with every parameter drawn at random, norms included (transformers initialises
-them to 0 or 1, which would hide a wrong norm convention). `write_gguf` writes it the way
-llama.cpp's ``convert_hf_to_gguf.py`` does for that family, with a minimal byte-level
-``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
+``gemma3``, ``qwen3``, ``olmo2``) with every parameter drawn at random, norms included
+(transformers initialises them to 0 or 1, which would hide a wrong norm convention).
+`write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
+with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
 
 * tensor names from gguf-py's own HF -> GGUF name map of the architecture;
 * llama: q/k rows permuted (``permute(w, n_head)``) from HF's rotate-half layout into
@@ -31,10 +31,14 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 300
@@ -46,7 +50,7 @@ EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
 class TinySpec:
     """One tiny model: its family and the traits the tests vary."""
 
-    family: str  # llama | qwen2 | gemma3
+    family: str  # llama | qwen2 | gemma3 | qwen3 | olmo2
     n_layers: int
     rope_theta: float
     tied: bool  # the head shares token_embd.weight (no output.weight in the GGUF)
@@ -62,12 +66,17 @@ SPECS: dict[str, TinySpec] = {
     "gemma3": TinySpec(
         "gemma3", n_layers=7, rope_theta=200_000.0, tied=True, sliding_window=4, seed=3
     ),
+    # families with no Python in DynaLM, only their .lum files
+    "qwen3": TinySpec("qwen3", n_layers=2, rope_theta=1_000_000.0, tied=True, seed=4),
+    "olmo2": TinySpec("olmo2", n_layers=2, rope_theta=500_000.0, tied=False, seed=5),
 }
 
 _ARCH = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
 }
 
 _DIMS = dict(
@@ -96,11 +105,13 @@ def _config(spec: TinySpec) -> PretrainedConfig:
         return LlamaConfig(
             **common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}
         )
-    if spec.family == "qwen2":
-        # Qwen2's q/k/v projections always carry biases
-        return Qwen2Config(
-            **common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}
-        )
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.family == "qwen2":  # Qwen2's q/k/v projections always carry biases
+        return Qwen2Config(**common, rope_parameters=rope)
+    if spec.family == "qwen3":  # no biases, an RMSNorm over each head of q and k
+        return Qwen3Config(**common, rope_parameters=rope)
+    if spec.family == "olmo2":  # post-norms, an RMSNorm over all of q and of k
+        return Olmo2Config(**common, rope_parameters=rope)
     if spec.family == "gemma3":
         assert spec.tied, "llama.cpp's gemma3 always ties the head to the embeddings"
         layer_types = [
@@ -126,6 +137,8 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
 }
 
 

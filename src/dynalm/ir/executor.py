@@ -28,10 +28,11 @@ from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
 from dynalm.core.matmul import ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
+from dynalm.ir.ops import OPS
 from dynalm.ir.planner import Plan, plan_buffers
 
 Call = Callable[[], None]
-_GATES = {"swiglu": "silu", "geglu": "gelu_tanh"}
+_GATES = {op.name: op.gate for op in OPS.values() if op.gate}  # swiglu -> silu, ...
 
 
 class _Matmul:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from dynalm.core.quant import QUANT_FORMATS
 from dynalm.ir.graph import Graph, GraphError, Node, TensorType, Value, Weight
+from dynalm.ir.ops import OPS, check_attrs, infer, op_def
 
 # Merge only matmuls this small: for them the per-call cost (dispatch, re-quantising the
 # input) is a large share; large ones gain nothing and, batched, measured slower merged.
@@ -42,72 +43,41 @@ def _weight_bytes(w: Weight) -> int:
     return int(n_rows) * int(n_cols) // block * size
 
 
-# Value operands per op (weights are checked by the builder / loader, not here).
-ARITY = {
-    "embed": 1,
-    "rms_norm": 1,
-    "head_rms_norm": 1,
-    "matmul": 1,
-    "matmul_add": 2,
-    "rope": 2,
-    "attention": 3,
-    "add": 2,
-    "mul": 2,
-    "scale": 1,
-    "silu": 1,
-    "gelu_tanh": 1,
-    "swiglu": 2,
-    "geglu": 2,
-    "select_rows": 2,
-    "split": 1,
-}
 # Operands whose kernels read rows at any stride, so they may be views of a wider value.
-VIEW_OPERANDS = {"rope": (0,), "attention": (0, 1, 2)}
-_SAME_SHAPE = {"add", "mul", "swiglu", "geglu"}  # operands shaped like the result
-_GATES = {"silu": "swiglu", "gelu_tanh": "geglu"}
+VIEW_OPERANDS = {
+    op.name: tuple(i for i, x in enumerate(op.operands) if x.strided) for op in OPS.values()
+}
+_GATES = {op.gate: op.name for op in OPS.values() if op.gate}  # silu -> swiglu, ...
 
 
 def verify(graph: Graph) -> None:
-    """SSA (each value defined once, before use), known ops with the right operand
-    count, element-wise operands shaped like their result, matmul widths matching, views
-    read only where ``VIEW_OPERANDS`` allows."""
+    """SSA (each value defined once, before use), every node typed as the op table's rules
+    give for its operands and attributes, views read only where ``VIEW_OPERANDS`` allows."""
     defined = {v.id for v in graph.inputs.values()}
-    views = {n.out.id for n in graph.nodes if n.op == "split" and n.attrs.get("view")}
+    views = {n.out.id for n in graph.nodes if n.attrs.get("view") is True}
     if len(defined) != len(graph.inputs):
         raise GraphError("two graph inputs share a value")
     for i, node in enumerate(graph.nodes):
         where = f"node {i} ({node.op} -> {node.out})"
-        if node.op not in ARITY:
-            raise GraphError(f"{where}: unknown op")
-        if len(node.args) != ARITY[node.op]:
-            raise GraphError(f"{where}: {len(node.args)} operands, expected {ARITY[node.op]}")
-        for i, arg in enumerate(node.args):
+        try:
+            op = op_def(node.op)
+            if check_attrs(op, node.attrs) != node.attrs:
+                raise GraphError(f"attributes {node.attrs} lack their defaults")
+            result = infer(
+                op, [a.type for a in node.args], [w.type for w in node.weights], node.attrs
+            )
+        except GraphError as e:
+            raise GraphError(f"{where}: {e}", i) from None
+        if result != node.out.type:
+            raise GraphError(f"{where}: the op gives {result}, the node says {node.out.type}", i)
+        for j, arg in enumerate(node.args):
             if arg.id not in defined:
-                raise GraphError(f"{where}: uses {arg} before it is defined")
-            if arg.id in views and i not in VIEW_OPERANDS.get(node.op, ()):
-                raise GraphError(f"{where}: operand {i} cannot be the view {arg}")
+                raise GraphError(f"{where}: uses {arg} before it is defined", i)
+            if arg.id in views and j not in VIEW_OPERANDS[node.op]:
+                raise GraphError(f"{where}: operand {j} cannot be the view {arg}", i)
         if node.out.id in defined:
-            raise GraphError(f"{where}: {node.out} is defined twice")
+            raise GraphError(f"{where}: {node.out} is defined twice", i)
         defined.add(node.out.id)
-        if node.op in _SAME_SHAPE and any(a.type.shape != node.out.type.shape for a in node.args):
-            shapes = ", ".join(str(a.type) for a in node.args)
-            raise GraphError(f"{where}: operands {shapes} do not match {node.out.type}")
-        if node.op in ("matmul", "matmul_add"):
-            n, k = node.weights[0].type.shape
-            residual = node.args[1:] and node.args[1].type != node.out.type
-            if node.args[0].type.shape[-1] != k or node.out.type.shape[-1] != n or residual:
-                raise GraphError(
-                    f"{where}: {node.args[0].type} x {node.weights[0]} gives {node.out.type}"
-                )
-        if node.op == "split":
-            (src,), start, width = node.args, node.attrs.get("start"), node.out.type.row_width
-            if (
-                not isinstance(start, int)
-                or start < 0
-                or start + width > src.type.row_width
-                or src.type.shape[:-1] != node.out.type.shape[:-1]
-            ):
-                raise GraphError(f"{where}: columns {start}+{width} of {src.type}")
     for name, out in graph.outputs.items():
         if out.id not in defined:
             raise GraphError(f"output {name!r} ({out}) is never defined")
@@ -224,8 +194,9 @@ def merge_matmuls(graph: Graph) -> Graph:
         new = [Node("matmul", merged, (x,), weights, attrs)]
         start = 0
         for n in members:
-            new.append(Node("split", n.out, (merged,), attrs={"start": start}))
-            start += n.out.type.row_width
+            width = n.out.type.row_width
+            new.append(Node("split", n.out, (merged,), attrs={"start": start, "width": width}))
+            start += width
         replace[members[0].out.id] = new
         dropped.update(n.out.id for n in members[1:])
     nodes: list[Node] = []
@@ -241,11 +212,11 @@ def view_splits(graph: Graph) -> Graph:
     copies = {v.id for v in graph.outputs.values()}  # values that must own their rows
     for node in graph.nodes:
         for i, arg in enumerate(node.args):
-            if i not in VIEW_OPERANDS.get(node.op, ()):
+            if i not in VIEW_OPERANDS[node.op]:
                 copies.add(arg.id)
     nodes = [
         dataclasses.replace(n, attrs={**n.attrs, "view": True})
-        if n.op == "split" and n.out.id not in copies
+        if OPS[n.op].view and n.out.id not in copies
         else n
         for n in graph.nodes
     ]

@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from dynalm.core.memory import trim_heap
-from dynalm.core.quant import quant_format
-from dynalm.errors import DynaError
-from dynalm.ir.graph import Graph, TensorType
+from dynalm.errors import DynaError, ModelFormatError
+from dynalm.ir.graph import Graph
 from dynalm.ir.passes import optimize
-from dynalm.models.arch import build_graph, family_of
+from dynalm.models.arch import build_graph, family_file, tensor_types
 from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hparams import HParams, read_hparams
@@ -97,6 +96,30 @@ class LoadedModel:
         return self.tokenizer.eog_ids | self.chat_template.stop_token_ids
 
 
+def model_graph(gguf: GGUFFile, hp: HParams) -> Graph:
+    """The forward pass of a model file as its family builds it (before any pass)."""
+    graph = build_graph(hp.arch, gguf.metadata, tensor_types(gguf))
+    _check_kv_geometry(graph, hp)
+    return graph
+
+
+def _check_kv_geometry(graph: Graph, hp: HParams) -> None:
+    """The KV cache is sized from the checked hyper-parameters; a family's attention that
+    disagreed with them would make the kernels write outside its pages."""
+    for node in graph.nodes:
+        if node.op != "attention":
+            continue
+        a = node.attrs
+        if (a["n_kv_heads"], a["head_dim"]) != (hp.n_kv_heads, hp.head_dim) or not (
+            0 <= a["layer"] < hp.n_layers
+        ):
+            raise ModelFormatError(
+                f"layer {a['layer']}'s attention ({a['n_kv_heads']} kv heads of {a['head_dim']})"
+                f" does not fit the KV cache of {hp.n_layers} layers, {hp.n_kv_heads} kv heads "
+                f"of {hp.head_dim}"
+            )
+
+
 def load_model(path: str | os.PathLike) -> LoadedModel:
     """Read and check a GGUF file. Everything the file says is checked here (metadata types
     and ranges, hyper-parameters against the tensor shapes, the tokenizer), before any
@@ -104,13 +127,9 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
     gguf = GGUFFile(path)
     try:
         meta = gguf.metadata
-        family_of(gguf.architecture)  # refuse unknown architectures before anything else
+        family_file(gguf.architecture)  # refuse unknown architectures before anything else
         hp = read_hparams(meta, {name: t.shape for name, t in gguf.tensors.items()})
-        weight_types = {
-            name: TensorType(quant_format(t.ggml_type).name, t.shape)
-            for name, t in gguf.tensors.items()
-        }
-        graph = optimize(build_graph(hp, weight_types))  # fused ops for the executor
+        graph = optimize(model_graph(gguf, hp))  # fused ops for the executor
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
         for key in _TOKENIZER_ARRAYS:  # the tokenizer holds them now (20 MB at 262k tokens)

@@ -1,42 +1,82 @@
-"""Architectures: one row of traits per family over the shared decoder builder.
+"""Architectures: one ``.lum`` file per family in this folder (see ``docs/lumen.md``).
 
-To add a family: name its traits here (see :class:`Family`); if it needs an op the
-decoder lacks, add the op to DynaIR and to the device's kernels first.
+A file's first ``family`` line names the GGUF architectures it serves. To add a family,
+write its ``.lum`` file here (and a test against transformers); if it needs an op DynaIR
+lacks, add the op to ``dynalm.ir.ops`` and its kernels first.
 """
 
 from __future__ import annotations
 
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from dynalm.core.quant import quant_format
 from dynalm.errors import UnsupportedModel, show
 from dynalm.ir.graph import Graph, TensorType
-from dynalm.models.arch.decoder import Family, build_decoder
-from dynalm.models.hparams import HParams
+from dynalm.ir.lumen import Elaborator, Program, load_file
+from dynalm.models.gguf_file import GGUFFile
 
-# llama covers Llama 2/3, Mistral and SmolLM2. llama.cpp's converter permutes
-# llama's q/k rows so that rope rotates adjacent pairs; qwen2 and gemma keep NeoX
-# order. Gemma's converter stores RMSNorm weights as (1 + w), so a plain RMSNorm
-# on the stored weight is gemma's (1 + w) norm.
-FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(neox_rope=True),
-    "gemma3": Family(
-        neox_rope=True,
-        activation="gelu_tanh",
-        embed_scale=True,
-        sandwich_norms=True,
-        qk_norm=True,
-        swa_period=6,
-    ),
-}
+ARCH_DIR = Path(__file__).parent
+_FAMILY = re.compile(r"^family\s+(.+)$", re.MULTILINE)
 
 
-def family_of(arch: str) -> Family:
-    if arch not in FAMILIES:
+@cache
+def family_files() -> dict[str, Path]:
+    """GGUF architecture name -> the ``.lum`` file that builds it (read from the files'
+    ``family`` lines without parsing them)."""
+    files: dict[str, Path] = {}
+    for path in sorted(ARCH_DIR.glob("*.lum")):
+        found = _FAMILY.search(path.read_text())
+        for name in found.group(1).split("#")[0].split(",") if found else ():
+            files[name.strip()] = path
+    return files
+
+
+def family_file(arch: str) -> Path:
+    files = family_files()
+    if arch not in files:
         raise UnsupportedModel(
-            f"unknown architecture {show(arch)} (supported: {', '.join(sorted(FAMILIES))})"
+            f"unknown architecture {show(arch)} (supported: {', '.join(sorted(files))})"
         )
-    return FAMILIES[arch]
+    return files[arch]
 
 
-def build_graph(hp: HParams, weight_types: dict[str, TensorType]) -> Graph:
-    return build_decoder(hp.arch, family_of(hp.arch), hp, weight_types)
+@cache
+def family_program(path: Path) -> Program:
+    return load_file(path)
+
+
+def tensor_types(gguf: GGUFFile) -> dict[str, TensorType]:
+    """A model file's tensor directory as DynaIR types (stored dtype, shape)."""
+    return {n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()}
+
+
+def build_graph(arch: str, metadata: dict[str, Any], weight_types: dict[str, TensorType]) -> Graph:
+    """The forward pass of a model of architecture ``arch``, from its family's ``.lum``."""
+    return Elaborator(family_program(family_file(arch)), arch, metadata, weight_types).run()
+
+
+def check_file(path: Path, model: Path | None = None) -> str:
+    """``dynalm check``: parse and check a ``.lum`` file; with ``model``, also elaborate it
+    against that GGUF file's metadata and tensor types and verify the graph. Returns a
+    summary line; a fault raises a one-line error naming ``file:line:col``."""
+    from dynalm.ir.passes import verify
+
+    program = load_file(path)
+    summary = (
+        f"{path}: ok (family {', '.join(program.families)}; {len(program.params)} parameters, "
+        f"{len(program.fns)} functions)"
+    )
+    if model is None:
+        return summary
+    with GGUFFile(model) as gguf:
+        arch = gguf.architecture
+        if arch not in program.families:
+            raise UnsupportedModel(
+                f"{model} is a {show(arch)} model; {path} builds {', '.join(program.families)}"
+            )
+        graph = Elaborator(program, arch, gguf.metadata, tensor_types(gguf)).run()
+    verify(graph)
+    return f"{summary}; {model}: a graph of {len(graph.nodes)} nodes"

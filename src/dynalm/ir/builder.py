@@ -1,0 +1,67 @@
+"""Building DynaIR graphs: typed nodes appended through the op table's rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynalm.errors import ModelFormatError
+from dynalm.ir.graph import Dim, Graph, Node, TensorType, Value, Weight
+from dynalm.ir.ops import check_attrs, infer, op_def
+
+
+def check_weight_shape(w: Weight, shape: tuple[Dim | None, ...]) -> None:
+    """A model tensor must have ``shape`` (None: any size on that axis), so that a file whose
+    tensors disagree with its hyper-parameters is refused before any kernel is bound."""
+    actual = w.type.shape
+    fits = len(actual) == len(shape)
+    if not fits or any(e not in (None, a) for e, a in zip(shape, actual, strict=True)):
+        expected = ", ".join("?" if d is None else str(d) for d in shape)
+        raise ModelFormatError(
+            f"tensor '{w.name}' has shape [{', '.join(map(str, actual))}], expected [{expected}]"
+        )
+
+
+class GraphBuilder:
+    """Appends nodes whose result types the op table infers from their operands, so a
+    wrong operand, attribute or weight is refused where the node is built."""
+
+    def __init__(self, name: str, weight_types: dict[str, TensorType]):
+        self.name = name
+        self._weight_types = weight_types
+        self._next_id = 0
+        self.inputs: dict[str, Value] = {}
+        self.nodes: list[Node] = []
+
+    def input(self, name: str, dtype: str, shape: tuple[Dim, ...]) -> Value:
+        value = Value(self._next_id, TensorType(dtype, shape))
+        self._next_id += 1
+        self.inputs[name] = value
+        return value
+
+    def weight(self, name: str, *shape: Dim | None) -> Weight:
+        """The model's tensor ``name``; with ``shape``, checked to have it."""
+        if name not in self._weight_types:
+            raise ModelFormatError(f"the model has no tensor '{name}'")
+        w = Weight(name, self._weight_types[name])
+        if shape:
+            check_weight_shape(w, shape)
+        return w
+
+    def has_weight(self, name: str) -> bool:
+        return name in self._weight_types
+
+    def op(
+        self, name: str, *args: Value, weights: tuple[Weight | None, ...] = (), **attrs: Any
+    ) -> Value:
+        """Append ``name(args; weights; attrs)`` (an absent optional weight is None)."""
+        op = op_def(name)
+        attrs = check_attrs(op, attrs)
+        result = infer(op, [a.type for a in args], [w and w.type for w in weights], attrs)
+        out = Value(self._next_id, result)
+        self._next_id += 1
+        present = tuple(w for w in weights if w is not None)
+        self.nodes.append(Node(name, out, tuple(args), present, attrs))
+        return out
+
+    def finish(self, **outputs: Value) -> Graph:
+        return Graph(self.name, dict(self.inputs), list(self.nodes), outputs)

@@ -1,0 +1,265 @@
+"""The op table: every DynaIR op defined once.
+
+An entry names the op's value operands (their dtype, and whether the kernel reads them with
+a row stride, so that they may be views), its weight operands (tensors of the model file,
+some optional), its attributes with their types and defaults, a shape rule and the dtype
+rule: activations are ``f32``, index inputs ``i32``, and a weight may have any tensor type
+of the quant-format table (every format has its matmul, embedding and vector kernels), the
+result is ``f32``. The builder, the verifier, the text printer and parser, the executor's
+binding and ``dynalm show`` all read this table; adding an op is one entry here plus its
+kernels (and a line in the executor's binding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dynalm.core.quant import QUANT_FORMATS
+from dynalm.ir.graph import Dim, GraphError, TensorType
+
+WEIGHT_DTYPES = frozenset(f.name for f in QUANT_FORMATS.values())
+REQUIRED: Any = object()  # an attribute every node must have
+ABSENT: Any = object()  # an attribute a node may lack (not filled in)
+Names = tuple  # an attribute holding a tuple of tensor names (merged weights' parts)
+ATTR_TYPES: dict[type, str] = {int: "int", float: "float", bool: "bool", Names: "names"}
+
+
+@dataclass(frozen=True)
+class Operand:
+    name: str
+    dtype: str = "f32"
+    strided: bool = False  # the kernel reads rows at any stride: a view may be passed
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    name: str
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Attr:
+    name: str
+    type: type
+    default: Any = REQUIRED
+
+
+Shapes = list[tuple[Dim, ...]]
+ShapeRule = Callable[[Shapes, list, dict[str, Any]], tuple[Dim, ...]]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    operands: tuple[Operand, ...]
+    shape: ShapeRule  # (operand shapes, weight shapes or None, attrs) -> result shape
+    weights: tuple[WeightSlot, ...] = ()
+    attrs: tuple[Attr, ...] = ()
+    kernel: str = "numpy"  # the CPU kernel: jit | matmul | embedding | attention | numpy | copy
+    view: bool = False  # its result may be marked a view of its operand (no copy)
+    gate: str | None = None  # gated ops: the activation op they fuse with a mul
+    doc: str = ""
+
+    def attr(self, name: str) -> Attr | None:
+        return next((a for a in self.attrs if a.name == name), None)
+
+
+def _fail(message: str) -> GraphError:
+    return GraphError(message)
+
+
+def _width(shape: tuple[Dim, ...]) -> Dim:
+    return shape[-1] if shape else 0
+
+
+def _same(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    if any(s != shapes[0] for s in shapes[1:]):
+        raise _fail("operands of different shapes " + ", ".join(_dims(s) for s in shapes))
+    return shapes[0]
+
+
+def _dims(shape: tuple[Dim, ...] | None) -> str:
+    return "none" if shape is None else f"[{', '.join(str(d) for d in shape)}]"
+
+
+def _expect(what: str, shape: tuple[Dim, ...] | None, expected: tuple[Dim, ...]) -> None:
+    if shape is not None and tuple(shape) != tuple(expected):
+        raise _fail(f"{what} is {_dims(shape)}, expected {_dims(expected)}")
+
+
+def _rows(shape: tuple[Dim, ...]) -> Dim:
+    if len(shape) != 2:
+        raise _fail(f"expected rows of a matrix, found {_dims(shape)}")
+    return shape[0]
+
+
+def _heads(width: Dim, head_dim: int, heads: int | None = None) -> None:
+    whole = isinstance(width, int) and head_dim >= 1 and width % head_dim == 0
+    if not whole or (heads is not None and width != heads * head_dim):
+        n = "whole heads" if heads is None else f"{heads} heads"
+        raise _fail(f"a row of {width} is not {n} of {head_dim}")
+
+
+def _embed(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    (ids,), (table,) = shapes, weights
+    if len(ids) != 1 or len(table) != 2:
+        raise _fail(f"embed takes ids [T] and a table [rows, width], found {_dims(ids)}")
+    return (ids[0], table[1])
+
+
+def _norm(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    _expect("the norm weight", weights[0], (_width(shapes[0]),))
+    return shapes[0]
+
+
+def _head_norm(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    _heads(_width(shapes[0]), attrs["head_dim"])
+    _expect("the head norm weight", weights[0], (attrs["head_dim"],))
+    return shapes[0]
+
+
+def _matmul(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    x, w, bias = shapes[0], weights[0], weights[1]
+    if len(x) != 2 or len(w) != 2 or w[1] != x[1]:
+        raise _fail(f"{_dims(x)} x {_dims(w)}^T: the weight must be [rows, {_width(x)}]")
+    _expect("the bias", bias, (w[0],))
+    out = (x[0], w[0])
+    if len(shapes) > 1:  # matmul_add's residual
+        _expect("the residual", shapes[1], out)
+    return out
+
+
+def _rope(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    x, positions = shapes
+    head_dim, rope_dim = attrs["head_dim"], attrs["rope_dim"]
+    _heads(_width(x), head_dim)
+    if not (2 <= rope_dim <= head_dim and rope_dim % 2 == 0):
+        raise _fail(f"rope over {rope_dim} of {head_dim} dimensions")
+    _expect("the positions", positions, x[:1])
+    _expect("the frequency factors", weights[0], (rope_dim // 2,))
+    return x
+
+
+def _attention(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    n_heads, n_kv, head_dim = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    if n_kv < 1 or n_heads % n_kv:
+        raise _fail(f"{n_heads} heads cannot share {n_kv} kv heads")
+    for shape, heads in zip(shapes, (n_heads, n_kv, n_kv), strict=True):
+        _heads(_width(shape), head_dim, heads)
+        _expect("the rows of k and v", shape[:1], shapes[0][:1])
+    return (shapes[0][0], n_heads * head_dim)
+
+
+def _select_rows(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    x, rows = shapes
+    if len(x) != 2 or len(rows) != 1:
+        raise _fail(f"select_rows takes [T, width] and [S], found {_dims(x)}, {_dims(rows)}")
+    return (rows[0], x[1])
+
+
+def _split(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    (src,), start, width = shapes, attrs["start"], attrs["width"]
+    if len(src) != 2 or start < 0 or width < 1 or start + width > _width(src):
+        raise _fail(f"columns {start}+{width} of {_dims(src)}")
+    return (src[0], width)
+
+
+X = Operand("x")
+_EPS = Attr("eps", float)
+_BIAS = WeightSlot("bias", optional=True)
+_MERGED = (Attr("parts", Names, ABSENT), Attr("bias_parts", Names, ABSENT))
+
+_TABLE = (
+    OpDef("embed", (Operand("ids", "i32"),), _embed, (WeightSlot("table"),),
+          kernel="embedding", doc="rows of the table by token id"),
+    OpDef("rms_norm", (X,), _norm, (WeightSlot("weight"),), (_EPS,), kernel="jit",
+          doc="x / rms(x) * weight, per row"),
+    OpDef("head_rms_norm", (X,), _head_norm, (WeightSlot("weight"),),
+          (_EPS, Attr("head_dim", int)), kernel="jit", doc="RMSNorm of each head's slice"),
+    OpDef("matmul", (X,), _matmul, (WeightSlot("weight"), _BIAS), _MERGED, kernel="matmul",
+          doc="x @ weight^T (+ bias)"),
+    OpDef("matmul_add", (X, Operand("residual")), _matmul, (WeightSlot("weight"), _BIAS),
+          _MERGED, kernel="matmul", doc="x @ weight^T (+ bias) + residual"),
+    OpDef("rope", (Operand("x", strided=True), Operand("positions", "i32")), _rope,
+          (WeightSlot("freq_factors", optional=True),),
+          (Attr("head_dim", int), Attr("rope_dim", int), Attr("base", float),
+           Attr("neox", bool), Attr("scale", float, 1.0)),
+          kernel="jit", doc="rotary position embedding of each head's first rope_dim dims"),
+    OpDef("attention",
+          (Operand("q", strided=True), Operand("k", strided=True), Operand("v", strided=True)),
+          _attention,
+          attrs=(Attr("layer", int), Attr("n_heads", int), Attr("n_kv_heads", int),
+                 Attr("head_dim", int), Attr("scale", float), Attr("window", int, 0)),
+          kernel="attention", doc="writes k/v into the layer's KV pages, attends causally"),
+    OpDef("add", (Operand("a"), Operand("b")), _same, kernel="jit", doc="a + b"),
+    OpDef("mul", (Operand("a"), Operand("b")), _same, doc="a * b"),
+    OpDef("scale", (X,), _same, attrs=(Attr("factor", float),), doc="x * factor"),
+    OpDef("silu", (X,), _same, doc="x * sigmoid(x)"),
+    OpDef("gelu_tanh", (X,), _same, doc="GELU, tanh approximation"),
+    OpDef("swiglu", (Operand("gate"), Operand("up")), _same, kernel="jit", gate="silu",
+          doc="silu(gate) * up"),
+    OpDef("geglu", (Operand("gate"), Operand("up")), _same, kernel="jit", gate="gelu_tanh",
+          doc="gelu_tanh(gate) * up"),
+    OpDef("select_rows", (X, Operand("rows", "i32")), _select_rows,
+          doc="the rows listed (each sequence's last token)"),
+    OpDef("split", (X,), _split, attrs=(Attr("start", int), Attr("width", int),
+                                        Attr("view", bool, ABSENT)),
+          kernel="copy", view=True, doc="columns start..start+width (a view when marked)"),
+)  # fmt: skip
+OPS: dict[str, OpDef] = {op.name: op for op in _TABLE}
+
+
+def op_def(name: str) -> OpDef:
+    if name not in OPS:
+        raise GraphError(f"unknown op '{name}' (known: {', '.join(OPS)})")
+    return OPS[name]
+
+
+def check_attrs(op: OpDef, attrs: dict[str, Any]) -> dict[str, Any]:
+    """``attrs`` with defaults filled in, each of its declared type (an int is a float)."""
+    unknown = sorted(set(attrs) - {a.name for a in op.attrs})
+    if unknown:
+        raise GraphError(f"{op.name} has no attribute '{unknown[0]}'")
+    out: dict[str, Any] = {}
+    for a in op.attrs:
+        if a.name not in attrs:
+            if a.default is REQUIRED:
+                raise GraphError(f"{op.name} needs the attribute {a.name}: {ATTR_TYPES[a.type]}")
+            if a.default is not ABSENT:
+                out[a.name] = a.default
+            continue
+        value = attrs[a.name]
+        if a.type is float and type(value) is int:
+            value = float(value)
+        ok = type(value) is a.type or (a.type is Names and all(type(n) is str for n in value))
+        if not ok or (a.type is Names and type(value) is not tuple):
+            raise GraphError(
+                f"{op.name}'s attribute {a.name} is {ATTR_TYPES[a.type]}, found {value!r}"
+            )
+        out[a.name] = value
+    return out
+
+
+def infer(
+    op: OpDef, args: list[TensorType], weights: list[TensorType | None], attrs: dict[str, Any]
+) -> TensorType:
+    """The result type of ``op`` on these operands (the dtype and shape rules), or a
+    ``GraphError`` saying what was expected and what was found."""
+    if len(args) != len(op.operands):
+        raise GraphError(f"{op.name} takes {len(op.operands)} operands, found {len(args)}")
+    if len(weights) > len(op.weights):
+        raise GraphError(f"{op.name} takes {len(op.weights)} weights, found {len(weights)}")
+    weights = weights + [None] * (len(op.weights) - len(weights))
+    for operand, t in zip(op.operands, args, strict=True):
+        if t.dtype != operand.dtype:
+            raise GraphError(f"{op.name}'s operand {operand.name} is {operand.dtype}, found {t}")
+    for slot, t in zip(op.weights, weights, strict=True):
+        if t is None and not slot.optional:
+            raise GraphError(f"{op.name} needs the weight {slot.name}")
+        if t is not None and t.dtype not in WEIGHT_DTYPES:
+            raise GraphError(f"{op.name}'s weight {slot.name} has no tensor type, found {t}")
+    shapes = [t.shape for t in args]
+    weight_shapes = [None if t is None else t.shape for t in weights]
+    return TensorType("f32", op.shape(shapes, weight_shapes, attrs))
