@@ -133,7 +133,10 @@ def _llama_cpp_worker(conn, path: str, threads: int, ctx: int) -> None:  # noqa:
     """``LlamaCppRunner``'s process: answers (what, *args) with ("ok", seconds)."""
     try:
         from llama_cpp import Llama
-
+    except ImportError:
+        conn.send(("error", INSTALL_HINT))
+        return
+    try:
         llm = Llama(
             model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False
         )
