@@ -845,6 +845,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening before the URL is printed: a client that connects while the server still
+        # starts (the lifespan can take seconds on a cold kernel cache) waits in the backlog
+        # instead of being refused.
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise
