@@ -138,7 +138,6 @@ class QuantMatmul:
         self._nb = n_cols // QK
         self.backend = backend or backends.select()
         self._kernels = programs.MatmulKernels(ggml_type, self.mode, self.backend, n_cols)
-        self._kernels.prepare()  # compiles while the weights are repacked
         layout = self._kernels.layout
 
         def repack() -> np.ndarray:

@@ -28,7 +28,6 @@ import ctypes
 import hashlib
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -113,11 +112,6 @@ class Backend:
         done = self._lowered[key] = Executable(short, seconds)
         return done
 
-    def lower_soon(self, program: Program, spec: Spec) -> Future[Executable]:
-        """``lower`` on the background compile thread: LLVM runs (without the GIL) while
-        the caller goes on, e.g. repacking the weights the kernel will read."""
-        return _COMPILER.submit(self.lower, program, spec)
-
     # -- the ISA-dependent primitives ---------------------------------------------------
     def _x86(self) -> str | None:
         """The intrinsic family to use: "avx2", "avx512" or None (portable IR)."""
@@ -169,8 +163,6 @@ class Backend:
         flipped = k.b.select(k.b.icmp_signed("<", q, zero), k.b.sub(zero, x), x)
         return k.b.select(k.b.icmp_signed("==", q, zero), zero, flipped)
 
-
-_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynalm-compile")
 
 AVX512 = Backend(
     "x86-avx512",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import llvmlite.ir as ir
@@ -438,7 +437,6 @@ class MatmulKernels:
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
         self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
         self._done: list[Executable | None] = [None] * len(self._specs)
-        self._soon: list[Future[Executable] | None] = [None] * len(self._specs)
         self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._specs)
 
     @property
@@ -450,20 +448,10 @@ class MatmulKernels:
         """The index of the tile for a batch of ``t_rows``: the tallest that fits."""
         return max(i for i, mr in enumerate(self._mrs) if mr <= max(t_rows, 1))
 
-    def prepare(self) -> None:
-        """Start lowering, in the background, what a model certainly runs: the GEMV (decode),
-        the tallest tile (prefill) and, in auto, the quantiser."""
-        wanted = [0, len(self._mrs) - 1] + ([self.quantize] if self.mode == "auto" else [])
-        for which in wanted:
-            if self._done[which] is None and self._soon[which] is None:
-                self._soon[which] = self.backend.lower_soon(MATMUL, self._specs[which])
-
     def _lowered(self, which: int) -> Executable:
         done = self._done[which]
         if done is None:
-            soon = self._soon[which]
-            done = soon.result() if soon else self.backend.lower(MATMUL, self._specs[which])
-            self._done[which] = done
+            done = self._done[which] = self.backend.lower(MATMUL, self._specs[which])
         return done
 
     def address(self, which: int) -> int:
