@@ -279,3 +279,15 @@ def test_ignore_eos_runs_past_end_of_turn_tokens(server: LiveServer) -> None:
     assert stopped["usage"]["completion_tokens"] == 1
     assert ignored["choices"][0]["finish_reason"] == "length"
     assert ignored["usage"]["completion_tokens"] == 12
+
+
+def test_a_json_body_sent_as_curl_sends_it(server: LiveServer) -> None:
+    """`curl -d '{...}'` (the README's example) labels the body a form; it is read as JSON."""
+    body = json.dumps({"model": MODEL, "messages": CHAT, **GREEDY})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    with server.http() as http:
+        answer = http.post("/v1/chat/completions", content=body, headers=form)
+        broken = http.post("/v1/chat/completions", content=body[:-1], headers=form)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+    assert broken.status_code == 400 and broken.json()["error"]["message"]

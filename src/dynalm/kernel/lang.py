@@ -18,8 +18,7 @@ type is meant (``k.add(i, 8)``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import llvmlite.ir as ir
@@ -35,10 +34,6 @@ Operand = ir.Value | Number
 
 def vec(elem: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(elem, n)
-
-
-def lanes_of(ty: ir.Type) -> int:
-    return ty.count if isinstance(ty, ir.VectorType) else 1
 
 
 def elem_of(ty: ir.Type) -> ir.Type:
@@ -381,13 +376,6 @@ class Kernel:
                 then()
             with no:
                 otherwise()
-
-    @contextlib.contextmanager
-    def block(self, name: str = "") -> Iterator[ir.Block]:
-        """A new basic block to emit into (restoring the position afterwards)."""
-        blk = self.b.append_basic_block(name)
-        with self.b.goto_block(blk):
-            yield blk
 
     # -- numeric building blocks --------------------------------------------------------
     def exp(self, x: ir.Value) -> ir.Value:

@@ -157,6 +157,19 @@ class StrictJSONRequest(Request):
         return self._json
 
 
+_FORM = b"application/x-www-form-urlencoded"
+
+
+def _form_as_json(scope: dict) -> dict:
+    """`curl -d '{...}'` labels a JSON body as a form: read it as JSON, as llama-server and
+    Ollama do (these endpoints take no forms), instead of refusing the README's own example."""
+    headers = scope.get("headers", [])
+    if not any(k == b"content-type" and v.lower().startswith(_FORM) for k, v in headers):
+        return scope
+    as_json = [(k, b"application/json" if k == b"content-type" else v) for k, v in headers]
+    return {**scope, "headers": as_json}
+
+
 class Route(APIRoute):
     """Every endpoint: strict JSON bodies; an unexpected exception becomes a 500 response
     here (logged once), where Starlette would log it, answer, then re-raise it to uvicorn
@@ -167,7 +180,8 @@ class Route(APIRoute):
 
         async def route(request: Request) -> Response:
             try:
-                return await handler(StrictJSONRequest(request.scope, request.receive))
+                scope = _form_as_json(request.scope)
+                return await handler(StrictJSONRequest(scope, request.receive))
             except _HANDLED:
                 raise
             except Exception as e:
