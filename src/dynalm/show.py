@@ -9,6 +9,7 @@ from dynalm.core.device import MODES, CpuDevice, physical_cores
 from dynalm.core.quant import QUANT_FORMATS, quant_format
 from dynalm.ir.ops import OPS
 from dynalm.kernel import backends, jit
+from dynalm.kernel import matmul as kernel_matmul
 from dynalm.models.loader import LoadedModel
 
 
@@ -93,6 +94,7 @@ def describe_system() -> str:
             f"  element-wise        jit: {' '.join(jit_ops)} (safe: numpy)",
             "",
             _matmul_table(),
+            *_bucket_lines(),
         ]
     )
 
@@ -110,6 +112,24 @@ def _backend_lines() -> list[str]:
         where = "native" if caps["runs_here"] else f"twin only (lacks {', '.join(caps['missing'])})"
         width, dot = caps["fp32_lanes"], caps["int8_dot"]
         lines.append(f"    {b.name:<16}  {width} fp32 lanes, int8 dot {dot}: {where}")
+    return lines
+
+
+def _bucket_lines() -> list[str]:
+    """Per mode, which kernel of the chosen backend serves which batch size T."""
+    try:
+        backend = backends.select()
+    except backends.BackendUnavailable:
+        return []
+    lines = [f"  matmul kernel by batch size T ({backend.name}; attention, norms: vector code)"]
+    for mode in ("exact", "auto"):
+        shapes = kernel_matmul.buckets(mode, backend)
+        ranges = []
+        for shape, after in zip(shapes, [*shapes[1:], None], strict=True):
+            last = f"-{after.mr - 1}" if after and after.mr - 1 > shape.mr else ""
+            span = f"{shape.mr}{last}" if after else f">={shape.mr}"
+            ranges.append(f"T {span}: {shape.describe()}")
+        lines.append(f"    jit-{mode:<6}        {'; '.join(ranges)}")
     return lines
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_matmul import ALL_BACKENDS, runnable
+from test_matmul import VECTOR_BACKENDS, runnable
 
 from dynalm.core import cpu_ops, elementwise
 from dynalm.kernel import backends
@@ -112,7 +112,7 @@ def test_rope(neox: bool, head_dim: int, rope_dim: int, rows: int, view: bool):
     np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
 def test_every_backend(backend: backends.Backend):
     """Each program at the backend's width, over widths with and without a vector tail:
     add and RoPE bitwise as numpy, the others within the budgets above, and every result

@@ -17,6 +17,7 @@ rms error of ~0.3 % of a Gaussian output.
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 import numpy as np
@@ -86,6 +87,8 @@ def test_matches_reference(ggml_type: T, mode: str, k: int) -> None:
 
 # Each backend natively, and each one's portable twin.
 ALL_BACKENDS = [*backends.BACKENDS, *(b.twin() for b in backends.BACKENDS if b.requires)]
+# Attention and the element-wise kernels use no tiles: x86-amx lowers them as x86-avx512.
+VECTOR_BACKENDS = [b for b in ALL_BACKENDS if not b.tiles]
 
 
 def runnable(backend: backends.Backend) -> backends.Backend:
@@ -103,7 +106,7 @@ def runnable(backend: backends.Backend) -> backends.Backend:
 def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> None:
     raw = weights(ggml_type, N, 768)
     mm = QuantMatmul(raw, ggml_type, 768, mode=mode, backend=runnable(backend))
-    for t_rows in (1, 5, 8):  # each batch bucket's tile (kernel.matmul.buckets)
+    for t_rows in (1, 5, 8, 21):  # each batch bucket's tile (kernel.matmul.buckets)
         x = activations(t_rows, 768)
         check(mm(x), raw, ggml_type, x, mode)
 
@@ -119,11 +122,13 @@ def test_auto_backends_agree_bitwise(ggml_type: T) -> None:
     a backend (or its twin) never changes an auto result, so auto's validation holds for
     all of them."""
     raw = weights(ggml_type, N, 512)
-    x = activations(9, 512)
     here = [b for b in ALL_BACKENDS if not b.missing()]
-    ys = [QuantMatmul(raw, ggml_type, 512, mode="auto", backend=b)(x) for b in here]
-    for b, y in zip(here[1:], ys[1:], strict=True):
-        assert np.array_equal(y, ys[0]), f"{b.name} differs from {here[0].name}"
+    mms = [QuantMatmul(raw, ggml_type, 512, mode="auto", backend=b) for b in here]
+    for t_rows in (9, 37):  # vector tiles; tile products of 16 rows and a ragged last
+        x = activations(t_rows, 512)
+        ys = [mm(x) for mm in mms]
+        for b, y in zip(here[1:], ys[1:], strict=True):
+            assert np.array_equal(y, ys[0]), f"T={t_rows}: {b.name} differs from {here[0].name}"
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
@@ -199,7 +204,7 @@ def test_rows_do_not_depend_on_the_batch(
     mm = QuantMatmul(raw, ggml_type, 768, mode=mode, backend=runnable(backend))
     x = activations(37, 768)
     batched = mm(x)
-    for t, size in ((0, 1), (5, 4), (20, 8), (36, 1)):  # each bucket's tile
+    for t, size in ((0, 1), (5, 4), (20, 8), (36, 1), (3, 16), (10, 27)):  # each bucket's tile
         assert np.array_equal(mm(x[t : t + size].copy())[0], batched[t])
 
 
@@ -239,3 +244,34 @@ def test_matmuls_share_one_activation_scratch() -> None:
     assert scratch.generation > generation  # grown: narrow's bound address is stale now
     assert np.array_equal(narrow(x_narrow), alone(x_narrow))
     assert np.array_equal(wide(x_wide), expected_wide)
+
+
+def test_amx_lowers_to_tile_instructions() -> None:
+    """The x86-amx tile kernel as LLVM makes it for an AMX CPU (on any host: assembly
+    only): tiles configured once, per block one A load and a zeroed C, B load, tdpbssd and
+    C store per key, tiles released. Its arithmetic is tested above through its twin."""
+    from dynalm.kernel import jit
+    from dynalm.kernel.matmul import MATMUL
+
+    features = ",".join(f"+{f}" for f in backends.AMX.requires)
+    for ggml_type, keys in ((T.Q4_1, 2), (T.Q6_K, 4)):  # 1 and 2 scales per 32-block
+        spec = {"k_blocks": 18, "ggml_type": int(ggml_type), "mode": "auto", "mr": 16}
+        asm = jit.assembly(backends.AMX.module(MATMUL, spec).text(), features)
+        ops = re.findall(
+            r"^\s+(ldtilecfg|tileloadd|tilezero|tdpbssd|tilestored|tilerelease)\b", asm, re.M
+        )
+        assert ops.count("ldtilecfg") == 1 and ops.count("tilerelease") == 1
+        assert ops.count("tdpbssd") == ops.count("tilezero") == ops.count("tilestored") == keys
+        assert ops.count("tileloadd") == 1 + keys
+
+
+def test_amx_needs_its_features_and_permission() -> None:
+    """Where x86-amx cannot run, it says why; ``DYNALM_ISA=amx`` is refused naming it."""
+    missing = backends.AMX.missing()
+    if missing:
+        with pytest.raises(backends.BackendUnavailable, match="cannot run here: lacks"):
+            backends.by_name("amx")
+        assert backends.host_best() is not backends.AMX
+    else:
+        assert backends.by_name("amx") is backends.AMX
+        assert backends.host_best() is backends.AMX

@@ -22,9 +22,9 @@ DYNALM = [sys.executable, "-m", "dynalm.cli"]
 
 
 def dynalm(
-    *args: str, stdin: str | None = None, home: Path | None = None
+    *args: str, stdin: str | None = None, home: Path | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if home is not None:
         env["DYNALM_HOME"] = str(home)
     return subprocess.run(
@@ -205,6 +205,10 @@ def test_show(smollm2_gguf: Path, flag: list[str]):
 def test_show_system():
     result = dynalm("show", "--system")
     assert result.returncode == 0 and "cores" in result.stdout
+    assert "matmul kernel by batch size T" in result.stdout
+    assert "T 1-3: gemv" in result.stdout  # both modes: T < 4 takes the GEMV
+    result = dynalm("show", "--system", env={"DYNALM_ISA": "generic"})
+    assert "kernel backend      generic" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,8 @@ class ActivationScratch:
     def _sizes(t_rows: int, n_cols: int) -> tuple[int, int, int]:
         align = lambda n: -(-n // 64) * 64  # noqa: E731 - each part cache-line aligned
         nb = n_cols // QK
-        return align(t_rows * n_cols), align(t_rows * nb * 8), align(t_rows * nb * 4)
+        quants = (t_rows + programs.ROW_OVERREAD) * n_cols  # tile loads read past T
+        return align(quants), align(t_rows * nb * 8), align(t_rows * nb * 4)
 
     def reserve(self, t_rows: int, n_cols: int) -> None:
         need = sum(self._sizes(t_rows, n_cols)) + 64

@@ -7,19 +7,24 @@ ISA-dependent primitives of ``kernel.lang``:
 ==============  =====  ===========================================  =====================
 backend         lanes  int8 dot (u8 x s8, 4 products per i32 lane)  needs (LLVM features)
 ==============  =====  ===========================================  =====================
+x86-amx         16     ``tdpbssd`` tiles for batches of >= 16 rows,  x86-avx512's +
+                       else as x86-avx512                            amx-tile/int8
 x86-avx512      16     ``vpdpbusd`` (AVX-512 VNNI)                   avx512f/bw/vl/vnni
 x86-avx2        8      ``vpmaddubsw`` + ``vpmaddwd``                 avx2, fma, f16c
 generic         8      widened integer IR (any LLVM target)          --
 ==============  =====  ===========================================  =====================
 
 Every backend has a *portable twin* (``backend.twin()``): the same program at the same
-width with the primitives written as plain integer IR. Integer sums are exact, so a twin
-computes bitwise what its backend computes; the tests run each backend's twin on any
-host and the native instructions where the host has them.
+width with the primitives written as plain integer IR (a tile product as a loop of
+4-byte dots). Integer sums are exact, so a twin computes bitwise what its backend
+computes; the tests run each backend's twin on any host and the native instructions
+where the host has them.
 
 Selection (``select``) takes the best backend the host supports, or the one named by
-``$DYNALM_ISA`` (``avx512``, ``avx2``, ``generic``) -- refused, naming the missing
-features, where the host cannot run it natively.
+``$DYNALM_ISA`` (``amx``, ``avx512``, ``avx2``, ``generic``) -- refused, naming the
+missing features, where the host cannot run it natively. AMX also needs Linux's
+permission to use tile state (``jit.amx_permission``); where it is refused the host's best
+is x86-avx512 and the reason is shown.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from functools import cache
 import llvmlite.ir as ir
 
 from dynalm.kernel import jit
-from dynalm.kernel.lang import I16, I32, Kernel, Module, const, vec
+from dynalm.kernel.lang import I8, I16, I32, VOID, Kernel, Module, const, vec
 
 Spec = Mapping[str, object]  # the values a program is specialised on (shapes, format, ...)
 
@@ -68,6 +73,8 @@ class Backend:
     int8_dot: str = "widened integer IR"
     accumulate: str = "int16"  # where auto kernels sum byte products: "int16" pairs or "int32"
     native: bool = True
+    vector_isa: str | None = None  # the x86 vector intrinsics lowered: "avx2", "avx512", None
+    tiles: bool = False  # int8 tile products (AMX) for tall batches
     _lowered: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def capabilities(self) -> dict[str, object]:
@@ -86,12 +93,21 @@ class Backend:
         if not self.native:
             return []
         have = jit.host_flags()
-        return [f for f in self.requires if not have.get(f, False)]
+        missing = [f for f in self.requires if not have.get(f, False)]
+        if self.tiles and not missing:
+            refused = jit.amx_permission()
+            missing += [refused] if refused else []
+        return missing
 
     def twin(self) -> Backend:
         """The same width with portable primitives: same integer sums, any host."""
         return Backend(
-            f"{self.name}-twin", self.isa, self.lanes, accumulate=self.accumulate, native=False
+            f"{self.name}-twin",
+            self.isa,
+            self.lanes,
+            accumulate=self.accumulate,
+            native=False,
+            tiles=self.tiles,
         )
 
     def lower(self, program: Program, spec: Spec) -> Executable:
@@ -101,10 +117,8 @@ class Backend:
         done = self._lowered.get(key)
         if done is not None:
             return done
-        tag = hashlib.sha256(repr((self.name, key)).encode()).hexdigest()[:12]
-        prefix = f"dynalm_{program.name}_{tag}"
-        module = Module(prefix, self, jit.triple())
-        program.build(module, **spec)
+        module = self.module(program, spec)
+        prefix = module.ir.name
         addresses, seconds = jit.compile_module(module.text(), module.names)
         short = {
             n.removeprefix(prefix + "_") if n != prefix else "": a for n, a in addresses.items()
@@ -112,10 +126,18 @@ class Backend:
         done = self._lowered[key] = Executable(short, seconds)
         return done
 
+    def module(self, program: Program, spec: Spec) -> Module:
+        """``program`` built for this backend, specialised on ``spec`` (not compiled)."""
+        key = (program.name, tuple(sorted(spec.items())))
+        tag = hashlib.sha256(repr((self.name, key)).encode()).hexdigest()[:12]
+        module = Module(f"dynalm_{program.name}_{tag}", self, jit.triple())
+        program.build(module, **spec)
+        return module
+
     # -- the ISA-dependent primitives ---------------------------------------------------
     def _x86(self) -> str | None:
         """The intrinsic family to use: "avx2", "avx512" or None (portable IR)."""
-        return self.isa if self.native and self.isa in ("avx2", "avx512") else None
+        return self.vector_isa if self.native else None
 
     def pair_products(self, k: Kernel, u: ir.Value, s: ir.Value) -> ir.Value:
         """Unsigned bytes ``u`` times signed bytes ``s``, adjacent products summed to
@@ -149,9 +171,7 @@ class Backend:
             return k.call("llvm.x86.avx512.vpdpbusd.512", acc.type, acc, *args)
         if self._x86() == "avx2":  # exact while u <= 128: two products < 2**15 per int16
             return k.b.add(acc, self.pair_sums(k, self.pair_products(k, u, s)))
-        prod = k.b.mul(k.convert(u, I32, signed=False), k.convert(s, I32))
-        quads = [k.shuffle(prod, range(c, 4 * n, 4)) for c in range(4)]
-        return k.b.add(acc, k.b.add(k.b.add(quads[0], quads[1]), k.b.add(quads[2], quads[3])))
+        return _quad_sums(k, acc, u, s, u_signed=False)
 
     def sign_of(self, k: Kernel, x: ir.Value, q: ir.Value) -> ir.Value:
         """``x`` negated where ``q < 0`` and zeroed where ``q == 0`` (``|q| * result ==
@@ -163,18 +183,106 @@ class Backend:
         flipped = k.b.select(k.b.icmp_signed("<", q, zero), k.b.sub(zero, x), x)
         return k.b.select(k.b.icmp_signed("==", q, zero), zero, flipped)
 
+    # -- int8 tile products (x86-amx) -----------------------------------------------------
+    # A tile product multiplies TILE_ROWS rows of 32 signed bytes (A, rows ``a_stride``
+    # apart) by 8 rows of 64 signed bytes (B: row r holds 4 bytes for each of 16 columns,
+    # the VNNI order), C[m][n] = sum over r, i of A[m][4r + i] * B[r][4n + i], as TILE_ROWS
+    # rows of 16 int32. Tile registers: 0 for A, then the Bs, then the Cs (the Bs share
+    # register 1 where there are too many to keep apart).
 
+    def tile_begin(self, k: Kernel, products: int) -> None:
+        """Configure the tile registers for ``products`` tile products per A (``ldtilecfg``;
+        nothing on the twin)."""
+        if not self.native:
+            return
+        b_regs, c_regs = _tile_registers(products)
+        shapes = {0: (TILE_ROWS, 32), **{r: (8, 64) for r in b_regs}}
+        shapes.update({r: (TILE_ROWS, 64) for r in c_regs})
+        config = [0] * 64
+        config[0] = 1  # palette 1
+        for reg, (rows, row_bytes) in shapes.items():
+            config[16 + 2 * reg : 18 + 2 * reg] = row_bytes.to_bytes(2, "little")
+            config[48 + reg] = rows
+        at = k.stack(64)
+        k.store(const(vec(I8, 64), config), at, 0, 64)
+        k.call("llvm.x86.ldtilecfg", VOID, at)
+
+    def tile_end(self, k: Kernel) -> None:
+        if self.native:
+            k.call("llvm.x86.tilerelease", VOID)
+
+    def tile_products(
+        self, k: Kernel, a: ir.Value, a_stride: ir.Value, bs: list[ir.Value], cs: list[ir.Value]
+    ) -> None:
+        """For each B ``bs[i]`` (rows 64 bytes apart), C = A x B stored at ``cs[i]`` (rows 64
+        bytes apart)."""
+        if self.native:
+            b_regs, c_regs = _tile_registers(len(bs))
+            reg = lambda r: ir.Constant(I8, r)  # noqa: E731
+            k.call("llvm.x86.tileloadd64", VOID, reg(0), a, a_stride)
+            for b_reg, c_reg, b, c in zip(b_regs, c_regs, bs, cs, strict=True):
+                k.call("llvm.x86.tilezero", VOID, reg(c_reg))
+                k.call("llvm.x86.tileloadd64", VOID, reg(b_reg), b, k.i64(64))
+                k.call("llvm.x86.tdpbssd", VOID, reg(c_reg), reg(0), reg(b_reg))
+                k.call("llvm.x86.tilestored64", VOID, reg(c_reg), c, k.i64(64))
+            return
+        acc_ty = vec(I32, 16)
+
+        def row(m: ir.Value) -> None:
+            a_row = k.at(a, k.mul(m, a_stride))
+            for b, c in zip(bs, cs, strict=True):
+                acc = ir.Constant(acc_ty, None)
+                for r in range(8):
+                    x4 = k.bitcast(k.splat(k.load(I32, a_row, 4 * r), 16), vec(I8, 64))
+                    acc = _quad_sums(k, acc, k.load(vec(I8, 64), b, 64 * r), x4, u_signed=True)
+                k.store(acc, c, k.mul(m, 64))
+
+        k.loop(0, TILE_ROWS, 1, row)
+
+
+TILE_ROWS = 16  # activation rows of a tile product
+
+
+def _tile_registers(products: int) -> tuple[list[int], list[int]]:
+    """Tile registers of the Bs and the Cs of ``products`` tile products (8 registers)."""
+    if 1 + 2 * products <= 8:
+        return list(range(1, 1 + products)), list(range(1 + products, 1 + 2 * products))
+    return [1] * products, list(range(2, 2 + products))
+
+
+def _quad_sums(k: Kernel, acc: ir.Value, u: ir.Value, s: ir.Value, *, u_signed: bool) -> ir.Value:
+    """``acc`` plus, per int32 lane, the sum of its 4 byte products, in plain integer IR."""
+    n = acc.type.count
+    prod = k.b.mul(k.convert(u, I32, signed=u_signed), k.convert(s, I32))
+    quads = [k.shuffle(prod, range(c, 4 * n, 4)) for c in range(4)]
+    return k.b.add(acc, k.b.add(k.b.add(quads[0], quads[1]), k.b.add(quads[2], quads[3])))
+
+
+_AVX512_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
+AMX = Backend(
+    "x86-amx",
+    "amx",
+    16,
+    (*_AVX512_FEATURES, "amx-tile", "amx-int8"),
+    "tdpbssd tiles for T >= 16, else vpdpbusd",
+    accumulate="int32",
+    vector_isa="avx512",
+    tiles=True,
+)
 AVX512 = Backend(
     "x86-avx512",
     "avx512",
     16,
-    ("avx512f", "avx512bw", "avx512vl", "avx512vnni"),
+    _AVX512_FEATURES,
     "vpdpbusd",
     accumulate="int32",
+    vector_isa="avx512",
 )
-AVX2 = Backend("x86-avx2", "avx2", 8, ("avx2", "fma", "f16c"), "vpmaddubsw + vpmaddwd")
+AVX2 = Backend(
+    "x86-avx2", "avx2", 8, ("avx2", "fma", "f16c"), "vpmaddubsw + vpmaddwd", vector_isa="avx2"
+)
 GENERIC = Backend("generic", "generic", 8)
-BACKENDS = (AVX512, AVX2, GENERIC)  # best first
+BACKENDS = (AMX, AVX512, AVX2, GENERIC)  # best first
 BY_ISA = {b.isa: b for b in BACKENDS}
 
 
@@ -183,13 +291,14 @@ class BackendUnavailable(RuntimeError):
 
 
 def by_name(isa: str) -> Backend:
-    """The backend ``isa`` names ("avx512", "avx2", "generic"), checked against the host."""
+    """The backend ``isa`` names ("amx", "avx512", "avx2", "generic"), checked against the
+    host."""
     if isa not in BY_ISA:
         raise BackendUnavailable(f"unknown kernel ISA {isa!r} (choose from {', '.join(BY_ISA)})")
     backend = BY_ISA[isa]
     missing = backend.missing()
     if missing:
-        raise BackendUnavailable(f"kernel ISA {isa}: this CPU lacks {', '.join(missing)}")
+        raise BackendUnavailable(f"kernel ISA {isa} cannot run here: lacks {', '.join(missing)}")
     return backend
 
 

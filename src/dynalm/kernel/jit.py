@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
+import sys
 import tempfile
 import threading
 import time
@@ -65,6 +67,33 @@ def host_flags() -> dict[str, bool]:
     """The host's LLVM feature flags ("avx2": True, ...)."""
     _target_machine()
     return dict(llvm.get_host_cpu_features())
+
+
+@cache
+def amx_permission() -> str | None:
+    """None once Linux lets this process use AMX tile data (asked once: ``arch_prctl
+    ARCH_REQ_XCOMP_PERM``; without it the first tile instruction raises SIGILL), else
+    why not."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return "AMX tile permission is requested on Linux x86-64 only"
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0:
+        return f"Linux refused AMX tile permission ({os.strerror(ctypes.get_errno())})"
+    return None
+
+
+def assembly(ir: str, features: str) -> str:
+    """The assembly LLVM makes of ``ir`` for the host CPU with ``features`` added (e.g.
+    "+amx-tile,+amx-int8"): shows a backend's lowering on a host that cannot run it."""
+    _target_machine()
+    target = llvm.Target.from_triple(triple())
+    machine = target.create_target_machine(
+        cpu=llvm.get_host_cpu_name(),
+        features=",".join(filter(None, [llvm.get_host_cpu_features().flatten(), features])),
+        opt=2,
+    )
+    return machine.emit_assembly(llvm.parse_assembly(ir))
 
 
 def triple() -> str:

@@ -300,6 +300,17 @@ class Kernel:
         at = self.at(base, offset)
         self.b._insert(ir.instructions.StoreAtomicInstr(self.b.block, value, at, ordering, align))
 
+    def stack(self, nbytes: int, *, zeroed: bool = False) -> ir.Value:
+        """``nbytes`` of 64-byte aligned stack memory for the whole call (allocated, and
+        zeroed if asked, in the entry block)."""
+        with self.b.goto_entry_block():
+            slot = self.b.alloca(ir.ArrayType(I8, nbytes))
+            slot.align = 64
+            if zeroed:
+                self.b.store(ir.Constant(slot.allocated_type, None), slot, align=64)
+            # as an untyped pointer, like every other address kernels compute with
+            return self.b.inttoptr(self.b.ptrtoint(slot, I64), PTR)
+
     def words(self, block: ir.Value, n: int) -> list[ir.Value]:
         """The first ``n`` int64 words of an argument block."""
         return [self.load(I64, block, 8 * i, 8) for i in range(n)]

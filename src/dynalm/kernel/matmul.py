@@ -14,6 +14,12 @@ the per-format unpacks of ``kernel.formats``.
   stay exact) and widened once. Either way the integer sums are exact and identical, and
   are converted and scaled in the same float order: every backend's auto kernel gives
   bitwise the same ``y``. Float weights and Q2_K (a min per 16 weights) use ``exact``.
+* ``auto`` on tiles (x86-amx, batches of >= 16 rows) -- the same sums as tile products:
+  16 activation rows (A, straight from the quantised activations) times a block's chunks
+  of 16 weight rows (B, the lane layout's chunks are the tile's VNNI rows). Each
+  (sub-block, scale group) sum is one product against a B holding only that key's chunks
+  (the other rows zero), so C's rows are the vector kernel's int32 sums, then scaled in its
+  float order: bitwise the same ``y`` again.
 
 One pattern per mode serves every batch size: the activation rows walked in L1/L2-sized
 chunks by tiles of ``mr`` rows chosen per batch bucket (``buckets``; ``mr = 1`` is the
@@ -34,7 +40,7 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
-from dynalm.kernel.backends import Backend, Executable, Program
+from dynalm.kernel.backends import TILE_ROWS, Backend, Executable, Program
 from dynalm.kernel.formats import QK, UNPACKS, Unpack, byte_lanes, nibbles
 from dynalm.kernel.lang import F32, I8, I32, I64, PTR, Kernel, Module, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
@@ -58,23 +64,37 @@ class Shape:
     nr: int  # weight rows per register tile (auto: the backend's lanes)
     tc: int  # activation rows per cache chunk
     pf: int = 0  # prefetch weights this many bytes ahead (0: none)
+    tiles: bool = False  # int8 tile products (mr = TILE_ROWS)
+
+    def describe(self) -> str:
+        if self.mr == 1:
+            return "gemv"
+        return f"{'amx tiles' if self.tiles else 'tile'} {self.mr}x{self.nr}"
 
 
 # Tiles per batch bucket, smallest T first. GEMV streams weights from memory: prefetching
 # 8 KB ahead measured 1.4x (auto Q4_1) to 1.9x (exact Q8_0) on a decode step's 66 MB of
 # layer weights. GEMM: 4 KB ahead measured 1.1-1.2x at T = 4..8 for auto; for exact
 # 1.2-1.4x at T = 4..8 but 0.7x at T = 512 (off). AVX-512's 32 registers take 8 activation
-# rows per tile: 1.15-1.2x over 4 at T = 8 on the FFN shapes, the same at T = 128.
-def buckets(mode: str, lanes: int) -> list[Shape]:
-    """The tiles of a mode for a backend of ``lanes`` fp32 lanes, by batch bucket: the
-    tile of ``mr`` rows serves batches of ``mr`` rows up to the next bucket's (the first,
-    ``mr = 1``, is the GEMV)."""
+# rows per tile: 1.15-1.2x over 4 at T = 8 on the FFN shapes, the same at T = 128. AMX
+# tiles take batches of 16 rows and more (a tile product is 16 activation rows).
+def buckets(mode: str, target: Backend) -> list[Shape]:
+    """The tiles of a mode for a backend, by batch bucket: the tile of ``mr`` rows serves
+    batches of ``mr`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV)."""
     if mode == "exact":
         return [Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=4, nr=2, tc=32)]
+    lanes = target.lanes
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if lanes >= 16:
         gemms.append(Shape(mr=8, nr=lanes, tc=64, pf=4096))
+    if target.tiles:
+        gemms.append(Shape(mr=TILE_ROWS, nr=lanes, tc=64, pf=4096, tiles=True))
     return [Shape(mr=1, nr=lanes, tc=64, pf=8192), *gemms]
+
+
+# auto tile kernels load TILE_ROWS activation rows at a time (a tile load cannot clamp at
+# the last row as vector tiles do): the quantised activations have this many rows more.
+ROW_OVERREAD = TILE_ROWS - 1
 
 
 def layout(mode: str, lanes: int) -> Layout:
@@ -253,6 +273,86 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     _walk(k, s, a.t_rows, tile)
 
 
+class _AutoBlock:
+    """What the ``auto`` kernels share per row group and block: the record's fields and
+    scales, the sums' keys, and the float order that turns a block's integer sums into
+    the output (the same order in every ``auto`` kernel, so results agree bitwise)."""
+
+    def __init__(self, k: Kernel, u: Unpack, a: _Args) -> None:
+        self.k, self.u, self.a, self.lanes = k, u, a, k.target.lanes
+        self.record = self.lanes * u.block_bytes
+        self.field_at = {f: self.lanes * at for f, _, at in u.fields}
+        self.h = u.halves
+
+    @staticmethod
+    def key(j: int, h: int) -> tuple[int, int]:
+        """Chunk j's sum: (sub-block, activation scale group); chunk j is elements 4j..4j+3,
+        scale group j % 2 (see X_GROUPS)."""
+        return j * h // 8, j % 2
+
+    def group(self, n: ir.Value) -> ir.Value:
+        """The records of the row group holding weight row ``n``."""
+        k = self.k
+        return k.at(self.a.w, k.mul(k.udiv(n, self.lanes), k.mul(self.a.nb, self.record)))
+
+    def planes(self, group: ir.Value, b: ir.Value, pf: int) -> dict[str, ir.Value]:
+        base = self.k.at(group, self.k.mul(b, self.record))
+        if pf:
+            self.k.prefetch(base, pf, self.record)
+        return {f: self.k.at(base, at) for f, at in self.field_at.items()}
+
+    def weight_scales(self, p: dict[str, ir.Value]) -> tuple[list[ir.Value], ir.Value | None]:
+        """The rows' ``d`` per sub-block and the min the block adds per ``sum(x)``."""
+        k, u, f_l = self.k, self.u, vec(F32, self.lanes)
+
+        def row_scales(at: ir.Value, n: int) -> ir.Value:
+            return _scales(k, u, at, self.lanes, n * self.lanes * u.scale_bytes)
+
+        dw = [row_scales(p["d"], n) for n in range(self.h)]
+        m_eff = row_scales(p["m"], 0) if u.has_min else None
+        if u.offset:  # w = d * (q + offset) + m: the offset joins the min
+            m_eff = k.fma(const(f_l, float(u.offset)), dw[0], m_eff or ir.Constant(f_l, None))
+        return dw, m_eff
+
+    def scaled(
+        self,
+        acc: ir.Value,
+        sums: Callable[[int, int], ir.Value],
+        blk: ir.Value,
+        dw: list[ir.Value],
+        m_eff: ir.Value | None,
+    ) -> ir.Value:
+        """``acc`` plus activation block ``blk``'s part: ``sums(n, g)`` (fp32) scaled by the
+        activation's group scales and the rows' ``d``, then the min's ``m * sum(x)``."""
+        k, lanes = self.k, self.lanes
+        dx = k.load(vec(F32, 2), self.a.xd, k.mul(blk, 8))
+        dx = [k.lane(dx, g, lanes) for g in range(2)]
+        for n in range(self.h):
+            f0, f1 = sums(n, 0), sums(n, 1)
+            both = k.fma(f1, dx[1], k.mul(f0, dx[0]))
+            acc = k.fma(both, dw[n], acc)
+        if m_eff is not None:  # the min's part, m * sum(x)
+            xs = k.load(F32, self.a.xs, k.mul(blk, 4))
+            acc = k.fma(m_eff, k.splat(xs, lanes), acc)
+        return acc
+
+    def store(self, acc: ir.Value, row: ir.Value, n: ir.Value) -> None:
+        """``acc`` into y's activation row ``row`` at weight rows ``n ..``: all lanes, or
+        those that exist in the last row group."""
+        k, a, lanes = self.k, self.a, self.lanes
+        y = k.at(a.y, k.mul(k.add(k.mul(row, a.ldy), n), 4))
+        left = k.sub(a.ldy, n)
+
+        def one_by_one(r: ir.Value) -> None:
+            k.store(k.b.extract_element(acc, r), y, k.mul(r, 4), 4)
+
+        k.branch(
+            k.ge(left, lanes),
+            lambda: k.store(acc, y, 0, 4),
+            lambda: k.loop(0, left, 1, one_by_one),
+        )
+
+
 def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     """``auto``: one int8 matmul function over weight rows ``[lo, hi)`` (``lo`` a multiple
     of the lanes) and all T activation rows, one weight row per fp32 lane.
@@ -263,18 +363,12 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     ``d`` in one FMA. The output of a tile is ``lanes`` consecutive floats of y: no
     horizontal sums."""
     a, target = _Args(k, k_blocks), k.target
-    lanes = target.lanes
-    f_l, i32_l = vec(F32, lanes), vec(I32, lanes)
-    h = u.halves
-    record = lanes * u.block_bytes
-    field_at = {f: lanes * at for f, _, at in u.fields}
+    blocks = _AutoBlock(k, u, a)
+    lanes, h = target.lanes, u.halves
+    i32_l = vec(I32, lanes)
     int32_sums = target.accumulate == "int32"
     run = max(1, 32767 // (2 * u.bound * 127))  # int16 pair products summed before widening
     t_last = k.add(a.t_rows, -1)
-
-    def row_scales(at: ir.Value, n: int) -> ir.Value:
-        """The rows' ``n``-th scale of the block as ``<lanes x float>``."""
-        return _scales(k, u, at, lanes, n * lanes * u.scale_bytes)
 
     def widened(products: list[ir.Value]) -> ir.Value:
         """Sum of int16 pair products as fp32: in int16 ``run`` at a time, then int32."""
@@ -289,15 +383,12 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
 
     def tile(t: ir.Value, n: ir.Value) -> None:
         x_rows = _clamped(k, t, s.mr, t_last)
-        group = k.at(a.w, k.mul(k.udiv(n, lanes), k.mul(a.nb, record)))
+        group = blocks.group(n)
         first = [k.mul(r, a.nb) for r in x_rows]  # each row's first block
-        accs = [k.var(ir.Constant(f_l, None)) for _ in range(s.mr)]
+        accs = [k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(s.mr)]
 
         def block(b: ir.Value) -> None:
-            base = k.at(group, k.mul(b, record))
-            if s.pf:
-                k.prefetch(base, s.pf, record)
-            p = {f: k.at(base, at) for f, at in field_at.items()}
+            p = blocks.planes(group, b, s.pf)
             chunks = u.chunks(k, p, lanes)
             if u.kind == "s8":  # the sign moves onto the activations (``sign_of``)
                 mags = [
@@ -306,57 +397,83 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 ]
             else:
                 mags = chunks
-            dw = [row_scales(p["d"], n) for n in range(h)]
-            m_eff = row_scales(p["m"], 0) if u.has_min else None
-            if u.offset:  # w = d * (q + offset) + m: the offset joins the min
-                m_eff = k.fma(const(f_l, float(u.offset)), dw[0], m_eff or ir.Constant(f_l, None))
+            dw, m_eff = blocks.weight_scales(p)
             for i in range(s.mr):
                 blk = k.add(first[i], b)
                 xq = k.at(a.x, k.mul(blk, QK))
-                # Sums by (sub-block, activation scale group): chunk j is elements 4j..4j+3,
-                # scale group j % 2 (see X_GROUPS).
                 sums: dict[tuple[int, int], list[ir.Value]] = {}
                 for j in range(8):
                     xj = k.bitcast(k.splat(k.load(I32, xq, 4 * j), lanes), vec(I8, 4 * lanes))
                     if u.kind == "s8":
                         xj = target.sign_of(k, xj, chunks[j])
-                    key = (j * h // 8, j % 2)
+                    key = blocks.key(j, h)
                     if int32_sums:
                         prev = sums.get(key, [ir.Constant(i32_l, None)])[0]
                         sums[key] = [target.dot_u8s8(k, prev, mags[j], xj)]
                     else:
                         sums.setdefault(key, []).append(target.pair_products(k, mags[j], xj))
-                dx = k.load(vec(F32, 2), a.xd, k.mul(blk, 8))
-                dx = [k.lane(dx, g, lanes) for g in range(2)]
-                acc = accs[i].get()
-                for n in range(h):
-                    f0, f1 = (
-                        k.convert(sums[n, g][0], F32) if int32_sums else widened(sums[n, g])
-                        for g in range(2)
-                    )
-                    both = k.fma(f1, dx[1], k.mul(f0, dx[0]))
-                    acc = k.fma(both, dw[n], acc)
-                if m_eff is not None:  # the min's part, m * sum(x)
-                    xs = k.load(F32, a.xs, k.mul(blk, 4))
-                    acc = k.fma(m_eff, k.splat(xs, lanes), acc)
-                accs[i].set(acc)
+
+                def as_float(n: int, g: int, sums: dict = sums) -> ir.Value:
+                    part = sums[n, g]
+                    return k.convert(part[0], F32) if int32_sums else widened(part)
+
+                accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
 
         k.loop(0, a.nb, 1, block)
-        left = k.sub(a.ldy, n)  # rows of the group that exist
         for i in range(s.mr):
-            acc = accs[i].get()
-            y = k.at(a.y, k.mul(k.add(k.mul(x_rows[i], a.ldy), n), 4))
-
-            def one_by_one(r: ir.Value, acc: ir.Value = acc, y: ir.Value = y) -> None:
-                k.store(k.b.extract_element(acc, r), y, k.mul(r, 4), 4)
-
-            k.branch(
-                k.ge(left, lanes),
-                lambda acc=acc, y=y: k.store(acc, y, 0, 4),
-                lambda: k.loop(0, left, 1, one_by_one),
-            )
+            blocks.store(accs[i].get(), x_rows[i], n)
 
     _walk(k, s, a.t_rows, tile)
+
+
+def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
+    """``auto`` for ``TILE_ROWS`` activation rows at a time as int8 tile products: per
+    block, each (sub-block, scale group) key's sums are C = A x B_key, A the rows'
+    quantised block (rows K bytes apart), B_key the block's chunks of that key (zero rows
+    for the others' chunks), stored to the stack and scaled as ``_auto`` scales its sums.
+    Reads up to ``ROW_OVERREAD`` activation rows past T (their results are not stored)."""
+    a, target = _Args(k, k_blocks), k.target
+    blocks = _AutoBlock(k, u, a)
+    lanes, h, rows = target.lanes, u.halves, s.mr
+    keys = [(n, g) for n in range(h) for g in range(2)]
+    b_bytes, c_bytes = 8 * 4 * lanes, rows * 4 * lanes  # one B, one C
+    b_tiles = k.stack(len(keys) * b_bytes, zeroed=True)  # rows not of the key stay zero
+    c_tiles = k.stack(len(keys) * c_bytes)
+    bs = [k.at(b_tiles, i * b_bytes) for i in range(len(keys))]
+    cs = [k.at(c_tiles, i * c_bytes) for i in range(len(keys))]
+    target.tile_begin(k, len(keys))
+    t_last = k.add(a.t_rows, -1)
+    x_stride = k.mul(a.nb, QK)
+
+    def tile(t: ir.Value, n: ir.Value) -> None:
+        x_rows = _clamped(k, t, rows, t_last)  # for scales: rows past T repeat the last
+        group = blocks.group(n)
+        first = [k.mul(r, a.nb) for r in x_rows]
+        accs = [k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(rows)]
+        x_tile = k.at(a.x, k.mul(t, x_stride))
+
+        def block(b: ir.Value) -> None:
+            p = blocks.planes(group, b, s.pf)
+            for j, chunk in enumerate(u.chunks(k, p, lanes)):
+                k.store(chunk, bs[keys.index(blocks.key(j, h))], 4 * lanes * j, 64)
+            target.tile_products(k, k.at(x_tile, k.mul(b, QK)), x_stride, bs, cs)
+            dw, m_eff = blocks.weight_scales(p)
+            for i in range(rows):
+
+                def as_float(n: int, g: int, i: int = i) -> ir.Value:
+                    c = cs[keys.index((n, g))]
+                    return k.convert(k.load(vec(I32, lanes), c, 4 * lanes * i, 64), F32)
+
+                blk = k.add(first[i], b)
+                accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
+
+        k.loop(0, a.nb, 1, block)
+        for i in range(rows):
+            row = k.add(t, i)
+            k.branch(k.lt(row, a.t_rows), lambda i=i, row=row: blocks.store(accs[i].get(), row, n))
+
+    _walk(k, s, a.t_rows, tile)
+    target.tile_end(k)
 
 
 def _quantize(k: Kernel, k_blocks: int) -> None:
@@ -403,8 +520,8 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
     if not mr:
         _quantize(k, k_blocks)
     else:
-        shape = next(s for s in buckets(mode, module.target.lanes) if s.mr == mr)
-        body = _auto if mode == "auto" else _exact
+        shape = next(s for s in buckets(mode, module.target) if s.mr == mr)
+        body = _auto_tiles if shape.tiles else _auto if mode == "auto" else _exact
         body(k, UNPACKS[ggml_type], shape, k_blocks)
     k.ret()
 
@@ -432,7 +549,7 @@ class MatmulKernels:
         self.mode = effective_mode(ggml_type, mode)
         self.backend = backend
         self.layout = layout(self.mode, backend.lanes)
-        self._mrs = [s.mr for s in buckets(self.mode, backend.lanes)]
+        self._mrs = [s.mr for s in buckets(self.mode, backend)]
         nb = n_cols // QK
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
         self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
