@@ -267,6 +267,10 @@ def test_amx_lowers_to_tile_instructions() -> None:
 
 def test_amx_needs_its_features_and_permission() -> None:
     """Where x86-amx cannot run, it says why; ``DYNALM_ISA=amx`` is refused naming it."""
+    from dynalm.kernel import jit
+
+    if not jit.host_flags().get("amx-tile", False):  # Linux grants tile state to AMX CPUs only
+        assert "refused AMX tile permission" in (jit.amx_permission() or "")
     missing = backends.AMX.missing()
     if missing:
         with pytest.raises(backends.BackendUnavailable, match="cannot run here: lacks"):

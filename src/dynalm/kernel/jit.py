@@ -78,7 +78,8 @@ def amx_permission() -> str | None:
         return "AMX tile permission is requested on Linux x86-64 only"
     libc = ctypes.CDLL(None, use_errno=True)
     sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0:
+    args = (ctypes.c_long(v) for v in (sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata))
+    if libc.syscall(*args) != 0:
         return f"Linux refused AMX tile permission ({os.strerror(ctypes.get_errno())})"
     return None
 
