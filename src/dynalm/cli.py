@@ -203,7 +203,12 @@ def _device(backend: Backend, cpu: bool, gpu: bool, mode: Mode, threads: int | N
 
 @app.command()
 def pull(
-    model: Annotated[str, typer.Argument(help="Catalog name, e.g. smollm2:135m")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Catalog name (smollm2:135m) or Hugging Face repo: [hf.co/]ORG/REPO[:TAG][@REV]"
+        ),
+    ],
     verbose: Verbose = False,
 ) -> None:
     """Download a model into the store (idempotent, verified by sha256)."""
@@ -215,12 +220,17 @@ def pull(
 
 
 @app.command("list")
-def list_models(verbose: Verbose = False) -> None:
-    """List the models in the store."""
+def list_models(
+    catalog: Annotated[
+        bool, typer.Option("--catalog", help="List the catalog's models instead.")
+    ] = False,
+    verbose: Verbose = False,
+) -> None:
+    """List the models in the store (or in the catalog)."""
     from dynalm.runtime.store_commands import list_command
 
     with user_errors(verbose):
-        list_command()
+        list_command(catalog=catalog)
 
 
 @app.command()

@@ -208,7 +208,7 @@ def assert_pulled(path: Path, root: Path, source: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["../x", "a/b", "/etc/passwd:x", "", "tiny:", ":q4", "tiny:..", "..", ".hidden",
+    "bad", ["../x", "/etc/passwd:x", "", "tiny:", ":q4", "tiny:..", "..", ".hidden",
             "Tiny", "tiny:q4:x", "ti ny", "a\\b", "x" * 65],
 )  # fmt: skip
 def test_invalid_names_are_refused(tmp_path: Path, bad: str) -> None:
@@ -440,7 +440,7 @@ def test_list_and_remove(hub: Hub, tmp_path: Path) -> None:
     assert listed[0].source == "hf:test-org/tiny-GGUF@main"
 
     removed = store.remove("tiny")  # the default tag
-    assert removed == listed[0]
+    assert removed == [listed[0]]
     assert not store_dir(tmp_path, "q4").exists()
     assert [m.name for m in store.list()] == ["tiny:q8"]
     with pytest.raises(ModelNotFound, match="not in the store"):
