@@ -44,7 +44,7 @@ _SEGMENT = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
 _TAG = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _REV = r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}"  # a branch, tag or commit; may hold '/'
 _REF_RE = re.compile(
-    rf"(?:(?:hf\.co|huggingface\.co)/)?(?P<org>{_SEGMENT})/(?P<repo>{_SEGMENT})"
+    rf"(?P<org>{_SEGMENT})/(?P<repo>{_SEGMENT})"
     rf"(?::(?P<tag>{_TAG}))?(?:@(?P<rev>{_REV}))?(?::(?P<tag2>{_TAG}))?"
 )
 _HUB_PREFIXES = ("hf.co/", "huggingface.co/")
@@ -105,7 +105,8 @@ def looks_like_hub_ref(model: str) -> bool:
 def parse_hub_ref(model: str) -> HubRef:
     """``[hf.co/]ORG/REPO[:TAG][@REV]`` (the tag may also follow the revision); InvalidRequest
     for anything else, and for any part that could step outside the store (``..``)."""
-    match = _REF_RE.fullmatch(model)
+    prefix = next((p for p in _HUB_PREFIXES if model.startswith(p)), "")
+    match = _REF_RE.fullmatch(model[len(prefix) :])
     if match and match["tag"] and match["tag2"]:
         match = None
     rev = match["rev"] if match else None
@@ -172,7 +173,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 def list_repo(repo_id: str, revision: str | None) -> Listing:
     """The repo's files (sizes and hashes) at ``revision`` (default branch if None), through
     ``huggingface_hub``; a failure is a PullError naming the repo, the endpoint and why."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (
         HfHubHTTPError,
         RepositoryNotFoundError,
@@ -181,6 +182,10 @@ def list_repo(repo_id: str, revision: str | None) -> Listing:
 
     where = f"hf.co/{repo_id}" + (f"@{revision}" if revision else "") + f" ({endpoint()})"
     api = HfApi(endpoint=endpoint(), library_name="dynalm", library_version=__version__)
+    # No telemetry: huggingface_hub's user agent otherwise fetches a list of "agent
+    # harnesses" from the Hub (an extra request per day) and looks for torch.
+    telemetry_off = constants.HF_HUB_DISABLE_TELEMETRY
+    constants.HF_HUB_DISABLE_TELEMETRY = True
     try:
         info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=30)
     except RevisionNotFoundError:
@@ -196,6 +201,8 @@ def list_repo(repo_id: str, revision: str | None) -> Listing:
     except _transport_errors() as e:
         reason = " ".join(str(e).split()) or type(e).__name__
         raise PullError(f"{where}: cannot reach the Hub: {reason}") from None
+    finally:
+        constants.HF_HUB_DISABLE_TELEMETRY = telemetry_off
     if not info.sha or info.siblings is None:
         raise PullError(f"{where}: the Hub's answer lists no commit or no files")
     files = []

@@ -33,19 +33,20 @@ def pull_command(model: str, *, store: ModelStore | None = None) -> Path:
 def list_command(*, store: ModelStore | None = None, catalog: bool = False) -> None:
     """Print a table of the pulled models, or with ``catalog`` of the catalog's models."""
     store = store or ModelStore()
-    if catalog:
+    if catalog:  # a table, then each entry's sources on lines of their own (never folded)
         table = Table("NAME", "SIZE", "SHA256", box=None, highlight=False)
-        table.add_column("SOURCES", overflow="fold")
         table.add_column("DESCRIPTION", overflow="fold")
+        sources = []
         for e in store.catalog.values():
             size = format_size(e.size) if e.size is not None else "-"
             sha = e.sha256[:12] if e.sha256 else "from the Hub"
-            sources = " · ".join(
-                f"{s.label}/{s.filename}" if hasattr(s, "filename") else s.label
-                for s in e.sources
-            )
-            table.add_row(e.key, size, sha, sources, e.description)
-        Console().print(table)
+            table.add_row(e.key, size, sha, e.description)
+            for s in e.sources:
+                where = f"{s.label} {s.filename}" if hasattr(s, "filename") else s.label
+                sources.append(f"  {e.key}  {where}")
+        out = Console(highlight=False, soft_wrap=True)
+        out.print(table)
+        out.print("\nsources (tried in order):\n" + "\n".join(sources))
         return
     models = store.list()
     if not models:
