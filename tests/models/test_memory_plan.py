@@ -133,3 +133,18 @@ def test_show_and_verbose_print_the_plan(smollm2_gguf: Path) -> None:
 
     result = dynalm("show", str(smollm2_gguf), "--ctx", "100000")
     assert_one_line_error(result, "--ctx 100000 is more than the 8192 tokens")
+
+
+def test_cgroup_limit_beats_memavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = memory_plan._cgroup_dirs()  # this process's, then each mount's root
+    assert real[-1][0] == "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+    assert ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+            "cgroup v2 memory.max") in real  # fmt: skip
+    (tmp_path / "memory.max").write_text("max\n")  # v2 without a limit: not a figure
+    (tmp_path / "limit").write_text(f"{300 << 20}\n")
+    (tmp_path / "usage").write_text(f"{100 << 20}\n")
+    files = [(str(tmp_path / "memory.max"), str(tmp_path / "none"), "cgroup v2 memory.max")]
+    monkeypatch.setattr(memory_plan, "_cgroup_dirs", lambda: files)
+    assert memory_plan.available_memory().source == "MemAvailable"
+    files[0] = (str(tmp_path / "limit"), str(tmp_path / "usage"), "cgroup v1 memory limit")
+    assert memory_plan.available_memory() == Available(200 << 20, "cgroup v1 memory limit")

@@ -159,18 +159,34 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _cgroup_v2_dir() -> str | None:
+def _cgroup_dirs() -> list[tuple[str, str, str]]:
+    """``(limit file, usage file, name)`` of this process's memory cgroup: v2 and v1, each
+    at the path /proc/self/cgroup names and at the mount's root (inside a container the
+    mount is usually the container's own cgroup, and the named path the host's)."""
+    paths = {"v2": [""], "v1": [""]}
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                return "/sys/fs/cgroup" + line[3:].rstrip("/")
-    except OSError:
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                paths["v2"].insert(0, path.rstrip("/"))
+            elif "memory" in controllers.split(","):
+                paths["v1"].insert(0, path.rstrip("/"))
+    except (OSError, ValueError):
         pass
-    return None
+    out = []
+    for path in dict.fromkeys(paths["v2"]):
+        d = f"/sys/fs/cgroup{path}"
+        out.append((f"{d}/memory.max", f"{d}/memory.current", "cgroup v2 memory.max"))
+    for path in dict.fromkeys(paths["v1"]):
+        d = f"/sys/fs/cgroup/memory{path}"
+        out.append(
+            (f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes", "cgroup v1 memory limit")
+        )
+    return out
 
 
 def available_memory() -> Available:
-    """What this process may still allocate: the smaller of the cgroup's room (v2
+    """What this process may still allocate: the smaller of its cgroup's room (v2
     ``memory.max - memory.current``, or v1 ``limit_in_bytes - usage_in_bytes``) and the
     kernel's MemAvailable."""
     candidates = []
@@ -180,18 +196,14 @@ def available_memory() -> Available:
                 candidates.append(Available(int(line.split()[1]) * 1024, "MemAvailable"))
     except OSError:
         pass
-    v2 = _cgroup_v2_dir()
-    for limit_file, usage_file, name in (
-        (f"{v2}/memory.max", f"{v2}/memory.current", "cgroup v2 memory.max"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-            "cgroup v1 memory.limit_in_bytes",
-        ),
-    ):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and limit < 1 << 60:  # "max" / a huge number: no limit
-            candidates.append(Available(max(0, limit - (usage or 0)), name))
+    for limit_file, usage_file, name in _cgroup_dirs():
+        limit = _read_int(limit_file)
+        if limit is None:
+            continue
+        if limit < 1 << 60:  # "max" / a huge number: no limit here
+            usage = _read_int(usage_file) or 0
+            candidates.append(Available(max(0, limit - usage), name))
+        break  # the first readable one is this process's
     if not candidates:  # not Linux: physical memory
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return Available(total, "physical memory")
