@@ -30,6 +30,7 @@ from dynalm.core.device import CpuDevice
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig
+from dynalm.runtime.memory_plan import MemoryPlan
 from dynalm.runtime.sampling import SamplingParams
 
 TG_PROMPT = 8  # tokens of context before a tg test's timed decode steps
@@ -230,35 +231,39 @@ def peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+PLAN_MARGIN = 0.10  # the memory plan's accuracy (tests/models/test_memory_plan.py)
+
+
 @dataclass
 class Memory:
-    """DynaLM's peak RSS against the budget: GGUF file + KV pool + 300 MB."""
+    """DynaLM's peak RSS against the budget: the engine's memory plan + 10 %."""
 
     peak_rss: int
     file: int
-    kv: int
-    slack: int = 300 * 10**6
+    plan: MemoryPlan
+
+    @property
+    def kv(self) -> int:
+        return self.plan.kv
 
     @property
     def budget(self) -> int:
-        return self.file + self.kv + self.slack
+        return int(self.plan.total * (1 + PLAN_MARGIN))
 
     @property
     def within_budget(self) -> bool:
         return self.peak_rss <= self.budget
 
     def as_json(self) -> dict[str, int | bool]:
-        keys = ("peak_rss", "file", "kv", "budget")
-        sizes = {f"{k}_bytes": getattr(self, k) for k in keys}
-        return {**sizes, "within_budget": self.within_budget}
+        sizes = {f"{k}_bytes": getattr(self, k) for k in ("peak_rss", "file", "kv", "budget")}
+        return {**sizes, "plan_bytes": self.plan.total, "within_budget": self.within_budget}
 
     def line(self) -> str:
         mb = 10**6
         verdict = "within" if self.within_budget else "OVER"
         return (
             f"dynalm peak RSS {self.peak_rss / mb:.1f} MB, {verdict} the budget "
-            f"{self.budget / mb:.1f} MB = file {self.file / mb:.1f} + KV {self.kv / mb:.1f} "
-            f"+ {self.slack / mb:.0f}"
+            f"{self.budget / mb:.1f} MB = the {self.plan.line()} + {PLAN_MARGIN:.0%}"
         )
 
 
@@ -445,7 +450,7 @@ def bench_command(
         return "\n\n".join([head, *(p.table() for p in profiles)])
     work = Workload(tests, n_vocab)
     work.warm_up(ours)
-    memory = Memory(peak_rss(), path.stat().st_size, ours.engine.pool.nbytes)
+    memory = Memory(peak_rss(), path.stat().st_size, ours.engine.memory_plan)
     runners: list[Runner] = [ours]
     if vs:
         runners.append(LlamaCppRunner(path, device.threads, ctx))

@@ -25,6 +25,7 @@ from typer.core import TyperGroup
 if TYPE_CHECKING:
     from dynalm.core.device import CpuDevice
     from dynalm.models.loader import LoadedModel
+    from dynalm.runtime.engine import EngineConfig
     from dynalm.runtime.generator import Generator
     from dynalm.runtime.guided import Guide
     from dynalm.runtime.sampling import SamplingParams
@@ -133,11 +134,10 @@ def _utf8(text: str, what: str) -> str:
     return text
 
 
-def _context(ctx: int | None, model: LoadedModel, kv_dtype: str) -> int:
-    """--ctx checked against the model's trained context and this machine's memory (one
-    full context of KV must fit); by default the smaller of 4096 and the trained context."""
+def _context(ctx: int | None, model: LoadedModel) -> int:
+    """--ctx checked against the model's trained context; by default the smaller of 4096
+    and the trained context. (Whether its KV cache fits is the memory plan's question.)"""
     from dynalm.errors import InvalidRequest
-    from dynalm.runtime.kv_cache import kv_bytes_per_token
 
     hp = model.hparams
     if ctx is None:
@@ -147,14 +147,16 @@ def _context(ctx: int | None, model: LoadedModel, kv_dtype: str) -> int:
             f"--ctx {ctx} is more than the {hp.n_ctx_train} tokens {model.name} was trained "
             f"for ({hp.arch}.context_length)"
         )
-    need = ctx * kv_bytes_per_token(hp.n_layers, hp.n_kv_heads, hp.head_dim, kv_dtype)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > memory:
-        raise InvalidRequest(
-            f"--ctx {ctx} needs {need / 2**30:.1f} GiB of {kv_dtype} KV cache, more than this "
-            f"machine's {memory / 2**30:.1f} GiB of memory; lower --ctx"
-        )
     return ctx
+
+
+def _memory_plan(model: LoadedModel, config: EngineConfig, mode: str, verbose: bool) -> None:
+    """With --verbose, the memory plan on stderr (the engine checks it either way, before
+    anything large is allocated or read)."""
+    if verbose:
+        from dynalm.runtime.memory_plan import plan_memory
+
+        err.print(f"[dim]{escape(plan_memory(model, config, mode).line())}[/]")
 
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
@@ -203,7 +205,12 @@ def _device(backend: Backend, cpu: bool, gpu: bool, mode: Mode, threads: int | N
 
 @app.command()
 def pull(
-    model: Annotated[str, typer.Argument(help="Catalog name, e.g. smollm2:135m")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Catalog name (smollm2:135m) or Hugging Face repo: [hf.co/]ORG/REPO[:TAG][@REV]"
+        ),
+    ],
     verbose: Verbose = False,
 ) -> None:
     """Download a model into the store (idempotent, verified by sha256)."""
@@ -215,12 +222,17 @@ def pull(
 
 
 @app.command("list")
-def list_models(verbose: Verbose = False) -> None:
-    """List the models in the store."""
+def list_models(
+    catalog: Annotated[
+        bool, typer.Option("--catalog", help="List the catalog's models instead.")
+    ] = False,
+    verbose: Verbose = False,
+) -> None:
+    """List the models in the store (or in the catalog)."""
     from dynalm.runtime.store_commands import list_command
 
     with user_errors(verbose):
-        list_command()
+        list_command(catalog=catalog)
 
 
 @app.command()
@@ -241,9 +253,16 @@ def show(
         typer.Option("--graph-file", help="Read a DynaIR text file, check it, print it."),
     ] = None,
     system: Annotated[bool, typer.Option("--system", help="Describe this machine.")] = False,
+    ctx: Ctx = None,
+    max_num_seqs: Annotated[
+        int, typer.Option(min=1, help="Sequences the memory plan holds KV for.")
+    ] = 16,
+    kv_cache_dtype: KVDtype = KVCacheDtype.f16,
+    mode: ModeOption = Mode.auto,
     verbose: Verbose = False,
 ) -> None:
-    """Describe a model (architecture, size, quant types, template) or the system."""
+    """Describe a model (architecture, size, quant types, template, and the memory plan at
+    --ctx / --max-num-seqs / --kv-cache-dtype / --mode) or the system."""
     _configure(verbose, None)
     with user_errors(verbose):
         if system:
@@ -259,11 +278,21 @@ def show(
         if model is None:
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
         from dynalm.models.loader import load_model
+        from dynalm.runtime.engine import EngineConfig
+        from dynalm.runtime.memory_plan import plan_memory
         from dynalm.runtime.registry import ModelStore
         from dynalm.show import describe_model
 
         loaded = load_model(ModelStore().resolve(model))
-        typer.echo(str(loaded.graph) if graph else describe_model(loaded))
+        if graph:
+            typer.echo(str(loaded.graph))
+            return
+        config = EngineConfig(
+            ctx=_context(ctx, loaded),
+            max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype.value,
+        )
+        typer.echo(describe_model(loaded, plan_memory(loaded, config, mode.value)))
 
 
 @app.command()
@@ -403,7 +432,7 @@ def run(
         import time
 
         from dynalm.models.loader import load_model
-        from dynalm.runtime.generator import Generator
+        from dynalm.runtime.generator import Generator, generator_config
         from dynalm.runtime.registry import ModelStore
         from dynalm.runtime.sampling import SamplingParams
 
@@ -427,7 +456,8 @@ def run(
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
         kv_dtype = kv_cache_dtype.value
-        ctx = _context(ctx, loaded, kv_dtype)
+        ctx = _context(ctx, loaded)
+        _memory_plan(loaded, generator_config(ctx, kv_dtype), device.mode, verbose)
         generator = Generator(loaded, device, ctx=ctx, kv_dtype=kv_dtype)
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
@@ -513,13 +543,14 @@ def serve(
         path = ModelStore().resolve(model)
         loaded = load_model(path)
         config = EngineConfig(
-            ctx=_context(ctx, loaded, kv_cache_dtype.value),
+            ctx=_context(ctx, loaded),
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_queue=max_queue,
             kv_cache_memory=kv_memory,
             kv_cache_dtype=kv_cache_dtype.value,
         )
+        _memory_plan(loaded, config, device.mode, verbose)
         engine = Engine(loaded, device, config)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
@@ -613,7 +644,7 @@ def perplexity(
                 raise InvalidRequest(f"{text_file} is not UTF-8 text (at byte {e.start})") from None
         device = _device(backend, cpu, gpu, mode, threads)
         loaded = load_model(ModelStore().resolve(model))
-        _context(ctx, loaded, kv_cache_dtype.value)
+        _context(ctx, loaded)
         tok = loaded.tokenizer
         # a token past the window: the engine samples one after each window (never computed)
         config = EngineConfig(

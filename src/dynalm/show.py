@@ -11,6 +11,7 @@ from dynalm.ir.ops import OPS
 from dynalm.kernel import backends, jit
 from dynalm.kernel import matmul as kernel_matmul
 from dynalm.models.loader import LoadedModel
+from dynalm.runtime.memory_plan import MemoryPlan
 
 
 def _count(n: int) -> str:
@@ -20,7 +21,7 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def describe_model(model: LoadedModel) -> str:
+def describe_model(model: LoadedModel, plan: MemoryPlan | None = None) -> str:
     hp = model.hparams
     types = Counter(quant_format(t.ggml_type).name for t in model.gguf.tensors.values())
     lines = [
@@ -39,6 +40,8 @@ def describe_model(model: LoadedModel) -> str:
     ]
     if hp.sliding_window:
         lines.append(f"  sliding window      {hp.sliding_window}")
+    if plan is not None:
+        lines += ["", "  " + plan.describe().replace("\n", "\n  ")]
     template = model.chat_template.source.strip()
     lines += ["", "  chat template", *("    " + ln for ln in template.splitlines())]
     return "Model\n" + "\n".join(lines)

@@ -1,6 +1,7 @@
 """Memory: a model costs about its file once, not twice, plus a bounded overhead.
 
-The budget `dynalm bench` checks is peak RSS <= file + KV pool + 300 MB. What used to break
+The budget `dynalm bench` checks is peak RSS <= the memory plan + 10 % (it was file + KV
+pool + 300 MB, when the figures below were measured). What used to break
 it: the embedding's mapped rows beside the repacked head (tied weights), a repacked weight
 beside its whole mapped source while repacking, int8 activation buffers per matmul, and a
 262k-vocabulary tokenizer's build temporaries. Measured on a 2-core Zen 5 (AVX-512): SmolLM2
@@ -59,7 +60,7 @@ def test_repacked_weights_leave_their_mapped_source(smollm2_gguf: Path):
 
 @pytest.mark.parametrize("which", ["smollm2", "big_vocab"])
 def test_bench_peak_rss_within_budget(which: str, smollm2_gguf: Path, request):
-    """Peak RSS of `dynalm bench` (prefill and decode) <= file + KV + 300 MB, for the test
+    """Peak RSS of `dynalm bench` (prefill and decode) <= the memory plan + 10 %, for the test
     model and for a 262,144-token vocabulary (gemma-3-shaped, tied head, Q4_K_M-like)."""
     path = smollm2_gguf if which == "smollm2" else request.getfixturevalue("big_vocab_gguf")
     result = dynalm("bench", str(path), "-p", "128", "-n", "32", "-r", "1", "--json")

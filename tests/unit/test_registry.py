@@ -69,6 +69,8 @@ class Hub:
     drop_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent, then close
     stall_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent, then wait
     ranges: bool = True
+    api: dict[str, object] = field(default_factory=dict)  # /api/... path -> JSON body
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)  # path -> extra headers
     requests: list[tuple[str, Message]] = field(default_factory=list)
     stalled: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -107,6 +109,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
+        if path.startswith("/api/"):
+            self._api(hub, path)
+            return
         body = hub.files.get(path)
         if body is None:
             self.send_response(404)
@@ -122,6 +127,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(200)
         ctype = "text/html" if path.startswith("/simple/") else "application/octet-stream"
         self.send_header("Content-Type", ctype)
+        for key, value in hub.headers.get(path, {}).items():
+            self.send_header(key, value)
         self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
         payload = body[start:]
@@ -138,6 +145,26 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.wfile.write(payload)
+
+    def _api(self, hub: Hub, path: str) -> None:
+        """The Hub's model API: the JSON registered for ``path``; otherwise what the real
+        Hub answers for a repo it does not know (401 + X-Error-Code: RepoNotFound) or for a
+        revision it does not know (404 + RevisionNotFound)."""
+        answer = hub.api.get(path)
+        if answer is None:
+            repo_known = any(p.startswith(path.split("/revision/")[0]) for p in hub.api)
+            code = "RevisionNotFound" if repo_known and "/revision/" in path else "RepoNotFound"
+            self.send_response(404 if code == "RevisionNotFound" else 401)
+            self.send_header("X-Error-Code", code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -208,7 +235,7 @@ def assert_pulled(path: Path, root: Path, source: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["../x", "a/b", "/etc/passwd:x", "", "tiny:", ":q4", "tiny:..", "..", ".hidden",
+    "bad", ["../x", "/etc/passwd:x", "", "tiny:", ":q4", "tiny:..", "..", ".hidden",
             "Tiny", "tiny:q4:x", "ti ny", "a\\b", "x" * 65],
 )  # fmt: skip
 def test_invalid_names_are_refused(tmp_path: Path, bad: str) -> None:
@@ -440,7 +467,7 @@ def test_list_and_remove(hub: Hub, tmp_path: Path) -> None:
     assert listed[0].source == "hf:test-org/tiny-GGUF@main"
 
     removed = store.remove("tiny")  # the default tag
-    assert removed == listed[0]
+    assert removed == [listed[0]]
     assert not store_dir(tmp_path, "q4").exists()
     assert [m.name for m in store.list()] == ["tiny:q8"]
     with pytest.raises(ModelNotFound, match="not in the store"):

@@ -90,12 +90,17 @@ class CpuDevice:
         return quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
 
     def matmul_kernel(self, ggml_type: int) -> str:
-        """Which matmul serves a weight type in this mode: "numpy" (fp32 weights),
+        """Which matmul serves a weight type in this mode (see ``matmul_kernel_for``)."""
+        return self.matmul_kernel_for(self.mode, ggml_type)
+
+    @staticmethod
+    def matmul_kernel_for(mode: str, ggml_type: int) -> str:
+        """Which matmul serves a weight type in ``mode``: "numpy" (fp32 weights),
         "jit-exact" / "jit-auto" (``QuantMatmul``) or "tiled" (dequantised row tiles + BLAS)."""
-        if self.mode == "safe" or ggml_type == GGMLQuantizationType.F32:
+        if mode == "safe" or ggml_type == GGMLQuantizationType.F32:
             return "numpy"
         # auto takes the int8 kernels only where tests/models/test_auto_mode.py validated them.
-        if self.mode == "auto" and ggml_type in AUTO_VALIDATED:
+        if mode == "auto" and ggml_type in AUTO_VALIDATED:
             return "jit-auto"
         return "jit-exact" if QuantMatmul.supported(ggml_type, "exact") else "tiled"
 

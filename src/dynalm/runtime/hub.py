@@ -1,0 +1,492 @@
+"""Hugging Face Hub repos as model sources: ``hf.co/ORG/REPO[:TAG][@REV]`` references, the
+repo's file listing (through ``huggingface_hub``), the choice of files (a GGUF by its quant
+tag, or a transformers model's SafeTensors set) and resumable, verified downloads.
+
+Nothing here knows the model store's layout; ``registry.ModelStore`` decides where files go.
+``huggingface_hub`` and ``httpx`` are imported only when the Hub is contacted: they cost
+~0.3 s of every ``dynalm run``'s start otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from dynalm import __version__
+from dynalm.errors import InvalidRequest, PullError
+
+if TYPE_CHECKING:
+    import httpx
+
+CHUNK = 1 << 20
+DEFAULT_TAG = "Q4_K_M"  # what a GGUF repo gives without a tag, as Ollama and llama.cpp pick
+
+# A Hub owner or repo name (the Hub's own rule, minus anything a path could abuse).
+_SEGMENT = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
+_TAG = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_REV = r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}"  # a branch, tag or commit; may hold '/'
+_REF_RE = re.compile(
+    rf"(?P<org>{_SEGMENT})/(?P<repo>{_SEGMENT})"
+    rf"(?::(?P<tag>{_TAG}))?(?:@(?P<rev>{_REV}))?(?::(?P<tag2>{_TAG}))?"
+)
+_HUB_PREFIXES = ("hf.co/", "huggingface.co/")
+
+# A quant type as GGUF file names spell it: Q4_K_M, IQ3_XXS, Q8_0, F16, BF16, TQ1_0 ...
+_QUANT_RE = re.compile(r"(?i)(?:I?Q\d+(?:_[A-Z0-9]+)*|B?F16|F32|FP16|TQ\d_\d|MXFP4(?:_MOE)?)")
+_SPLIT_RE = re.compile(r"(?i)-(\d{5})-of-(\d{5})\.gguf$")
+
+# A transformers model's files besides its weights (the first three are required).
+TRANSFORMERS_REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
+TRANSFORMERS_OPTIONAL = (
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class SourceFailed(Exception):
+    """A source could not deliver a file; the message is a one-line reason."""
+
+
+class BadContent(SourceFailed):
+    """A source delivered bytes that are not the expected file (wrong hash, too long)."""
+
+
+# ---------------------------------------------------------------- references
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """``ORG/REPO`` with an optional quant tag and revision, as the user wrote them."""
+
+    repo_id: str
+    tag: str | None = None
+    revision: str | None = None
+
+    @property
+    def label(self) -> str:
+        tag = f":{self.tag}" if self.tag else ""
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"hf.co/{self.repo_id}{tag}{rev}"
+
+
+def looks_like_hub_ref(model: str) -> bool:
+    """Whether ``model`` has the shape of a Hub reference (``hf.co/...`` or ``ORG/REPO...``)
+    rather than of a path: no leading ``/``, ``./``, ``~``, one ``ORG/REPO``, no ``.gguf``
+    repo name. It may still name an existing local path; the caller checks that first."""
+    if model.startswith(_HUB_PREFIXES):
+        return True
+    if model.startswith(("/", ".", "~")) or "\\" in model:
+        return False
+    match = _REF_RE.fullmatch(model)
+    return bool(match) and not match["repo"].lower().endswith(".gguf")
+
+
+def parse_hub_ref(model: str) -> HubRef:
+    """``[hf.co/]ORG/REPO[:TAG][@REV]`` (the tag may also follow the revision); InvalidRequest
+    for anything else, and for any part that could step outside the store (``..``)."""
+    prefix = next((p for p in _HUB_PREFIXES if model.startswith(p)), "")
+    match = _REF_RE.fullmatch(model[len(prefix) :])
+    if match and match["tag"] and match["tag2"]:
+        match = None
+    rev = match["rev"] if match else None
+    parts = [match["org"], match["repo"], match["tag"] or match["tag2"] or ""] if match else []
+    if (
+        not match
+        or any(".." in p for p in parts)
+        or (rev is not None and (".." in rev or rev.endswith("/") or "//" in rev))
+    ):
+        raise InvalidRequest(
+            f"invalid Hugging Face model {model!r}: expected [hf.co/]ORG/REPO[:TAG][@REVISION] "
+            "(letters, digits, '.', '_', '-'; no '..')"
+        )
+    return HubRef(f"{match['org']}/{match['repo']}", match["tag"] or match["tag2"], rev)
+
+
+# ---------------------------------------------------------------- the repo's files
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file of a repo at one commit, as the Hub lists it."""
+
+    path: str
+    size: int | None
+    sha256: str | None  # LFS files: the Hub gives their sha256
+    git_sha1: str | None = None  # other files: their git blob id (sha1 of "blob N\0" + bytes)
+
+
+@dataclass(frozen=True)
+class Listing:
+    repo_id: str
+    commit: str
+    files: tuple[RemoteFile, ...]
+
+    def get(self, path: str) -> RemoteFile | None:
+        return next((f for f in self.files if f.path == path), None)
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+
+
+def _safe_repo_path(path: str) -> bool:
+    """A listed file name that cannot leave the directory it is written into."""
+    parts = path.split("/")
+    return all(p and p not in (".", "..") and not p.startswith(".") for p in parts) and not (
+        "\\" in path or "\0" in path or len(path) > 1024
+    )
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client errors of whichever client this huggingface_hub uses."""
+    errors: list[type[BaseException]] = [OSError]
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            mod = __import__(module)
+        except ImportError:
+            continue
+        errors.append(mod.RequestException if module == "requests" else mod.HTTPError)
+    return tuple(errors)
+
+
+def list_repo(repo_id: str, revision: str | None) -> Listing:
+    """The repo's files (sizes and hashes) at ``revision`` (default branch if None), through
+    ``huggingface_hub``; a failure is a PullError naming the repo, the endpoint and why."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"hf.co/{repo_id}" + (f"@{revision}" if revision else "") + f" ({endpoint()})"
+    api = HfApi(endpoint=endpoint(), library_name="dynalm", library_version=__version__)
+    # No telemetry: huggingface_hub's user agent otherwise fetches a list of "agent
+    # harnesses" from the Hub (an extra request per day) and looks for torch.
+    telemetry_off = constants.HF_HUB_DISABLE_TELEMETRY
+    constants.HF_HUB_DISABLE_TELEMETRY = True
+    try:
+        info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=30)
+    except RevisionNotFoundError:
+        raise PullError(f"{where}: revision {revision!r} not found") from None
+    except RepositoryNotFoundError:
+        raise PullError(
+            f"{where}: repository not found (a private or gated repo? set HF_TOKEN or run "
+            "`hf auth login`)"
+        ) from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise PullError(f"{where}: the Hub answered HTTP {status}") from None
+    except _transport_errors() as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise PullError(f"{where}: cannot reach the Hub: {reason}") from None
+    finally:
+        constants.HF_HUB_DISABLE_TELEMETRY = telemetry_off
+    if not info.sha or info.siblings is None:
+        raise PullError(f"{where}: the Hub's answer lists no commit or no files")
+    files = []
+    for s in info.siblings:
+        if not _safe_repo_path(s.rfilename):
+            raise PullError(f"{where}: the Hub lists an unsafe file name {s.rfilename!r}")
+        files.append(
+            RemoteFile(
+                s.rfilename,
+                s.size,
+                s.lfs.sha256 if s.lfs else None,
+                None if s.lfs else s.blob_id,
+            )
+        )
+    return Listing(repo_id, info.sha, tuple(files))
+
+
+# ---------------------------------------------------------------- choosing files
+
+
+def quant_tag(path: str) -> str | None:
+    """The quant type a GGUF file's name carries (its last one), e.g. ``Q4_K_M``."""
+    stem = _SPLIT_RE.sub("", Path(path).name)
+    stem = stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    tokens = [t for t in re.split(r"[.\-]", stem) if _QUANT_RE.fullmatch(t)]
+    return tokens[-1].upper() if tokens else None
+
+
+def _carries(path: str, tag: str) -> bool:
+    """Whether a file name carries ``tag``, case-insensitively, as a whole token
+    (``Q4_K`` is not ``Q4_K_M``)."""
+    return bool(re.search(rf"(?i)(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", path))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What to download from a repo: ``kind`` "gguf" (one file) or "transformers"."""
+
+    kind: str
+    variant: str  # the store's name for it: the quant tag (lowercase) or "safetensors"
+    files: tuple[RemoteFile, ...]
+    note: str = ""  # said to the user (e.g. which tag was picked without one)
+
+
+def _gguf_candidates(listing: Listing) -> list[RemoteFile]:
+    return [
+        f
+        for f in listing.files
+        if f.path.lower().endswith(".gguf") and not Path(f.path).name.lower().startswith("mmproj")
+    ]
+
+
+def _tags(files: Iterable[RemoteFile]) -> str:
+    tags = sorted({quant_tag(f.path) or Path(f.path).name for f in files})
+    return ", ".join(tags) or "(none)"
+
+
+def _one_gguf(ref: HubRef, matches: list[RemoteFile], tag: str) -> RemoteFile:
+    if len(matches) > 1 and all(_SPLIT_RE.search(f.path) for f in matches):
+        raise PullError(
+            f"{ref.label}: {tag} is a GGUF split into {len(matches)} files, which DynaLM does "
+            "not load yet (merge them with `llama-gguf-split --merge`)"
+        )
+    if len(matches) > 1:
+        names = ", ".join(f.path for f in matches)
+        raise PullError(f"{ref.label}: tag {tag} is ambiguous, it matches {names}")
+    return matches[0]
+
+
+def select_files(ref: HubRef, listing: Listing) -> Selection:
+    """The GGUF named by the tag, or without a tag a transformers model (config.json +
+    tokenizer + *.safetensors) if the repo has one, else its default GGUF."""
+    ggufs = _gguf_candidates(listing)
+    top = {f.path: f for f in listing.files if "/" not in f.path}
+    has_transformers = "config.json" in top and any(p.endswith(".safetensors") for p in top)
+    if ref.tag:
+        if not ggufs:
+            raise PullError(f"{ref.label}: the repo has no GGUF files, so no tag {ref.tag}")
+        matches = [f for f in ggufs if _carries(f.path, ref.tag)]
+        if not matches:
+            raise PullError(
+                f"{ref.label}: no GGUF file carries the tag {ref.tag}; available tags: "
+                f"{_tags(ggufs)}"
+            )
+        chosen = _one_gguf(ref, matches, ref.tag)
+        return Selection("gguf", ref.tag.lower(), (chosen,))
+    if has_transformers:
+        return _transformers_files(ref, top)
+    if not ggufs:
+        raise PullError(
+            f"{ref.label}: the repo has neither GGUF files nor a transformers model "
+            "(config.json + *.safetensors)"
+        )
+    default = [f for f in ggufs if _carries(f.path, DEFAULT_TAG)]
+    if default:
+        chosen, how = _one_gguf(ref, default, DEFAULT_TAG), "the default"
+    else:
+        singles = [f for f in ggufs if not _SPLIT_RE.search(f.path)] or ggufs
+        chosen, how = min(singles, key=lambda f: (f.size or 0, f.path)), "the smallest"
+    tag = quant_tag(chosen.path) or Path(chosen.path).stem
+    note = f"{ref.label}: no tag given, using {how} {tag} ({chosen.path}); tags: {_tags(ggufs)}"
+    return Selection("gguf", tag.lower(), (chosen,), note)
+
+
+def _transformers_files(ref: HubRef, top: dict[str, RemoteFile]) -> Selection:
+    missing = [name for name in TRANSFORMERS_REQUIRED if name not in top]
+    if missing:
+        raise PullError(
+            f"{ref.label}: a transformers model needs {', '.join(missing)}, which the repo lacks"
+        )
+    names = [*TRANSFORMERS_REQUIRED, *(n for n in TRANSFORMERS_OPTIONAL if n in top)]
+    weights = sorted(p for p in top if p.endswith(".safetensors"))
+    if SAFETENSORS_INDEX in top:
+        names.append(SAFETENSORS_INDEX)  # the shards follow once the index is read
+    elif "model.safetensors" in top:
+        names.append("model.safetensors")
+    elif len(weights) == 1:
+        names.append(weights[0])
+    else:
+        raise PullError(
+            f"{ref.label}: {len(weights)} *.safetensors files ({', '.join(weights)}) and no "
+            f"{SAFETENSORS_INDEX} saying which form the model"
+        )
+    return Selection("transformers", "safetensors", tuple(top[n] for n in names))
+
+
+def index_shards(ref: HubRef, listing: Listing, index: Path) -> list[RemoteFile]:
+    """The shards a downloaded ``model.safetensors.index.json`` names, each in the listing."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PullError(f"{ref.label}: {SAFETENSORS_INDEX} is not a valid index: {e}") from None
+    files = []
+    for name in shards:
+        file = listing.get(name) if isinstance(name, str) and "/" not in name else None
+        if file is None:
+            raise PullError(f"{ref.label}: {SAFETENSORS_INDEX} names {name!r}, not in the repo")
+        files.append(file)
+    return files
+
+
+# ---------------------------------------------------------------- downloading
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a download must turn out to be; unknown size or hashes are not checked."""
+
+    label: str  # names the file in progress bars and errors
+    size: int | None
+    sha256: str | None = None
+    git_sha1: str | None = None
+
+
+class _Hashes:
+    """sha256 (and the git blob sha1 when one is expected) of the bytes written."""
+
+    def __init__(self, want: Expected):
+        self.sha256 = hashlib.sha256()
+        self.sha1 = None
+        if want.git_sha1 and want.size is not None:
+            self.sha1 = hashlib.sha1(f"blob {want.size}\0".encode(), usedforsecurity=False)
+
+    def update(self, block: bytes) -> None:
+        self.sha256.update(block)
+        if self.sha1 is not None:
+            self.sha1.update(block)
+
+    def mismatch(self, want: Expected) -> str | None:
+        got = self.sha256.hexdigest()
+        if want.sha256 and got != want.sha256:
+            return f"sha256 mismatch: got {got[:12]}…, expected {want.sha256[:12]}…"
+        if self.sha1 is not None and self.sha1.hexdigest() != want.git_sha1:
+            return f"git blob id mismatch: got {self.sha1.hexdigest()[:12]}…"
+        return None
+
+
+def stream_to(
+    partial: Path,
+    chunks: Iterable[bytes],
+    offset: int,
+    want: Expected,
+    progress: Progress,
+    task: TaskID,
+) -> str:
+    """Append ``chunks`` to ``partial`` after its first ``offset`` bytes, then verify size and
+    hashes and fsync; returns the sha256. A file that fails verification is deleted."""
+    hashes = _Hashes(want)
+    with open(partial, "r+b" if offset else "wb") as f:
+        while offset and (block := f.read(min(CHUNK, offset - f.tell()))):
+            hashes.update(block)
+        f.seek(offset)
+        f.truncate()
+        written = offset
+        for chunk in chunks:
+            written += len(chunk)
+            if want.size is not None and written > want.size:
+                raise BadContent(f"sent more than the expected {want.size} bytes")
+            hashes.update(chunk)
+            f.write(chunk)
+            progress.advance(task, len(chunk))
+        f.flush()
+        os.fsync(f.fileno())
+    if want.size is not None and written != want.size:
+        raise SourceFailed(f"got {written} bytes, expected {want.size}")
+    if reason := hashes.mismatch(want):
+        partial.unlink()
+        raise BadContent(reason)
+    return hashes.sha256.hexdigest()
+
+
+def client() -> httpx.Client:
+    """An HTTP client for the Hub: the user's token (HF_TOKEN or `hf auth login`), no
+    compression (byte offsets must be the file's), redirects followed (LFS files live on a
+    CDN). Headers built by hand: huggingface_hub's probe the Hub for a telemetry list."""
+    import httpx
+    from huggingface_hub import get_token
+
+    headers = {"user-agent": f"dynalm/{__version__}", "accept-encoding": "identity"}
+    if token := get_token():
+        headers["authorization"] = f"Bearer {token}"
+    timeout = httpx.Timeout(60.0, connect=10.0)
+    return httpx.Client(headers=headers, timeout=timeout, follow_redirects=True)
+
+
+def file_url(repo_id: str, revision: str, path: str) -> str:
+    return f"{endpoint()}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(path)}"
+
+
+def download(
+    http: httpx.Client, url: str, partial: Path, want: Expected, progress: Progress
+) -> str:
+    """Download ``url`` into ``partial``, resuming a leftover one with a Range request (and
+    starting over if the resumed file does not verify); returns its sha256."""
+    size = partial.stat().st_size if partial.exists() else 0
+    offset = size if want.size is None or size < want.size else 0
+    try:
+        return _get(http, url, offset, partial, want, progress)
+    except BadContent:
+        if not offset:
+            raise
+        return _get(http, url, 0, partial, want, progress)  # the leftover was bad: redo
+
+
+def _get(
+    http: httpx.Client, url: str, offset: int, partial: Path, want: Expected, progress: Progress
+) -> str:
+    import httpx
+
+    headers = {"range": f"bytes={offset}-"} if offset else {}
+    try:
+        with http.stream("GET", url, headers=headers) as response:
+            if response.status_code == 416:  # the file is shorter than the leftover
+                raise BadContent("server refused to resume the partial download")
+            response.raise_for_status()
+            if response.status_code != 206:
+                offset = 0
+            total = want.size
+            if total is None and "content-length" in response.headers:
+                total = offset + int(response.headers["content-length"])
+            task = progress.add_task(want.label, total=total, completed=offset)
+            try:
+                return stream_to(partial, response.iter_raw(), offset, want, progress, task)
+            finally:
+                progress.remove_task(task)
+    except httpx.HTTPStatusError as e:
+        status = e.response.status_code
+        hint = (
+            " (a gated repo? set HF_TOKEN or run `hf auth login`)" if status in (401, 403) else ""
+        )
+        where = e.request.url.copy_with(query=None)
+        raise SourceFailed(f"HTTP {status} {e.response.reason_phrase} from {where}{hint}") from e
+    except httpx.HTTPError as e:
+        raise SourceFailed(f"{type(e).__name__}: {e}") from e
+
+
+def progress_bar(console: Console, enabled: bool) -> Progress:
+    """The download progress bar (on stderr)."""
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    return Progress(*columns, console=console, disable=not enabled)
