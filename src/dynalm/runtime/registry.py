@@ -418,11 +418,12 @@ class ModelStore:
     # -- public API
 
     def resolve(self, model: str, *, pull: bool = True) -> Path:
-        """The GGUF file for a MODEL string: a local path that must exist, or a catalog name
-        (pulled on first use unless ``pull`` is False)."""
+        """The GGUF file for a MODEL string: a local path that must exist (a GGUF file or a
+        SafeTensors model directory), or a catalog name (pulled on first use unless ``pull``
+        is False)."""
         if is_local_path(model):
             path = Path(model).expanduser()
-            if not path.is_file():
+            if not (path.is_file() or path.is_dir()):
                 raise ModelNotFound(f"no such model file: {model}")
             return path.absolute()
         name, tag = self._key(model)
