@@ -87,32 +87,29 @@ def pack_awq(qt: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def write_quantized(
-    model: PreTrainedModel,
-    path: Path,
-    method: str,
-    group: int,
-    sym: bool = False,
-    act_order: bool = False,
-    seed: int = 0,
-) -> None:
-    """Replace ``path``'s (a `save_pretrained` directory of ``model``) weights with a GPTQ or
-    AWQ checkpoint of its linear layers, and put the dequantised weights into ``model``."""
+def quantize_linears(
+    tensors: dict[str, np.ndarray], method: str, group: int, sym: bool, act_order: bool, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """HF-named fp32 ``tensors`` with each linear layer's weight replaced by its packed
+    parts; and the dequantised weights, by their names."""
     rng = np.random.default_rng(seed)
-    tensors: dict[str, np.ndarray] = {}
-    with torch.no_grad():
-        for name, param in model.state_dict().items():
-            stem = name.removesuffix(".weight")
-            w = param.detach().to(torch.float32).numpy()
-            if not stem.endswith(LINEARS) or not name.endswith(".weight"):
-                tensors[name] = w.copy()
-                continue
-            qt = quantize(w, group, sym, act_order, rng)
-            packed = pack_gptq(qt) if method == "gptq" else pack_awq(qt)
-            tensors |= {f"{stem}.{part}": a for part, a in packed.items()}
-            param.copy_(torch.from_numpy(qt["dequantized"].astype(np.float32)))
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    out, dequantized = {}, {}
+    for name, w in tensors.items():
+        stem = name.removesuffix(".weight")
+        if not stem.endswith(LINEARS) or not name.endswith(".weight"):
+            out[name] = w
+            continue
+        qt = quantize(w, group, sym, act_order, rng)
+        packed = pack_gptq(qt) if method == "gptq" else pack_awq(qt)
+        out |= {f"{stem}.{part}": a for part, a in packed.items()}
+        dequantized[name] = qt["dequantized"].astype(np.float32)
+    return out, dequantized
+
+
+def write_checkpoint(
+    path: Path, tensors: dict[str, np.ndarray], method: str, group: int, sym: bool, act_order: bool
+) -> None:
+    """``tensors`` as ``path``'s only SafeTensors file, and config.json's quantization_config."""
     for f in path.glob("*.safetensors"):
         f.unlink()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -125,3 +122,25 @@ def write_quantized(
               "version": "gemm"}  # fmt: skip
     config["quantization_config"] = qc
     (path / "config.json").write_text(json.dumps(config))
+
+
+def write_quantized(
+    model: PreTrainedModel,
+    path: Path,
+    method: str,
+    group: int,
+    sym: bool = False,
+    act_order: bool = False,
+    seed: int = 0,
+) -> None:
+    """Replace ``path``'s (a `save_pretrained` directory of ``model``) weights with a GPTQ or
+    AWQ checkpoint of its linear layers, and put the dequantised weights into ``model``."""
+    state = {n: p.detach().to(torch.float32).numpy().copy() for n, p in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors, dequantized = quantize_linears(state, method, group, sym, act_order, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in dequantized:
+                param.copy_(torch.from_numpy(dequantized[name]))
+    write_checkpoint(path, tensors, method, group, sym, act_order)

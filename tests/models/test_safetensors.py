@@ -77,9 +77,10 @@ def test_half_precision_directory_runs_on_its_own_kernels(family, dtype, tmp_pat
             param.copy_(param.to(dtype).to(torch.float32))
     path = write_hf_dir(copy.deepcopy(reference).to(dtype), tmp_path / family)
     with HFDirectory(path) as d:
-        assert d.tensors["blk.0.attn_q.weight"].ggml_type == GGMLQuantizationType[
-            "BF16" if dtype == torch.bfloat16 else "F16"
-        ]
+        assert (
+            d.tensors["blk.0.attn_q.weight"].ggml_type
+            == GGMLQuantizationType["BF16" if dtype == torch.bfloat16 else "F16"]
+        )
     _check(path, reference)
 
 

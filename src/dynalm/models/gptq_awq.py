@@ -75,8 +75,7 @@ def read_quant_config(config: dict, where: str, example: str) -> QuantConfig | N
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise UnsupportedModel(
-            f"{where}: {method} with bits = {show(bits)} ({example}) is not supported "
-            "(4-bit only)"
+            f"{where}: {method} with bits = {show(bits)} ({example}) is not supported (4-bit only)"
         )
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if type(group) is not int or not (group == -1 or (group > 0 and group % BLOCK == 0)):
@@ -124,9 +123,7 @@ class Unpacked:
     g_idx: np.ndarray
 
 
-def unpack(
-    method: str, name: str, parts: dict[str, np.ndarray], group_size: int
-) -> Unpacked:
+def unpack(method: str, name: str, parts: dict[str, np.ndarray], group_size: int) -> Unpacked:
     """Unpack a layer's ``qweight``/``qzeros``/``scales`` (/``g_idx``), shapes checked;
     ``name`` (the layer) is named in errors."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]

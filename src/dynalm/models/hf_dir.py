@@ -249,8 +249,7 @@ class HFDirectory:
         base = names.get_name(stem)
         if base is None:
             raise UnsupportedModel(
-                f"{shard.path}: tensor {show(parts['qweight'])} has no place in a "
-                f"{self.arch} model"
+                f"{shard.path}: tensor {show(parts['qweight'])} has no place in a {self.arch} model"
             )
         qweight = self._hf[parts["qweight"]][1]
         if qweight.dtype != "I32" or len(qweight.shape) != 2:

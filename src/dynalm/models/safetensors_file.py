@@ -180,4 +180,3 @@ class SafeTensorsFile:
 
     def close(self) -> None:
         self._map = None
-
