@@ -6,10 +6,11 @@ import platform
 from collections import Counter
 
 from dynalm.core.device import MODES, CpuDevice, physical_cores
-from dynalm.core.quant import QUANT_FORMATS, quant_format
+from dynalm.core.quant import QUANT_FORMATS, tensor_type_name
 from dynalm.ir.ops import OPS
 from dynalm.kernel import backends, jit
 from dynalm.kernel import matmul as kernel_matmul
+from dynalm.models.gptq_awq import describe
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.memory_plan import MemoryPlan
 
@@ -23,11 +24,13 @@ def _count(n: int) -> str:
 
 def describe_model(model: LoadedModel, plan: MemoryPlan | None = None) -> str:
     hp = model.hparams
-    types = Counter(quant_format(t.ggml_type).name for t in model.gguf.tensors.values())
+    types = Counter(tensor_type_name(t.ggml_type) for t in model.gguf.tensors.values())
+    quant = getattr(model.gguf, "quant", None)  # a GPTQ/AWQ directory: repacked at load
     lines = [
         f"  name                {model.name}",
         f"  file                {model.path}",
         f"  architecture        {hp.arch}",
+        *([f"  quantization        {describe(quant)} (repacked at load)"] if quant else []),
         f"  parameters          {_count(model.n_params)}",
         f"  tensors             {len(model.gguf.tensors)}",
         f"  quant types         {', '.join(f'{k} x{v}' for k, v in types.most_common())}",

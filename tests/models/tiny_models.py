@@ -19,6 +19,7 @@ puts the same rounding into the reference model, so both compute the same math.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,3 +267,27 @@ def dequantize_weights(model: PreTrainedModel, qtype: GGMLQuantizationType) -> N
             if _quantizable(name, w, qtype):
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
                 param.copy_(torch.from_numpy(rounded.reshape(w.shape)))
+
+
+def write_hf_dir(model: PreTrainedModel, path: Path, **save: object) -> Path:
+    """``model`` as a Hugging Face directory (``save_pretrained``: config.json, SafeTensors)
+    with a byte-level BPE ``tokenizer.json`` of the same vocabulary as `write_gguf`'s, built
+    with `tokenizers` itself, and a tokenizer_config.json naming its special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    model.save_pretrained(path, safe_serialization=True, **save)
+    tokens = _byte_tokens() + SPECIAL_TOKENS
+    extra = [f"<|extra_{i}|>" for i in range(model.config.vocab_size - len(tokens))]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(_byte_tokens())}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS + extra])
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[0],
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

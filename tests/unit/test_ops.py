@@ -35,6 +35,7 @@ GOOD = {
     "swiglu": ([X, X], [], {}),
     "geglu": ([X, X], [], {}),
     "select_rows": ([X, t("i32", "S")], [], {}),
+    "gather_cols": ([X], [t("i32", 64)], {}),
     "split": ([X], [], {"start": 16, "width": 48, "view": True}),
 }  # fmt: skip
 BAD = [
@@ -57,6 +58,8 @@ BAD = [
     ("add", ([X, t("f32", "T", 32)], [], {}), "operands of different shapes [T, 64], [T, 32]"),
     ("mul", ([X], [], {}), "mul takes 2 operands, found 1"),
     ("select_rows", ([X, IDS], [X], {}), "select_rows takes 0 weights, found 1"),
+    ("gather_cols", ([X], [t("i32", 63)], {}), "by an index [63]: one per column"),
+    ("gather_cols", ([X], [t("f32", 64)], {}), "weight index is i32, found tensor<f32, [64]>"),
     ("split", ([X], [], {"start": 16, "width": 64}), "columns 16+64 of [T, 64]"),
 ]  # fmt: skip
 

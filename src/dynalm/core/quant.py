@@ -179,6 +179,19 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
 }
 
 
+# Integer tensors a model may carry beside its weights: indices, never multiplied (a GPTQ
+# act-order layer's input permutation, see ``models.gptq_awq``). Not rows of the table: no
+# matmul, embedding or vector kernel takes them.
+INDEX_TYPES: dict[int, str] = {int(_T.I32): "i32"}
+
+
+def tensor_type_name(ggml_type: int) -> str:
+    """The DynaIR dtype of a tensor type: its table row's name, or an index type's."""
+    if ggml_type in INDEX_TYPES:
+        return INDEX_TYPES[ggml_type]
+    return quant_format(ggml_type).name
+
+
 def ggml_type_name(ggml_type: int) -> str:
     """The GGUF name of a tensor type (``"IQ2_XXS"``), or its number if unknown."""
     try:

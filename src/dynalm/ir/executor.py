@@ -351,6 +351,10 @@ class Executor:
             return lambda: cpu_ops.gelu_tanh(v[o], v[args[0]])
         if op == "select_rows":
             return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
+        if op == "gather_cols":
+            index = self._weights.raw(w[0]).view(np.int32).copy()  # a small index, owned
+            self._weights.release(w[0])
+            return lambda: np.take(v[args[0]], index, axis=1, out=v[o])
         raise NotImplementedError(f"the CPU device has no kernel for op '{op}'")
 
     # -- running -------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Operand:
 class WeightSlot:
     name: str
     optional: bool = False
+    dtype: str | None = None  # an index tensor's dtype; None: any quant-format table row
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,13 @@ def _select_rows(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     return (rows[0], x[1])
 
 
+def _gather_cols(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    (x,), (index,) = shapes, weights
+    if len(x) != 2 or len(index) != 1 or index[0] != x[1]:
+        raise _fail(f"gather_cols of {_dims(x)} by an index {_dims(index)}: one per column")
+    return x
+
+
 def _split(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     (src,), start, width = shapes, attrs["start"], attrs["width"]
     if len(src) != 2 or start < 0 or width < 1 or start + width > _width(src):
@@ -204,6 +212,8 @@ _TABLE = (
           doc="gelu_tanh(gate) * up"),
     OpDef("select_rows", (X, Operand("rows", "i32")), _select_rows,
           doc="the rows listed (each sequence's last token)"),
+    OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32"),),
+          doc="x[:, index]: columns in the order a weight's input was permuted at load"),
     OpDef("split", (X,), _split, attrs=(Attr("start", int), Attr("width", int),
                                         Attr("view", bool, ABSENT)),
           kernel="copy", view=True, doc="columns start..start+width (a view when marked)"),
@@ -258,7 +268,9 @@ def infer(
     for slot, t in zip(op.weights, weights, strict=True):
         if t is None and not slot.optional:
             raise GraphError(f"{op.name} needs the weight {slot.name}")
-        if t is not None and t.dtype not in WEIGHT_DTYPES:
+        if t is not None and slot.dtype is not None and t.dtype != slot.dtype:
+            raise GraphError(f"{op.name}'s weight {slot.name} is {slot.dtype}, found {t}")
+        if t is not None and slot.dtype is None and t.dtype not in WEIGHT_DTYPES:
             raise GraphError(f"{op.name}'s weight {slot.name} has no tensor type, found {t}")
     shapes = [t.shape for t in args]
     weight_shapes = [None if t is None else t.shape for t in weights]

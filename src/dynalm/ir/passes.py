@@ -223,6 +223,32 @@ def view_splits(graph: Graph) -> Graph:
     return Graph(graph.name, dict(graph.inputs), nodes, dict(graph.outputs))
 
 
+INPUT_PERM = ".input_perm"  # ``X.input_perm``: the column order of ``X.weight``'s input
+
+
+def gather_permuted_inputs(graph: Graph, weights: dict[str, TensorType]) -> Graph:
+    """Before each matmul whose weight ``X.weight`` has an ``X.input_perm`` among
+    ``weights`` (its input columns were permuted at load: GPTQ act-order), a
+    ``gather_cols`` of its input by that index: ``x[:, perm] @ W[:, perm]^T = x @ W^T``.
+    Runs on the built graph, before ``optimize`` (a gathered input is a value of its own,
+    so matmuls that read it are not merged with those reading the ungathered one)."""
+    next_id = 1 + max(
+        [v.id for v in graph.inputs.values()] + [n.out.id for n in graph.nodes], default=0
+    )
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        name = node.weights[0].name if node.weights else ""
+        perm = name.removesuffix(".weight") + INPUT_PERM
+        if node.op == "matmul" and name.endswith(".weight") and perm in weights:
+            x = node.args[0]
+            gathered = Value(next_id, x.type)
+            next_id += 1
+            nodes.append(Node("gather_cols", gathered, (x,), (Weight(perm, weights[perm]),)))
+            node = dataclasses.replace(node, args=(gathered, *node.args[1:]))
+        nodes.append(node)
+    return Graph(graph.name, dict(graph.inputs), nodes, dict(graph.outputs))
+
+
 @dataclasses.dataclass(frozen=True)
 class Pass:
     name: str

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from jinja2.compiler import CodeGenerator, Frame
@@ -282,15 +283,41 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict, tokenizer: Tokenizer) -> ChatTemplate:
-        """The file's ``tokenizer.chat_template``, else a fallback by family.
-
-        Fallbacks: Gemma for ``gemma*`` architectures, Llama 3 for llama models whose vocabulary
-        has ``<|eot_id|>``, ChatML for everything else (Qwen2, SmolLM ...).
-        """
+        """The file's ``tokenizer.chat_template``, else a fallback by family (`for_family`)."""
         source = text(metadata, "tokenizer.chat_template", None)
-        name = "the chat template (tokenizer.chat_template)"
+        arch = str(metadata.get("general.architecture", ""))
+        return cls.for_family(source, "tokenizer.chat_template", arch, tokenizer)
+
+    @classmethod
+    def from_hf_directory(
+        cls, directory: Path, config: dict, arch: str, tokenizer: Tokenizer
+    ) -> ChatTemplate:
+        """A Hugging Face model directory's template: ``chat_template.jinja`` (what recent
+        transformers write), else tokenizer_config.json's ``chat_template`` (a string, or a
+        list of named templates: the one named "default"), else a fallback by family."""
+        where, source = "chat_template.jinja", None
+        try:
+            source = (directory / where).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            where, source = "tokenizer_config.json chat_template", config.get("chat_template")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"{directory / where}: cannot read ({e})") from None
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if source is not None and not isinstance(source, str):
+            raise InvalidRequest(f"{directory}: {where} {show(source)} is not a template")
+        return cls.for_family(source, where, arch, tokenizer)
+
+    @classmethod
+    def for_family(
+        cls, source: str | None, where: str, arch: str, tokenizer: Tokenizer
+    ) -> ChatTemplate:
+        """``source`` (found at ``where``), or when None a fallback by family: Gemma for
+        ``gemma*`` architectures, Llama 3 for llama models whose vocabulary has
+        ``<|eot_id|>``, ChatML for everything else (Qwen2, SmolLM ...)."""
+        name = f"the chat template ({where})"
         if source is None:
-            arch = str(metadata.get("general.architecture", ""))
             if arch.startswith("gemma"):
                 source, name = GEMMA, "the Gemma chat template"
             elif arch == "llama" and tokenizer.token_to_id("<|eot_id|>") is not None:

@@ -1,5 +1,6 @@
-"""Loading a GGUF file into a runnable model: weights, hyper-parameters, tokenizer,
-chat template and the DynaIR graph of its forward pass."""
+"""Loading a model into a runnable model: weights, hyper-parameters, tokenizer, chat
+template and the DynaIR graph of its forward pass. A model is a GGUF file, or a Hugging
+Face directory of SafeTensors (``hf_dir.HFDirectory``, which reads like a GGUF file)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import numpy as np
 from dynalm.core.memory import trim_heap
 from dynalm.errors import DynaError, ModelFormatError
 from dynalm.ir.graph import Graph
-from dynalm.ir.passes import optimize
+from dynalm.ir.passes import gather_permuted_inputs, optimize
 from dynalm.models.arch import build_graph, family_file, tensor_types
 from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.gguf_file import GGUFFile
+from dynalm.models.hf_dir import HFDirectory, read_json
 from dynalm.models.hparams import HParams, read_hparams
 from dynalm.models.tokenizer import Tokenizer
 
@@ -33,9 +35,10 @@ RACY_SECONDS = 2.0
 
 
 class GGUFWeights:
-    """The executor's view of a GGUF file's tensors (memory-mapped, never copied)."""
+    """The executor's view of a model file's tensors (memory-mapped, never copied; a
+    GPTQ/AWQ layer of an ``HFDirectory`` is repacked when read)."""
 
-    def __init__(self, gguf: GGUFFile):
+    def __init__(self, gguf: GGUFFile | HFDirectory):
         self.gguf = gguf
 
     def raw(self, name: str) -> np.ndarray:
@@ -60,6 +63,8 @@ class GGUFWeights:
         st, infos = self.gguf.stat, [self.gguf.tensors[n] for n in names]
         if self.gguf.opened_at - st.st_ctime < RACY_SECONDS:
             return None
+        if isinstance(self.gguf, HFDirectory):  # its shards are files of their own
+            return self.gguf.source(names)
         where = (
             os.path.realpath(self.gguf.path)
             + "@"
@@ -76,7 +81,7 @@ class GGUFWeights:
 @dataclass
 class LoadedModel:
     path: Path
-    gguf: GGUFFile
+    gguf: GGUFFile | HFDirectory  # the model file (a SafeTensors directory reads as one)
     hparams: HParams
     tokenizer: Tokenizer
     chat_template: ChatTemplate
@@ -96,9 +101,11 @@ class LoadedModel:
         return self.tokenizer.eog_ids | self.chat_template.stop_token_ids
 
 
-def model_graph(gguf: GGUFFile, hp: HParams) -> Graph:
-    """The forward pass of a model file as its family builds it (before any pass)."""
-    graph = build_graph(hp.arch, gguf.metadata, tensor_types(gguf))
+def model_graph(gguf: GGUFFile | HFDirectory, hp: HParams) -> Graph:
+    """The forward pass of a model file as its family builds it (before any fusing pass;
+    act-order inputs gathered)."""
+    types = tensor_types(gguf)
+    graph = gather_permuted_inputs(build_graph(hp.arch, gguf.metadata, types), types)
     _check_kv_geometry(graph, hp)
     return graph
 
@@ -120,18 +127,36 @@ def _check_kv_geometry(graph: Graph, hp: HParams) -> None:
             )
 
 
+def _hf_tokenizer(d: HFDirectory, n_vocab: int) -> tuple[Tokenizer, ChatTemplate]:
+    """A model directory's tokenizer and chat template (see ``Tokenizer.from_hf_files``)."""
+    config = read_json(d.path / "tokenizer_config.json", required=False) or {}
+    generation = read_json(d.path / "generation_config.json", required=False) or {}
+    if not isinstance(config, dict) or not isinstance(generation, dict):
+        raise ModelFormatError(f"{d.path}: tokenizer_config / generation_config not objects")
+    eos = generation.get("eos_token_id", [])
+    eos = [eos] if type(eos) is int else eos if isinstance(eos, list) else []
+    tokenizer = Tokenizer.from_hf_files(
+        d.path / "tokenizer.json", config, n_vocab, [i for i in eos if type(i) is int]
+    )
+    return tokenizer, ChatTemplate.from_hf_directory(d.path, config, d.arch, tokenizer)
+
+
 def load_model(path: str | os.PathLike) -> LoadedModel:
-    """Read and check a GGUF file. Everything the file says is checked here (metadata types
-    and ranges, hyper-parameters against the tensor shapes, the tokenizer), before any
-    kernel or buffer is sized from it; an error names the file and what in it is wrong."""
-    gguf = GGUFFile(path)
+    """Read and check a GGUF file or a SafeTensors model directory. Everything it says is
+    checked here (metadata types and ranges, hyper-parameters against the tensor shapes,
+    the tokenizer), before any kernel or buffer is sized from it; an error names the file
+    and what in it is wrong."""
+    gguf = HFDirectory(path) if Path(path).is_dir() else GGUFFile(path)
     try:
         meta = gguf.metadata
         family_file(gguf.architecture)  # refuse unknown architectures before anything else
         hp = read_hparams(meta, {name: t.shape for name, t in gguf.tensors.items()})
         graph = optimize(model_graph(gguf, hp))  # fused ops for the executor
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-        template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
+        if isinstance(gguf, HFDirectory):
+            tokenizer, template = _hf_tokenizer(gguf, hp.n_vocab)
+        else:
+            tokenizer = Tokenizer.from_gguf_metadata(meta)
+            template = ChatTemplate.from_gguf_metadata(meta, tokenizer)
         for key in _TOKENIZER_ARRAYS:  # the tokenizer holds them now (20 MB at 262k tokens)
             meta.pop(key, None)
         trim_heap()  # and the temporaries of its build

@@ -16,17 +16,20 @@ Control, user-defined and unknown tokens are matched whole in the input text, so
 from __future__ import annotations
 
 import codecs
+import json
 import logging
 import re
 from array import array
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from dynalm.errors import InvalidRequest, ModelFormatError, UnsupportedModel, show
+from dynalm.errors import InvalidRequest, ModelFormatError, ModelNotFound, UnsupportedModel, show
 from dynalm.models.metadata import bad, flag, integer, numbers, strings, text
 
 log = logging.getLogger(__name__)
@@ -179,8 +182,33 @@ def _sentencepiece_bpe(
     return hf
 
 
+def _steps(node: Any) -> list[dict]:
+    """Every component object of a tokenizer.json (normalizers, pre-tokenizers, decoders)."""
+    if isinstance(node, list):
+        return [s for item in node for s in _steps(item)]
+    if not isinstance(node, dict):
+        return []
+    return [node, *(s for v in node.values() for s in _steps(v))]
+
+
+def _has_step(spec: dict, kind: str) -> bool:
+    """Whether tokenizer.json's normalizer, pre-tokenizer or decoder has a ``kind`` step."""
+    parts = (spec.get("normalizer"), spec.get("pre_tokenizer"), spec.get("decoder"))
+    return any(s.get("type") == kind for s in _steps(list(parts)))
+
+
+def _metaspace_prefix(spec: dict) -> bool:
+    """A sentencepiece-style pre-tokenizer that puts "▁" before the text."""
+    return any(
+        s.get("type") == "Metaspace"
+        and (s.get("prepend_scheme", "always") != "never" and s.get("add_prefix_space", True))
+        for s in _steps(spec.get("pre_tokenizer"))
+    )
+
+
 class Tokenizer:
-    """Text <-> token ids for one model, built once from its GGUF metadata."""
+    """Text <-> token ids for one model, built once from its GGUF metadata or from a
+    Hugging Face ``tokenizer.json``."""
 
     def __init__(
         self,
@@ -263,6 +291,68 @@ class Tokenizer:
             add_bos=flag(metadata, "tokenizer.ggml.add_bos_token", kind == "llama"),
             add_eos=flag(metadata, "tokenizer.ggml.add_eos_token", False),
             eog_ids=frozenset(i for i in eog if i is not None),
+        )
+
+    @classmethod
+    def from_hf_files(
+        cls, tokenizer_json: Path, config: dict, n_vocab: int, eos_ids: Sequence[int] = ()
+    ) -> Tokenizer:
+        """The tokenizer of a Hugging Face model directory: ``tokenizer.json`` as it is,
+        with ``config`` (tokenizer_config.json) naming BOS/EOS and whether BOS is added;
+        ``eos_ids`` (generation_config.json) also end generation. Ids past the vocabulary
+        up to ``n_vocab`` (embedding rows padded for speed) become unused special tokens."""
+        try:
+            source = tokenizer_json.read_text(encoding="utf-8")
+            spec = json.loads(source)
+            hf = HFTokenizer.from_str(source)
+        except FileNotFoundError:
+            raise ModelNotFound(f"{tokenizer_json}: no such file") from None
+        except Exception as e:  # unreadable, not JSON, or a tokenizer `tokenizers` refuses
+            reason = show(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)
+            raise ModelFormatError(f"{tokenizer_json}: not a valid tokenizer ({reason})") from e
+        size = hf.get_vocab_size(with_added_tokens=True)
+        if size > n_vocab:
+            raise ModelFormatError(
+                f"{tokenizer_json} has {size} tokens but the embedding has {n_vocab} rows"
+            )
+        types = [_NORMAL] * n_vocab
+        for tok in hf.get_added_tokens_decoder().values():
+            if (i := hf.token_to_id(tok.content)) is not None:
+                types[i] = _CONTROL if tok.special else _USER_DEFINED
+        if size < n_vocab:
+            pads = [f"[PAD{i}]" for i in range(size, n_vocab)]  # as llama.cpp's converter
+            hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in pads])
+            for i in range(size, n_vocab):
+                types[i] = _CONTROL
+
+        def token_id(key: str) -> int | None:
+            tok = config.get(key)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if tok is None:
+                return None
+            i = hf.token_to_id(tok) if isinstance(tok, str) else None
+            if i is None:
+                raise ModelFormatError(f"tokenizer_config.json: {key} {show(tok)} is no token")
+            return i
+
+        bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):  # tokenizer.json's post-processor says it
+            single = (spec.get("post_processor") or {}).get("single") or []
+            added = [p.get("SpecialToken", {}).get("id") for p in single if isinstance(p, dict)]
+            add_bos = bos_id is not None and hf.id_to_token(bos_id) in added
+        eog = [eos_id, *eos_ids] + [hf.token_to_id(t) for t in _EOG_TEXTS]
+        return cls(
+            hf,
+            types,
+            byte_level=_has_step(spec, "ByteLevel"),
+            strip_space_prefix=_has_step(spec, "Prepend") or _metaspace_prefix(spec),
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=token_id("pad_token"),
+            add_bos=add_bos,
+            add_eos=config.get("add_eos_token") is True,
+            eog_ids=frozenset(i for i in eog if i is not None and 0 <= i < n_vocab),
         )
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:

@@ -410,7 +410,7 @@ class ModelStore:
         False; a pulled one is used as it is, without contacting the Hub)."""
         if is_local_path(model):
             path = Path(model).expanduser()
-            if not path.exists():
+            if not (path.is_file() or path.is_dir()):
                 raise ModelNotFound(f"no such model file: {model}")
             return path.absolute()
         if hub.looks_like_hub_ref(model):

@@ -12,11 +12,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from dynalm.core.quant import quant_format
+from dynalm.core.quant import tensor_type_name
 from dynalm.errors import UnsupportedModel, show
 from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.lumen import Elaborator, Program, load_file
 from dynalm.models.gguf_file import GGUFFile
+from dynalm.models.hf_dir import HFDirectory
 
 ARCH_DIR = Path(__file__).parent
 _FAMILY = re.compile(r"^family\s+(.+)$", re.MULTILINE)
@@ -48,9 +49,9 @@ def family_program(path: Path) -> Program:
     return load_file(path)
 
 
-def tensor_types(gguf: GGUFFile) -> dict[str, TensorType]:
+def tensor_types(gguf: GGUFFile | HFDirectory) -> dict[str, TensorType]:
     """A model file's tensor directory as DynaIR types (stored dtype, shape)."""
-    return {n: TensorType(quant_format(t.ggml_type).name, t.shape) for n, t in gguf.tensors.items()}
+    return {n: TensorType(tensor_type_name(t.ggml_type), t.shape) for n, t in gguf.tensors.items()}
 
 
 def build_graph(arch: str, metadata: dict[str, Any], weight_types: dict[str, TensorType]) -> Graph:

@@ -1,0 +1,341 @@
+"""A Hugging Face model directory (what ``save_pretrained`` writes) presented as a GGUF file.
+
+``config.json`` gives the architecture and hyper-parameters, written here under the GGUF
+metadata keys llama.cpp's converter would write (so ``read_hparams`` and the families'
+``.lum`` files read them as for a GGUF); the ``*.safetensors`` files (one, or the shards
+of ``model.safetensors.index.json``) give the tensors, renamed to GGUF names with gguf-py's
+own HF -> GGUF map. The tokenizer and chat template come from ``tokenizer.json``,
+``tokenizer_config.json`` (and ``chat_template.jinja``, ``generation_config.json``).
+
+Tensors in F32, F16 and BF16 are memory-mapped views, run by the same kernels as a GGUF's.
+Llama's q/k rows are kept in HF's layout (rope pairs ``(i, i + d/2)``, "NeoX" order)
+instead of being permuted into llama.cpp's adjacent pairs: the graph's rope is told so
+(``dynalm.rope.neox``), which is the same arithmetic without a copy. GPTQ and AWQ layers
+are repacked at load into Q4_0 / Q5_0 blocks (``gptq_awq``); an act-order layer also gets
+an ``input_perm`` index tensor, which the graph applies to its input (``gather_cols``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from dynalm.core.quant import QUANT_FORMATS
+from dynalm.errors import ModelFormatError, ModelNotFound, UnsupportedModel, show
+from dynalm.models import gptq_awq
+from dynalm.models.gguf_file import TensorInfo
+from dynalm.models.safetensors_file import SafeTensor, SafeTensorsFile
+
+INDEX_FILE = "model.safetensors.index.json"
+NEOX_KEY = "dynalm.rope.neox"  # rope over HF's (i, i + d/2) pairs (see the module doc)
+_T = GGMLQuantizationType
+
+# config.json model_type -> (GGUF architecture, gguf-py's MODEL_ARCH)
+ARCHITECTURES: dict[str, tuple[str, gguf.MODEL_ARCH]] = {
+    "llama": ("llama", gguf.MODEL_ARCH.LLAMA),
+    "mistral": ("llama", gguf.MODEL_ARCH.LLAMA),  # llama.cpp converts Mistral as llama
+    "qwen2": ("qwen2", gguf.MODEL_ARCH.QWEN2),
+    "qwen3": ("qwen3", gguf.MODEL_ARCH.QWEN3),
+    "olmo2": ("olmo2", gguf.MODEL_ARCH.OLMO2),
+}
+_FLOAT_TYPES = {"F32": _T.F32, "F16": _T.F16, "BF16": _T.BF16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed from rope_theta (as llama.cpp)
+
+
+def read_json(path: Path, required: bool = True) -> Any:
+    """A JSON file's value (None when absent and not ``required``); errors name the file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        if required:
+            raise ModelNotFound(f"{path}: no such file") from None
+        return None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelFormatError(f"{path}: not a valid JSON file ({show(str(e), 120)})") from None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a GGUF-named tensor comes from: one SafeTensors tensor (``tensor``), the parts
+    of a GPTQ/AWQ layer (``layer``: its HF name prefix), or a layer's ``input_perm``."""
+
+    shard: SafeTensorsFile | None = None
+    tensor: SafeTensor | None = None
+    layer: str | None = None
+    perm_of: str | None = None
+
+
+class HFDirectory:
+    """An open model directory, with ``GGUFFile``'s reading interface: ``metadata`` (GGUF
+    keys), ``tensors`` (GGUF names, ``TensorInfo``), ``raw``, ``read_rows``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.stat, self.opened_at = self.path.stat(), time.time()
+        self.config_path = self.path / "config.json"
+        self.config = read_json(self.config_path)
+        if not isinstance(self.config, dict):
+            raise ModelFormatError(f"{self.config_path}: {show(self.config)} is not an object")
+        self.shards: dict[str, SafeTensorsFile] = {}
+        try:
+            self._hf = self._open_shards()
+            self.arch, model_arch = self._architecture()
+            example = next((n for n in self._hf if n.endswith(".qweight")), "no qweight")
+            self.quant = gptq_awq.read_quant_config(self.config, str(self.config_path), example)
+            self.metadata = self._metadata()
+            self.tensors: dict[str, TensorInfo] = {}
+            self._sources: dict[str, _Source] = {}
+            self._map_tensors(model_arch)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- files -------------------------------------------------------------------
+    def _open_shards(self) -> dict[str, tuple[SafeTensorsFile, SafeTensor]]:
+        """Every tensor of the checkpoint by HF name, with its file."""
+        index = read_json(self.path / INDEX_FILE, required=False)
+        if index is not None:
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise ModelFormatError(f"{self.path / INDEX_FILE}: no weight_map of file names")
+            files = sorted(set(weight_map.values()))
+            for f in files:
+                if Path(f).name != f or not f.endswith(".safetensors"):
+                    raise ModelFormatError(f"{self.path / INDEX_FILE}: bad shard name {show(f)}")
+                if not (self.path / f).is_file():
+                    holds = next(n for n, g in weight_map.items() if g == f)
+                    raise ModelNotFound(
+                        f"{self.path / f}: shard missing (it holds {show(holds)}, "
+                        f"named in {INDEX_FILE})"
+                    )
+        else:
+            weight_map = None
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise ModelNotFound(f"{self.path}: no *.safetensors files (and no {INDEX_FILE})")
+        found: dict[str, tuple[SafeTensorsFile, SafeTensor]] = {}
+        for f in files:
+            shard = self.shards[f] = SafeTensorsFile(self.path / f)
+            for name, t in shard.tensors.items():
+                if name in found:
+                    raise ModelFormatError(
+                        f"{shard.path}: tensor {show(name)} is also in {found[name][0].path}"
+                    )
+                if weight_map is not None and weight_map.get(name) != f:
+                    raise ModelFormatError(
+                        f"{shard.path}: tensor {show(name)} is not in this file by {INDEX_FILE}"
+                    )
+                found[name] = (shard, t)
+        for name, f in (weight_map or {}).items():
+            if name not in found:
+                raise ModelFormatError(f"{self.path / f}: has no tensor {show(name)}")
+        return found
+
+    def _architecture(self) -> tuple[str, gguf.MODEL_ARCH]:
+        model_type = self.config.get("model_type")
+        if model_type not in ARCHITECTURES:
+            names = self.config.get("architectures")
+            raise UnsupportedModel(
+                f"{self.config_path}: unknown architecture {show(model_type)} "
+                f"({show(names)}; supported from SafeTensors: {', '.join(ARCHITECTURES)})"
+            )
+        return ARCHITECTURES[model_type]
+
+    # -- hyper-parameters ------------------------------------------------------------
+    def _metadata(self) -> dict[str, Any]:
+        """config.json as the GGUF keys llama.cpp's converter writes."""
+        c, arch = self.config, self.arch
+        meta: dict[str, Any] = {
+            "general.architecture": arch,
+            "general.name": self.path.name,
+        }
+        keys = {
+            "context_length": "max_position_embeddings",
+            "embedding_length": "hidden_size",
+            "block_count": "num_hidden_layers",
+            "feed_forward_length": "intermediate_size",
+            "attention.head_count": "num_attention_heads",
+            "attention.head_count_kv": "num_key_value_heads",
+            "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+        }
+        for key, name in keys.items():
+            if c.get(name) is not None:
+                meta[f"{arch}.{key}"] = c[name]
+        if c.get("head_dim") is not None:
+            meta[f"{arch}.attention.key_length"] = c["head_dim"]
+            meta[f"{arch}.attention.value_length"] = c["head_dim"]
+        rope = c.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ModelFormatError(f"{self.config_path}: rope_parameters {show(rope)}")
+        theta = c.get("rope_theta", rope.get("rope_theta"))
+        if theta is not None:
+            meta[f"{arch}.rope.freq_base"] = theta
+        scaling = c.get("rope_scaling") or rope
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "linear":
+            meta[f"{arch}.rope.scaling.type"] = "linear"
+            meta[f"{arch}.rope.scaling.factor"] = scaling.get("factor")
+        elif kind != "default":
+            raise UnsupportedModel(
+                f"{self.config_path}: rope scaling {show(kind)} is not supported yet"
+            )
+        partial = c.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise UnsupportedModel(
+                f"{self.config_path}: partial_rotary_factor = {show(partial)} is not supported"
+            )
+        if arch == "llama":
+            meta[NEOX_KEY] = True
+        return meta
+
+    # -- tensors -----------------------------------------------------------------
+    def _map_tensors(self, model_arch: gguf.MODEL_ARCH) -> None:
+        n_layers = self.config.get("num_hidden_layers")
+        if type(n_layers) is not int or not 0 < n_layers < 10_000:
+            raise ModelFormatError(f"{self.config_path}: num_hidden_layers = {show(n_layers)}")
+        names = gguf.get_tensor_name_map(model_arch, n_layers)
+        layers: dict[str, dict[str, str]] = {}  # quantised layer -> part -> HF name
+        for hf_name, (shard, t) in self._hf.items():
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            stem, _, part = hf_name.rpartition(".")
+            if self.quant is not None and part in gptq_awq.PARTS:
+                layers.setdefault(stem, {})[part] = hf_name
+                continue
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise UnsupportedModel(
+                    f"{shard.path}: tensor {show(hf_name)} has no place in a {self.arch} model"
+                )
+            if t.dtype not in _FLOAT_TYPES:
+                raise UnsupportedModel(
+                    f"{shard.path}: tensor {show(hf_name)} has dtype {t.dtype} "
+                    "(DynaLM runs F32, F16, BF16, and GPTQ/AWQ 4-bit layers)"
+                )
+            self._add(name, t.shape, _FLOAT_TYPES[t.dtype], _Source(shard, t))
+        for stem, parts in layers.items():
+            self._add_quantised(names, stem, parts)
+
+    def _add(self, name: str, shape: tuple[int, ...], ggml_type: int, src: _Source) -> None:
+        if name in self.tensors:
+            raise ModelFormatError(f"{self.path}: two tensors map to {name!r}")
+        if not shape or 0 in shape:
+            raise ModelFormatError(f"{self.path}: tensor {name!r} has shape {list(shape)}")
+        if ggml_type in QUANT_FORMATS:
+            nbytes = math.prod(shape[:-1]) * QUANT_FORMATS[ggml_type].row_bytes(shape[-1])
+        else:  # an index tensor (input_perm)
+            nbytes = math.prod(shape) * 4
+        offset = src.tensor.offset if src.tensor else 0
+        self.tensors[name] = TensorInfo(name, tuple(shape), ggml_type, offset, nbytes)
+        self._sources[name] = src
+
+    def _add_quantised(self, names: gguf.TensorNameMap, stem: str, parts: dict[str, str]) -> None:
+        assert self.quant is not None
+        shard = self._hf[parts.get("qweight", next(iter(parts.values())))][0]
+        missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+        if missing:
+            raise ModelFormatError(f"{shard.path}: {stem} has no {', '.join(missing)}")
+        base = names.get_name(stem)
+        if base is None:
+            raise UnsupportedModel(
+                f"{shard.path}: tensor {show(parts['qweight'])} has no place in a {self.arch} model"
+            )
+        qweight = self._hf[parts["qweight"]][1]
+        if qweight.dtype != "I32" or len(qweight.shape) != 2:
+            raise UnsupportedModel(
+                f"{shard.path}: {show(parts['qweight'])} is {qweight.dtype} "
+                f"{list(qweight.shape)}: not a {self.quant.method} 4-bit qweight"
+            )
+        rows, cols = qweight.shape
+        n_out, n_in = (cols, rows * 8) if self.quant.method == "gptq" else (cols * 8, rows)
+        self._add(f"{base}.weight", (n_out, n_in), self.quant.ggml_type, _Source(layer=stem))
+        if self.quant.desc_act and "g_idx" in parts:  # reads g_idx alone, not the weight
+            shard, _ = self._hf[parts["g_idx"]]
+            if gptq_awq.input_perm(shard.array(parts["g_idx"])) is not None:
+                self._add(f"{base}.input_perm", (n_in,), _T.I32, _Source(perm_of=stem))
+
+    def _unpacked(self, stem: str) -> gptq_awq.Unpacked:
+        assert self.quant is not None
+        arrays = {}
+        for part in gptq_awq.PARTS:
+            if f"{stem}.{part}" in self._hf:
+                shard, _ = self._hf[f"{stem}.{part}"]
+                arrays[part] = shard.array(f"{stem}.{part}")
+        if arrays["scales"].dtype == np.uint16:  # BF16 words
+            arrays["scales"] = (arrays["scales"].astype(np.uint32) << 16).view(np.float32)
+        return gptq_awq.unpack(self.quant.method, stem, arrays, self.quant.group_size)
+
+    # -- reading (GGUFFile's interface) --------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return self.arch
+
+    def raw(self, name: str) -> np.ndarray:
+        """uint8 ``[*shape[:-1], row bytes]``: a view of the file, or the repacked blocks
+        of a GPTQ/AWQ layer (made on each call: the device keeps its own copy)."""
+        info, src = self.tensors[name], self._sources[name]
+        if src.tensor is not None:
+            assert src.shard is not None
+            row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
+            return src.shard.bytes(src.tensor.name).reshape(*info.shape[:-1], row_bytes)
+        if src.perm_of is not None:
+            perm = gptq_awq.input_perm(self._unpacked(src.perm_of).g_idx)
+            return perm.view(np.uint8).reshape(-1)
+        assert src.layer is not None and self.quant is not None
+        blocks = gptq_awq.repack(self._unpacked(src.layer), self.quant.ggml_type, src.layer)
+        for part in gptq_awq.PARTS:  # the packed parts are read: drop their pages from RSS
+            if (hf := self._hf.get(f"{src.layer}.{part}")) is not None:
+                hf[0].release_pages(hf[1].offset, hf[1].offset + hf[1].nbytes)
+        return blocks
+
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self.raw(name)[np.asarray(ids, np.int64).reshape(-1)]
+
+    def source(self, names: tuple[str, ...]) -> tuple[str, str] | None:
+        """The repack cache's key of ``names`` (see ``GGUFWeights.source``): the shard and
+        byte ranges, and the shard's identity; None for repacked GPTQ/AWQ layers."""
+        srcs = [self._sources[n] for n in names]
+        if any(s.tensor is None for s in srcs) or len({id(s.shard) for s in srcs}) != 1:
+            return None
+        shard = srcs[0].shard
+        assert shard is not None
+        st = shard.stat
+        where = os.path.realpath(shard.path) + "@"
+        where += ",".join(f"{s.tensor.offset}+{s.tensor.nbytes}" for s in srcs if s.tensor)
+        return where, f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def release_pages(self, name: str | None = None, rows: tuple[int, int] | None = None) -> None:
+        """Drop mapped pages from RSS (all, or of a tensor or its rows), as GGUFFile does."""
+        if name is None:
+            for shard in self.shards.values():
+                shard.release_pages()
+            return
+        info, src = self.tensors[name], self._sources[name]
+        if src.shard is None:
+            return
+        start, end = info.offset, info.offset + info.nbytes
+        if rows is not None:
+            row_bytes = info.nbytes // math.prod(info.shape[:-1])
+            start, end = info.offset + rows[0] * row_bytes, info.offset + rows[1] * row_bytes
+        src.shard.release_pages(start, end)
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
+
+    def __enter__(self) -> HFDirectory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

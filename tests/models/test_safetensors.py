@@ -1,0 +1,326 @@
+"""Hugging Face directories (``save_pretrained``: config.json + SafeTensors + tokenizer.json)
+load and run on the same graph and kernels as GGUF files.
+
+* Fidelity: tiny random-weight models of each family DynaLM reads from SafeTensors match
+  transformers on every position (fp32, and llama in BF16 / qwen2 in F16 against the
+  reference rounded the same way), in ``safe`` and ``exact``; the same weights as GPTQ
+  (symmetric and asymmetric, with and without act-order) and AWQ checkpoints packed by
+  `hf_quant` match the dequantised reference within the same bound.
+* Bad input: each a one-line error naming the file and the tensor; mutated headers
+  never crash the reader.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from hf_quant import write_quantized
+from test_cli import GREEDY, assert_one_line_error, dynalm
+from test_families import IDS, _all_positions, _max_diff, reference_logits
+from tiny_models import SPECS, reference_model, write_hf_dir
+
+from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
+from dynalm.models.hf_dir import HFDirectory
+from dynalm.models.loader import load_model
+from dynalm.models.safetensors_file import SafeTensorsFile
+
+TOL = 1.0  # of test_families' bound: two fp32 forward passes of one network
+FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
+MODES = ("safe", "exact")
+
+
+def _check(path: Path, reference, modes=MODES) -> None:
+    want = reference_logits(reference, IDS)
+    model = load_model(path)
+    try:
+        for mode in modes:
+            got = _all_positions(model, mode)
+            diff = _max_diff(got, want)
+            assert diff <= TOL, f"{path.name} ({mode}): max |diff| {diff:.3g} of the bound"
+            assert (got.argmax(1) == want.argmax(1)).all(), f"{path.name} ({mode}): top-1"
+    finally:
+        model.gguf.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_directory_matches_transformers(family: str, tmp_path: Path) -> None:
+    reference = reference_model(SPECS[family])
+    path = write_hf_dir(reference, tmp_path / family)
+    model = load_model(path)
+    try:
+        assert model.hparams.arch == family
+        assert {t.ggml_type for t in model.gguf.tensors.values()} == {GGMLQuantizationType.F32}
+        assert ("output.weight" in model.gguf.tensors) == (not SPECS[family].tied)
+        assert model.tokenizer.decode(model.tokenizer.encode("héllo!")) == "héllo!"
+        assert model.stop_token_ids >= {256, 258}  # <|endoftext|> (eos), <|im_end|> (template)
+    finally:
+        model.gguf.close()
+    _check(path, reference)
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("llama", torch.bfloat16), ("qwen2", torch.float16)])
+def test_half_precision_directory_runs_on_its_own_kernels(family, dtype, tmp_path: Path) -> None:
+    """BF16 and F16 weights stay BF16 / F16 (no conversion at load)."""
+    reference = reference_model(SPECS[family])
+    with torch.no_grad():  # the reference: the same rounded weights, computed in fp32
+        for param in reference.parameters():
+            param.copy_(param.to(dtype).to(torch.float32))
+    path = write_hf_dir(copy.deepcopy(reference).to(dtype), tmp_path / family)
+    with HFDirectory(path) as d:
+        assert (
+            d.tensors["blk.0.attn_q.weight"].ggml_type
+            == GGMLQuantizationType["BF16" if dtype == torch.bfloat16 else "F16"]
+        )
+    _check(path, reference)
+
+
+QUANTISED = [
+    ("llama", "gptq", 32, True, False),
+    ("llama", "gptq", 64, False, False),
+    ("llama", "gptq", 32, False, True),  # act-order
+    ("qwen2", "gptq", -1, True, True),  # one group per row: act-order changes nothing
+    ("qwen2", "gptq", 32, True, True),
+    ("llama", "awq", 64, False, False),
+    ("qwen2", "awq", 32, False, False),
+]
+
+
+@pytest.mark.parametrize(("family", "method", "group", "sym", "act_order"), QUANTISED)
+def test_quantised_directory_matches_dequantised_reference(
+    family: str, method: str, group: int, sym: bool, act_order: bool, tmp_path: Path
+) -> None:
+    reference = reference_model(SPECS[family])
+    path = write_hf_dir(reference, tmp_path / family)
+    write_quantized(reference, path, method, group, sym, act_order)
+    with HFDirectory(path) as d:
+        want = GGMLQuantizationType.Q4_0 if sym else GGMLQuantizationType.Q5_0
+        assert d.tensors["blk.0.ffn_down.weight"].ggml_type == want
+        perms = [n for n in d.tensors if n.endswith(".input_perm")]
+        assert bool(perms) == (act_order and group != -1)
+    unrounded = reference_logits(reference_model(SPECS[family]), IDS)
+    assert _max_diff(unrounded, reference_logits(reference, IDS)) > 100 * TOL  # it matters
+    _check(path, reference, modes=("exact",))
+
+
+def test_q4_1_would_lose_the_zero_points(tmp_path: Path) -> None:
+    """Why asymmetric layers become Q5_0: Q4_1's fp16 offset ``-scale * zero`` is not the
+    checkpoint's (the module doc of ``gptq_awq``), while Q5_0 holds every weight exactly."""
+    from hf_quant import quantize
+
+    from dynalm.core.quant import dequantize
+    from dynalm.models.gptq_awq import Unpacked, repack
+
+    w = np.random.default_rng(0).normal(0, 0.5, (256, 256)).astype(np.float32)
+    qt = quantize(w, 32, False, False, np.random.default_rng(1))
+    u = Unpacked(qt["q"].astype(np.uint8), qt["zeros"], qt["scales"], qt["g_idx"])
+    q5 = repack(u, GGMLQuantizationType.Q5_0, "w")
+    assert np.array_equal(dequantize(q5, GGMLQuantizationType.Q5_0, 256), qt["dequantized"])
+    scales = qt["scales"].astype(np.float32)[qt["g_idx"]].T
+    offset = -scales * qt["zeros"][qt["g_idx"]].T
+    q41 = scales * qt["q"] + offset.astype(np.float16).astype(np.float32)
+    assert np.abs(q41 - qt["dequantized"]).max() > 0  # rounded away in Q4_1
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_dir(reference_model(SPECS["llama"]), tmp_path_factory.mktemp("hf") / "llama")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        dst.joinpath(f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    n = struct.unpack_from("<Q", data)[0]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _write(path: Path, header: dict, body: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def _refused(path: Path, error: type[DynaError], *needles: str) -> None:
+    with pytest.raises(error) as e:
+        load_model(path)
+    message = str(e.value)
+    assert "\n" not in message and len(message) < 600, message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_truncated_file_names_file_and_tensor(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir, tmp_path / "d")
+    f = d / "model.safetensors"
+    header, body = _header(f)
+    last = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1] if kv[0][0] != "_" else 0)
+    _write(f, header, body[:-100])
+    _refused(d, ModelFormatError, str(f), "truncated", last[0])
+
+
+def test_header_lying_about_offsets(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir, tmp_path / "d")
+    f = d / "model.safetensors"
+    header, body = _header(f)
+    name = "model.layers.1.input_layernorm.weight"
+    header[name]["data_offsets"][1] -= 4  # a float less than its shape holds
+    _write(f, header, body)
+    _refused(d, ModelFormatError, str(f), name, "needs 256 bytes", "hold 252")
+
+
+def test_overlapping_tensors(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir, tmp_path / "d")
+    f = d / "model.safetensors"
+    header, body = _header(f)
+    header["model.norm.weight"]["data_offsets"] = header["model.layers.0.input_layernorm.weight"][
+        "data_offsets"
+    ]
+    _write(f, header, body)
+    _refused(d, ModelFormatError, str(f), "overlap", "model.norm.weight")
+
+
+def test_missing_shard_is_named(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir, tmp_path / "d")
+    header, _ = _header(d / "model.safetensors")
+    names = [n for n in header if n != "__metadata__"]
+    index = {"weight_map": {n: "model.safetensors" for n in names}}
+    index["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    _refused(d, ModelNotFound, str(d / "model-00002-of-00002.safetensors"), "model.norm.weight")
+
+
+def test_sharded_directory_loads(tmp_path: Path) -> None:
+    reference = reference_model(SPECS["qwen2"])
+    path = write_hf_dir(reference, tmp_path / "qwen2", max_shard_size="100KB")
+    assert len(list(path.glob("*.safetensors"))) > 1
+    assert (path / "model.safetensors.index.json").is_file()
+    _check(path, reference, modes=("exact",))
+
+
+def test_unknown_architecture(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir, tmp_path / "d")
+    config = json.loads((d / "config.json").read_text())
+    config["model_type"], config["architectures"] = "mamba", ["MambaForCausalLM"]
+    (d / "config.json").write_text(json.dumps(config))
+    _refused(d, UnsupportedModel, str(d / "config.json"), "mamba", "MambaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"bits": 3}, "bits = 3"),
+        ({"bits": 8}, "bits = 8"),
+        ({"checkpoint_format": "marlin"}, "'marlin'"),
+        ({"group_size": 48}, "group_size = 48"),
+    ],
+)
+def test_unsupported_gptq_is_refused(change: dict, needle: str, tmp_path: Path) -> None:
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path / "llama")
+    write_quantized(reference, path, "gptq", 32)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] |= change
+    (path / "config.json").write_text(json.dumps(config))
+    _refused(path, UnsupportedModel, str(path / "config.json"), needle, ".qweight")
+
+
+def test_unsupported_dtype_names_tensor(tiny_dir: Path, tmp_path: Path) -> None:
+    d = _copy(tiny_dir, tmp_path / "d")
+    f = d / "model.safetensors"
+    header, body = _header(f)
+    entry = header["model.norm.weight"]
+    entry["dtype"], entry["shape"] = "I32", entry["shape"]
+    _write(f, header, body)
+    _refused(d, UnsupportedModel, str(f), "model.norm.weight", "I32")
+
+
+def test_mutated_headers_never_crash(tiny_dir: Path, tmp_path: Path) -> None:
+    """1,500 random mutations of the header (bytes flipped, inserted, deleted; JSON values
+    swapped for others): each is read or refused with a DynaError, never anything else."""
+    header, body = _header(tiny_dir / "model.safetensors")
+    raw = json.dumps(header).encode()
+    values = [0, -1, 2**64, 1.5, "F16", "X", None, [], {}, [0], [1, 0], [2**63, 2**63]]
+    rng = random.Random(17)
+    f = tmp_path / "model.safetensors"
+    outcomes = {"ok": 0, "refused": 0}
+    for _ in range(1500):
+        kind = rng.randrange(3)
+        if kind == 0:  # a JSON value replaced
+            h = json.loads(raw)
+            name = rng.choice(list(h))
+            if name != "__metadata__":
+                key = rng.choice(["dtype", "shape", "data_offsets"])
+                h[name][key] = rng.choice(values)
+            data = json.dumps(h).encode()
+            data = struct.pack("<Q", len(data)) + data + body
+        else:
+            data = bytearray(struct.pack("<Q", len(raw)) + raw + body[:512])
+            for _ in range(rng.randint(1, 4)):
+                at = rng.randrange(0, 8 + len(raw))
+                if kind == 1:
+                    data[at] = rng.randrange(256)
+                else:
+                    del data[at : at + rng.randint(1, 8)]
+            data = bytes(data)
+        f.write_bytes(data)
+        try:
+            st = SafeTensorsFile(f)
+            for name in st.tensors:
+                if st.tensors[name].dtype not in ("F8_E4M3", "F8_E5M2"):
+                    st.array(name)
+            outcomes["ok"] += 1
+        except DynaError as e:
+            assert "\n" not in str(e) and str(f) in str(e), str(e)
+            outcomes["refused"] += 1
+    assert outcomes["ok"] > 0 and outcomes["refused"] > 0, outcomes
+
+
+def test_atheris_header_parser(tiny_dir: Path, tmp_path: Path) -> None:
+    """libFuzzer mutates the tiny model's SafeTensors header 20,000 times; any exception
+    that is not a DynaError fails."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    n = struct.unpack_from("<Q", data)[0]
+    corpus.joinpath("tiny").write_bytes(data[: 8 + n + 512])
+    script = Path(__file__).with_name("safetensors_atheris.py")
+    cmd = [sys.executable, str(script), "-runs=20000", "-max_len=16384", "-seed=11"]
+    cmd += [f"-artifact_prefix={tmp_path}/", str(corpus)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Done 20000 runs" in result.stderr
+
+
+# -- the CLI ---------------------------------------------------------------------------
+
+
+def test_cli_show_and_run_a_directory(tmp_path: Path) -> None:
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path / "llama")
+    write_quantized(reference, path, "gptq", 32, act_order=True)
+    shown = dynalm("show", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert "architecture        llama" in shown.stdout
+    assert "q5_0 x" in shown.stdout and "f32 x" in shown.stdout
+    assert "gptq 4-bit g32 asym act-order" in shown.stdout
+    ran = dynalm("run", str(path), "hi", *GREEDY)
+    assert ran.returncode == 0, ran.stderr
+    missing = dynalm("run", str(tmp_path / "nothing-here/"), "hi")
+    assert_one_line_error(missing, "nothing-here")
