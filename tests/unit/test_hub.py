@@ -438,3 +438,21 @@ def test_default_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for text in ("gemma3:270m", "ggml-org/gemma-3-270m-it-GGUF", "from the Hub", "93.8 MiB"):
         assert text in out
+
+
+def test_run_a_transformers_repo_end_to_end(hub: Hub, tmp_path: Path) -> None:  # noqa: F811
+    """`dynalm run ORG/REPO`: the repo's SafeTensors set is pulled into the store and the
+    directory runs (a tiny random llama written by transformers' save_pretrained)."""
+    from models.tiny_models import SPECS, reference_model, write_hf_dir
+
+    local = write_hf_dir(reference_model(SPECS["llama"]), tmp_path / "tiny-llama")
+    publish(hub, "acme/tiny-llama", {p.name: p.read_bytes() for p in local.iterdir()})
+    env = {**os.environ, "DYNALM_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "dynalm.cli", "run", "acme/tiny-llama", "hi"]
+    cmd += ["--max-tokens", "4", "--temperature", "0"]
+    ran = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    pulled = tmp_path / "home" / "hf" / "acme" / "tiny-llama" / "safetensors"
+    assert (pulled / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and again.stdout == ran.stdout  # the stored copy, same text
