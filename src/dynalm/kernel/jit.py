@@ -1,8 +1,11 @@
 """The LLVM JIT: host detection, compile-and-cache of generated IR, callable function pointers.
 
 Kernel programs (``kernel.lang``) are lowered by a backend to LLVM IR text, compiled for
-the host CPU (its name and feature flags, opt level 3) and loaded into one process-wide
-MCJIT engine. Compiled object code is kept on disk under ``$DYNALM_CACHE/jit`` (default
+the host CPU (its name and feature flags; LLVM's -O1 pipeline, code generation at -O3)
+and loaded into one process-wide MCJIT engine. ``compile_modules`` compiles several
+modules at once, one per CPU, on threads that end before it returns (each module in an
+LLVM context of its own, each thread with its own TargetMachine, around llvmlite's
+process-wide lock); object code is added to the engine under one lock. Compiled object code is kept on disk under ``$DYNALM_CACHE/jit`` (default
 ``~/.cache/dynalm/jit``), keyed by the IR text, the CPU name, its features and the
 llvmlite version, so a second process skips LLVM entirely; the IR text is stored beside
 each object for debugging.
@@ -47,7 +50,7 @@ _REPORTED = (
 )
 
 
-_OPT_LEVEL = 1  # LLVM's optimisation pipeline for kernel modules (see _object_code)
+_OPT_LEVEL = 1  # LLVM's optimisation pipeline for kernel modules (see _emit_object)
 
 
 @cache
