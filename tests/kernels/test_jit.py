@@ -105,7 +105,7 @@ def test_compile_error_reaches_the_caller(empty_cache, monkeypatch):
     monkeypatch.setattr(jit, "_cpus", lambda: 2)
     backend = fresh_backend()
     _, program, spec = requests(backend, 128, 47)[0]
-    _, good = backend._module(program, spec, ("test_jit", "good"))
+    good = backend.module(program, spec)
     threads = threading.active_count()
     with pytest.raises(RuntimeError, match="expected"):
         jit.compile_modules([(good.text(), []), ("define void @dynalm_test_jit_bad( {", [])])
