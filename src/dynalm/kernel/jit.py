@@ -5,10 +5,10 @@ the host CPU (its name and feature flags; LLVM's -O1 pipeline, code generation a
 and loaded into one process-wide MCJIT engine. ``compile_modules`` compiles several
 modules at once, one per CPU, on threads that end before it returns (each module in an
 LLVM context of its own, each thread with its own TargetMachine, around llvmlite's
-process-wide lock); object code is added to the engine under one lock. Compiled object code is kept on disk under ``$DYNALM_CACHE/jit`` (default
-``~/.cache/dynalm/jit``), keyed by the IR text, the CPU name, its features and the
-llvmlite version, so a second process skips LLVM entirely; the IR text is stored beside
-each object for debugging.
+process-wide lock); object code is added to the engine under one lock. Compiled object
+code is kept on disk under ``$DYNALM_CACHE/jit`` (default ``~/.cache/dynalm/jit``),
+keyed by the IR text, the CPU name, its features and the llvmlite version, so a second
+process skips LLVM entirely; the IR text is stored beside each object for debugging.
 
 This module, the kernel bindings and ``core`` are the only places that deal in raw addresses.
 """
