@@ -54,10 +54,10 @@ if TYPE_CHECKING:
     from dynalm.core.cpu_ops import AttentionBatch, KVStorage
 
 
-def _kernels(backend: backends.Backend, dtype: str, *geometry: int) -> backends.Executable:
+def _request(backend: backends.Backend, dtype: str, *geometry: int) -> backends.Request:
     """The program's ``items``, ``write``, ``write_recent`` and ``run`` for ``backend``."""
     names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
-    return backend.lower(ATTENTION, {"dtype": dtype, **dict(zip(names, geometry, strict=True))})
+    return backend, ATTENTION, {"dtype": dtype, **dict(zip(names, geometry, strict=True))}
 
 
 def _addr(a: np.ndarray) -> int:
@@ -166,9 +166,19 @@ class PagedAttention:
         self._ptr = _addr(a)
         self._kv: KVStorage | None = None
 
+    def _request(self, kv: KVStorage) -> backends.Request:
+        return _request(self._backend, kv.dtype, *self._geometry, kv.page_size, kv.recent)
+
+    def pending(self) -> list[backends.Request]:
+        """The kernel this step's KV storage needs if it is not bound yet (see
+        ``backends.lower_all``)."""
+        kv = self._step.kv
+        return [] if kv is None or kv is self._kv else [self._request(kv)]
+
     def _bind_kv(self, kv: KVStorage) -> None:
         """Kernels for ``kv``'s storage and the addresses of this layer's pages."""
-        done = _kernels(self._backend, kv.dtype, *self._geometry, kv.page_size, kv.recent)
+        backend, program, spec = self._request(kv)
+        done = backend.lower(program, spec)
         self._fns = {kind: done.addresses[kind] for kind in FUNCTIONS}
         self._write, self._run, self._write_recent = (
             done.cfunc(f, ctypes.c_void_p) for f in ("write", "run", "write_recent")

@@ -6,7 +6,8 @@ constant shapes and lowered by the backend ``kernel.backends`` selects for this 
 
 A kernel is *bound* once to its arrays: the addresses and the row count go into an
 int64 argument block, and the returned :class:`BoundKernel` is a zero-argument
-callable costing one ctypes call (~1-2 us) per run. Every binder takes an optional
+callable costing one ctypes call (~1-2 us) per run, lowered when first run (binding
+compiles nothing: the executor lowers a step's kernels together). Every binder takes an optional
 ``block`` (``MAX_WORDS`` int64s), so a caller can keep the blocks of many kernels as rows
 of one array and rewrite all their counts with one numpy assignment. The executor binds each step
 shape once and then only calls.
@@ -33,30 +34,56 @@ def _lowered(backend: backends.Backend, kind: str, **params: object) -> Callable
     return done.cfunc(kind, ctypes.c_void_p)
 
 
-def _compiled(kind: str, backend: backends.Backend | None, **params: object) -> Callable:
-    return _lowered(backend or backends.select(), kind, **params)
-
-
-class BoundKernel(functools.partial):
-    """A compiled kernel bound to its arrays: ``kernel()`` runs it (one ctypes call).
+class BoundKernel:
+    """A kernel bound to its arrays: ``kernel()`` runs it (one ctypes call). It is
+    lowered when first run or recorded; until then ``pending()`` names it, so that the
+    kernels of a step can be lowered together (``backends.lower_all``).
 
     ``block[0]`` is the count it runs over (rows, or elements for ``add``/``gated``);
     lowering it runs the kernel over a prefix of the bound rows, never beyond them.
     """
 
-    block: np.ndarray  # int64 [1 + n_arrays]: the count, then the arrays' addresses
-    arrays: tuple[np.ndarray, ...]  # kept alive while the kernel may run
+    def __init__(
+        self,
+        backend: backends.Backend,
+        kind: str,
+        params: dict[str, object],
+        block: np.ndarray,
+        arrays: tuple[np.ndarray, ...],
+    ) -> None:
+        self.block = block  # int64 [1 + n_arrays]: the count, then the arrays' addresses
+        self.arrays = arrays  # kept alive while the kernel may run
+        self._at = block.__array_interface__["data"][0]
+        self._backend, self._kind, self._params = backend, kind, params
+        self._fn: Callable[[int], None] | None = None
+
+    def _lower(self) -> Callable[[int], None]:
+        self._fn = _lowered(self._backend, self._kind, **self._params)
+        return self._fn
+
+    def pending(self) -> list[backends.Request]:
+        program = programs.PROGRAMS[self._kind]
+        return [] if self._fn else [(self._backend, program, self._params)]
+
+    def __call__(self) -> None:
+        (self._fn or self._lower())(self._at)
 
     def records(self) -> list[tuple[int, int, int, int, int]]:
         """This call as a ``pool.Program`` record."""
-        return [(pool.PLAIN, ctypes.cast(self.func, ctypes.c_void_p).value, self.args[0], 0, 0)]
+        address = ctypes.cast(self._fn or self._lower(), ctypes.c_void_p).value
+        return [(pool.PLAIN, address, self._at, 0, 0)]
 
 
 MAX_WORDS = 1 + max(programs.ARRAYS.values())  # the largest argument block (rope's)
 
 
 def _bind(
-    fn: Callable[[int], None], count: int, arrays: tuple[np.ndarray, ...], block: np.ndarray | None
+    kind: str,
+    backend: backends.Backend | None,
+    params: dict[str, object],
+    count: int,
+    arrays: tuple[np.ndarray, ...],
+    block: np.ndarray | None,
 ) -> BoundKernel:
     words = [count, *(a.__array_interface__["data"][0] for a in arrays)]
     if block is None:
@@ -64,9 +91,7 @@ def _bind(
     check("argument block", block, np.int64, (None,))
     require(block.size >= len(words), f"argument block of {block.size} words, need {len(words)}")
     block[: len(words)] = words
-    bound = BoundKernel(fn, block.__array_interface__["data"][0])
-    bound.block, bound.arrays = block, arrays
-    return bound
+    return BoundKernel(backend or backends.select(), kind, params, block, arrays)
 
 
 def _same(names: str, *arrays: np.ndarray) -> tuple[int, ...]:
@@ -88,7 +113,7 @@ def add(
     """``out = x + y`` (same shapes; ``out`` may be ``x`` or ``y``). Every binder runs its
     kernel as ``backend`` (default ``backends.select()``) lowers it."""
     _same("out x y", out, x, y)
-    return _bind(_compiled("add", backend), out.size, (out, x, y), block)
+    return _bind("add", backend, {}, out.size, (out, x, y), block)
 
 
 def gated(
@@ -103,9 +128,8 @@ def gated(
     """``out = act(gate) * up`` with ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
     _same("out gate up", out, gate, up)
     require(activation in ("silu", "gelu_tanh"), f"unknown gate activation {activation!r}")
-    return _bind(
-        _compiled("gated", backend, activation=activation), out.size, (out, gate, up), block
-    )
+    params = {"activation": activation}
+    return _bind("gated", backend, params, out.size, (out, gate, up), block)
 
 
 def rms_norm(
@@ -122,8 +146,8 @@ def rms_norm(
     check("out", out, np.float32, (rows, width))
     check("weight", weight, np.float32, (width,))
     require(math.isfinite(eps) and eps > 0, f"rms_norm epsilon {eps} is not a positive number")
-    fn = _compiled("rms_norm", backend, width=width, eps=float(np.float32(eps)))
-    return _bind(fn, rows, (out, x, weight), block)
+    params = {"width": width, "eps": float(np.float32(eps))}
+    return _bind("rms_norm", backend, params, rows, (out, x, weight), block)
 
 
 def rope(
@@ -154,13 +178,11 @@ def rope(
     require(len(positions) >= rows, f"{len(positions)} positions for {rows} rows")
     check("cos", cos, np.float32, (None, rope_dim // 2))
     check("sin", sin, np.float32, cos.shape)
-    fn = _compiled(
-        "rope",
-        backend,
-        n_heads=width // head_dim,
-        head_dim=head_dim,
-        rope_dim=rope_dim,
-        neox=neox,
-        stride=x.strides[0] // 4,
-    )
-    return _bind(fn, rows, (out, x, positions, cos, sin), block)
+    params = {
+        "n_heads": width // head_dim,
+        "head_dim": head_dim,
+        "rope_dim": rope_dim,
+        "neox": neox,
+        "stride": x.strides[0] // 4,
+    }
+    return _bind("rope", backend, params, rows, (out, x, positions, cos, sin), block)

@@ -167,7 +167,6 @@ class QuantMatmul:
         self._qargs = (ctypes.c_int64 * N_ARGS)()
         self._qargs[A_NB] = self._nb
         self._qargs_at = ctypes.addressof(self._qargs)
-        self._pool = pool.pool(self._threads) if self._threads > 1 else None
         self._x: np.ndarray | None = None
         self._out: np.ndarray | None = None
         self._calls: list[tuple[int, int, int, int, int]] = []
@@ -216,6 +215,13 @@ class QuantMatmul:
         self._out = out
         self._args[A_Y] = _address(out)
 
+    def pending(self, t_rows: int) -> list[backends.Request]:
+        """The kernels a product of ``t_rows`` rows calls and nobody has lowered yet (see
+        ``backends.lower_all``)."""
+        kernels = self._kernels
+        which = [kernels.tile_for(t_rows)] + ([kernels.quantize] if self.mode == "auto" else [])
+        return [r for k in which for r in kernels.pending(k)]
+
     def records(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """``self(x, out)`` as native calls: ``pool.Program`` records (kind, fn, args,
         total, chunk), valid while ``x`` and ``out`` stay this object's bound arrays."""
@@ -247,7 +253,8 @@ class QuantMatmul:
             out = np.empty((x.shape[0], self.n_rows), np.float32)
         for kind, which, args, total, chunk in self._plan(x, out):
             if kind == pool.SPLIT:
-                self._pool.run(self._kernels.address(which), args, total, chunk)
+                # the pool (its code compiled, its threads started) when first needed
+                pool.pool(self._threads).run(self._kernels.address(which), args, total, chunk)
             else:
                 self._kernels.call(which)(args, 0, total)
         return out

@@ -52,21 +52,39 @@ _Program = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int
 
 
 @cache
-def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+def _request() -> backends.Request | None:
+    """The pool's program for this platform (None where it has none); the symbol its
+    code calls is made known to the JIT first."""
     machine = platform.machine().lower().replace("arm64", "aarch64").replace("amd64", "x86_64")
     if not sys.platform.startswith("linux") or machine not in SYS_FUTEX:
         return None
     libc_syscall = ctypes.CDLL(None).syscall
     jit.add_symbol(SYSCALL, ctypes.cast(libc_syscall, ctypes.c_void_p).value)
     # The pool's code uses no ISA extension: the portable backend lowers it, once.
-    done = backends.GENERIC.lower(POOL, {"machine": machine})
+    return backends.GENERIC, POOL, {"machine": machine}
+
+
+@cache
+def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    request = _request()
+    if request is None:
+        return None
+    backend, program, spec = request
+    done = backend.lower(program, spec)
     kinds = (_Worker, _Run, _Program)
     return tuple(t(done.addresses[n]) for t, n in zip(kinds, FUNCTIONS, strict=True))
 
 
 def available() -> bool:
-    """Whether this platform has the native pool (Linux on x86-64 or AArch64)."""
-    return _functions() is not None
+    """Whether this platform has the native pool (Linux on x86-64 or AArch64); its code
+    is compiled when a pool or program is first made."""
+    return _request() is not None
+
+
+def pending() -> list[backends.Request]:
+    """The pool's program if it is not compiled yet (see ``backends.lower_all``)."""
+    request = _request()
+    return [request] if request and not request[0].lowered(*request[1:]) else []
 
 
 class Pool:

@@ -30,6 +30,7 @@ from dynalm.core.matmul import ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
 from dynalm.ir.ops import OPS
 from dynalm.ir.planner import Plan, plan_buffers
+from dynalm.kernel import backends
 
 Call = Callable[[], None]
 _GATES = {op.name: op.gate for op in OPS.values() if op.gate}  # swiglu -> silu, ...
@@ -47,6 +48,11 @@ class _Matmul:
         self._mm(self._views[self._x], self._views[self._o])
         for kernel in self._after:
             kernel()
+
+    def pending(self) -> list[backends.Request]:
+        """The kernels this step calls that are not lowered yet."""
+        calls = self._mm.pending(len(self._views[self._x]))
+        return calls + [r for kernel in self._after for r in kernel.pending()]
 
     def records(self) -> list[tuple[int, int, int, int, int]]:
         """The native calls, as ``pool.Program`` records."""
@@ -164,9 +170,18 @@ class Executor:
         """Fold each run of consecutive native calls into one ``pool.Program``, so a step
         crosses from Python into native code once per run instead of once per kernel (a
         SmolLM2 decode step: 4 calls, the layers with their attention one of them, instead
-        of ~480). Redone whenever the step shape or the KV storage changes."""
+        of ~480). Redone whenever the step shape or the KV storage changes.
+
+        The kernels the step calls are lowered first, those not compiled yet together
+        (``backends.lower_all``: concurrently, on threads joined before it returns): a
+        kernel is still compiled only for the step that first needs it."""
         self._steps: list[Call] = []
         self._compiled_kv = self._batch.kv
+        if self._native:
+            pending = pool.pending() if pool.available() else []
+            pending += [r for call in self._calls for r in getattr(call, "pending", list)()]
+            if pending:
+                backends.lower_all(pending)
         if not (self._native and pool.available()):
             self._steps = list(self._calls)
             return

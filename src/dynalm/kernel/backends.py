@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -118,8 +118,16 @@ class Backend:
         if done is not None:
             return done
         module = self.module(program, spec)
-        prefix = module.ir.name
         addresses, seconds = jit.compile_module(module.text(), module.names)
+        return self._done(key, module.ir.name, addresses, seconds)
+
+    def lowered(self, program: Program, spec: Spec) -> bool:
+        """Whether ``lower(program, spec)`` is done (costs nothing now)."""
+        return (program.name, tuple(sorted(spec.items()))) in self._lowered
+
+    def _done(
+        self, key: tuple, prefix: str, addresses: dict[str, int], seconds: float
+    ) -> Executable:
         short = {
             n.removeprefix(prefix + "_") if n != prefix else "": a for n, a in addresses.items()
         }
@@ -284,6 +292,28 @@ AVX2 = Backend(
 GENERIC = Backend("generic", "generic", 8)
 BACKENDS = (AMX, AVX512, AVX2, GENERIC)  # best first
 BY_ISA = {b.isa: b for b in BACKENDS}
+
+
+Request = tuple[Backend, Program, Spec]  # a kernel someone is about to run: lower(program, spec)
+
+
+def lower_all(requests: Iterable[Request]) -> list[Executable]:
+    """``backend.lower(program, spec)`` for each request, the ones not lowered yet compiled
+    concurrently (``jit.compile_modules``): what a model step is about to call, lowered
+    in one go before it runs (kernels still compile when first needed, and no compile
+    thread outlives this call)."""
+    requests = list(requests)
+    built: dict[tuple, tuple[Backend, Module]] = {}
+    for backend, program, spec in requests:
+        key = (program.name, tuple(sorted(spec.items())))
+        if key not in backend._lowered and (id(backend), key) not in built:
+            built[id(backend), key] = (backend, backend.module(program, spec))
+    compiled = jit.compile_modules([(m.text(), m.names) for _, m in built.values()])
+    for ((_, key), (backend, module)), (addresses, seconds) in zip(
+        built.items(), compiled, strict=True
+    ):
+        backend._done(key, module.ir.name, addresses, seconds)
+    return [backend.lower(program, spec) for backend, program, spec in requests]
 
 
 class BackendUnavailable(RuntimeError):

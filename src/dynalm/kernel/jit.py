@@ -1,11 +1,14 @@
 """The LLVM JIT: host detection, compile-and-cache of generated IR, callable function pointers.
 
 Kernel programs (``kernel.lang``) are lowered by a backend to LLVM IR text, compiled for
-the host CPU (its name and feature flags, opt level 3) and loaded into one process-wide
-MCJIT engine. Compiled object code is kept on disk under ``$DYNALM_CACHE/jit`` (default
-``~/.cache/dynalm/jit``), keyed by the IR text, the CPU name, its features and the
-llvmlite version, so a second process skips LLVM entirely; the IR text is stored beside
-each object for debugging.
+the host CPU (its name and feature flags; LLVM's -O1 pipeline, code generation at -O3)
+and loaded into one process-wide MCJIT engine. ``compile_modules`` compiles several
+modules at once, one per CPU, on threads that end before it returns (each module in an
+LLVM context of its own, each thread with its own TargetMachine, around llvmlite's
+process-wide lock); object code is added to the engine under one lock. Compiled object
+code is kept on disk under ``$DYNALM_CACHE/jit`` (default ``~/.cache/dynalm/jit``),
+keyed by the IR text, the CPU name, its features and the llvmlite version, so a second
+process skips LLVM entirely; the IR text is stored beside each object for debugging.
 
 This module, the kernel bindings and ``core`` are the only places that deal in raw addresses.
 """
@@ -20,12 +23,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
+from llvmlite.binding import ffi
 
 # Feature flags worth reporting: the ones our kernels choose between.
 _REPORTED = (
@@ -46,11 +50,18 @@ _REPORTED = (
 )
 
 
-_OPT_LEVEL = 1  # LLVM's optimisation pipeline for kernel modules (see _object_code)
+_OPT_LEVEL = 1  # LLVM's optimisation pipeline for kernel modules (see _emit_object)
 
 
 @cache
 def _target_machine() -> llvm.TargetMachine:
+    return _new_target_machine()
+
+
+def _new_target_machine() -> llvm.TargetMachine:
+    """A TargetMachine for the host (~1 ms). LLVM's code generation may change a
+    TargetMachine's options per function, so threads that compile at once each use
+    their own."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     target = llvm.Target.from_triple(llvm.get_process_triple())
@@ -118,6 +129,91 @@ def cache_dir() -> Path:
     return Path(root) / "jit" if root else Path.home() / ".cache" / "dynalm" / "jit"
 
 
+def _unlocked(name: str) -> Callable:
+    """llvmlite's raw ctypes function ``name``: llvmlite wraps every call into LLVM in one
+    process-wide lock, so two threads never compile at once through its API. The
+    functions called this way touch only objects of the calling thread (a module in its
+    own LLVM context, a pass builder, a TargetMachine no other thread uses), as LLVM's
+    concurrent compilers do; without the private attribute the locked call is used."""
+    wrapper = getattr(ffi.lib, name)  # also declares the argument types
+    return getattr(wrapper, "_cfn", wrapper)
+
+
+def _emit_object(ir: str, tm: llvm.TargetMachine) -> tuple[bytes, float]:
+    """``ir`` optimised and compiled to object code with ``tm``, and the seconds it took.
+    Safe to run on several threads at once, each with its own ``tm``."""
+    t0 = time.perf_counter()
+    context = llvm.create_context()  # an LLVM context is used by one thread at a time
+    mod = llvm.parse_assembly(ir, context=context)
+    mod.verify()
+    # Kernel programs are vectorised and unrolled by hand, so LLVM's -O1 pipeline
+    # without its vectorisers makes the same code as -O3 (kernel_bench: equal times on
+    # every SmolLM2 matmul shape) and a cold start's compiles take ~35 % less time.
+    pto = llvm.create_pipeline_tuning_options(speed_level=_OPT_LEVEL)
+    pto.loop_vectorization = False
+    pto.slp_vectorization = False
+    pb = llvm.create_pass_builder(tm, pto)
+    _unlocked("LLVMPY_RunNewModulePassManager")(pb.getModulePassManager(), mod, pb)
+    with ffi.OutputString() as error:
+        buffer = _unlocked("LLVMPY_TargetMachineEmitToMemory")(tm, mod, 1, error)
+        if not buffer:
+            raise RuntimeError(f"LLVM could not emit a kernel module: {error}")
+    try:
+        obj = ctypes.string_at(
+            ffi.lib.LLVMPY_GetBufferStart(buffer), ffi.lib.LLVMPY_GetBufferSize(buffer)
+        )
+    finally:
+        ffi.lib.LLVMPY_DisposeMemoryBuffer(buffer)
+    mod.close()  # before its context
+    context.close()
+    return obj, time.perf_counter() - t0
+
+
+def _each(fn: Callable, items: Sequence, tools: Sequence) -> list:
+    """``fn(item, tool)`` for every item, on the calling thread and ``len(tools) - 1``
+    helper threads, each thread with a tool of its own, taking the next item when done.
+    The helpers are joined before this returns (or raises): no thread outlives the call,
+    so none is alive at a later fork()."""
+    results: list = [None] * len(items)
+    todo = iter(range(len(items)))
+    take, failed = threading.Lock(), []
+
+    def work(tool: object) -> None:
+        while not failed:
+            with take:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i], tool)
+            except BaseException as e:  # re-raised on the calling thread
+                failed.append(e)
+
+    helpers = [
+        threading.Thread(target=work, args=(tool,), name=f"dynalm-compile-{n}")
+        for n, tool in enumerate(tools[1:], 1)
+    ]
+    for t in helpers:
+        t.start()
+    try:
+        work(tools[0])
+    except BaseException as e:  # e.g. KeyboardInterrupt: stop the helpers too
+        failed.append(e)
+    finally:
+        for t in helpers:
+            t.join()
+    if failed:
+        raise failed[0]
+    return results
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class _Engine:
     """One MCJIT engine for the process; modules are added as object code."""
 
@@ -126,6 +222,7 @@ class _Engine:
         self._ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self._tm)
         self._lock = threading.Lock()
         self._loaded: dict[str, dict[str, int]] = {}
+        self._spare_tms: list[llvm.TargetMachine] = []  # compile threads' TargetMachines
 
     def _key(self, ir: str) -> str:
         host = host_features()
@@ -140,27 +237,6 @@ class _Engine:
         )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def _object_code(self, ir: str, key: str) -> tuple[bytes, bool]:
-        """The module's object code, and whether it had to be compiled (not cached)."""
-        path = cache_dir() / f"{key}.o"
-        try:
-            return path.read_bytes(), False
-        except OSError:
-            pass
-        mod = llvm.parse_assembly(ir)
-        mod.verify()
-        # Kernel programs are vectorised and unrolled by hand, so LLVM's -O1 pipeline
-        # without its vectorisers makes the same code as -O3 (kernel_bench: equal times on
-        # every SmolLM2 matmul shape) and a cold start's compiles take ~35 % less time.
-        pto = llvm.create_pipeline_tuning_options(speed_level=_OPT_LEVEL)
-        pto.loop_vectorization = False
-        pto.slp_vectorization = False
-        pb = llvm.create_pass_builder(self._tm, pto)
-        pb.getModulePassManager().run(mod, pb)
-        obj = self._tm.emit_object(mod)
-        self._store(path, obj, ir)
-        return obj, True
-
     @staticmethod
     def _store(path: Path, obj: bytes, ir: str) -> None:
         # Write-then-rename so concurrent processes never read a half-written object.
@@ -174,25 +250,61 @@ class _Engine:
         except OSError:
             pass  # a read-only cache only costs compile time
 
-    def compile(self, ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
-        key = self._key(ir)
-        seconds = 0.0
+    def _compile_objects(self, todo: dict[str, str]) -> dict[str, tuple[bytes, float]]:
+        """Object code for modules (key -> IR) that neither the engine nor the disk cache
+        holds, compiled at once on up to one thread per CPU, largest first (so the last
+        to start are short); each module's own compile seconds beside it."""
+        keys = sorted(todo, key=lambda key: -len(todo[key]))
+        n = min(len(keys), _cpus())
+        tms = [
+            self._spare_tms.pop() if self._spare_tms else _new_target_machine() for _ in range(n)
+        ]
+        try:
+            done = _each(lambda key, tm: _emit_object(todo[key], tm), keys, tms)
+        finally:
+            self._spare_tms += tms
+        return dict(zip(keys, done, strict=True))
+
+    def compile_all(
+        self, modules: Sequence[tuple[str, Sequence[str]]]
+    ) -> list[tuple[dict[str, int], float]]:
+        keys = [self._key(ir) for ir, _ in modules]
         with self._lock:
-            if key not in self._loaded:
-                t0 = time.perf_counter()
-                obj, compiled = self._object_code(ir, key)
-                if compiled:
-                    seconds = time.perf_counter() - t0
+            cached: dict[str, bytes] = {}
+            todo: dict[str, str] = {}
+            for key, (ir, _) in zip(keys, modules, strict=True):
+                if key in self._loaded or key in cached or key in todo:
+                    continue
+                try:
+                    cached[key] = (cache_dir() / f"{key}.o").read_bytes()
+                except OSError:
+                    todo[key] = ir
+            compiled = self._compile_objects(todo) if todo else {}
+            for key, (obj, _) in compiled.items():
+                self._store(cache_dir() / f"{key}.o", obj, todo[key])
+            objects = {**cached, **{key: obj for key, (obj, _) in compiled.items()}}
+            for key, obj in objects.items():
                 self._ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
-                self._ee.finalize_object()
                 self._loaded[key] = {}
-            addrs = self._loaded[key]
-            for name in names:
-                if name not in addrs:
-                    addrs[name] = self._ee.get_function_address(name)
-                    if not addrs[name]:
-                        raise LookupError(f"JIT module has no function {name!r}")
-            return {name: addrs[name] for name in names}, seconds
+            if objects:
+                self._ee.finalize_object()
+            out = []
+            for key, (_, names) in zip(keys, modules, strict=True):
+                seconds = compiled.pop(key, (b"", 0.0))[1]  # a module given twice: once
+                out.append((self._addresses(key, names), seconds))
+            return out
+
+    def _addresses(self, key: str, names: Sequence[str]) -> dict[str, int]:
+        addrs = self._loaded[key]
+        for name in names:
+            if name not in addrs:
+                addrs[name] = self._ee.get_function_address(name)
+                if not addrs[name]:
+                    raise LookupError(f"JIT module has no function {name!r}")
+        return {name: addrs[name] for name in names}
+
+    def compile(self, ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
+        return self.compile_all([(ir, names)])[0]
 
 
 @cache
@@ -208,6 +320,16 @@ def compile_module(ir: str, names: Sequence[str]) -> tuple[dict[str, int], float
     generating parameters in them).
     """
     return _engine().compile(ir, names)
+
+
+def compile_modules(
+    modules: Sequence[tuple[str, Sequence[str]]],
+) -> list[tuple[dict[str, int], float]]:
+    """``compile_module`` for each ``(ir, names)``, the modules not loaded nor cached
+    compiled concurrently: on the calling thread and a helper per further CPU, all
+    joined before this returns (LLVM runs without the GIL). Each module's seconds are
+    its own compile time; together they may exceed the wall time this call took."""
+    return _engine().compile_all(modules)
 
 
 def add_symbol(name: str, address: int) -> None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
-from dynalm.kernel.backends import TILE_ROWS, Backend, Executable, Program
+from dynalm.kernel.backends import TILE_ROWS, Backend, Executable, Program, Request
 from dynalm.kernel.formats import QK, UNPACKS, Unpack, byte_lanes, nibbles
 from dynalm.kernel.lang import F32, I8, I32, I64, PTR, Kernel, Module, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
@@ -564,6 +564,12 @@ class MatmulKernels:
     def tile_for(self, t_rows: int) -> int:
         """The index of the tile for a batch of ``t_rows``: the tallest that fits."""
         return max(i for i, mr in enumerate(self._mrs) if mr <= max(t_rows, 1))
+
+    def pending(self, which: int) -> list[Request]:
+        """Kernel ``which`` as a request to ``backends.lower_all`` if not lowered yet."""
+        spec = self._specs[which]
+        done = self._done[which] or self.backend.lowered(MATMUL, spec)
+        return [] if done else [(self.backend, MATMUL, spec)]
 
     def _lowered(self, which: int) -> Executable:
         done = self._done[which]

@@ -1,0 +1,47 @@
+"""When SmolLM2's kernels are lowered: binding the model lowers none; each step of a new
+shape lowers what it calls and has not lowered, in one ``backends.lower_all`` batch
+(compiled concurrently), never one kernel at a time; a decode step lowers no GEMM tile;
+no compile thread is left afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+from dynalm.core.device import CpuDevice
+from dynalm.kernel import backends, jit
+from dynalm.models.loader import load_model
+from dynalm.runtime.generator import Generator
+
+
+def test_each_step_lowers_its_kernels_together(smollm2_gguf: Path, monkeypatch):
+    batches: list[list[backends.Request]] = []
+    lower_all = backends.lower_all
+
+    def recorded(requests):
+        requests = list(requests)
+        batches.append(requests)
+        return lower_all(requests)
+
+    monkeypatch.setattr(backends, "lower_all", recorded)
+    one_at_a_time = []
+    compile_module = jit.compile_module
+    monkeypatch.setattr(
+        jit, "compile_module", lambda *a: one_at_a_time.append(a) or compile_module(*a)
+    )
+    device = CpuDevice("auto")
+    device.backend = dataclasses.replace(device.backend, _lowered={})  # nothing lowered yet
+    gen = Generator(load_model(smollm2_gguf), device, ctx=64)
+    assert batches == []  # binding lowers nothing
+    gen.forward(list(range(1, 20)))  # prefill: T = 19
+    gen.forward([20])  # decode: T = 1
+    gen.forward([21])  # the same shape again: nothing new
+    assert len(batches) == 2 and one_at_a_time == []
+    prefill, decode = ({s.get("mr") for b, p, s in batch if p.name == "mm"} for batch in batches)
+    # every tile a 19-row step uses is the GEMM tile of its bucket, the quantiser (no mr)
+    # and the GEMVs of the output (one logit row); a decode step adds only GEMVs
+    assert None in prefill and max(prefill - {None}) > 1 and decode == {1}
+    kinds = {p.name for _, p, _ in batches[0]}
+    assert {"attn", "ew_rms_norm", "ew_rope", "ew_add", "ew_gated"} <= kinds
+    assert not [t for t in threading.enumerate() if t.name.startswith("dynalm-compile")]
