@@ -236,11 +236,12 @@ class Engine:
         guide: Guide | None = None,
         prompt_logprobs: int | None = None,
         prompt_logprobs_from: int = 1,
+        speculate: bool = True,
     ) -> None:
         """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull. ``guide``:
         from `grammars`, its own copy. ``prompt_logprobs``: score the prompt's tokens from
         ``prompt_logprobs_from`` on (the first output carries them), with that many
-        alternatives each."""
+        alternatives each. ``speculate``: draft for it (when the engine has a drafter)."""
         ctx = self.config.ctx
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -276,7 +277,7 @@ class Engine:
             prompt_logprobs,
             None if prompt_logprobs is None else [],
             # a grammar's state would have to follow the draft: constrained requests decode
-            None if self.drafter is None or guide is not None else DraftLength(
+            None if self.drafter is None or guide is not None or not speculate else DraftLength(
                 self.config.num_draft_tokens, self.config.adaptive_draft
             ),
         )

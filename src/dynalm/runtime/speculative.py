@@ -149,7 +149,7 @@ class DraftLength:
         k, gain = 0, self.rate
         while k < self.k_max and gain > threshold:
             k, gain = k + 1, gain * self.rate
-        if k:
+        if k or threshold >= 1:  # (a draft as costly as the target never pays: no probes)
             self.idle = 0
             return k
         self.idle += 1
