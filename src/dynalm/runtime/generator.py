@@ -21,6 +21,7 @@ from dynalm.runtime.guided import Guide
 from dynalm.runtime.kv_cache import PagePool
 from dynalm.runtime.sampling import SamplingParams
 from dynalm.runtime.scheduler import Request, ScheduledChunk
+from dynalm.runtime.speculative import Drafter
 
 
 @dataclass
@@ -52,12 +53,19 @@ class GenerationStats:
 
 class Generator:
     def __init__(
-        self, model: LoadedModel, device: CpuDevice, ctx: int = 4096, kv_dtype: str = "f32"
+        self,
+        model: LoadedModel,
+        device: CpuDevice,
+        ctx: int = 4096,
+        kv_dtype: str = "f32",
+        drafter: Drafter | None = None,
+        num_draft_tokens: int = 4,
     ):
         self.model = model
-        self.engine = Engine(
-            model, device, EngineConfig(ctx=ctx, max_num_seqs=1, kv_cache_dtype=kv_dtype)
+        config = EngineConfig(
+            ctx=ctx, max_num_seqs=1, kv_cache_dtype=kv_dtype, num_draft_tokens=num_draft_tokens
         )
+        self.engine = Engine(model, device, config, drafter)
         self.stats = GenerationStats()
         self._ids = itertools.count()
         # What ``forward`` has run, as one sequence in a pool of its own (it never starves

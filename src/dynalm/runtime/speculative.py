@@ -455,3 +455,34 @@ class ModelDrafter(Drafter):
         self._synced.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)
+
+
+DRAFTERS = ("ngram", "layer-skip")
+
+
+def build_drafter(
+    speculative: str | None,
+    draft: LoadedModel | None,
+    target: LoadedModel,
+    device: CpuDevice,
+    *,
+    ctx: int,
+    max_num_seqs: int,
+    num_draft_tokens: int,
+) -> Drafter | None:
+    """The drafter of ``--speculative`` (ngram | layer-skip) or ``--draft`` (a model)."""
+    check_num_draft_tokens(num_draft_tokens)
+    if speculative is not None and draft is not None:
+        raise InvalidRequest("--draft and --speculative exclude each other: choose one drafter")
+    if speculative not in (None, *DRAFTERS):
+        raise InvalidRequest(
+            f"--speculative {speculative!r}: choose from {', '.join(DRAFTERS)} (or --draft MODEL)"
+        )
+    config = {"ctx": ctx, "max_num_seqs": max_num_seqs}
+    if draft is not None:
+        return ModelDrafter.for_model(draft, target, device, **config)
+    if speculative == "ngram":
+        return NgramDrafter()
+    if speculative == "layer-skip":
+        return ModelDrafter.layer_skip(target, device, **config)
+    return None
