@@ -17,6 +17,7 @@ from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine import Engine, EngineConfig, RequestOutput
 from dynalm.runtime.generator import Generator
+from dynalm.runtime.metrics import ServerMetrics
 from dynalm.runtime.kv_cache import kv_bytes_per_token
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.speculative import ModelDrafter, NgramDrafter, check_vocabularies
@@ -106,8 +107,13 @@ def test_ngram_greedy_is_token_identical_under_preemption(model, device):
     tight = Engine(model, device, EngineConfig(kv_cache_memory=memory, **config), NgramDrafter())
     assert tight.pool.n_pages == 4  # each request needs 2 pages (and its drafts more)
     assert run(tight, batch, params) == want
-    assert tight.stats.num_preemptions > 0 and tight.stats.spec.num_accepted_tokens > 0
+    spec = tight.stats.spec
+    assert tight.stats.num_preemptions > 0 and spec.num_accepted_tokens > 0
     assert_no_leak(tight)
+    metrics = ServerMetrics(tight, "m").render().decode()
+    for name, value in (("draft", spec.num_draft_tokens), ("accepted", spec.num_accepted_tokens)):
+        assert f'dynalm:spec_decode_num_{name}_tokens_total{{model_name="m"}} {value:.1f}' in metrics
+    assert f'dynalm:spec_decode_acceptance_length_count{{model_name="m"}} {spec.num_drafts:.1f}' in metrics
 
 
 def test_draft_models_are_token_identical(model, device):

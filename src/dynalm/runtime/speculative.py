@@ -379,11 +379,13 @@ class ModelDrafter(Drafter):
     def layer_skip(
         cls, target: LoadedModel, device: CpuDevice, keep: Sequence[int] | None = None, **config: int
     ) -> ModelDrafter:
-        """The target with some layers skipped as its own draft; by default it keeps the
-        first and last quarter of the layers and every other one between them."""
+        """The target with some layers skipped as its own draft; by default it skips the
+        middle eighth of its layers (SmolLM2-135M, 30 layers: skipping 2 middle ones kept
+        ~27 % of drafts, every third one none; deep models tolerate more)."""
         n = target.hparams.n_layers
         if keep is None:
-            keep = [i for i in range(n) if i < n // 4 or i >= n - n // 4 or i % 2 == 0]
+            lo = (n - n // 8) // 2
+            keep = [i for i in range(n) if not lo <= i < lo + n // 8]
         graph, hp = skipped_layers_graph(target, keep)
         weights = _RenamedLayers(target.weights, keep)
         name = f"{target.name} on {len(keep)} of {n} layers"
