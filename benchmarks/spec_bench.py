@@ -32,7 +32,7 @@ from dynalm.runtime.speculative import Drafter, ModelDrafter, NgramDrafter
 
 DEFAULT_MODEL = ".models/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-CODE = '''def load_config(path):
+CODE = """def load_config(path):
     with open(path) as f:
         lines = f.read().splitlines()
     config = {}
@@ -48,15 +48,15 @@ def save_config(path, config):
     with open(path, "w") as f:
         for key, value in sorted(config.items()):
             f.write(f"{key} = {value}\\n")
-'''
+"""
 STORY = (
-    "The lighthouse keeper, Ada Morrow, wrote in her log every evening. \"The sea was calm "
-    "today and the gulls stayed near the rocks,\" she wrote on Monday. On Tuesday a storm "
-    "came from the west. \"I have never seen waves so tall,\" she told the harbour master, "
-    "\"they broke over the lamp room twice before midnight.\" The harbour master replied, "
-    "\"Keep the light burning and stay inside until it passes.\" By Thursday the weather "
-    "cleared, and a fishing boat returned with its nets full. \"We owe our lives to that "
-    "light,\" said the captain, shaking her hand."
+    'The lighthouse keeper, Ada Morrow, wrote in her log every evening. "The sea was calm '
+    'today and the gulls stayed near the rocks," she wrote on Monday. On Tuesday a storm '
+    'came from the west. "I have never seen waves so tall," she told the harbour master, '
+    '"they broke over the lamp room twice before midnight." The harbour master replied, '
+    '"Keep the light burning and stay inside until it passes." By Thursday the weather '
+    'cleared, and a fishing boat returned with its nets full. "We owe our lives to that '
+    'light," said the captain, shaking her hand.'
 )
 COPY_PROMPTS = {
     "edit code": f"Rename the function load_config to read_config everywhere in this code and "
@@ -199,9 +199,7 @@ def main() -> None:
                 "layer-skip": ModelDrafter.layer_skip(model, device, **config),
             }
             for kind, drafter in drafters.items():
-                result = compare(
-                    model, device, drafter, prompts, n, runs, adaptive_draft=adaptive
-                )
+                result = compare(model, device, drafter, prompts, n, runs, adaptive_draft=adaptive)
                 print(row(f"{kind} {label}, {what}", *result))
 
 

@@ -434,7 +434,9 @@ def bench_command(
     if repetitions < 1:
         raise InvalidRequest(f"-r must be at least 1, got {repetitions}")
     if speculative and (vs or profile):
-        raise InvalidRequest("--speculative compares with the plain engine: not with --vs/--profile")
+        raise InvalidRequest(
+            "--speculative compares with the plain engine: not with --vs or --profile"
+        )
     device = select_device("cpu", mode, threads)
     ctx = max(t.n for t in tests) + TG_PROMPT + 16
     if vs and importlib.util.find_spec("llama_cpp") is None:  # fail before loading anything

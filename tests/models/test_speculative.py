@@ -17,8 +17,8 @@ from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine import Engine, EngineConfig, RequestOutput
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.metrics import ServerMetrics
 from dynalm.runtime.kv_cache import kv_bytes_per_token
+from dynalm.runtime.metrics import ServerMetrics
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.speculative import ModelDrafter, NgramDrafter, check_vocabularies
 from workload import SYSTEM, TEXTS, assert_no_leak
@@ -112,8 +112,13 @@ def test_ngram_greedy_is_token_identical_under_preemption(model, device):
     assert_no_leak(tight)
     metrics = ServerMetrics(tight, "m").render().decode()
     for name, value in (("draft", spec.num_draft_tokens), ("accepted", spec.num_accepted_tokens)):
-        assert f'dynalm:spec_decode_num_{name}_tokens_total{{model_name="m"}} {value:.1f}' in metrics
-    assert f'dynalm:spec_decode_acceptance_length_count{{model_name="m"}} {spec.num_drafts:.1f}' in metrics
+        assert (
+            f'dynalm:spec_decode_num_{name}_tokens_total{{model_name="m"}} {value:.1f}' in metrics
+        )
+    assert (
+        f'dynalm:spec_decode_acceptance_length_count{{model_name="m"}} {spec.num_drafts:.1f}'
+        in metrics
+    )
 
 
 def test_draft_models_are_token_identical(model, device):
@@ -156,7 +161,11 @@ def test_seeded_sampling_keeps_the_target_distribution(model, device):
     spec = engine.stats.spec
     assert spec.num_drafts - before.num_drafts >= len(seconds)
     # both ways out of a draft were taken: kept (then a bonus token) and rejected
-    assert 0 < spec.num_accepted_tokens - before.num_accepted_tokens < spec.num_drafts - before.num_drafts
+    assert (
+        0
+        < spec.num_accepted_tokens - before.num_accepted_tokens
+        < spec.num_drafts - before.num_drafts
+    )
     target = Generator(model, device, ctx=64, kv_dtype="f16").forward(prompt + [first])
     p = Sampler(params).probabilities(target)
     support = np.flatnonzero(p)

@@ -124,6 +124,7 @@ class _Stream:
     scored: list[ScoredLogprob] | None = None  # until the first output takes them
     draft_length: DraftLength | None = None  # None: no speculation for this request
     draft_probs: np.ndarray | None = None  # what the drafter drew this step's draft from
+    draft_kind: int = 0  # and what acceptance rate that draft goes by
 
 
 def flat_batch(
@@ -359,22 +360,25 @@ class Engine:
         compute), as many tokens as each one's ``DraftLength`` and its room allow."""
         if self.drafter is None:
             return
-        running, ctx = self.scheduler.running, self.config.ctx
+        running, ctx, cost = self.scheduler.running, self.config.ctx, self.drafter.cost
         asked: list[tuple[_Stream, int]] = []
         for req in running:
             stream = self._streams[req.request_id]
             if stream.draft_length is None or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             room = min(req.max_tokens - req.num_output_tokens, ctx - req.num_tokens) - 1
-            k = min(stream.draft_length.choose(len(running), self.drafter.cost), room)
+            k = min(stream.draft_length.choose(len(running), cost), room)
             if k > 0:
                 asked.append((stream, k))
         if not asked:
             return
         drafts = self.drafter.propose([s.request for s, _ in asked], [k for _, k in asked])
         for (stream, k), draft in zip(asked, drafts, strict=True):
+            assert stream.draft_length is not None
+            k = min(k, stream.draft_length.trim(draft.kind, len(running), cost))
             stream.request.draft = draft.tokens[:k]
             stream.draft_probs = None if draft.probs is None else draft.probs[:k]
+            stream.draft_kind = draft.kind
 
     def _verify(self, stream: _Stream, logits: np.ndarray, saved: object) -> list[RequestOutput]:
         """A speculative sequence after the step: emit the tokens verification keeps, one
@@ -386,7 +390,7 @@ class Engine:
         accepted = len(kept) - 1
         self.spec_stats.record(drafted, accepted)
         assert stream.draft_length is not None
-        stream.draft_length.update(drafted, accepted)
+        stream.draft_length.update(stream.draft_kind, drafted, accepted)
         outputs = []
         for row, token in zip(logits, kept, strict=False):
             outputs.append(self._emit(stream, row, token))
@@ -404,7 +408,11 @@ class Engine:
         last_rows = batch.query_start[1:] - 1
         rows = np.concatenate(
             [np.zeros(0, np.int64)]
-            + [np.arange(end - c.n_draft, end + 1) for c, end in zip(chunks, last_rows) if c.samples]
+            + [
+                np.arange(end - c.n_draft, end + 1)
+                for c, end in zip(chunks, last_rows, strict=True)
+                if c.samples
+            ]
         )
         scoring = prompt_rows(chunks, batch.query_start)
         if scoring.spans:

@@ -223,7 +223,8 @@ class PagePool:
     def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
         """Copies of recent-buffer ``rows`` ``[layers, 2, len(rows), ...]``, keys and values
         of every layer (``restore_recent`` puts them back)."""
-        return [np.stack([k[rows], v[rows]]) for k, v in zip(self.k_recent, self.v_recent, strict=True)]
+        pairs = zip(self.k_recent, self.v_recent, strict=True)
+        return [np.stack([k[rows], v[rows]]) for k, v in pairs]
 
     def restore_recent(self, rows: np.ndarray, saved: list[np.ndarray]) -> None:
         """Put back what ``save_recent`` copied, ``saved[layer][:, i]`` to ``rows[i]``."""

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
-
 from prometheus_client import (
     CollectorRegistry,
     Counter,

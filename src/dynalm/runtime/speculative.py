@@ -54,6 +54,7 @@ MAX_DRAFT_TOKENS = 16
 # arithmetic, attention and logits are what a token adds.
 TOKEN_COST = 0.12
 EWMA = 0.15  # weight of one draft token's outcome in a sequence's acceptance rate
+PRIOR = 0.5  # the acceptance rate assumed before any draft of a kind was verified
 PROBE_EVERY = 16  # decode steps without drafting before one token is drafted again
 
 
@@ -114,7 +115,9 @@ def accept_sampled(
     return [*kept, _draw(p[len(draft)], rng)]
 
 
-def verify(sampler: Sampler, logits: np.ndarray, draft: Sequence[int], q: np.ndarray | None) -> list[int]:
+def verify(
+    sampler: Sampler, logits: np.ndarray, draft: Sequence[int], q: np.ndarray | None
+) -> list[int]:
     """The tokens a request keeps from its draft and the one after, from its penalised
     logits ``[1 + len(draft), V]`` (``accept_greedy`` or ``accept_sampled``)."""
     if sampler.greedy:
@@ -128,7 +131,9 @@ def verify(sampler: Sampler, logits: np.ndarray, draft: Sequence[int], q: np.nda
 
 @dataclass
 class DraftLength:
-    """One sequence's draft length from its acceptance rate (an EWMA per draft token).
+    """One sequence's draft length from its acceptance rates: an EWMA per draft token, kept
+    per kind of draft (the n-gram drafter's match length: a 3-token match is surer than a
+    1-token one; a model drafter has one kind).
 
     With per-token acceptance a, the i-th draft token adds a**i expected tokens and costs
     ``TOKEN_COST + drafter cost`` of a one-token step; in a step of S sequences, that step
@@ -138,31 +143,47 @@ class DraftLength:
 
     k_max: int
     adaptive: bool = True
-    rate: float = 0.5  # acceptance per draft token, until measured
+    rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
     idle: int = 0  # steps in a row without drafting
+    probing: bool = False  # this step drafts one token although no kind pays
 
-    def choose(self, n_seqs: int, draft_cost: float) -> int:
-        if not self.adaptive:
-            return self.k_max
+    def _worth(self, rate: float, n_seqs: int, draft_cost: float) -> int:
         per_cost = n_seqs / (1 + TOKEN_COST * (n_seqs - 1))  # tokens per one-token step
         threshold = per_cost * (TOKEN_COST + draft_cost)
-        k, gain = 0, self.rate
+        k, gain = 0, rate
         while k < self.k_max and gain > threshold:
-            k, gain = k + 1, gain * self.rate
-        if k or threshold >= 1:  # (a draft as costly as the target never pays: no probes)
+            k, gain = k + 1, gain * rate
+        return k
+
+    def choose(self, n_seqs: int, draft_cost: float) -> int:
+        """How many tokens to ask the drafter for: what the best kind is worth."""
+        self.probing = False
+        if not self.adaptive:
+            return self.k_max
+        k = self._worth(max(self.rates.values(), default=PRIOR), n_seqs, draft_cost)
+        if k or draft_cost + TOKEN_COST >= 1:  # (a draft as costly as the target never pays)
             self.idle = 0
             return k
         self.idle += 1
         if self.idle >= PROBE_EVERY:  # the text may have changed: look again
-            self.idle = 0
+            self.idle, self.probing = 0, True
             return 1
         return 0
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def trim(self, kind: int, n_seqs: int, draft_cost: float) -> int:
+        """How many tokens of a draft of ``kind`` to verify (an unseen kind is tried)."""
+        if not self.adaptive:
+            return self.k_max
+        rate = self.rates.get(kind, max(self.rates.values(), default=PRIOR))
+        return max(self._worth(rate, n_seqs, draft_cost), int(self.probing))
+
+    def update(self, kind: int, drafted: int, accepted: int) -> None:
         """``accepted`` of ``drafted`` tokens were kept (the ones after a rejection were
         not tried, so they are not counted)."""
+        rate = self.rates.get(kind, PRIOR)
         for hit in [1.0] * accepted + [0.0] * (accepted < drafted):
-            self.rate += EWMA * (hit - self.rate)
+            rate += EWMA * (hit - rate)
+        self.rates[kind] = rate
 
 
 @dataclass
@@ -200,6 +221,7 @@ class SpecStats:
 class Draft:
     tokens: list[int]
     probs: np.ndarray | None = None  # [len(tokens), V] the drafter drew them from; None: chosen
+    kind: int = 0  # what acceptance rate it goes by (``DraftLength``)
 
 
 class Drafter:
@@ -227,7 +249,7 @@ class NgramDrafter(Drafter):
         self.max_n = max_n
         self._index: dict[str, tuple[list[dict[tuple[int, ...], int]], list[int]]] = {}
 
-    def _lookup(self, rid: str, ids: list[int], k: int) -> list[int]:
+    def _lookup(self, rid: str, ids: list[int], k: int) -> Draft:
         maps, done = self._index.setdefault(rid, ([{} for _ in range(self.max_n)], [0]))
         for i in range(max(done[0], 1), len(ids)):  # the n-grams ending before token i
             for n in range(1, min(self.max_n, i) + 1):
@@ -236,12 +258,12 @@ class NgramDrafter(Drafter):
         for n in range(min(self.max_n, len(ids)), 0, -1):
             start = maps[n - 1].get(tuple(ids[-n:]))
             if start is not None:
-                return ids[start : start + k]
-        return []
+                return Draft(ids[start : start + k], kind=n)
+        return Draft([])
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         return [
-            Draft(self._lookup(r.request_id, r.token_ids, k) if k else [])
+            self._lookup(r.request_id, r.token_ids, k) if k else Draft([])
             for r, k in zip(requests, ks, strict=True)
         ]
 
@@ -377,7 +399,11 @@ class ModelDrafter(Drafter):
 
     @classmethod
     def layer_skip(
-        cls, target: LoadedModel, device: CpuDevice, keep: Sequence[int] | None = None, **config: int
+        cls,
+        target: LoadedModel,
+        device: CpuDevice,
+        keep: Sequence[int] | None = None,
+        **config: int,
     ) -> ModelDrafter:
         """The target with some layers skipped as its own draft; by default it skips the
         middle eighth of its layers (SmolLM2-135M, 30 layers: skipping 2 middle ones kept

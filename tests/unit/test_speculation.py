@@ -89,7 +89,7 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     drafter = NgramDrafter()
     req = Request("r", [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 7, 8, 2, 3], 10)
     (draft,) = drafter.propose([req], [3])
-    assert draft.tokens == [4, 7, 8]  # "2 3" last followed by 4 7 8 (the latest match)
+    assert draft.tokens == [4, 7, 8] and draft.kind == 2  # "2 3" was last followed by 4 7 8
     req.token_ids += [4, 7]  # the index grows with the sequence
     assert drafter.propose([req], [2])[0].tokens == [8, 2]
     assert drafter.propose([Request("s", [5, 6, 7], 1)], [4])[0].tokens == []
@@ -100,16 +100,21 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 def test_draft_length_adapts_and_probes():
     length = DraftLength(k_max=4)
     for _ in range(8):
-        length.update(4, 4)
-    length.update(4, 2)
-    assert 0.7 < length.rate < 0.9
-    length.rate = 0.8
+        length.update(3, 4, 4)
+    length.update(3, 4, 2)
+    assert 0.7 < length.rates[3] < 0.9
+    length.rates[3] = 0.8
     assert length.choose(1, 0.0) == 4  # a lone stream: each token's 0.8**i beats 0.12
     assert length.choose(16, 0.0) == 1  # a full batch: drafts must pay for their share
+    assert length.trim(1, 1, 0.0) == 4  # an unseen kind is tried as the best one
     for _ in range(40):
-        length.update(1, 0)
+        length.update(1, 1, 0)
+    assert length.trim(1, 1, 0.0) == 0 and length.trim(3, 1, 0.0) == 4  # per kind
+    for _ in range(40):
+        length.update(3, 1, 0)
     ks = [length.choose(1, 0.0) for _ in range(64)]
-    assert ks.count(0) >= 60 and ks.count(1) == 64 // 16  # off, probing now and then
+    assert ks.count(0) == 60 and ks.count(1) == 64 // 16  # off, probing now and then
+    assert length.probing and length.trim(1, 1, 0.0) == 1  # a probe drafts any kind
     assert DraftLength(k_max=4).choose(1, 1.0) == 0  # a draft as costly as the target
     assert DraftLength(k_max=3, adaptive=False).choose(8, 0.5) == 3
     for bad in (0, 17):
