@@ -4,6 +4,9 @@
   ``max_tokens=1``, chunked by the engine's step token budget), as tokens/s.
 * ``tgN``: N single-token decode steps after a short prompt, as tokens/s.
 
+``--speculative ngram`` (or ``layer-skip``) runs every test also with that drafter,
+alternating with the plain engine, and reports the speed-up and the acceptance rate.
+
 ``--vs llama.cpp`` runs the same GGUF in llama-cpp-python (the ``dynalm[bench]`` extra),
 alternating the two engines run by run, so both see the same load on a shared
 machine; the ratio column is what to compare. ``--profile`` splits a decode step into
@@ -32,6 +35,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.memory_plan import MemoryPlan
 from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.speculative import Drafter, build_drafter
 
 TG_PROMPT = 8  # tokens of context before a tg test's timed decode steps
 INSTALL_HINT = "--vs llama.cpp needs llama-cpp-python: pip install 'dynalm[bench]'"
@@ -63,9 +67,20 @@ class DynaLMRunner:
 
     name = "dynalm"
 
-    def __init__(self, model: LoadedModel, device: CpuDevice, ctx: int):
-        config = EngineConfig(ctx=ctx, max_num_seqs=1, enable_prefix_caching=False)
-        self.engine = Engine(model, device, config)
+    def __init__(
+        self,
+        model: LoadedModel,
+        device: CpuDevice,
+        ctx: int,
+        drafter: Drafter | None = None,
+        num_draft_tokens: int = 4,
+    ):
+        config = EngineConfig(
+            ctx=ctx, max_num_seqs=1, enable_prefix_caching=False, num_draft_tokens=num_draft_tokens
+        )
+        self.engine = Engine(model, device, config, drafter)
+        if drafter is not None:
+            self.name = f"dynalm+{drafter.name}"
         self._n = 0
 
     def _request(self, prompt: list[int], max_tokens: int) -> list[float]:
@@ -409,6 +424,8 @@ def bench_command(
     vs: str | None,
     as_json: bool,
     profile: bool,
+    speculative: str | None = None,
+    num_draft_tokens: int = 4,
 ) -> str:
     """Everything ``dynalm bench`` prints to stdout."""
     import importlib.util
@@ -421,6 +438,10 @@ def bench_command(
         raise InvalidRequest(f"--vs: only 'llama.cpp' is supported, got {vs!r}")
     if repetitions < 1:
         raise InvalidRequest(f"-r must be at least 1, got {repetitions}")
+    if speculative and (vs or profile):
+        raise InvalidRequest(
+            "--speculative compares with the plain engine: not with --vs or --profile"
+        )
     device = select_device("cpu", mode, threads)
     ctx = max(t.n for t in tests) + TG_PROMPT + 16
     if vs and importlib.util.find_spec("llama_cpp") is None:  # fail before loading anything
@@ -452,15 +473,31 @@ def bench_command(
     work.warm_up(ours)
     memory = Memory(peak_rss(), path.stat().st_size, ours.engine.memory_plan)
     runners: list[Runner] = [ours]
+    if speculative:  # first, so that the ratio column is the speed-up
+        drafter = build_drafter(
+            speculative, None, model, device, ctx=ctx, max_num_seqs=1,
+            num_draft_tokens=num_draft_tokens,
+        )  # fmt: skip
+        runners.insert(0, DynaLMRunner(model, device, ctx, drafter, num_draft_tokens))
+        work.warm_up(runners[0])
+        runners[0].engine.spec_stats.__init__()  # count the timed runs only
     if vs:
         runners.append(LlamaCppRunner(path, device.threads, ctx))
         work.warm_up(runners[-1])
     results = work.rounds(runners, repetitions)
     for runner in runners[1:]:
-        runner.close()
+        if isinstance(runner, LlamaCppRunner):
+            runner.close()
+    spec = runners[0].engine.spec_stats if speculative else None  # type: ignore[attr-defined]
     if as_json:
+        extra = {} if spec is None else {"acceptance_rate": spec.acceptance_rate}
         return json.dumps(
-            {**summary, "results": [r.as_json() for r in results], "memory": memory.as_json()}
+            {
+                **summary,
+                "results": [r.as_json() for r in results],
+                "memory": memory.as_json(),
+                **extra,
+            }
         )
     header = (
         f"model {model.name} · file {path} ({memory.file / 2**20:.1f} MiB) · "
@@ -474,4 +511,6 @@ def bench_command(
         f"cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
     )
     table = format_table(results, header, [r.name for r in runners])
+    if spec is not None:
+        table += f"\n\n{spec.summary()}"
     return f"{table}\n\n{memory.line()}\n{loaded}"

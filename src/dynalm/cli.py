@@ -193,6 +193,53 @@ KVDtype = Annotated[
 ]
 
 
+Draft = Annotated[
+    str | None,
+    typer.Option(
+        help="Speculative decoding with this draft model (catalog name or GGUF path): "
+        "smaller, with the target's vocabulary, e.g. SmolLM2 135M for SmolLM2 1.7B."
+    ),
+]
+Speculative = Annotated[
+    str | None,
+    typer.Option(
+        help="Speculative decoding without a draft model: ngram (prompt lookup: drafts what "
+        "followed the last tokens earlier in the text) | layer-skip (the model with some "
+        "layers skipped)."
+    ),
+]
+NumDraftTokens = Annotated[
+    int, typer.Option(help="Most draft tokens per step (1-16; fewer where drafts miss).")
+]
+
+
+def _drafter(
+    draft: str | None,
+    speculative: str | None,
+    num_draft_tokens: int,
+    target: LoadedModel,
+    device: CpuDevice,
+    ctx: int,
+    max_num_seqs: int,
+) -> object:
+    """The drafter --draft / --speculative ask for (None: no speculative decoding)."""
+    from dynalm.models.loader import load_model
+    from dynalm.runtime.registry import ModelStore
+    from dynalm.runtime.speculative import build_drafter, check_num_draft_tokens
+
+    check_num_draft_tokens(num_draft_tokens)  # before loading a draft model
+    draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
+    return build_drafter(
+        speculative,
+        draft_model,
+        target,
+        device,
+        ctx=ctx,
+        max_num_seqs=max_num_seqs,
+        num_draft_tokens=num_draft_tokens,
+    )
+
+
 def _device(backend: Backend, cpu: bool, gpu: bool, mode: Mode, threads: int | None) -> CpuDevice:
     """The device for --backend/--cpu/--gpu, --mode and --threads."""
     from dynalm.core.device import select_device
@@ -395,6 +442,8 @@ def _chat(
         messages.append({"role": "assistant", "content": answer})
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
+            if generator.engine.drafter is not None:
+                err.print(f"[dim]{generator.engine.spec_stats.summary()}[/]")
 
 
 @app.command()
@@ -419,6 +468,9 @@ def run(
     ] = None,
     ctx: Ctx = None,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
+    draft: Draft = None,
+    speculative: Speculative = None,
+    num_draft_tokens: NumDraftTokens = 4,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -458,7 +510,8 @@ def run(
         kv_dtype = kv_cache_dtype.value
         ctx = _context(ctx, loaded)
         _memory_plan(loaded, generator_config(ctx, kv_dtype), device.mode, verbose)
-        generator = Generator(loaded, device, ctx=ctx, kv_dtype=kv_dtype)
+        drafter = _drafter(draft, speculative, num_draft_tokens, loaded, device, ctx, 1)
+        generator = Generator(loaded, device, ctx, kv_dtype, drafter, num_draft_tokens)
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
                 f"[dim]loaded {loaded.name} on {device.describe()}: file {t1 - t0:.2f} s, "
@@ -486,6 +539,8 @@ def run(
             sys.stdout.write("\n")
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
+            if drafter is not None:
+                err.print(f"[dim]{generator.engine.spec_stats.summary()}[/]")
 
 
 @app.command()
@@ -512,6 +567,9 @@ def serve(
         typer.Option(help="KV pool size, e.g. 512MiB (default: the engine's)."),
     ] = None,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
+    draft: Draft = None,
+    speculative: Speculative = None,
+    num_draft_tokens: NumDraftTokens = 4,
     max_body_size: Annotated[
         str, typer.Option(help="Largest request body, e.g. 8MiB (beyond: 413).")
     ] = "8MiB",
@@ -549,9 +607,13 @@ def serve(
             max_queue=max_queue,
             kv_cache_memory=kv_memory,
             kv_cache_dtype=kv_cache_dtype.value,
+            num_draft_tokens=num_draft_tokens,
         )
         _memory_plan(loaded, config, device.mode, verbose)
-        engine = Engine(loaded, device, config)
+        drafter = _drafter(
+            draft, speculative, num_draft_tokens, loaded, device, config.ctx, max_num_seqs
+        )
+        engine = Engine(loaded, device, config, drafter)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
         server.serve(
@@ -583,6 +645,11 @@ def bench(
     profile: Annotated[
         bool, typer.Option("--profile", help="Kernel vs Python time per step of each test.")
     ] = False,
+    speculative: Annotated[
+        str | None,
+        typer.Option(help="Also run with this drafter (ngram | layer-skip): speed-up, acceptance."),
+    ] = None,
+    num_draft_tokens: NumDraftTokens = 4,
     verbose: Verbose = False,
 ) -> None:
     """Measure prefill (pp) and decode (tg) speed, llama-bench style."""
@@ -602,6 +669,8 @@ def bench(
                 vs=vs,
                 as_json=json_output,
                 profile=profile,
+                speculative=speculative,
+                num_draft_tokens=num_draft_tokens,
             )
         )
 

@@ -238,6 +238,9 @@ def test_usage_errors_are_one_line(smollm2_gguf: Path, args: list[str], needle: 
         (["--ctx", "1000000000"], ["--ctx 1000000000", "8192 tokens", "context_length"]),
         (["--temperature", "inf"], ["temperature", "finite"]),
         (["--seed", "-1"], ["seed", "2**64"]),
+        (["--speculative", "ngram", "--num-draft-tokens", "0"], ["--num-draft-tokens", "[1, 16]"]),
+        (["--speculative", "ngram", "--num-draft-tokens", "17"], ["--num-draft-tokens", "got 17"]),
+        (["--speculative", "medusa"], ["--speculative 'medusa'", "ngram, layer-skip"]),
     ],
 )
 def test_flags_beyond_the_machine_or_model(smollm2_gguf: Path, flags: list[str], needles):

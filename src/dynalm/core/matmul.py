@@ -36,6 +36,13 @@ from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XS, A_Y, N_
 AUTO_VALIDATED = frozenset({_T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
 
 
+# Row counts up to this have argument blocks of their own in each matmul, so that compiled
+# step programs of several small step shapes (decode, speculative verification) stay valid
+# side by side and a change of step shape costs no rebinding (``Executor``); larger counts
+# share one block, rebound per shape.
+CACHED_ROWS = 64
+
+
 # --- threads ---------------------------------------------------------------------------
 
 # Split matmuls with more weight bytes than this over the native pool (a split costs a few
@@ -159,14 +166,10 @@ class QuantMatmul:
         # The pool's smallest grab (its first grabs are larger, see core.pool): small enough
         # to even out uneven threads at the end of a job, and whole row groups.
         self._chunk = max(16, -(-self.n_rows // (16 * self._threads)) + 15 & ~15)
-        self._args = (ctypes.c_int64 * N_ARGS)()
-        self._args_at = ctypes.addressof(self._args)
-        self._args[A_W] = _address(self._weights)
-        self._args[A_NB], self._args[A_LDY] = self._nb, self.n_rows
-        # The quantiser's own argument block: x -> (xq, xd, xs); its y slot is the fp32 source.
-        self._qargs = (ctypes.c_int64 * N_ARGS)()
-        self._qargs[A_NB] = self._nb
-        self._qargs_at = ctypes.addressof(self._qargs)
+        # Argument blocks per row count (see CACHED_ROWS): the product's, and the
+        # quantiser's own (x -> (xq, xd, xs); its y slot is the fp32 source).
+        self._arg_blocks: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}
+        self._use_blocks(0)
         self._x: np.ndarray | None = None
         self._out: np.ndarray | None = None
         self._calls: list[tuple[int, int, int, int, int]] = []
@@ -187,6 +190,17 @@ class QuantMatmul:
         """Whether a kernel exists for this GGUF type in ``mode`` ("exact" or "auto")."""
         return programs.supported(ggml_type, mode)
 
+    def _use_blocks(self, t_rows: int) -> None:
+        """Make the argument blocks of ``t_rows`` rows the bound ones."""
+        key = t_rows if t_rows <= CACHED_ROWS else 0
+        if key not in self._arg_blocks:
+            args, qargs = (ctypes.c_int64 * N_ARGS)(), (ctypes.c_int64 * N_ARGS)()
+            args[A_W] = _address(self._weights)
+            args[A_NB], args[A_LDY], qargs[A_NB] = self._nb, self.n_rows, self._nb
+            self._arg_blocks[key] = (args, qargs)
+        self._args, self._qargs = self._arg_blocks[key]
+        self._args_at, self._qargs_at = map(ctypes.addressof, self._arg_blocks[key])
+
     def _set(self, slot: int, value: int) -> None:
         self._args[slot] = self._qargs[slot] = value
 
@@ -197,6 +211,7 @@ class QuantMatmul:
             raise ValueError("x must be C-contiguous")
         t_rows = x.shape[0]
         self._x, self._out = x, None
+        self._use_blocks(t_rows)
         self._set(A_T, t_rows)
         if self.mode == "exact":
             self._set(A_X, _address(x))

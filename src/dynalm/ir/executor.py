@@ -26,7 +26,7 @@ import numpy as np
 from dynalm.core import attention, cpu_ops, elementwise, pool
 from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import CpuDevice
-from dynalm.core.matmul import ActivationScratch, QuantMatmul
+from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
 from dynalm.ir.ops import OPS
 from dynalm.ir.planner import Plan, plan_buffers
@@ -157,6 +157,10 @@ class Executor:
         self._logits = self._view_of[graph.outputs["logits"].id]
         self._shape: tuple[int, int] | None = None  # (T, S) the views are sliced for
         self._compiled_kv: object = None  # the KV storage the programs were built for
+        # Compiled steps of small shapes, kept: decode steps alternate between shapes (a
+        # sequence joins or leaves, a speculative sequence verifies k + 1 tokens), and
+        # compiling one costs ~2 decode steps of SmolLM2.
+        self._compiled: dict[tuple[int, int], list[Call]] = {}
 
     def _resize(self, n_tokens: int, n_logits: int) -> None:
         rows = {"T": n_tokens, "S": n_logits}
@@ -164,7 +168,10 @@ class Executor:
         counts = np.where(self._on_tokens, n_tokens, n_logits) * self._per_row
         self._blocks[: len(counts), 0] = counts
         self._shape = (n_tokens, n_logits)
-        self._compile()
+        if self._shape in self._compiled and self._batch.kv is self._compiled_kv:
+            self._steps = self._compiled[self._shape]
+        else:
+            self._compile()
 
     def _compile(self) -> None:
         """Fold each run of consecutive native calls into one ``pool.Program``, so a step
@@ -176,14 +183,18 @@ class Executor:
         (``backends.lower_all``: concurrently, on threads joined before it returns): a
         kernel is still compiled only for the step that first needs it."""
         self._steps: list[Call] = []
+        if self._batch.kv is not self._compiled_kv:
+            self._compiled.clear()  # their programs hold the old storage's addresses
         self._compiled_kv = self._batch.kv
         if self._native:
             pending = pool.pending() if pool.available() else []
             pending += [r for call in self._calls for r in getattr(call, "pending", list)()]
             if pending:
                 backends.lower_all(pending)
+        if self._shape is not None and self._shape[0] <= CACHED_ROWS:
+            self._compiled[self._shape] = self._steps
         if not (self._native and pool.available()):
-            self._steps = list(self._calls)
+            self._steps += self._calls
             return
         run: list[tuple[int, int, int, int, int]] = []
         for call in [*self._calls, None]:

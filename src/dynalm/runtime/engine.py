@@ -6,6 +6,10 @@ sequence concatenated, with positions and page tables), then samples the next
 token of every sequence whose chunk reached its end: each request has its own
 sampler (and seed), incremental detokeniser and stop-string matcher.
 
+With a drafter (``runtime.speculative``), decoding sequences first get draft tokens,
+which the same step computes after their last token; ``_verify`` keeps what the target's
+logits accept (several tokens per step) and rolls the rest back.
+
 ``Engine`` is driven by one thread (its ``step`` loop); ``add_request`` and
 ``abort`` may be called from any thread. ``AsyncEngine`` runs that loop in a
 background thread and hands outputs to asyncio consumers.
@@ -36,6 +40,13 @@ from dynalm.runtime.prompt_logprobs import PromptRows, ScoredLogprob, prompt_row
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
+from dynalm.runtime.speculative import (
+    Drafter,
+    DraftLength,
+    SpecStats,
+    check_num_draft_tokens,
+    verify,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -55,6 +66,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None: max_num_seqs * ctx tokens, capped at 2 GiB
     kv_cache_dtype: str = "f16"  # f32 | f16 | q8_0
     enable_prefix_caching: bool = True
+    num_draft_tokens: int = 4  # most draft tokens per sequence and step (with a drafter)
+    adaptive_draft: bool = True  # fewer (or none) where drafts are rejected; else always k
 
 
 @dataclass
@@ -93,6 +106,7 @@ class EngineStats:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    spec: SpecStats  # speculative decoding's counters (zero without a drafter)
 
 
 @dataclass(eq=False)
@@ -108,6 +122,9 @@ class _Stream:
     guide: Guide | None = None  # the grammar its output follows, if constrained
     prompt_logprobs: int | None = None  # alternatives per scored prompt token
     scored: list[ScoredLogprob] | None = None  # until the first output takes them
+    draft_length: DraftLength | None = None  # None: no speculation for this request
+    draft_probs: np.ndarray | None = None  # what the drafter drew this step's draft from
+    draft_kind: int = 0  # and what acceptance rate that draft goes by
 
 
 def flat_batch(
@@ -115,7 +132,7 @@ def flat_batch(
 ) -> tuple[np.ndarray, np.ndarray, AttentionBatch]:
     """Tokens, positions and attention layout of one step over ``chunks``."""
     seqs = [(c.request, c.start, c.start + c.n) for c in chunks]
-    tokens = np.concatenate([np.asarray(r.token_ids[a:b], np.int64) for r, a, b in seqs])
+    tokens = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
     positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in seqs])
     recent = pool.recent > 0
     batch = AttentionBatch(
@@ -139,8 +156,16 @@ def _token_logprob(penalized: np.ndarray, token: int, top: int) -> TokenLogprob:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, device: CpuDevice, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: LoadedModel,
+        device: CpuDevice,
+        config: EngineConfig | None = None,
+        drafter: Drafter | None = None,
+    ):
         config = config or EngineConfig()
+        if drafter is not None:
+            check_num_draft_tokens(config.num_draft_tokens)
         hp = model.hparams
         if config.ctx < 2:
             raise InvalidRequest(f"--ctx must be at least 2, got {config.ctx}")
@@ -152,6 +177,8 @@ class Engine:
         n_tokens = self.memory_plan.kv_tokens
         self.model = model
         self.config = config
+        self.drafter = drafter
+        self.spec_stats = SpecStats()
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
@@ -192,11 +219,12 @@ class Engine:
         guide: Guide | None = None,
         prompt_logprobs: int | None = None,
         prompt_logprobs_from: int = 1,
+        speculate: bool = True,
     ) -> None:
         """Queue a request; raises PromptTooLong, InvalidRequest or QueueFull. ``guide``:
         from `grammars`, its own copy. ``prompt_logprobs``: score the prompt's tokens from
         ``prompt_logprobs_from`` on (the first output carries them), with that many
-        alternatives each."""
+        alternatives each. ``speculate``: draft for it (when the engine has a drafter)."""
         ctx = self.config.ctx
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
@@ -231,6 +259,10 @@ class Engine:
             guide,
             prompt_logprobs,
             None if prompt_logprobs is None else [],
+            # a grammar's state would have to follow the draft: constrained requests decode
+            None if self.drafter is None or guide is not None or not speculate else DraftLength(
+                self.config.num_draft_tokens, self.config.adaptive_draft
+            ),
         )
         with self._lock:
             if request_id in self._streams:
@@ -265,38 +297,105 @@ class Engine:
                 if rid in self._streams:
                     outputs.append(self._finish(self._streams[rid], "", [], "abort"))
             self._aborts.clear()
+            self._propose()
             sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
         with self._lock:
-            streams = [self._streams[c.request.request_id] for c in sched.chunks if c.samples]
+            sampling = [c for c in sched.chunks if c.samples]
+            streams = [self._streams[c.request.request_id] for c in sampling]
         guided = [i for i, stream in enumerate(streams) if stream.guide is not None]
         if guided:  # the masks are computed while the model runs
             self._masks = self._masks or MaskWorker(self.model.hparams.n_vocab)
             masks = self._masks.start([streams[i].guide for i in guided])  # type: ignore[misc]
+        saved = {c.request.request_id: self.scheduler.kv.save_recent(c) for c in sampling}
         scoring, logits = self._run(sched.chunks)
         with self._lock:
             self.scheduler.advance(sched)
             if scoring.spans:  # prompt log-probs from the raw logits, before any mask
                 self._score_prompts(scoring, logits)
                 logits = logits[len(scoring.rows) :]
-            for stream, row in zip(streams, logits, strict=True):
-                req = stream.request
-                stream.sampler.penalize(row, req.token_ids, len(req.prompt_ids))
-            if guided:
-                apply_masks(logits, guided, masks.result())
-            tokens = sample_rows([stream.sampler for stream in streams], logits)
-            for stream, row, token in zip(streams, logits, tokens.tolist(), strict=True):
-                outputs.append(self._emit(stream, row, token))
+            # a sequence's rows: its last token's, then one per draft token
+            first = np.cumsum([0] + [1 + c.n_draft for c in sampling])
+            for stream, at in zip(streams, first.tolist(), strict=False):
+                req, n_prompt = stream.request, len(stream.request.prompt_ids)
+                for j in range(len(req.draft) + 1):  # each row's history: the draft before it
+                    history = req.token_ids + req.draft[:j] if j else req.token_ids
+                    stream.sampler.penalize(logits[at + j], history, n_prompt)
+            plain = [i for i, c in enumerate(sampling) if not c.n_draft]
+            rows = logits[: len(plain)] if len(plain) == len(sampling) else logits[first[plain]]
+            if guided:  # (constrained requests never draft)
+                apply_masks(rows, [plain.index(i) for i in guided], masks.result())
+            tokens = sample_rows([streams[i].sampler for i in plain], rows)
+            sampled = dict(zip(plain, zip(rows, tokens.tolist(), strict=True), strict=True))
+            for i, stream in enumerate(streams):
+                if i in sampled:
+                    outputs.append(self._emit(stream, *sampled[i]))
+                else:
+                    rid = stream.request.request_id
+                    outputs += self._verify(stream, logits[first[i] : first[i + 1]], saved[rid])
+        return outputs
+
+    # -- speculative decoding ---------------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for the running sequences that decode (only their last token is left to
+        compute), as many tokens as each one's ``DraftLength`` and its room allow."""
+        if self.drafter is None:
+            return
+        running, ctx, cost = self.scheduler.running, self.config.ctx, self.drafter.cost
+        asked: list[tuple[_Stream, int]] = []
+        for req in running:
+            stream = self._streams[req.request_id]
+            if stream.draft_length is None or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            room = min(req.max_tokens - req.num_output_tokens, ctx - req.num_tokens) - 1
+            k = min(stream.draft_length.choose(len(running), cost), room)
+            if k > 0:
+                asked.append((stream, k))
+        if not asked:
+            return
+        drafts = self.drafter.propose([s.request for s, _ in asked], [k for _, k in asked])
+        for (stream, k), draft in zip(asked, drafts, strict=True):
+            assert stream.draft_length is not None
+            k = min(k, stream.draft_length.trim(draft.kind, len(running), cost))
+            stream.request.draft = draft.tokens[:k]
+            stream.draft_probs = None if draft.probs is None else draft.probs[:k]
+            stream.draft_kind = draft.kind
+
+    def _verify(self, stream: _Stream, logits: np.ndarray, saved: object) -> list[RequestOutput]:
+        """A speculative sequence after the step: emit the tokens verification keeps, one
+        output each (a stop token, stop string or length ends it inside the run), and
+        drop the rejected draft tokens' keys and values."""
+        req = stream.request
+        drafted = len(req.draft)
+        kept = verify(stream.sampler, logits, req.draft, stream.draft_probs)
+        accepted = len(kept) - 1
+        self.spec_stats.record(drafted, accepted)
+        assert stream.draft_length is not None
+        stream.draft_length.update(stream.draft_kind, drafted, accepted)
+        outputs = []
+        for row, token in zip(logits, kept, strict=False):
+            outputs.append(self._emit(stream, row, token))
+            if outputs[-1].finished:  # its pages went back whole
+                return outputs
+        self.scheduler.kv.accept_draft(req, accepted, saved)
         return outputs
 
     def _run(self, chunks: list[ScheduledChunk]) -> tuple[PromptRows, np.ndarray]:
         """The rows scoring prompt tokens, and the logits: those rows first, then the
-        step's sampling rows; a view of the executor's buffer, which the sampler penalises
-        in place (the next step overwrites it)."""
+        step's sampling rows (a speculative sequence's last token's and its draft's); a
+        view of the executor's buffer, which the sampler penalises in place (the next step
+        overwrites it)."""
         tokens, positions, batch = flat_batch(self.pool, chunks)
         last_rows = batch.query_start[1:] - 1
-        rows = last_rows[np.array([c.samples for c in chunks])]
+        rows = np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [
+                np.arange(end - c.n_draft, end + 1)
+                for c, end in zip(chunks, last_rows, strict=True)
+                if c.samples
+            ]
+        )
         scoring = prompt_rows(chunks, batch.query_start)
         if scoring.spans:
             rows = np.concatenate([scoring.rows, rows])
@@ -342,6 +441,8 @@ class Engine:
         lp: TokenLogprob | None = None,
     ) -> RequestOutput:
         self.scheduler.finish(stream.request, reason)
+        if self.drafter is not None:
+            self.drafter.release(stream.request.request_id)
         del self._streams[stream.request.request_id]
         return self._output(stream, text, tokens, reason, lp)
 
@@ -383,6 +484,7 @@ class Engine:
             prefix_queried_tokens=s.prefix_queried_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             num_preemptions=s.num_preemptions,
+            spec=self.spec_stats,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -21,6 +21,7 @@ from dynalm.runtime.guided import Guide
 from dynalm.runtime.kv_cache import PagePool
 from dynalm.runtime.sampling import SamplingParams
 from dynalm.runtime.scheduler import Request, ScheduledChunk
+from dynalm.runtime.speculative import Drafter
 
 
 @dataclass
@@ -50,17 +51,29 @@ class GenerationStats:
         )
 
 
-def generator_config(ctx: int = 4096, kv_dtype: str = "f32") -> EngineConfig:
+def generator_config(
+    ctx: int = 4096, kv_dtype: str = "f32", num_draft_tokens: int = 4
+) -> EngineConfig:
     """The engine configuration of a Generator (one sequence at a time)."""
-    return EngineConfig(ctx=ctx, max_num_seqs=1, kv_cache_dtype=kv_dtype)
+    return EngineConfig(
+        ctx=ctx, max_num_seqs=1, kv_cache_dtype=kv_dtype, num_draft_tokens=num_draft_tokens
+    )
 
 
 class Generator:
     def __init__(
-        self, model: LoadedModel, device: CpuDevice, ctx: int = 4096, kv_dtype: str = "f32"
+        self,
+        model: LoadedModel,
+        device: CpuDevice,
+        ctx: int = 4096,
+        kv_dtype: str = "f32",
+        drafter: Drafter | None = None,
+        num_draft_tokens: int = 4,
     ):
         self.model = model
-        self.engine = Engine(model, device, generator_config(ctx, kv_dtype))
+        self.engine = Engine(
+            model, device, generator_config(ctx, kv_dtype, num_draft_tokens), drafter
+        )
         self.stats = GenerationStats()
         self._ids = itertools.count()
         # What ``forward`` has run, as one sequence in a pool of its own (it never starves

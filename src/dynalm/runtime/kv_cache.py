@@ -220,6 +220,17 @@ class PagePool:
         self.k_recent[layer][rows] = k
         self.v_recent[layer][rows] = v
 
+    def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Copies of recent-buffer ``rows`` ``[layers, 2, len(rows), ...]``, keys and values
+        of every layer (``restore_recent`` puts them back)."""
+        pairs = zip(self.k_recent, self.v_recent, strict=True)
+        return [np.stack([k[rows], v[rows]]) for k, v in pairs]
+
+    def restore_recent(self, rows: np.ndarray, saved: list[np.ndarray]) -> None:
+        """Put back what ``save_recent`` copied, ``saved[layer][:, i]`` to ``rows[i]``."""
+        for k, v, (old_k, old_v) in zip(self.k_recent, self.v_recent, saved, strict=True):
+            k[rows], v[rows] = old_k, old_v
+
     def read_recent(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         k, v = self.k_recent[layer][rows], self.v_recent[layer][rows]
         return k.astype(np.float32), v.astype(np.float32)

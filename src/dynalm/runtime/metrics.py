@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -21,7 +22,12 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -55,10 +61,30 @@ class _EngineCollector(Collector):
             (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              stats.prefix_hit_tokens),
         ]  # fmt: skip
+        spec = stats.spec
+        if self.engine.drafter is not None:  # speculative decoding
+            rows += [
+                (CounterMetricFamily, "spec_decode_num_drafts", "Drafts verified.",
+                 spec.num_drafts),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 spec.num_draft_tokens),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens",
+                 "Draft tokens accepted.", spec.num_accepted_tokens),
+            ]  # fmt: skip
         for family, name, doc, value in rows:
             metric = family(f"dynalm:{name}", doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
             yield metric
+        if self.engine.drafter is not None:
+            lengths = HistogramMetricFamily(
+                "dynalm:spec_decode_acceptance_length",
+                "Draft tokens accepted per verified draft.",
+                labels=["model_name"],
+            )
+            cumulative = np.cumsum(spec.accepted_lengths).tolist()
+            buckets = [(str(n), c) for n, c in enumerate(cumulative)] + [("+Inf", cumulative[-1])]
+            lengths.add_metric([self.model_name], buckets, spec.num_accepted_tokens)
+            yield lengths
 
 
 class ServerMetrics:

@@ -162,6 +162,32 @@ class Sampler:
 
     def draw_truncated(self, logits: np.ndarray) -> int:
         """A token from one row of logits cut by top-k, then top-p, then min-p."""
+        order, weights = self._truncated(logits)
+        mass = np.cumsum(weights, dtype=np.float64)
+        at = int(np.searchsorted(mass, self.rng.random() * mass[-1], side="right"))
+        return int(order[min(at, len(order) - 1)])
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a draw from one (penalised) row follows, dense float64 ``[V]``:
+        greedy's point mass, the truncated softmax, or the plain one (speculative decoding
+        verifies drafts against it)."""
+        p = np.zeros(logits.size)
+        if self.greedy:
+            best = int(logits.argmax())
+            _check(np.isfinite(logits[best]))
+            p[best] = 1.0
+        elif self.truncates(logits.size):
+            order, weights = self._truncated(logits)
+            p[order] = weights / weights.sum(dtype=np.float64)
+        else:
+            best = logits.max()
+            _check(np.isfinite(best))
+            np.exp((logits - best) / self.params.temperature, out=p)
+            p /= p.sum()
+        return p
+
+    def _truncated(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens top-k, top-p and min-p keep, most likely first, and their weights."""
         p, n = self.params, logits.size
         best = logits.max()
         _check(np.isfinite(best))  # NaN if any logit is
@@ -185,9 +211,7 @@ class Sampler:
             keep = min(keep, int(np.searchsorted(mass, p.top_p * total)) + 1)
         if p.min_p > 0:
             keep = min(keep, max(1, int(np.count_nonzero(weights >= p.min_p * weights[0]))))
-        mass = np.cumsum(weights[:keep], dtype=np.float64)
-        at = int(np.searchsorted(mass, self.rng.random() * mass[-1], side="right"))
-        return int(order[min(at, keep - 1)])
+        return order[:keep], weights[:keep]
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:

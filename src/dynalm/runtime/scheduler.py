@@ -9,6 +9,12 @@ When pages run out, the most recently admitted running request is preempted: its
 pages go back (full ones stay in the prefix cache) and it is recomputed later,
 keeping the tokens it generated.
 
+Speculative decoding: a decoding request may carry ``draft`` tokens, proposed to follow
+its tokens; they are scheduled after its last token (1 + k tokens in the flat batch, cut
+to the step's budget) and are not the request's tokens: ``advance`` counts only the
+request's own as computed, and ``accept_draft`` then adds the accepted ones and gives back
+the pages that held only rejected ones (those never reach the prefix cache).
+
 Everything here works on token ids and page ids only, so it is unit-tested
 without a model: the engine runs the model over what ``schedule`` returns and
 then calls ``advance`` and ``finish``.
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from dynalm.errors import QueueFull
 from dynalm.runtime.kv_cache import PagePool
@@ -43,6 +51,7 @@ class Request:
     recent_from: int = 0  # the first position it computed itself since admission
     # prompt log-probs (`prompt_logprobs`): the next prompt token to score, None if none wanted
     scored_until: int | None = None
+    draft: list[int] = field(default_factory=list)  # proposed next tokens, this step only
     _admitted: bool = False
 
     def __post_init__(self) -> None:
@@ -123,6 +132,42 @@ class KVCacheManager:
                 self.cache.unlock(req.cache_node)
             req.cache_node = node
 
+    def save_recent(self, chunk: ScheduledChunk) -> list[np.ndarray] | None:
+        """Before a step computes ``chunk``'s draft tokens: what their positions' rows of
+        the request's recent buffer hold (q8_0 pools), for ``accept_draft`` to put back."""
+        if not (chunk.n_draft and self.pool.recent):
+            return None
+        req = chunk.request
+        return self.pool.save_recent(self._recent_rows(req, req.num_tokens, chunk.n_draft))
+
+    def _recent_rows(self, req: Request, start: int, n: int) -> np.ndarray:
+        assert req.recent is not None
+        return req.recent * self.pool.recent + np.arange(start, start + n) % self.pool.recent
+
+    def accept_draft(
+        self, req: Request, n_accepted: int, saved: list[np.ndarray] | None = None
+    ) -> None:
+        """``req``'s draft ran (``advance`` counted its own tokens) and its first
+        ``n_accepted`` tokens were appended to it: their keys/values stay, the rejected
+        ones' are dropped: the pages only they used, and their rows of a recent buffer
+        (``saved``), which held the keys and values of positions 32 earlier."""
+        n_draft, req.draft = len(req.draft), []
+        if saved is not None:
+            first = req.num_computed_tokens + n_accepted  # the first rejected position
+            rows = self._recent_rows(req, first, n_draft - n_accepted)
+            self.pool.restore_recent(rows, [a[:, n_accepted:] for a in saved])
+        req.num_computed_tokens += n_accepted
+        self.rollback(req, req.num_computed_tokens)
+        self.cache_full_pages(req)
+
+    def rollback(self, req: Request, n_tokens: int) -> None:
+        """Keep the keys/values of ``req``'s first ``n_tokens`` tokens only, giving back the
+        pages after them (pages past the computed ones are this request's alone)."""
+        req.num_computed_tokens = min(req.num_computed_tokens, n_tokens)
+        keep = -(-n_tokens // self.page_size)
+        self.pool.release(req.pages[keep:])
+        del req.pages[keep:]
+
     def free(self, req: Request) -> None:
         self.pool.release(req.pages)
         if req.cache_node is not None:
@@ -135,16 +180,25 @@ class KVCacheManager:
 
 @dataclass
 class ScheduledChunk:
-    """Tokens ``start:start + n`` of ``request`` are computed this step."""
+    """Tokens ``start:start + n`` of ``request`` are computed this step; the last
+    ``n_draft`` of them are its draft tokens (speculative decoding)."""
 
     request: Request
     start: int
     n: int
+    n_draft: int = 0
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so its logits give the next one."""
-        return self.start + self.n == self.request.num_tokens
+        return self.start + self.n - self.n_draft == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        req, end = self.request, self.start + self.n
+        if self.n_draft:
+            return req.token_ids[self.start :] + req.draft[: self.n_draft]
+        return req.token_ids[self.start : end]
 
 
 @dataclass
@@ -190,7 +244,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            own = req.num_tokens - req.num_computed_tokens
+            n = min(own + len(req.draft), budget)
+            del req.draft[max(0, n - own) :]  # the budget cuts the draft first
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -198,7 +254,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, len(req.draft)))
                 budget -= n
                 i += 1
         # Admit in arrival order; not after a preemption (memory is short this step).
@@ -225,6 +281,7 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request) -> None:
+        req.draft = []
         self.kv.free(req)  # its whole computed pages stay in the prefix cache
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -232,14 +289,15 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """The model ran ``out``: its tokens are computed (call before appending the
-        sampled tokens)."""
+        sampled tokens); draft tokens count once accepted (``KVCacheManager.accept_draft``)."""
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.start + chunk.n
+            chunk.request.num_computed_tokens = chunk.start + chunk.n - chunk.n_draft
             self.kv.cache_full_pages(chunk.request)
 
     def finish(self, req: Request, reason: str) -> None:
         """Take ``req`` out of the queues and give back its pages."""
         req.finish_reason = reason
+        req.draft = []
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

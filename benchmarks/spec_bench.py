@@ -1,0 +1,207 @@
+"""Speculative decoding on SmolLM2-135M Q4_1, side by side in one run (2 threads).
+
+1. Step time for T = 1..16 tokens of one sequence (what decides the draft length).
+2. Single stream, greedy decode speed (tg: generated tokens after the first / time),
+   without a drafter and with n-gram drafting, runs alternating: copy-heavy prompts
+   (edit this code, repeat with changes, extract quotes) and open-ended chat.
+3. 8 concurrent streams (copy-heavy and chat mixed): aggregate tokens/s.
+4. Draft models: the target as its own draft (acceptance must be 100 %: the plumbing) and
+   the layer-skipping self-draft (its honest acceptance and speed).
+
+Every speculative run's tokens are checked against the plain run's (greedy: identical).
+
+    PYTHONPATH=src python benchmarks/spec_bench.py [MODEL.gguf] [--runs 3] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dynalm.core.device import CpuDevice
+from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
+from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.scheduler import Request, ScheduledChunk
+from dynalm.runtime.speculative import Drafter, ModelDrafter, NgramDrafter
+
+DEFAULT_MODEL = ".models/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CODE = """def load_config(path):
+    with open(path) as f:
+        lines = f.read().splitlines()
+    config = {}
+    for line in lines:
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        config[key.strip()] = value.strip()
+    return config
+
+
+def save_config(path, config):
+    with open(path, "w") as f:
+        for key, value in sorted(config.items()):
+            f.write(f"{key} = {value}\\n")
+"""
+STORY = (
+    'The lighthouse keeper, Ada Morrow, wrote in her log every evening. "The sea was calm '
+    'today and the gulls stayed near the rocks," she wrote on Monday. On Tuesday a storm '
+    'came from the west. "I have never seen waves so tall," she told the harbour master, '
+    '"they broke over the lamp room twice before midnight." The harbour master replied, '
+    '"Keep the light burning and stay inside until it passes." By Thursday the weather '
+    'cleared, and a fishing boat returned with its nets full. "We owe our lives to that '
+    'light," said the captain, shaking her hand.'
+)
+COPY_PROMPTS = {
+    "edit code": f"Rename the function load_config to read_config everywhere in this code and "
+    f"show the whole code:\n\n{CODE}",
+    "repeat with changes": "Repeat the following list exactly, but replace every 'red' with "
+    "'blue':\n\n1. The red car is parked near the red house.\n2. A red bird sat on the "
+    "fence next to the red barn.\n3. She wore a red scarf and red gloves to the market.\n"
+    "4. The red apples in the basket were sweet and fresh.\n5. Paint the red door and the "
+    "red window frames before winter.",
+    "extract quotes": f"Extract every sentence in quotation marks from this text, one per "
+    f"line, with who said it:\n\n{STORY}",
+}
+CHAT_PROMPTS = {
+    "chat: weekend": "What are some fun things to do on a rainy weekend?",
+    "chat: explain": "Explain why the sky is blue to a ten year old.",
+    "chat: story": "Write a short story about a robot who learns to paint.",
+}
+
+
+def encode(model: LoadedModel, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
+
+
+def step_times(model: LoadedModel, device: CpuDevice, runs: int) -> list[tuple[int, float]]:
+    """Best-of-``runs`` seconds of one model step over T tokens of one sequence (after 180
+    tokens of context), T = 1..16, logits for every token (as verification asks)."""
+    engine = Engine(model, device, EngineConfig(ctx=512, max_num_seqs=1))
+    rng = np.random.default_rng(0)
+    req = Request("steps", rng.integers(0, model.hparams.n_vocab, 200).tolist(), 1)
+    assert engine.scheduler.kv.allocate(req, 200)
+    tokens, positions, batch = flat_batch(engine.pool, [ScheduledChunk(req, 0, 180)])
+    engine.executor.run(tokens, positions, np.array([179]), batch)
+    best = {t: float("inf") for t in range(1, 17)}
+    for _ in range(runs):
+        for t in best:
+            tokens, positions, batch = flat_batch(engine.pool, [ScheduledChunk(req, 180, t)])
+            engine.executor.run(tokens, positions, np.arange(t), batch)  # binds the shape
+            t0 = time.perf_counter()
+            for _ in range(10):
+                engine.executor.run(tokens, positions, np.arange(t), batch)
+            best[t] = min(best[t], (time.perf_counter() - t0) / 10)
+    return list(best.items())
+
+
+def generate(engine: Engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+    """Greedy answers of ``n`` tokens to all prompts at once; the decode time (from the
+    step that gave every request its first token to the last)."""
+    params = SamplingParams(max_tokens=n, temperature=0, repeat_penalty=1.0)
+    ids = [f"b{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params, stop_ids=frozenset())
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    start = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+        if start is None and all(out.values()):
+            start = time.perf_counter()
+    return [out[rid] for rid in ids], time.perf_counter() - start
+
+
+def compare(
+    model: LoadedModel,
+    device: CpuDevice,
+    drafter: Drafter,
+    prompts: list[list[int]],
+    n: int,
+    runs: int,
+    **config: object,
+) -> tuple[float, float, float, bool]:
+    """(plain tokens/s, speculative tokens/s, acceptance, identical) over ``runs`` runs
+    alternating the two engines."""
+    base = {"ctx": 1024, "max_num_seqs": max(8, len(prompts)), "enable_prefix_caching": False}
+    plain = Engine(model, device, EngineConfig(**base))
+    spec = Engine(model, device, EngineConfig(**base, **config), drafter=drafter)
+    rates: dict[str, list[float]] = {"plain": [], "spec": []}
+    same = True
+    generate(plain, prompts, 8)  # warm-up: kernels, step shapes
+    generate(spec, prompts, 8)
+    spec.spec_stats.__init__()
+    for _ in range(runs):
+        want, t_plain = generate(plain, prompts, n)
+        got, t_spec = generate(spec, prompts, n)
+        same &= got == want
+        decoded = sum(len(t) - 1 for t in want)
+        rates["plain"].append(decoded / t_plain)
+        rates["spec"].append(decoded / t_spec)
+    return (
+        statistics.median(rates["plain"]),
+        statistics.median(rates["spec"]),
+        spec.spec_stats.acceptance_rate,
+        same,
+    )
+
+
+def row(name: str, plain: float, spec: float, acceptance: float, same: bool) -> str:
+    return (
+        f"| {name:<28} | {plain:8.1f} | {spec:8.1f} | {spec / plain:5.2f}x | "
+        f"{100 * acceptance:5.1f} % | {'yes' if same else 'NO'} |"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    os.environ.setdefault("DYNALM_THREADS", str(args.threads))
+    device = CpuDevice("auto", threads=args.threads)
+    model = load_model(Path(args.model))
+    print(f"model {model.name} · {args.model} · threads {device.threads} · runs {args.runs}\n")
+
+    print("| T | ms/step | x T=1 |\n|---|---|---|")
+    table = step_times(model, device, args.runs)
+    for t, s in table:
+        print(f"| {t} | {s * 1e3:.2f} | {s / table[0][1]:.2f} |")
+
+    head = (
+        f"\n| {'greedy, tg' + str(args.tokens):<28} | plain t/s | spec t/s | ratio | "
+        "accepted | same tokens |\n|---|---|---|---|---|---|"
+    )
+    print(head)
+    n, runs = args.tokens, args.runs
+    for name, text in {**COPY_PROMPTS, **CHAT_PROMPTS}.items():
+        result = compare(model, device, NgramDrafter(), [encode(model, text)], n, runs)
+        print(row(f"ngram, {name}", *result))
+    mixed = [encode(model, t) for t in [*COPY_PROMPTS.values(), *CHAT_PROMPTS.values()]]
+    mixed += mixed[:2]
+    print(row("ngram, 8 streams", *compare(model, device, NgramDrafter(), mixed, n, runs)))
+    config = {"ctx": 1024, "max_num_seqs": 8}
+    copy = [encode(model, COPY_PROMPTS["edit code"])]
+    chat = [encode(model, CHAT_PROMPTS["chat: explain"])]
+    for label, adaptive in (("k=4", False), ("adaptive", True)):
+        for what, prompts in (("edit code", copy), ("chat", chat)):
+            drafters = {
+                "self as draft": ModelDrafter.for_model(model, model, device, **config),
+                "layer-skip": ModelDrafter.layer_skip(model, device, **config),
+            }
+            for kind, drafter in drafters.items():
+                result = compare(model, device, drafter, prompts, n, runs, adaptive_draft=adaptive)
+                print(row(f"{kind} {label}, {what}", *result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,517 @@
+"""Speculative decoding: drafters propose tokens, the engine verifies them in its step.
+
+A decoding sequence whose drafter proposes ``k`` tokens contributes ``1 + k`` tokens to
+the step's flat ragged batch (its last token, then the draft), so speculative and
+ordinary sequences, prefill chunks included, share one model run. The logits of those
+``1 + k`` rows decide what is kept (``verify``): greedy requests keep the longest prefix
+of the draft that matches the target's argmax, plus the target's next token; sampled
+requests use the rejection rule of speculative sampling (Leviathan et al. 2023, Chen et
+al. 2023) on the distribution the request's own sampler draws from (penalties, logit
+bias, temperature, top-k/p, min-p applied), so their tokens follow the target's
+distribution exactly. Rejected positions' keys and values are dropped
+(``KVCacheManager.accept_draft``).
+
+On a CPU a decode step reads every weight once, so verifying a few more tokens costs
+little (SmolLM2-135M Q4_1, 2 threads: a step of 4 tokens of one sequence costs ~1.2-1.3x
+a step of 1, 8 tokens ~1.7-2x; ``benchmarks/spec_bench.py`` measures it). How many to draft
+is decided per sequence (``DraftLength``) from its running acceptance rate, weighed
+against what the extra tokens cost in a step of that many sequences; where drafting does
+not pay it stops, probing again now and then.
+
+Drafters (``Drafter``: ``propose`` and ``release``; a new one is one class):
+* ``NgramDrafter``: prompt lookup: the last n tokens (n = 3, 2, 1) found earlier in the
+  sequence's own prompt and output propose what followed them. No model, no cost.
+* ``ModelDrafter``: a smaller model with the target's vocabulary (``for_model``), run by
+  the engine's own parts (executor, paged KV pool, KV manager) over sequences that follow
+  the target's accepted tokens; ``layer_skip`` makes the target itself, with some layers
+  skipped, its draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynalm.core.device import CpuDevice
+from dynalm.errors import InvalidRequest
+from dynalm.ir.executor import Executor
+from dynalm.ir.graph import Graph
+from dynalm.models.hparams import HParams
+from dynalm.models.loader import LoadedModel
+from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.radix_cache import RadixCache
+from dynalm.runtime.sampling import Sampler, _check
+from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk
+
+MAX_DRAFT_TOKENS = 16
+# One more token in a decode step, as a share of a one-token step: measured on SmolLM2-135M
+# Q4_1 with 2 threads (benchmarks/spec_bench.py, "step time" table: T = 4 costs ~1.2-1.3x
+# T = 1, T = 8 ~1.7-2.0x). Weights are read once per step whatever T is; the extra rows'
+# arithmetic, attention and logits are what a token adds.
+TOKEN_COST = 0.12
+EWMA = 0.15  # weight of one draft token's outcome in a sequence's acceptance rate
+PRIOR = 0.5  # the acceptance rate assumed before any draft of a kind was verified
+PROBE_EVERY = 16  # decode steps without drafting before one token is drafted again
+
+
+def check_num_draft_tokens(k: int) -> int:
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidRequest(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+    return k
+
+
+# -- verification -----------------------------------------------------------------------
+
+
+def accept_greedy(logits: np.ndarray, draft: Sequence[int]) -> list[int]:
+    """The tokens a greedy request keeps from ``draft`` given the target's (penalised)
+    logits at its ``1 + len(draft)`` positions: the draft's longest prefix that matches the
+    argmax, then the target's own token after it."""
+    best = logits.argmax(axis=1)
+    kept = []
+    for j, token in enumerate(best.tolist()):
+        _check(bool(np.isfinite(logits[j, token])))
+        if j == len(draft) or draft[j] != token:
+            return [*kept, token]
+        kept.append(token)
+    raise AssertionError("unreachable: the last row always decides")
+
+
+def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
+    mass = np.cumsum(weights)
+    _check(bool(np.isfinite(mass[-1]) and mass[-1] > 0))
+    at = int(np.searchsorted(mass, rng.random() * mass[-1], side="right"))
+    return min(at, int(np.flatnonzero(weights)[-1]))
+
+
+def accept_sampled(
+    p: np.ndarray,
+    draft: Sequence[int],
+    q: np.ndarray | None,
+    rng: np.random.Generator,
+) -> list[int]:
+    """Speculative sampling: the tokens kept from ``draft``, then one drawn. ``p``
+    ``[d + 1, V]``: the target's distributions at the draft's positions and after it;
+    ``q`` ``[d, V]``: the drafter's, or None for a deterministic drafter (a point mass on
+    each draft token). Draft token x is kept with probability min(1, p(x) / q(x)); at the
+    first rejection a token is drawn from normalise(max(0, p - q)), else one from the last
+    row of ``p``. Each kept or drawn token is distributed exactly as ``p`` says."""
+    kept: list[int] = []
+    for j, token in enumerate(draft):
+        qx = 1.0 if q is None else float(q[j, token])
+        if rng.random() * qx < p[j, token]:
+            kept.append(token)
+            continue
+        if q is None:
+            residual = p[j].copy()
+            residual[token] = 0.0
+        else:
+            residual = np.maximum(p[j] - q[j], 0.0)
+        return [*kept, _draw(residual, rng)]
+    return [*kept, _draw(p[len(draft)], rng)]
+
+
+def verify(
+    sampler: Sampler, logits: np.ndarray, draft: Sequence[int], q: np.ndarray | None
+) -> list[int]:
+    """The tokens a request keeps from its draft and the one after, from its penalised
+    logits ``[1 + len(draft), V]`` (``accept_greedy`` or ``accept_sampled``)."""
+    if sampler.greedy:
+        return accept_greedy(logits, draft)
+    p = np.stack([sampler.probabilities(row) for row in logits])
+    return accept_sampled(p, draft, q, sampler.rng)
+
+
+# -- how many tokens to draft --------------------------------------------------------------
+
+
+@dataclass
+class DraftLength:
+    """One sequence's draft length from its acceptance rates: an EWMA per draft token, kept
+    per kind of draft (the n-gram drafter's match length: a 3-token match is surer than a
+    1-token one; a model drafter has one kind).
+
+    With per-token acceptance a, the i-th draft token adds a**i expected tokens and costs
+    ``TOKEN_COST + drafter cost`` of a one-token step; in a step of S sequences, that step
+    makes S tokens for ``1 + TOKEN_COST * (S - 1)``. A token is drafted while what it adds
+    beats what its cost buys at the step's own rate, so a lone stream drafts eagerly and a
+    full batch only where drafts are nearly always right."""
+
+    k_max: int
+    adaptive: bool = True
+    rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
+    idle: int = 0  # steps in a row without drafting
+    probing: bool = False  # this step drafts one token although no kind pays
+
+    def _worth(self, rate: float, n_seqs: int, draft_cost: float) -> int:
+        per_cost = n_seqs / (1 + TOKEN_COST * (n_seqs - 1))  # tokens per one-token step
+        threshold = per_cost * (TOKEN_COST + draft_cost)
+        k, gain = 0, rate
+        while k < self.k_max and gain > threshold:
+            k, gain = k + 1, gain * rate
+        return k
+
+    def choose(self, n_seqs: int, draft_cost: float) -> int:
+        """How many tokens to ask the drafter for: what the best kind is worth."""
+        self.probing = False
+        if not self.adaptive:
+            return self.k_max
+        k = self._worth(max(self.rates.values(), default=PRIOR), n_seqs, draft_cost)
+        if k or draft_cost + TOKEN_COST >= 1:  # (a draft as costly as the target never pays)
+            self.idle = 0
+            return k
+        self.idle += 1
+        if self.idle >= PROBE_EVERY:  # the text may have changed: look again
+            self.idle, self.probing = 0, True
+            return 1
+        return 0
+
+    def trim(self, kind: int, n_seqs: int, draft_cost: float) -> int:
+        """How many tokens of a draft of ``kind`` to verify (an unseen kind is tried)."""
+        if not self.adaptive:
+            return self.k_max
+        rate = self.rates.get(kind, max(self.rates.values(), default=PRIOR))
+        return max(self._worth(rate, n_seqs, draft_cost), int(self.probing))
+
+    def update(self, kind: int, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` tokens were kept (the ones after a rejection were
+        not tried, so they are not counted)."""
+        rate = self.rates.get(kind, PRIOR)
+        for hit in [1.0] * accepted + [0.0] * (accepted < drafted):
+            rate += EWMA * (hit - rate)
+        self.rates[kind] = rate
+
+
+@dataclass
+class SpecStats:
+    """Counters of verified drafts (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # verifications of a non-empty draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFT_TOKENS + 1))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.accepted_lengths[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def summary(self) -> str:
+        mean = self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return (
+            f"speculative: {self.num_accepted_tokens} of {self.num_draft_tokens} draft tokens "
+            f"accepted ({100 * self.acceptance_rate:.1f} %), {self.num_drafts} drafts, "
+            f"{mean:.2f} accepted per draft"
+        )
+
+
+# -- drafters -------------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: np.ndarray | None = None  # [len(tokens), V] the drafter drew them from; None: chosen
+    kind: int = 0  # what acceptance rate it goes by (``DraftLength``)
+
+
+class Drafter:
+    """Proposes tokens to follow running sequences."""
+
+    name = "drafter"
+    cost = 0.0  # one draft token's cost, as a share of a one-token target step
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Up to ``ks[i]`` tokens to follow ``requests[i].token_ids``, for each request."""
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """The request finished: forget it."""
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the sequence's last n tokens (n from ``max_n`` down to 1) looked up in
+    its own prompt and output; what followed their latest earlier occurrence is proposed.
+    Each sequence keeps an index of its n-grams, extended as it grows."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self._index: dict[str, tuple[list[dict[tuple[int, ...], int]], list[int]]] = {}
+
+    def _lookup(self, rid: str, ids: list[int], k: int) -> Draft:
+        maps, done = self._index.setdefault(rid, ([{} for _ in range(self.max_n)], [0]))
+        for i in range(max(done[0], 1), len(ids)):  # the n-grams ending before token i
+            for n in range(1, min(self.max_n, i) + 1):
+                maps[n - 1][tuple(ids[i - n : i])] = i  # the latest occurrence wins
+        done[0] = len(ids)
+        for n in range(min(self.max_n, len(ids)), 0, -1):
+            start = maps[n - 1].get(tuple(ids[-n:]))
+            if start is not None:
+                return Draft(ids[start : start + k], kind=n)
+        return Draft([])
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        return [
+            self._lookup(r.request_id, r.token_ids, k) if k else Draft([])
+            for r, k in zip(requests, ks, strict=True)
+        ]
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+def check_vocabularies(draft: LoadedModel, target: LoadedModel, tolerance: int = 128) -> None:
+    """A draft model must speak the target's tokens: vocabulary sizes within ``tolerance``
+    (padding rows) and the same text for every id both have; and it must be smaller."""
+    dv, tv = draft.hparams.n_vocab, target.hparams.n_vocab
+    where = f"draft model {draft.path.name} for {target.path.name}"
+    if abs(dv - tv) > tolerance:
+        raise InvalidRequest(f"{where}: vocabularies of {dv} and {tv} tokens differ")
+    dt, tt = draft.tokenizer, target.tokenizer
+    for i in range(min(dt.vocab_size, tt.vocab_size)):
+        if dt.id_to_token(i) != tt.id_to_token(i):
+            raise InvalidRequest(
+                f"{where}: token {i} is {dt.id_to_token(i)!r} in the draft but "
+                f"{tt.id_to_token(i)!r} in the target (the vocabularies differ)"
+            )
+    if draft.n_params > target.n_params:
+        raise InvalidRequest(
+            f"{where}: the draft ({draft.n_params / 1e6:.0f} M parameters) is larger than "
+            f"the target ({target.n_params / 1e6:.0f} M); a draft must be cheaper to run"
+        )
+
+
+class _RenamedLayers:
+    """A model's weights seen by a graph of fewer layers: its ``blk.i`` is ``blk.keep[i]``."""
+
+    def __init__(self, weights: object, keep: Sequence[int]):
+        self._weights, self._keep = weights, list(keep)
+        if hasattr(weights, "source"):
+            self.source = lambda names: weights.source(tuple(map(self._name, names)))
+
+    def _name(self, name: str) -> str:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        return f"blk.{self._keep[int(m[1])]}.{m[2]}" if m else name
+
+    def raw(self, name: str) -> np.ndarray:
+        return self._weights.raw(self._name(name))
+
+    def tensor_type(self, name: str) -> int:
+        return self._weights.tensor_type(self._name(name))
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self._weights.tensor_shape(self._name(name))
+
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        return self._weights.read_rows(self._name(name), ids)
+
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        self._weights.release(self._name(name), rows)
+
+
+def skipped_layers_graph(model: LoadedModel, keep: Sequence[int]) -> tuple[Graph, HParams]:
+    """``model``'s forward pass through its layers ``keep`` only (a layer-skipping draft)."""
+    from dynalm.ir.passes import optimize
+    from dynalm.models.arch import build_graph, tensor_types
+
+    hp, keep = model.hparams, list(keep)
+    if not keep or sorted(set(keep)) != keep or keep[-1] >= hp.n_layers:
+        raise InvalidRequest(f"layers to keep must be increasing ids below {hp.n_layers}")
+    meta = dict(model.gguf.metadata)
+    meta[f"{hp.arch}.block_count"] = len(keep)
+    for key, value in meta.items():  # per-layer metadata follows its layers
+        if isinstance(value, list) and len(value) == hp.n_layers and key.startswith(hp.arch):
+            meta[key] = [value[i] for i in keep]
+    types = {}
+    for name, t in tensor_types(model.gguf).items():
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        if m is None:
+            types[name] = t
+        elif int(m[1]) in keep:
+            types[f"blk.{keep.index(int(m[1]))}.{m[2]}"] = t
+    graph = optimize(build_graph(hp.arch, meta, types))
+    return graph, dataclasses.replace(hp, n_layers=len(keep))
+
+
+class ModelDrafter(Drafter):
+    """Drafts greedily with a model graph of the target's vocabulary, run as the engine runs
+    its own: an executor over a paged KV pool, one sequence per request that follows the
+    target's tokens (after a rejection it rolls back to the tokens they share), each pass
+    of the draft model one flat batch of every drafting sequence."""
+
+    def __init__(
+        self,
+        name: str,
+        graph: Graph,
+        weights: object,
+        hp: HParams,
+        device: CpuDevice,
+        *,
+        cost: float,
+        n_vocab: int,
+        ctx: int,
+        max_num_seqs: int,
+        max_tokens: int = 512,
+        page_size: int = 16,
+    ):
+        from dynalm.runtime.engine import EngineConfig
+        from dynalm.runtime.memory_plan import kv_pool_size
+
+        self.name, self.cost, self.n_vocab = name, cost, n_vocab
+        # sized as the engine sizes its own f16 pool for the same contexts
+        config = EngineConfig(ctx=ctx, max_num_seqs=max_num_seqs, page_size=page_size)
+        n_tokens, _ = kv_pool_size(hp, config)
+        self.pool = PagePool(
+            hp.n_layers, hp.n_kv_heads, hp.head_dim, -(-n_tokens // page_size), page_size
+        )
+        self.kv = KVCacheManager(self.pool, RadixCache(self.pool, enabled=False))
+        self.executor = Executor(graph, device, weights, max_tokens=max_tokens)
+        self.max_tokens = max_tokens
+        self._seqs: dict[str, Request] = {}
+        self._synced: dict[str, int] = {}  # tokens each sequence shares with its target
+
+    @classmethod
+    def for_model(
+        cls, draft: LoadedModel, target: LoadedModel, device: CpuDevice, **config: int
+    ) -> ModelDrafter:
+        """``draft`` drafting for ``target`` (checked: same vocabulary, smaller)."""
+        check_vocabularies(draft, target)
+        return cls(
+            draft.name,
+            draft.graph,
+            draft.weights,
+            draft.hparams,
+            device,
+            cost=draft.gguf.path.stat().st_size / target.gguf.path.stat().st_size,
+            n_vocab=target.hparams.n_vocab,
+            **config,
+        )
+
+    @classmethod
+    def layer_skip(
+        cls,
+        target: LoadedModel,
+        device: CpuDevice,
+        keep: Sequence[int] | None = None,
+        **config: int,
+    ) -> ModelDrafter:
+        """The target with some layers skipped as its own draft; by default it skips the
+        middle eighth of its layers (SmolLM2-135M, 30 layers: skipping 2 middle ones kept
+        ~27 % of drafts, every third one none; deep models tolerate more)."""
+        n = target.hparams.n_layers
+        if keep is None:
+            lo = (n - n // 8) // 2
+            keep = [i for i in range(n) if not lo <= i < lo + n // 8]
+        graph, hp = skipped_layers_graph(target, keep)
+        weights = _RenamedLayers(target.weights, keep)
+        name = f"{target.name} on {len(keep)} of {n} layers"
+        return cls(
+            name, graph, weights, hp, device, cost=len(keep) / n, n_vocab=target.hparams.n_vocab,
+            **config,
+        )  # fmt: skip
+
+    def _follow(self, req: Request) -> Request:
+        """The draft sequence of ``req``, rolled back to the tokens it shares with it."""
+        rid = req.request_id
+        seq = self._seqs.get(rid)
+        if seq is None:
+            seq = self._seqs[rid] = Request(rid, [], 0)
+            self._synced[rid] = 0
+        same, mine = self._synced[rid], seq.token_ids
+        while same < min(len(mine), req.num_tokens) and mine[same] == req.token_ids[same]:
+            same += 1
+        if same < seq.num_computed_tokens:
+            self.kv.rollback(seq, same)
+        del mine[same:]
+        mine += req.token_ids[same:]
+        self._synced[rid] = req.num_tokens
+        return seq
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in requests]
+        want = {i: k for i, k in enumerate(ks) if k}
+        seqs = {i: self._follow(requests[i]) for i in want}
+        while want:
+            budget, chunks, owners = self.max_tokens, [], []
+            for i in list(want):
+                seq = seqs[i]
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if n == 0:
+                    break
+                if not self.kv.allocate(seq, seq.num_computed_tokens + n):
+                    del want[i]  # the draft pool is full: this one goes without a draft
+                    self.release(seq.request_id)
+                    continue
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                owners.append(i)
+                budget -= n
+            if not chunks:
+                break
+            from dynalm.runtime.engine import flat_batch
+
+            tokens, positions, batch = flat_batch(self.pool, chunks)
+            ends = batch.query_start[1:] - 1
+            sampling = [j for j, c in enumerate(chunks) if c.samples]
+            logits = self.executor.run(tokens, positions, ends[sampling], batch)
+            best = logits.argmax(axis=1).tolist()
+            for chunk in chunks:
+                chunk.request.num_computed_tokens = chunk.start + chunk.n
+            for row, j in enumerate(sampling):
+                i, token = owners[j], best[row]
+                if token >= self.n_vocab:  # a padding row of a larger draft vocabulary
+                    del want[i]
+                    continue
+                seqs[i].token_ids.append(token)
+                drafts[i].tokens.append(token)
+                want[i] -= 1
+                if not want[i]:
+                    del want[i]
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        self._synced.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+
+DRAFTERS = ("ngram", "layer-skip")
+
+
+def build_drafter(
+    speculative: str | None,
+    draft: LoadedModel | None,
+    target: LoadedModel,
+    device: CpuDevice,
+    *,
+    ctx: int,
+    max_num_seqs: int,
+    num_draft_tokens: int,
+) -> Drafter | None:
+    """The drafter of ``--speculative`` (ngram | layer-skip) or ``--draft`` (a model)."""
+    check_num_draft_tokens(num_draft_tokens)
+    if speculative is not None and draft is not None:
+        raise InvalidRequest("--draft and --speculative exclude each other: choose one drafter")
+    if speculative not in (None, *DRAFTERS):
+        raise InvalidRequest(
+            f"--speculative {speculative!r}: choose from {', '.join(DRAFTERS)} (or --draft MODEL)"
+        )
+    config = {"ctx": ctx, "max_num_seqs": max_num_seqs}
+    if draft is not None:
+        return ModelDrafter.for_model(draft, target, device, **config)
+    if speculative == "ngram":
+        return NgramDrafter()
+    if speculative == "layer-skip":
+        return ModelDrafter.layer_skip(target, device, **config)
+    return None
