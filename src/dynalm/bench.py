@@ -195,6 +195,7 @@ class Result:
             "tokens_per_s": statistics.fmean(self.rates),
             "sd": statistics.stdev(self.rates) if len(self.rates) > 1 else 0.0,
             "runs": len(self.rates),
+            "per_run": self.rates,  # in the order run (engines alternate run by run)
         }
 
 
