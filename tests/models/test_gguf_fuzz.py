@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from atheris_run import fuzz
 from gguf_edit import Layout, V, value
 from gguf_fuzz import ACCEPT, REFUSE, Case, FuzzWorker, cases, write_tiny_model
 from test_cli import DYNALM, assert_one_line_error
@@ -229,14 +230,5 @@ def test_defect_through_the_cli(
 def test_atheris_header_parser(tiny: Path, tmp_path: Path) -> None:
     """libFuzzer mutates a tiny model's header 20,000 times; any exception that is not a
     DynaError fails (the crashing input is kept in ``tmp_path``)."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
     layout = Layout.read(tiny)
-    data = layout.encode()
-    corpus.joinpath("tiny").write_bytes(data[: layout.region("tensor data")[0] + 512])
-    script = Path(__file__).with_name("gguf_atheris.py")
-    cmd = [sys.executable, str(script), "-runs=20000", "-max_len=16384", "-seed=11"]
-    cmd += [f"-artifact_prefix={tmp_path}/", str(corpus)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Done 20000 runs" in result.stderr
+    fuzz("gguf_atheris.py", layout.encode()[: layout.region("tensor data")[0] + 512], tmp_path)

@@ -16,13 +16,12 @@ import copy
 import json
 import random
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from atheris_run import fuzz
 from gguf import GGMLQuantizationType
 from hf_quant import write_quantized
 from test_cli import GREEDY, assert_one_line_error, dynalm
@@ -295,17 +294,9 @@ def test_mutated_headers_never_crash(tiny_dir: Path, tmp_path: Path) -> None:
 def test_atheris_header_parser(tiny_dir: Path, tmp_path: Path) -> None:
     """libFuzzer mutates the tiny model's SafeTensors header 20,000 times; any exception
     that is not a DynaError fails."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
     data = (tiny_dir / "model.safetensors").read_bytes()
     n = struct.unpack_from("<Q", data)[0]
-    corpus.joinpath("tiny").write_bytes(data[: 8 + n + 512])
-    script = Path(__file__).with_name("safetensors_atheris.py")
-    cmd = [sys.executable, str(script), "-runs=20000", "-max_len=16384", "-seed=11"]
-    cmd += [f"-artifact_prefix={tmp_path}/", str(corpus)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Done 20000 runs" in result.stderr
+    fuzz("safetensors_atheris.py", data[: 8 + n + 512], tmp_path)
 
 
 # -- the CLI ---------------------------------------------------------------------------
