@@ -108,7 +108,7 @@ class Backend:
         if not self.native:
             return []
         if self.machine and jit.host_machine() != self.machine:
-            return [f"an {self.machine} CPU (host is {jit.host_machine()})"]
+            return [f"{self.machine} (host is {jit.host_machine()})"]
         have = jit.host_flags()
         missing = [f for f in self.requires if not have.get(f, False)]
         if self.tiles and not missing:

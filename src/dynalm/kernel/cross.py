@@ -2,7 +2,7 @@
 under user-mode emulation.
 
 A backend whose ``machine`` is not the host's (``aarch64-neon-dotprod`` and
-``aarch64-neon`` on x86) cannot be JIT-loaded here. ``compile_object`` lowers a program for
+``aarch64-neon`` on x86) cannot be JIT-loaded here. ``CrossModule`` lowers a program for
 it to an ELF object with an llvmlite TargetMachine for its triple, CPU and features (the
 same optimisation pipeline as ``kernel.jit``; objects cached under ``$DYNALM_CACHE/jit/
 cross``). A :class:`Harness` links the objects of many kernels with a small C driver
@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -47,8 +47,22 @@ def missing_tools() -> list[str]:
     return missing
 
 
+def coverage() -> str:
+    """How this host tests the AArch64 backends: natively, under emulation, or not."""
+    if jit.host_machine() == "aarch64":
+        return "native (an AArch64 host)"
+    missing = missing_tools()
+    if missing:
+        return (
+            f"SKIPPED: no emulation here, lacks {', '.join(missing)} "
+            f"(as root: apt-get install {' '.join(PACKAGES)})"
+        )
+    return "under emulation (cross-compiled, run by qemu-aarch64: tests/kernels/test_neon.py)"
+
+
 @cache
-def _target_machine(triple: str, cpu: str, features: str) -> llvm.TargetMachine:
+def _target_machine(triple: str, cpu: str, features: str, thread: int = 0) -> llvm.TargetMachine:
+    """A TargetMachine for a foreign machine, one per compiling thread (see ``kernel.jit``)."""
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
     target = llvm.Target.from_triple(triple)
@@ -57,31 +71,39 @@ def _target_machine(triple: str, cpu: str, features: str) -> llvm.TargetMachine:
 
 
 @dataclass(frozen=True)
-class CrossObject:
+class CrossModule:
+    """A program built for a backend of another machine, not compiled yet."""
+
+    text: str  # LLVM IR
     names: dict[str, str]  # a function's name without the module prefix -> its symbol
-    obj: bytes  # ELF relocatable object for the backend's machine
-    compile_seconds: float  # 0 when it came from the cache
+    machine: tuple[str, str, str]  # triple, CPU, features
+
+    @classmethod
+    def build(cls, backend: Backend, program: Program, spec: Mapping[str, object]) -> CrossModule:
+        module = backend.module(program, spec)
+        prefix = module.ir.name
+        names = {n.removeprefix(prefix + "_") if n != prefix else "": n for n in module.names}
+        machine = (backend.triple(), backend.cross_cpu, backend.cross_features)
+        return cls(module.text(), names, machine)
+
+    def compile(self, thread: int = 0) -> tuple[bytes, float]:
+        """Object code (from the cache under ``$DYNALM_CACHE/jit/cross`` if there) and the
+        seconds LLVM took (0 when cached)."""
+        key = "\0".join([self.text, *self.machine, llvmlite.__version__])
+        path = jit.cache_dir() / "cross" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.o"
+        try:
+            return path.read_bytes(), 0.0
+        except OSError:
+            pass
+        obj, seconds = jit._emit_object(self.text, _target_machine(*self.machine, thread))
+        jit.store_object(path, obj, self.text)
+        return obj, seconds
 
 
-def compile_object(backend: Backend, program: Program, spec: Mapping[str, object]) -> CrossObject:
-    """``program`` built for ``backend`` and specialised on ``spec``, as object code for the
-    backend's machine (its ``cross_cpu`` and ``cross_features``)."""
-    module = backend.module(program, spec)
-    text = module.text()
-    prefix = module.ir.name
-    names = {n.removeprefix(prefix + "_") if n != prefix else "": n for n in module.names}
-    triple, cpu, features = backend.triple(), backend.cross_cpu, backend.cross_features
-    key = hashlib.sha256(
-        "\0".join([text, triple, cpu, features, llvmlite.__version__]).encode()
-    ).hexdigest()[:32]
-    path = jit.cache_dir() / "cross" / f"{key}.o"
-    try:
-        return CrossObject(names, path.read_bytes(), 0.0)
-    except OSError:
-        pass
-    obj, seconds = jit._emit_object(text, _target_machine(triple, cpu, features))
-    jit.store_object(path, obj, text)
-    return CrossObject(names, obj, seconds)
+def compile_objects(modules: Sequence[CrossModule]) -> list[tuple[bytes, float]]:
+    """``module.compile()`` for each, on a thread per CPU (LLVM runs without the GIL)."""
+    threads = list(range(max(1, min(len(modules), jit._cpus()))))
+    return jit._each(lambda m, thread: m.compile(thread), list(modules), threads)
 
 
 @dataclass(frozen=True)
@@ -245,25 +267,27 @@ class Harness:
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
-        self._objects: dict[str, bytes] = {}
+        self._modules: dict[str, CrossModule] = {}  # by IR text
         self._symbols: list[str] = []
         self._lines: list[str] = []
-        self.compile_seconds = 0.0
-        self.kernels = 0  # programs lowered for this run
+        self.compile_seconds = 0.0  # LLVM's, summed over the modules (0 when cached)
 
     def add(self, backend: Backend, program: Program, spec: Mapping[str, object]) -> dict[str, int]:
-        """Lower ``program`` for ``backend``; its functions' indices by short name."""
-        done = compile_object(backend, program, spec)
-        if done.obj not in self._objects.values():
-            self._objects[f"k{len(self._objects)}.o"] = done.obj
-            self.compile_seconds += done.compile_seconds
-            self.kernels += 1
+        """``program`` for ``backend`` (compiled by ``run``); its functions' indices by short
+        name."""
+        module = CrossModule.build(backend, program, spec)
+        self._modules.setdefault(module.text, module)
         out = {}
-        for short, symbol in done.names.items():
+        for short, symbol in module.names.items():
             if symbol not in self._symbols:
                 self._symbols.append(symbol)
             out[short] = self._symbols.index(symbol)
         return out
+
+    @property
+    def kernels(self) -> int:
+        """Programs lowered for this run."""
+        return len(self._modules)
 
     @staticmethod
     def _arg(v: int | Ptr) -> str:
@@ -290,8 +314,10 @@ class Harness:
             )
         with tempfile.TemporaryDirectory(prefix="dynalm-cross-") as tmp:
             d = Path(tmp)
-            for name, obj in self._objects.items():
-                (d / name).write_bytes(obj)
+            objects = compile_objects(list(self._modules.values()))
+            self.compile_seconds = sum(seconds for _, seconds in objects)
+            for i, (obj, _) in enumerate(objects):
+                (d / f"k{i}.o").write_bytes(obj)
             externs = "".join(f"extern void {s}(void);\n" for s in self._symbols)
             table = f"{externs}void *dynalm_fns[] = {{{', '.join(self._symbols) or '0'}}};\n"
             (d / "table.c").write_text(table)
