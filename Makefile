@@ -9,7 +9,7 @@ export DYNALM_CACHE ?= $(CURDIR)/.cache/dynalm
 TEST_MODEL := $(DYNALM_HOME)/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Why is the sky blue? Answer in two sentences.
 
-.PHONY: install install-test demo test lint clean browser
+.PHONY: install install-test demo test lint clean browser cross
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,19 @@ browser:
 			"sudo apt-get update && sudo apt-get install -y chromium chromium-driver"; \
 	fi
 
-test: install-test $(TEST_MODEL) lint browser
+# The AArch64 kernel tests cross-compile with gcc-aarch64-linux-gnu and run under qemu-user;
+# as root they are installed here, otherwise those tests are skipped and say how to install.
+cross:
+	@if command -v qemu-aarch64 >/dev/null && command -v aarch64-linux-gnu-gcc >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			qemu-user gcc-aarch64-linux-gnu >/dev/null; \
+	else \
+		echo "note: not root, so the AArch64 (qemu) kernel tests will be skipped; to run them:" \
+			"sudo apt-get update && sudo apt-get install -y qemu-user gcc-aarch64-linux-gnu"; \
+	fi
+
+test: install-test $(TEST_MODEL) lint browser cross
 	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests
 
 clean:

@@ -36,7 +36,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Print the machine the numbers are measured on (even under -q): numeric budgets must
     hold on every CPU (AVX2, AVX-512 and AMX hosts sum in other orders), so a failure
     report should name the CPU."""
-    from dynalm.kernel import backends
+    from dynalm.kernel import backends, cross
     from dynalm.show import cpu_description
 
     name, features = cpu_description()
@@ -45,6 +45,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         f"cpu: {name} ({' '.join(features) or 'no vector features detected'}); "
         f"OpenBLAS core {blas}",
         f"kernel backends: {backends.select().name} selected; " + backends.coverage(),
+        f"aarch64 backends: {cross.coverage()}",
     ]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

@@ -331,13 +331,7 @@ def _items(
                 weights, rescale = softmax(j0)
                 r = [b.extract_element(rescale, const(I32, g)) for g in range(heads)]
                 for g in range(heads):
-                    block_sum = k.call(
-                        "llvm.vector.reduce.fadd.v8f32",
-                        F32,
-                        const(F32, -0.0),
-                        k.total(weights[g]),
-                        flags=("reassoc",),
-                    )
+                    block_sum = k.halving_sum(k.total(weights[g]))
                     put(k.add(k.mul(get(total[g], F32), r[g]), block_sum), total[g])
                 for g in range(heads):
                     for h in range(halves):

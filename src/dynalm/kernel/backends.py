@@ -11,8 +11,17 @@ x86-amx         16     ``tdpbssd`` tiles for batches of >= 16 rows,  x86-avx512'
                        else as x86-avx512                            amx-tile/int8
 x86-avx512      16     ``vpdpbusd`` (AVX-512 VNNI)                   avx512f/bw/vl/vnni
 x86-avx2        8      ``vpmaddubsw`` + ``vpmaddwd``                 avx2, fma, f16c
+aarch64-neon-   8      ``sdot`` (signed weights straight, unsigned   an aarch64 CPU with
+dotprod                ones < 128 as they are)                       neon, dotprod
+aarch64-neon    8      widened integer IR (``smull``/``umull`` +     an aarch64 CPU
+                       ``saddlp``)
 generic         8      widened integer IR (any LLVM target)          --
 ==============  =====  ===========================================  =====================
+
+The AArch64 backends keep 8 fp32 lanes (two NEON registers per vector): the auto kernels'
+lane layout, integer sums and float order are then those of x86-avx2 and generic, so
+``auto`` is bitwise the same on every CPU. On another host they are cross-compiled for
+``aarch64-unknown-linux-gnu`` (``kernel.cross``) and tested under ``qemu-aarch64``.
 
 Every backend has a *portable twin* (``backend.twin()``): the same program at the same
 width with the primitives written as plain integer IR (a tile product as a loop of
@@ -21,8 +30,8 @@ computes; the tests run each backend's twin on any host and the native instructi
 where the host has them.
 
 Selection (``select``) takes the best backend the host supports, or the one named by
-``$DYNALM_ISA`` (``amx``, ``avx512``, ``avx2``, ``generic``) -- refused, naming the
-missing features, where the host cannot run it natively. AMX also needs Linux's
+``$DYNALM_ISA`` (``amx``, ``avx512``, ``avx2``, ``neon-dotprod``, ``neon``, ``generic``) --
+refused, naming the missing features, where the host cannot run it natively. AMX also needs Linux's
 permission to use tile state (``jit.amx_permission``); where it is refused the host's best
 is x86-avx512 and the reason is shown.
 """
@@ -73,8 +82,14 @@ class Backend:
     int8_dot: str = "widened integer IR"
     accumulate: str = "int16"  # where auto kernels sum byte products: "int16" pairs or "int32"
     native: bool = True
-    vector_isa: str | None = None  # the x86 vector intrinsics lowered: "avx2", "avx512", None
+    vector_isa: str | None = None  # the intrinsics lowered: "avx2", "avx512", "neon-dotprod"
     tiles: bool = False  # int8 tile products (AMX) for tall batches
+    # Signed weights dot straight into int32 (``dot_s8s8``) instead of their magnitudes
+    # against sign-moved activations (``sdot`` has no u8 x s8 form).
+    signed_dot: bool = False
+    machine: str | None = None  # the CPU architecture of its native code (None: any)
+    cross_cpu: str = ""  # LLVM's CPU and features when cross-compiled (``kernel.cross``)
+    cross_features: str = ""
     _lowered: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def capabilities(self) -> dict[str, object]:
@@ -92,6 +107,8 @@ class Backend:
         """Host features this backend's native instructions need and the host lacks."""
         if not self.native:
             return []
+        if self.machine and jit.host_machine() != self.machine:
+            return [f"{self.machine} (host is {jit.host_machine()})"]
         have = jit.host_flags()
         missing = [f for f in self.requires if not have.get(f, False)]
         if self.tiles and not missing:
@@ -108,6 +125,7 @@ class Backend:
             accumulate=self.accumulate,
             native=False,
             tiles=self.tiles,
+            signed_dot=self.signed_dot,
         )
 
     def lower(self, program: Program, spec: Spec) -> Executable:
@@ -117,6 +135,11 @@ class Backend:
         done = self._lowered.get(key)
         if done is not None:
             return done
+        if self.triple() != jit.triple():
+            raise BackendUnavailable(
+                f"{self.name} code cannot run on this {jit.host_machine()} host "
+                "(kernel.cross compiles it to object files for another machine)"
+            )
         module = self.module(program, spec)
         addresses, seconds = jit.compile_module(module.text(), module.names)
         return self._done(key, module.ir.name, addresses, seconds)
@@ -138,14 +161,25 @@ class Backend:
         """``program`` built for this backend, specialised on ``spec`` (not compiled)."""
         key = (program.name, tuple(sorted(spec.items())))
         tag = hashlib.sha256(repr((self.name, key)).encode()).hexdigest()[:12]
-        module = Module(f"dynalm_{program.name}_{tag}", self, jit.triple())
+        module = Module(f"dynalm_{program.name}_{tag}", self, self.triple())
         program.build(module, **spec)
         return module
 
+    def triple(self) -> str:
+        """The target triple modules are built for: the host's, or (for another CPU
+        architecture's backend) that architecture's Linux triple, cross-compiled."""
+        if not self.native or self.machine in (None, jit.host_machine()):
+            return jit.triple()
+        return f"{self.machine}-unknown-linux-gnu"
+
     # -- the ISA-dependent primitives ---------------------------------------------------
     def _x86(self) -> str | None:
-        """The intrinsic family to use: "avx2", "avx512" or None (portable IR)."""
-        return self.vector_isa if self.native else None
+        """The x86 intrinsic family to use: "avx2", "avx512" or None (portable IR)."""
+        isa = self.vector_isa if self.native else None
+        return isa if isa in ("avx2", "avx512") else None
+
+    def _has_sdot(self) -> bool:
+        return self.native and self.vector_isa == "neon-dotprod"
 
     def pair_products(self, k: Kernel, u: ir.Value, s: ir.Value) -> ir.Value:
         """Unsigned bytes ``u`` times signed bytes ``s``, adjacent products summed to
@@ -179,7 +213,14 @@ class Backend:
             return k.call("llvm.x86.avx512.vpdpbusd.512", acc.type, acc, *args)
         if self._x86() == "avx2":  # exact while u <= 128: two products < 2**15 per int16
             return k.b.add(acc, self.pair_sums(k, self.pair_products(k, u, s)))
+        if self._has_sdot():  # exact while u <= 127 (sdot reads it signed; see ``signed_dot``)
+            return _sdot(k, acc, u, s)
         return _quad_sums(k, acc, u, s, u_signed=False)
+
+    def dot_s8s8(self, k: Kernel, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
+        """``acc`` plus, per int32 lane, the sum of its 4 signed byte products ``a`` x
+        ``s``, exactly (``sdot``; for backends with ``signed_dot``)."""
+        return _sdot(k, acc, a, s) if self._has_sdot() else _quad_sums(k, acc, a, s, u_signed=True)
 
     def sign_of(self, k: Kernel, x: ir.Value, q: ir.Value) -> ir.Value:
         """``x`` negated where ``q < 0`` and zeroed where ``q == 0`` (``|q| * result ==
@@ -258,6 +299,22 @@ def _tile_registers(products: int) -> tuple[list[int], list[int]]:
     return [1] * products, list(range(2, 2 + products))
 
 
+def _sdot(k: Kernel, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
+    """``sdot`` on each 128-bit quarter (4 int32 lanes, 16 bytes) of the operands."""
+    parts = []
+    for lo in range(0, acc.type.count, 4):
+        parts.append(
+            k.call(
+                "llvm.aarch64.neon.sdot.v4i32.v16i8",
+                vec(I32, 4),
+                k.part(acc, lo, 4),
+                k.part(a, 4 * lo, 16),
+                k.part(s, 4 * lo, 16),
+            )
+        )
+    return k.concat(parts)
+
+
 def _quad_sums(k: Kernel, acc: ir.Value, u: ir.Value, s: ir.Value, *, u_signed: bool) -> ir.Value:
     """``acc`` plus, per int32 lane, the sum of its 4 byte products, in plain integer IR."""
     n = acc.type.count
@@ -289,8 +346,31 @@ AVX512 = Backend(
 AVX2 = Backend(
     "x86-avx2", "avx2", 8, ("avx2", "fma", "f16c"), "vpmaddubsw + vpmaddwd", vector_isa="avx2"
 )
+NEON_DOTPROD = Backend(
+    "aarch64-neon-dotprod",
+    "neon-dotprod",
+    8,
+    ("neon", "dotprod"),
+    "sdot",
+    accumulate="int32",
+    vector_isa="neon-dotprod",
+    signed_dot=True,
+    machine="aarch64",
+    cross_cpu="neoverse-n1",
+    cross_features="+neon,+dotprod",
+)
+NEON = Backend(
+    "aarch64-neon",
+    "neon",
+    8,
+    ("neon",),
+    "smull/umull + saddlp (widened integer IR)",
+    machine="aarch64",
+    cross_cpu="cortex-a72",
+    cross_features="+neon,-dotprod",
+)
 GENERIC = Backend("generic", "generic", 8)
-BACKENDS = (AMX, AVX512, AVX2, GENERIC)  # best first
+BACKENDS = (AMX, AVX512, AVX2, NEON_DOTPROD, NEON, GENERIC)  # best first
 BY_ISA = {b.isa: b for b in BACKENDS}
 
 
@@ -321,8 +401,8 @@ class BackendUnavailable(RuntimeError):
 
 
 def by_name(isa: str) -> Backend:
-    """The backend ``isa`` names ("amx", "avx512", "avx2", "generic"), checked against the
-    host."""
+    """The backend ``isa`` names ("amx", "avx512", "avx2", "neon-dotprod", "neon",
+    "generic"), checked against the host."""
     if isa not in BY_ISA:
         raise BackendUnavailable(f"unknown kernel ISA {isa!r} (choose from {', '.join(BY_ISA)})")
     backend = BY_ISA[isa]

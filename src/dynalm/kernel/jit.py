@@ -112,6 +112,11 @@ def triple() -> str:
     return llvm.get_process_triple()
 
 
+def host_machine() -> str:
+    """The host's CPU architecture as LLVM names it: "x86_64", "aarch64", ..."""
+    return triple().split("-")[0]
+
+
 @cache
 def host_features() -> dict[str, object]:
     """The host as the JIT sees it: CPU name, triple and the features kernels choose by."""
@@ -237,19 +242,6 @@ class _Engine:
         )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    @staticmethod
-    def _store(path: Path, obj: bytes, ir: str) -> None:
-        # Write-then-rename so concurrent processes never read a half-written object.
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            for data, final in ((ir.encode(), path.with_suffix(".ll")), (obj, path)):
-                fd, tmp = tempfile.mkstemp(dir=path.parent)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, final)
-        except OSError:
-            pass  # a read-only cache only costs compile time
-
     def _compile_objects(self, todo: dict[str, str]) -> dict[str, tuple[bytes, float]]:
         """Object code for modules (key -> IR) that neither the engine nor the disk cache
         holds, compiled at once on up to one thread per CPU, largest first (so the last
@@ -281,7 +273,7 @@ class _Engine:
                     todo[key] = ir
             compiled = self._compile_objects(todo) if todo else {}
             for key, (obj, _) in compiled.items():
-                self._store(cache_dir() / f"{key}.o", obj, todo[key])
+                store_object(cache_dir() / f"{key}.o", obj, todo[key])
             objects = {**cached, **{key: obj for key, (obj, _) in compiled.items()}}
             for key, obj in objects.items():
                 self._ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
@@ -305,6 +297,20 @@ class _Engine:
 
     def compile(self, ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
         return self.compile_all([(ir, names)])[0]
+
+
+def store_object(path: Path, obj: bytes, ir: str) -> None:
+    """Object code and its IR into the disk cache (write-then-rename, so concurrent
+    processes never read a half-written object)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for data, final in ((ir.encode(), path.with_suffix(".ll")), (obj, path)):
+            fd, tmp = tempfile.mkstemp(dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+    except OSError:
+        pass  # a read-only cache only costs compile time
 
 
 @cache

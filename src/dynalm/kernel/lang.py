@@ -56,8 +56,11 @@ class Target(Protocol):
 
     name: str
     lanes: int  # fp32 lanes per vector register
+    signed_dot: bool  # whether signed weights take ``dot_s8s8`` (else ``sign_of`` + dot_u8s8)
 
     def dot_u8s8(self, k: Kernel, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value: ...
+
+    def dot_s8s8(self, k: Kernel, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value: ...
 
     def pair_products(self, k: Kernel, u: ir.Value, s: ir.Value) -> ir.Value: ...
 
@@ -211,6 +214,15 @@ class Kernel:
         if op == "fadd":
             return self.call(name, ty.element, ir.Constant(ty.element, 0.0), v, flags=("reassoc",))
         return self.call(name, ty.element, v)
+
+    def halving_sum(self, v: ir.Value) -> ir.Value:
+        """The lanes of ``v`` summed by halves (lanes i and i + n/2 first, down to one):
+        the same order on every target, where a reassociating ``reduce("fadd")`` lets
+        each target choose (x86 sums halves, AArch64 adjacent pairs)."""
+        while v.type.count > 1:
+            n = v.type.count // 2
+            v = self.add(self.part(v, 0, n), self.part(v, n, n))
+        return self.b.extract_element(v, ir.Constant(I32, 0))
 
     def convert(self, v: ir.Value, elem: ir.Type, *, signed: bool = True) -> ir.Value:
         """Lane-wise conversion of ``v`` to ``elem`` (widen, narrow, int <-> float)."""

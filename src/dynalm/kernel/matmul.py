@@ -10,10 +10,11 @@ the per-format unpacks of ``kernel.formats``.
   ``dx * sum(q)``, like ggml's Q8_1) and integer dot products: one fp32 lane per weight row
   over ``LaneLayout`` weights, so one byte-dot against 4 broadcast activation bytes serves
   a whole register of rows. On AVX-512 VNNI a chunk is one ``vpdpbusd`` into int32
-  accumulators; elsewhere products are summed in int16 (``Unpack.bound`` says how many
-  stay exact) and widened once. Either way the integer sums are exact and identical, and
-  are converted and scaled in the same float order: every backend's auto kernel gives
-  bitwise the same ``y``. Float weights and Q2_K (a min per 16 weights) use ``exact``.
+  accumulators, on AArch64 dotprod one ``sdot`` per 16 bytes; elsewhere products are
+  summed in int16 (``Unpack.bound`` says how many stay exact) and widened once. Either
+  way the integer sums are exact and identical, and are converted and scaled in the same
+  float order: every backend's auto kernel gives bitwise the same ``y``. Float weights and
+  Q2_K (a min per 16 weights) use ``exact``.
 * ``auto`` on tiles (x86-amx, batches of >= 16 rows) -- the same sums as tile products:
   16 activation rows (A, straight from the quantised activations) times a block's chunks
   of 16 weight rows (B, the lane layout's chunks are the tile's VNNI rows). Each
@@ -368,6 +369,11 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     i32_l = vec(I32, lanes)
     int32_sums = target.accumulate == "int32"
     run = max(1, 32767 // (2 * u.bound * 127))  # int16 pair products summed before widening
+    # Signed weights: straight signed dots where the backend has them (``signed_dot``),
+    # else their magnitudes against the activations with the weights' signs moved on.
+    signed_dots = u.kind == "s8" and int32_sums and target.signed_dot
+    moved_sign = u.kind == "s8" and not signed_dots
+    dot = target.dot_s8s8 if signed_dots else target.dot_u8s8
     t_last = k.add(a.t_rows, -1)
 
     def widened(products: list[ir.Value]) -> ir.Value:
@@ -390,7 +396,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         def block(b: ir.Value) -> None:
             p = blocks.planes(group, b, s.pf)
             chunks = u.chunks(k, p, lanes)
-            if u.kind == "s8":  # the sign moves onto the activations (``sign_of``)
+            if moved_sign:  # the sign moves onto the activations (``sign_of``)
                 mags = [
                     k.call(f"llvm.abs.v{4 * lanes}i8", c.type, c, ir.Constant(ir.IntType(1), 0))
                     for c in chunks
@@ -404,12 +410,12 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 sums: dict[tuple[int, int], list[ir.Value]] = {}
                 for j in range(8):
                     xj = k.bitcast(k.splat(k.load(I32, xq, 4 * j), lanes), vec(I8, 4 * lanes))
-                    if u.kind == "s8":
+                    if moved_sign:
                         xj = target.sign_of(k, xj, chunks[j])
                     key = blocks.key(j, h)
                     if int32_sums:
                         prev = sums.get(key, [ir.Constant(i32_l, None)])[0]
-                        sums[key] = [target.dot_u8s8(k, prev, mags[j], xj)]
+                        sums[key] = [dot(k, prev, mags[j], xj)]
                     else:
                         sums.setdefault(key, []).append(target.pair_products(k, mags[j], xj))
 
