@@ -141,8 +141,9 @@ class NvptxBackend(Backend):
 
     def module(self, program: Program, spec: Spec) -> Module:
         if program.name in CPU_ONLY:
-            raise ValueError(f"kernel program {program.name!r} is CPU-only: {CPU_ONLY[program.name]}")
-        module = Module(_name(self, program, spec), self, TRIPLE)
+            why = CPU_ONLY[program.name]
+            raise ValueError(f"kernel program {program.name!r} is CPU-only: {why}")
+        module = Module(module_name(self.name, program, spec), self, TRIPLE)
         module.ir.data_layout = str(_machine(self.sm, self.ptx_features).target_data)
         program.build(module, **spec)
         _add_entries(module, program, spec)
@@ -160,12 +161,14 @@ class NvptxBackend(Backend):
         return done
 
 
-NVPTX = NvptxBackend("nvptx-sm80", "nvptx", LANES, int8_dot="dp4a (llvm.nvvm.idp4a.u.s)",
-                     accumulate="int32")
+NVPTX = NvptxBackend(
+    "nvptx-sm80", "nvptx", LANES, int8_dot="dp4a (llvm.nvvm.idp4a.u.s)", accumulate="int32"
+)
 
 
-def _name(backend: Backend, program: Program, spec: Spec) -> str:
-    key = repr((backend.name, program.name, tuple(sorted(spec.items()))))
+def module_name(target: str, program: Program, spec: Spec) -> str:
+    """A module's (and its symbols') name, unique per target, program and spec."""
+    key = repr((target, program.name, tuple(sorted(spec.items()))))
     return f"dynalm_{program.name}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
@@ -178,51 +181,70 @@ def _thread(k: Kernel) -> ir.Value:
     return k.add(k.mul(ids[0], ids[1]), ids[2])
 
 
-def _add_entries(module: Module, program: Program, spec: Spec) -> None:
-    """An entry kernel per exported function (see the module's docstring); the functions
-    become private and always inlined. ``module.entries``: (short name, symbol, chunk)."""
+def _add_entries(
+    module: Module,
+    program: Program,
+    spec: Spec,
+    cc: str = "ptx_kernel",
+    thread: Callable[[Kernel], ir.Value] | None = None,
+) -> None:
+    """An entry kernel per exported function (see the module's docstring), in calling
+    convention ``cc``, ``thread(k)`` its global thread index (default: the PTX special
+    registers); the functions become private and always inlined. ``module.entries``:
+    (short name, symbol, chunk)."""
     prefix = module.ir.name
     entries = []
     for name in list(module.names):
-        body = module.function(name)
-        body.linkage = "private"
-        body.attributes.add("alwaysinline")
-        params = [str(a.type) for a in body.args]
-        entry = module.kernel(f"{name}_grid", (PTR, I64))
-        entry.fn.calling_convention = "ptx_kernel"
-        args, rows = entry.args
-        row_bytes = ROW_BYTES.get(program.name)
-        if params == ["ptr", "i64", "i64"] or (params == ["ptr"] and row_bytes):
-            chunk = chunk_of(program, spec)
-            lo = entry.mul(_thread(entry), chunk)
-
-            def run(body: ir.Function = body, lo: ir.Value = lo, chunk: int = chunk) -> None:
-                hi = entry.smin(entry.add(lo, chunk), rows)
-                if len(body.args) == 3:
-                    entry.b.call(body, [args, lo, hi])
-                    return
-                strides = row_bytes(spec)
-                block = entry.stack(8 * (1 + len(strides)))
-                entry.store(entry.sub(hi, lo), block, 0, 8)
-                for i, stride in enumerate(strides, 1):
-                    word = entry.load(I64, args, 8 * i, 8)
-                    entry.store(entry.add(word, entry.mul(lo, stride)), block, 8 * i, 8)
-                entry.b.call(body, [block])
-
-            entry.branch(entry.lt(lo, rows), run)
-        elif params == ["ptr"]:
-            chunk = 0
-            entry.branch(
-                entry.b.icmp_signed("==", _thread(entry), entry.i64(0)),
-                lambda body=body: entry.b.call(body, [args]),
-            )
-        else:
-            raise ValueError(f"{name}: no grid mapping for parameters ({', '.join(params)})")
-        entry.ret()
-        short = name.removeprefix(prefix).removeprefix("_")
-        entries.append((short, name, chunk))
+        chunk = _entry(module, program, spec, module.function(name), cc, thread or _thread)
+        entries.append((name.removeprefix(prefix).removeprefix("_"), name, chunk))
     module.names = [f"{full}_grid" for _, full, _ in entries]
     module.entries = entries  # type: ignore[attr-defined]
+
+
+def _entry(
+    module: Module,
+    program: Program,
+    spec: Spec,
+    body: ir.Function,
+    cc: str,
+    thread: Callable[[Kernel], ir.Value],
+) -> int:
+    """``body``'s entry kernel ``NAME_grid(args, rows)``; returns the rows per thread (0:
+    one thread runs the call)."""
+    body.linkage = "private"
+    body.attributes.add("alwaysinline")
+    params = [str(a.type) for a in body.args]
+    k = module.kernel(f"{body.name}_grid", (PTR, I64))
+    k.fn.calling_convention = cc
+    args, rows = k.args
+    row_bytes = ROW_BYTES.get(program.name)
+    if params == ["ptr", "i64", "i64"] or (params == ["ptr"] and row_bytes):
+        chunk = chunk_of(program, spec)
+        lo = k.mul(thread(k), chunk)
+
+        def run() -> None:
+            hi = k.smin(k.add(lo, chunk), rows)
+            if len(body.args) == 3:
+                k.b.call(body, [args, lo, hi])
+                return
+            # the element-wise form: this thread's own block, its rows [lo, hi)
+            strides = row_bytes(spec)
+            block = k.stack(8 * (1 + len(strides)))
+            k.store(k.sub(hi, lo), block, 0, 8)
+            for i, stride in enumerate(strides, 1):
+                word = k.load(I64, args, 8 * i, 8)
+                k.store(k.add(word, k.mul(lo, stride)), block, 8 * i, 8)
+            k.b.call(body, [block])
+
+        k.branch(k.lt(lo, rows), run)
+    elif params == ["ptr"]:
+        chunk = 0
+        first = k.b.icmp_signed("==", thread(k), k.i64(0))
+        k.branch(first, lambda: k.b.call(body, [args]))
+    else:
+        raise ValueError(f"{body.name}: no grid mapping for parameters ({', '.join(params)})")
+    k.ret()
+    return chunk
 
 
 _MACHINES: dict[tuple[str, str], llvm.TargetMachine] = {}

@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from dynalm.kernel.backends import Program
-from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
+from dynalm.kernel.lang import F32, I32, I64, PTR, Module, const, vec
 
 A_LOGITS, A_MAX, A_ARGMAX, A_SUM, N_ARGS = range(5)
 SUM_LANES = 8
