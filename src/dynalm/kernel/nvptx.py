@@ -1,0 +1,315 @@
+"""The NVPTX backend (preview): kernel programs lowered to PTX for NVIDIA GPUs.
+
+The same programs the CPU backends lower (``kernel.matmul``'s MATMUL for every format of
+the table in ``exact`` and ``auto``, ``kernel.attention``'s paged attention,
+``kernel.elementwise``'s kernels, ``kernel.sampling``'s row reductions) are built for the
+``nvptx64-nvidia-cuda`` triple at the generic backend's width (8 fp32 lanes, so the
+weight layouts and every program's float order are those of the CPU's 8-lane backends)
+and compiled by LLVM's NVPTX target to PTX text, which ``core.cuda_driver`` loads.
+
+The grid: each function a program exports with the row-range signature
+``void f(i64 *args, i64 lo, i64 hi)`` gets an entry kernel ``f_grid(i64 *args, i64 rows)``
+(``ptx_kernel`` calling convention: a PTX ``.entry``) in which global thread
+``g = ctaid.x * ntid.x + tid.x`` runs rows ``[g * chunk, min((g + 1) * chunk, rows))``
+through the program's body, inlined. ``chunk`` is the rows one call must start on: the
+auto matmul's lane groups (8 weight rows), the exact matmul's row groups (4), else 1.
+The element-wise programs take ``void f(i64 *args)`` with a count first; their entry
+builds each thread's own argument block (count ``hi - lo``, each array advanced by ``lo``
+rows of its stride, ``ROW_BYTES``) so they split the same way. The attention program's
+``write``/``write_recent``/``run`` (not row ranges) get single-thread entries
+(``Entry.chunk == 0``): correct, serial.
+
+ISA primitives: ``dot_u8s8`` is ``dp4a`` (``llvm.nvvm.idp4a.u.s``: 4 u8 x s8 products
+into an int32, sm_61 and later) per lane; the others are the portable integer IR. The
+programs' ``llvm.prefetch`` is dropped by the NVPTX target (it has no lowering for it),
+stack arrays become local memory. The native pool program (futex syscalls, x86 pause,
+cycle counter) is CPU-only and has no entry here; the GPU's parallel-for is the grid.
+
+Numerics (what holds, from the arithmetic, not yet measured on a GPU): ``llvm.fmuladd``
+is lowered to ``fma.rn.f32`` here as on an FMA CPU, division and square root are the
+IEEE ``div.rn``/``sqrt.rn`` (LLVM's NVPTX defaults; no ``.ftz``), ``nearbyint`` is
+``cvt.rni``. ``auto`` matmuls sum integers exactly and then use only fma/mul/convert in
+a fixed order, and the activation quantiser only max/div/round/integer sums: their
+outputs equal the CPU generic backend's bitwise. ``exact`` matmuls, RMSNorm, attention and
+the sampling sums end in ``llvm.vector.reduce.fadd`` with ``reassoc`` (or ``contract``
+pairs in attention), which each target may order differently: within the rounding of an
+fp32 sum (the tests' ``sum_bound``), not bitwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import llvmlite.binding as llvm
+import llvmlite.ir as ir
+
+from dynalm.kernel.backends import Backend, Program, Spec
+from dynalm.kernel.lang import I32, I64, PTR, Kernel, Module, vec
+
+TRIPLE = "nvptx64-nvidia-cuda"
+SM = "sm_80"  # Ampere and later: dp4a (sm_61+), bf16 cvt, what the preview is written for
+PTX_FEATURES = "+ptx75"  # PTX ISA 7.5 (CUDA 11.5 drivers and later)
+LANES = 8
+THREADS = 128  # threads per block a launch uses by default
+
+# Element-wise programs: bytes each array word advances per row of the count (0: shared).
+ROW_BYTES: dict[str, Callable[[Mapping[str, object]], tuple[int, ...]]] = {
+    "ew_add": lambda spec: (4, 4, 4),
+    "ew_gated": lambda spec: (4, 4, 4),
+    "ew_rms_norm": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
+    "ew_rope": lambda spec: (
+        4 * int(spec["n_heads"]) * int(spec["head_dim"]),
+        4 * int(spec["stride"]),
+        8,
+        0,
+        0,
+    ),
+}
+CPU_ONLY = {"pool": "the native thread pool (futex syscalls, CPU pause/cycle counter)"}
+
+
+def chunk_of(program: Program, spec: Spec) -> int:
+    """The rows one thread runs: a call's ``lo`` must be a multiple of it."""
+    if program.name == "mm" and spec.get("mr"):
+        return LANES if spec.get("mode") == "auto" else 4
+    return 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # the PTX .entry symbol
+    chunk: int  # rows per thread; 0: the whole call on one thread (launch 1 x 1)
+
+    def grid(self, rows: int, threads: int = THREADS) -> tuple[int, int]:
+        """(blocks, threads per block) covering ``rows``."""
+        if self.chunk == 0:
+            return 1, 1
+        need = max(1, -(-rows // self.chunk))
+        threads = min(threads, need)
+        return -(-need // threads), threads
+
+
+@dataclass(frozen=True)
+class PtxModule:
+    """A lowered program: its PTX text and entries by short name ("" for a program's
+    one function, else the suffix after the module's name)."""
+
+    ptx: str
+    entries: dict[str, Entry]
+    compile_seconds: float
+
+
+@dataclass(frozen=True)
+class NvptxBackend(Backend):
+    sm: str = SM
+    ptx_features: str = PTX_FEATURES
+
+    def capabilities(self) -> dict[str, object]:
+        missing = self.missing()
+        return {
+            "backend": self.name,
+            "fp32_lanes": self.lanes,
+            "int8_dot": self.int8_dot,
+            "target": f"{TRIPLE} {self.sm} {self.ptx_features}",
+            "native": True,
+            "runs_here": not missing,
+            "missing": missing,
+        }
+
+    def missing(self) -> list[str]:
+        from dynalm.core import cuda_driver  # core binds kernels; kernel needs it only here
+
+        reason = cuda_driver.probe()
+        return [reason] if reason else []
+
+    def twin(self) -> Backend:
+        """The CPU program at the same width and int32 sums (``dp4a``'s exact sums)."""
+        return Backend(f"{self.name}-twin", self.isa, self.lanes, accumulate="int32", native=False)
+
+    def dot_u8s8(self, k: Kernel, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
+        n = acc.type.count
+        words = [k.bitcast(x, vec(I32, n)) for x in (u, s)]
+        out = acc
+        for lane in range(n):
+            i = ir.Constant(I32, lane)
+            a, b, c = (k.b.extract_element(v, i) for v in (*words, acc))
+            out = k.b.insert_element(out, k.call("llvm.nvvm.idp4a.u.s", I32, a, b, c), i)
+        return out
+
+    def module(self, program: Program, spec: Spec) -> Module:
+        if program.name in CPU_ONLY:
+            why = CPU_ONLY[program.name]
+            raise ValueError(f"kernel program {program.name!r} is CPU-only: {why}")
+        module = Module(module_name(self.name, program, spec), self, TRIPLE)
+        module.ir.data_layout = str(_machine(self.sm, self.ptx_features).target_data)
+        program.build(module, **spec)
+        _add_entries(module, program, spec)
+        return module
+
+    def lower(self, program: Program, spec: Spec) -> PtxModule:  # type: ignore[override]
+        key = (program.name, tuple(sorted(spec.items())))
+        done = self._lowered.get(key)
+        if done is None:
+            t0 = time.perf_counter()
+            module = self.module(program, spec)
+            ptx = emit_ptx(module.text(), self.sm, self.ptx_features)
+            entries = {short: Entry(f"{full}_grid", c) for short, full, c in module.entries}
+            done = self._lowered[key] = PtxModule(ptx, entries, time.perf_counter() - t0)
+        return done
+
+
+NVPTX = NvptxBackend(
+    "nvptx-sm80", "nvptx", LANES, int8_dot="dp4a (llvm.nvvm.idp4a.u.s)", accumulate="int32"
+)
+
+
+def module_name(target: str, program: Program, spec: Spec) -> str:
+    """A module's (and its symbols') name, unique per target, program and spec."""
+    key = repr((target, program.name, tuple(sorted(spec.items()))))
+    return f"dynalm_{program.name}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _thread(k: Kernel) -> ir.Value:
+    """This thread's global index along x, as i64."""
+    ids = [
+        k.convert(k.call(f"llvm.nvvm.read.ptx.sreg.{r}.x", I32), I64, signed=False)
+        for r in ("ctaid", "ntid", "tid")
+    ]
+    return k.add(k.mul(ids[0], ids[1]), ids[2])
+
+
+def _add_entries(
+    module: Module,
+    program: Program,
+    spec: Spec,
+    cc: str = "ptx_kernel",
+    thread: Callable[[Kernel], ir.Value] | None = None,
+) -> None:
+    """An entry kernel per exported function (see the module's docstring), in calling
+    convention ``cc``, ``thread(k)`` its global thread index (default: the PTX special
+    registers); the functions become private and always inlined. ``module.entries``:
+    (short name, symbol, chunk)."""
+    prefix = module.ir.name
+    entries = []
+    for name in list(module.names):
+        chunk = _entry(module, program, spec, module.function(name), cc, thread or _thread)
+        entries.append((name.removeprefix(prefix).removeprefix("_"), name, chunk))
+    module.names = [f"{full}_grid" for _, full, _ in entries]
+    module.entries = entries  # type: ignore[attr-defined]
+
+
+def _entry(
+    module: Module,
+    program: Program,
+    spec: Spec,
+    body: ir.Function,
+    cc: str,
+    thread: Callable[[Kernel], ir.Value],
+) -> int:
+    """``body``'s entry kernel ``NAME_grid(args, rows)``; returns the rows per thread (0:
+    one thread runs the call)."""
+    body.linkage = "private"
+    body.attributes.add("alwaysinline")
+    params = [str(a.type) for a in body.args]
+    k = module.kernel(f"{body.name}_grid", (PTR, I64))
+    k.fn.calling_convention = cc
+    args, rows = k.args
+    row_bytes = ROW_BYTES.get(program.name)
+    if params == ["ptr", "i64", "i64"] or (params == ["ptr"] and row_bytes):
+        chunk = chunk_of(program, spec)
+        lo = k.mul(thread(k), chunk)
+
+        def run() -> None:
+            hi = k.smin(k.add(lo, chunk), rows)
+            if len(body.args) == 3:
+                k.b.call(body, [args, lo, hi])
+                return
+            # the element-wise form: this thread's own block, its rows [lo, hi)
+            strides = row_bytes(spec)
+            block = k.stack(8 * (1 + len(strides)))
+            k.store(k.sub(hi, lo), block, 0, 8)
+            for i, stride in enumerate(strides, 1):
+                word = k.load(I64, args, 8 * i, 8)
+                k.store(k.add(word, k.mul(lo, stride)), block, 8 * i, 8)
+            k.b.call(body, [block])
+
+        k.branch(k.lt(lo, rows), run)
+    elif params == ["ptr"]:
+        chunk = 0
+        first = k.b.icmp_signed("==", thread(k), k.i64(0))
+        k.branch(first, lambda: k.b.call(body, [args]))
+    else:
+        raise ValueError(f"{body.name}: no grid mapping for parameters ({', '.join(params)})")
+    k.ret()
+    return chunk
+
+
+_MACHINES: dict[tuple[str, str], llvm.TargetMachine] = {}
+
+
+def _machine(sm: str, features: str) -> llvm.TargetMachine:
+    tm = _MACHINES.get((sm, features))
+    if tm is None:
+        llvm.initialize_all_targets()
+        llvm.initialize_all_asmprinters()
+        target = llvm.Target.from_triple(TRIPLE)
+        tm = _MACHINES[sm, features] = target.create_target_machine(
+            cpu=sm, features=features, opt=3
+        )
+    return tm
+
+
+def optimized(ir_text: str, sm: str = SM, features: str = PTX_FEATURES) -> llvm.ModuleRef:
+    """``ir_text`` parsed, verified and optimised for the NVPTX target (the bodies
+    inlined into their entries)."""
+    tm = _machine(sm, features)
+    mod = llvm.parse_assembly(ir_text)
+    mod.verify()
+    # the programs vectorise by hand; NVPTX splits vectors into its registers anyway
+    pto = llvm.create_pipeline_tuning_options(speed_level=2)
+    pto.loop_vectorization = False
+    pto.slp_vectorization = False
+    pb = llvm.create_pass_builder(tm, pto)
+    pb.getModulePassManager().run(mod, pb)
+    mod.verify()
+    return mod
+
+
+def emit_ptx(ir_text: str, sm: str = SM, features: str = PTX_FEATURES) -> str:
+    """PTX text for an NVPTX module's IR."""
+    return _machine(sm, features).emit_assembly(optimized(ir_text, sm, features))
+
+
+def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]]:
+    """Every (program, spec) a model step on the GPU needs, at SmolLM2-like shapes: the
+    matmuls of every format of the table in both modes (each batch bucket's tile and the
+    activations' quantiser; K = 32 * ``k_blocks``, a multiple of the K-quants' 256), paged
+    attention per KV storage, the element-wise kernels and the sampling reductions."""
+    from dynalm.kernel import attention, elementwise, matmul, sampling
+
+    out: list[tuple[Program, dict[str, object]]] = []
+    for ggml_type in matmul.UNPACKS:
+        for mode in ("exact", "auto"):
+            if matmul.effective_mode(ggml_type, mode) != mode:
+                continue  # auto falls back to the exact kernels: nothing new to lower
+            for shape in matmul.buckets(mode, NVPTX):
+                spec = {"k_blocks": k_blocks, "ggml_type": int(ggml_type), "mode": mode}
+                out.append((matmul.MATMUL, {**spec, "mr": shape.mr}))
+    out.append((matmul.MATMUL, {"k_blocks": k_blocks}))
+    geometry = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "page": 16}
+    for dtype, recent in (("f32", 0), ("f16", 0), ("q8_0", 0), ("q8_0", 32)):
+        out.append((attention.ATTENTION, {"dtype": dtype, **geometry, "recent": recent}))
+    ew = elementwise.PROGRAMS
+    out += [
+        (ew["add"], {}),
+        (ew["gated"], {"activation": "silu"}),
+        (ew["gated"], {"activation": "gelu_tanh"}),
+        (ew["rms_norm"], {"width": 576, "eps": 1e-5}),
+        (ew["rope"], {"n_heads": 9, "head_dim": 64, "rope_dim": 64, "neox": False, "stride": 576}),
+        (ew["rope"], {"n_heads": 4, "head_dim": 64, "rope_dim": 32, "neox": True, "stride": 320}),
+        (sampling.ROW_REDUCE, {"vocab": 49152}),
+    ]
+    return out

@@ -1,0 +1,229 @@
+"""The GPU preview without a GPU: every kernel the device needs lowers to PTX that LLVM
+verifies and the structural checker (``kernel.ptx_check``) parses; the checker rejects
+broken PTX; the element-wise programs compile to SPIR-V with their entry points; and the
+grid mapping (each thread's row range, the element-wise per-thread argument block) is run
+on this CPU -- the same entry kernels built for the host with a simulated thread index,
+over every thread of a grid -- against the CPU kernels, bitwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from test_matmul import activations, weights
+
+from dynalm.core import elementwise
+from dynalm.core.matmul import QuantMatmul
+from dynalm.kernel import backends, jit, nvptx, ptx_check, sampling, spirv
+from dynalm.kernel import elementwise as ew_programs
+from dynalm.kernel.lang import I64, Module
+from dynalm.kernel.matmul import MATMUL, UNPACKS, effective_mode
+from dynalm.kernel.pool import POOL
+from tolerances import U, sum_bound
+
+KERNELS = nvptx.device_kernels()
+
+
+def _id(item: tuple) -> str:
+    program, spec = item
+    return f"{program.name}-" + "-".join(str(v) for v in spec.values())
+
+
+@pytest.mark.parametrize("item", KERNELS, ids=[_id(i) for i in KERNELS])
+def test_kernel_lowers_to_valid_ptx(item: tuple) -> None:
+    program, spec = item
+    lowered = nvptx.NVPTX.lower(program, spec)  # LLVM verifies the IR before and after
+    summary = ptx_check.check(lowered.ptx)
+    assert (summary.version, summary.target, summary.address_size) == ("7.5", "sm_80", 64)
+    assert sorted(summary.entries) == sorted(e.name for e in lowered.entries.values())
+    assert all(f.kind == "entry" for f in summary.functions)  # the bodies were inlined
+    opcodes = {op for f in summary.functions for op in f.opcodes}
+    if program.name == "mm" and spec.get("mode") == "auto":
+        assert any(op.startswith("dp4a") for op in opcodes)  # the int8 dot is dp4a
+    assert not any(op.startswith(("call", "prefetch")) for op in opcodes)
+
+
+def test_every_format_and_mode_is_covered() -> None:
+    seen = {(s["ggml_type"], s["mode"]) for p, s in KERNELS if p.name == "mm" and "mode" in s}
+    assert seen == {(t, effective_mode(t, m)) for t in UNPACKS for m in ("exact", "auto")}
+
+
+def test_pool_program_is_cpu_only() -> None:
+    with pytest.raises(ValueError, match="pool.*CPU-only"):
+        nvptx.NVPTX.module(POOL, {"machine": "x86_64"})
+
+
+@pytest.fixture(scope="module")
+def small_ptx() -> str:
+    return nvptx.NVPTX.lower(ew_programs.PROGRAMS["rms_norm"], {"width": 64, "eps": 1e-5}).ptx
+
+
+def _replace_first(pattern: str, repl: str) -> callable:
+    return lambda ptx: re.sub(pattern, repl, ptx, count=1, flags=re.M)
+
+
+MUTATIONS = {
+    "no .version": (_replace_first(r"^\.version .*$", ""), "expected .version"),
+    "bad .target": (_replace_first(r"^\.target sm_80", ".target gfx90a"), "expected .target"),
+    "missing ';'": (_replace_first(r"(\tmul\.rn\.f32[^;]*);", r"\1"), "does not end in ';'"),
+    "unknown opcode": (_replace_first(r"\tmul\.rn\.f32", "\tmulx.rn.f32"), "unknown opcode"),
+    "undeclared register": (_replace_first(r"^\s*\.reg \.b32 .*$", ""), "used before a .reg"),
+    "register out of range": (
+        _replace_first(r"\.reg \.b32 \t%r<\d+>", ".reg .b32 \t%r<3>"),
+        "outside %r<3>",
+    ),
+    "unbalanced braces": (lambda p: p.rstrip().removesuffix("}"), "unbalanced braces"),
+    "undefined label": (
+        _replace_first(r"bra(\.uni)? \t\$L__BB0_\d+", "bra \t$L__nowhere"),
+        "undefined label",
+    ),
+    "undeclared parameter": (_replace_first(r"_param_0\]", "_param_9]"), "undeclared"),
+    "bad parameter": (_replace_first(r"\.param \.u64 ", ".param .u65 "), "malformed parameter"),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_checker_rejects_broken_ptx(small_ptx: str, name: str) -> None:
+    mutate, message = MUTATIONS[name]
+    broken = mutate(small_ptx)
+    assert broken != small_ptx, f"mutation {name!r} changed nothing"
+    with pytest.raises(ptx_check.PtxError, match=re.escape(message)):
+        ptx_check.check(broken)
+
+
+SPIRV_KERNELS = [(p, s) for p, s in KERNELS if p.name in nvptx.ROW_BYTES]
+
+
+@pytest.mark.parametrize("item", SPIRV_KERNELS, ids=[_id(i) for i in SPIRV_KERNELS])
+def test_elementwise_compiles_to_spirv(item: tuple) -> None:
+    program, spec = item
+    module = spirv.lower(program, spec)
+    assert int.from_bytes(module.binary[:4], "little") == spirv.MAGIC
+    assert sorted(spirv.entry_points(module.binary)) == sorted(module.entries.values())
+
+
+def test_spirv_reader_rejects_other_binaries() -> None:
+    with pytest.raises(ValueError, match="magic number"):
+        spirv.entry_points(b"\x7fELF" + bytes(60))
+    broken = bytearray(spirv.lower(ew_programs.PROGRAMS["add"], {}).binary)
+    broken[22:24] = b"\xff\xff"  # the first instruction's word count: past the end
+    with pytest.raises(ValueError, match="runs past the end"):
+        spirv.entry_points(bytes(broken))
+
+
+# -- the grid mapping, run on this CPU ---------------------------------------------------
+_THREAD = [0]
+_THREAD_FN = ctypes.CFUNCTYPE(ctypes.c_int64)(lambda: _THREAD[0])
+_THREAD_SYMBOL = "dynalm_test_grid_thread"
+_ENTRY = (ctypes.c_void_p, ctypes.c_int64)
+
+
+def host_grid(program: backends.Program, spec: dict) -> dict[str, tuple[object, int]]:
+    """``program``'s NVPTX entry kernels built for this CPU (the NVPTX backend's portable
+    twin: same width, same integer sums), the thread index read from ``_THREAD``."""
+    jit.add_symbol(_THREAD_SYMBOL, ctypes.cast(_THREAD_FN, ctypes.c_void_p).value)
+    module = Module(nvptx.module_name("host-grid", program, spec), nvptx.NVPTX.twin(), jit.triple())
+    program.build(module, **spec)
+    nvptx._add_entries(module, program, spec, cc="", thread=lambda k: k.call(_THREAD_SYMBOL, I64))
+    addresses, _ = jit.compile_module(module.text(), module.names)
+    return {
+        short: (jit.cfunc(addresses[f"{full}_grid"], None, *_ENTRY), chunk)
+        for short, full, chunk in module.entries
+    }
+
+
+def run_grid(entry: tuple[object, int], args: int, rows: int) -> None:
+    """Every thread of a launch over ``rows`` rounded up to blocks of 4 threads (the last
+    ones past the end), last thread first."""
+    fn, chunk = entry
+    blocks, threads = nvptx.Entry("", chunk).grid(rows, 4)
+    for t in reversed(range(blocks * threads)):
+        _THREAD[0] = t
+        fn(args, rows)
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "mode", "t_rows"),
+    [(T.Q4_1, "auto", 1), (T.Q4_1, "auto", 5), (T.Q4_1, "exact", 1), (T.Q8_0, "auto", 3),
+     (T.Q4_K, "auto", 1), (T.Q6_K, "exact", 4)],
+    ids=str,
+)  # fmt: skip
+def test_grid_matmul_is_the_cpu_kernel(ggml_type: T, mode: str, t_rows: int) -> None:
+    """The device's lowering of a matmul, with the grid's row split, computes bitwise what
+    the CPU's generic backend does (same width, same integer sums, same float order)."""
+    k, n = 256, 67
+    raw, x = weights(ggml_type, n, k), activations(t_rows, k)
+    want = QuantMatmul(raw, ggml_type, k, mode=mode, backend=backends.GENERIC, threads=1)(x)
+    qm = QuantMatmul(raw, ggml_type, k, mode=mode, backend=nvptx.NVPTX.twin(), threads=1)
+    out = np.full((t_rows, n), np.nan, np.float32)
+    for _, which, args, total, _ in qm._plan(x, out):
+        spec = qm._kernels._specs[which]
+        run_grid(host_grid(MATMUL, spec)[""], args, total)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_grid_elementwise_is_the_cpu_kernel() -> None:
+    """Each thread's own argument block (count and arrays advanced by its first row)."""
+    rng = np.random.default_rng(7)
+    rows, heads, head_dim = 7, 3, 16
+    x = rng.standard_normal((rows, 80)).astype(np.float32)  # a wider buffer: strided rows
+    dense = np.ascontiguousarray(x[:, :48])
+    w = rng.standard_normal(48).astype(np.float32)
+    pos = rng.integers(0, 20, rows).astype(np.int64)
+    ang = rng.uniform(0, 6, (20, head_dim // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    cases = {
+        "rms_norm": lambda out, be: elementwise.rms_norm(out, dense, w, 1e-5, backend=be),
+        "rope": lambda out, be: elementwise.rope(
+            out, x[:, :48], pos, cos, sin, head_dim, head_dim, False, backend=be
+        ),
+        "gated": lambda out, be: elementwise.gated(
+            out, np.ascontiguousarray(x[:, :48]), np.ascontiguousarray(x[:, 8:56]), "silu",
+            backend=be,
+        ),
+    }  # fmt: skip
+    for kind, bind in cases.items():
+        want = np.empty((rows, heads * head_dim), np.float32)
+        bind(want, backends.GENERIC)()
+        got = np.full_like(want, np.nan)
+        bound = bind(got, nvptx.NVPTX.twin())
+        program = ew_programs.PROGRAMS[kind]
+        entry = host_grid(program, bound._params)[kind]
+        run_grid(entry, bound.block.ctypes.data, int(bound.block[0]))
+        np.testing.assert_array_equal(got, want, err_msg=kind)
+
+
+def test_sampling_reduction() -> None:
+    """Per row: max and first argmax exactly, sum(exp(x - max)) within its rounding; run
+    through the grid mapping, and on the CPU's generic backend."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 6, 1003
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    logits[1, [5, 900]] = 50.0  # a tie: the first index wins
+    logits[2, 17] = np.nan  # skipped by the max
+    m_ref, arg_ref, s_ref = sampling.reference(logits)
+    spec = {"vocab": vocab}
+    for run in ("grid", "cpu"):
+        outs = [np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.zeros(rows, np.float32)]
+        args = np.array([a.ctypes.data for a in (logits, *outs)], np.int64)
+        if run == "grid":
+            run_grid(host_grid(sampling.ROW_REDUCE, spec)[""], args.ctypes.data, rows)
+        else:
+            done = backends.GENERIC.lower(sampling.ROW_REDUCE, spec)
+            done.cfunc("", *_ENTRY, ctypes.c_int64)(args.ctypes.data, 0, rows)
+        top, arg, total = outs
+        np.testing.assert_array_equal(top, m_ref)
+        np.testing.assert_array_equal(arg, arg_ref)
+        assert arg[1] == 5
+        # rows with a NaN sum to NaN (exp(NaN)); in the others each term e^d is off by the
+        # rounding of d = x - max (|d| u relative) and exp's own error (a few ulp: 4 u),
+        # and the sum adds an fp32 sum's rounding
+        finite = ~np.isnan(logits).any(axis=1)
+        d = logits[finite].astype(np.float64) - m_ref[finite, None]
+        terms = (np.exp(d) * (4 + np.abs(d)) * U).sum(axis=1)
+        bound = sum_bound(vocab, s_ref[finite]) + terms
+        assert (np.abs(total[finite] - s_ref[finite]) <= bound).all(), run
