@@ -128,7 +128,7 @@ def host_grid(program: backends.Program, spec: dict) -> dict[str, tuple[object, 
     jit.add_symbol(_THREAD_SYMBOL, ctypes.cast(_THREAD_FN, ctypes.c_void_p).value)
     module = Module(nvptx.module_name("host-grid", program, spec), nvptx.NVPTX.twin(), jit.triple())
     program.build(module, **spec)
-    nvptx._add_entries(module, program, spec, cc="", thread=lambda k: k.call(_THREAD_SYMBOL, I64))
+    nvptx.add_entries(module, program, spec, cc="", thread=lambda k: k.call(_THREAD_SYMBOL, I64))
     addresses, _ = jit.compile_module(module.text(), module.names)
     return {
         short: (jit.cfunc(addresses[f"{full}_grid"], None, *_ENTRY), chunk)

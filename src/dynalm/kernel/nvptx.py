@@ -146,7 +146,7 @@ class NvptxBackend(Backend):
         module = Module(module_name(self.name, program, spec), self, TRIPLE)
         module.ir.data_layout = str(_machine(self.sm, self.ptx_features).target_data)
         program.build(module, **spec)
-        _add_entries(module, program, spec)
+        add_entries(module, program, spec)
         return module
 
     def lower(self, program: Program, spec: Spec) -> PtxModule:  # type: ignore[override]
@@ -181,7 +181,7 @@ def _thread(k: Kernel) -> ir.Value:
     return k.add(k.mul(ids[0], ids[1]), ids[2])
 
 
-def _add_entries(
+def add_entries(
     module: Module,
     program: Program,
     spec: Spec,

@@ -2,7 +2,7 @@
 
 The element-wise programs (``kernel.elementwise``) are built for ``spirv64-unknown-unknown``
 at the NVPTX backend's width and get the same entry kernels as on the GPU
-(``nvptx._add_entries``: rows split over threads, a per-thread argument block), in the
+(``nvptx.add_entries``: rows split over threads, a per-thread argument block), in the
 ``spir_kernel`` calling convention with the thread index from OpenCL's
 ``get_global_id(0)``. LLVM emits a SPIR-V binary with ``Kernel`` execution-model entry
 points (physical 64-bit addressing, as OpenCL drivers take it). Nothing loads or runs it
@@ -54,7 +54,7 @@ def lower(program: Program, spec: Spec) -> SpirvModule:
     module = Module(nvptx.module_name("spirv", program, spec), nvptx.NVPTX, TRIPLE)
     module.ir.data_layout = str(tm.target_data)
     program.build(module, **spec)
-    nvptx._add_entries(module, program, spec, cc="spir_kernel", thread=_global_id)
+    nvptx.add_entries(module, program, spec, cc="spir_kernel", thread=_global_id)
     mod = llvm.parse_assembly(module.text())
     mod.verify()
     binary = tm.emit_object(mod)
