@@ -136,7 +136,7 @@ def flat_batch(
     positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in seqs])
     recent = pool.recent > 0
     batch = AttentionBatch(
-        kv=pool,
+        kv=pool.storage,
         query_start=np.cumsum([0] + [b - a for _, a, b in seqs]),
         seq_lens=np.array([b for _, _, b in seqs], np.int64),
         page_tables=[np.asarray(r.pages, np.int64) for r, _, _ in seqs],
