@@ -118,7 +118,7 @@ def test_kernel_matches_numpy(dtype: str, window: int, threads: int, merged: boo
         qkv = np.concatenate([q, k, v], axis=1)
         q, k, v = np.split(qkv, np.cumsum([q.shape[1], k.shape[1]]), axis=1)
     ours, batch, *_ = ragged_step(dtype, seqs)
-    batch.kv = ours
+    batch.kv = ours.storage
     out = attend(batch, positions, q, k, v, HEADS, KV_HEADS, HEAD_DIM, 0.125, window, threads)
     assert_close(out, ref, attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125))
     assert_same_pages(ours, pool)  # the step's k/v stored exactly as PagePool.write does
@@ -194,7 +194,7 @@ def test_result_of_a_token_does_not_depend_on_the_batch():
     geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
     together = attend(batch, positions, q, k, v, *geometry)
     second = cpu_ops.AttentionBatch(
-        pool, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:], batch.recent
+        pool.storage, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:], batch.recent
     )
     alone = attend(second, positions[5:].copy(), q[5:], k[5:], v[5:], *geometry)
     assert np.array_equal(together[5:], alone)
@@ -216,7 +216,7 @@ def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: i
     for size in chunks:
         rows = slice(start, start + size)
         batch = cpu_ops.AttentionBatch(
-            pool,
+            pool.storage,
             np.array([0, size]),
             np.array([start + size]),
             [np.array(pages)],

@@ -137,8 +137,8 @@ def test_q8_0_pages_round_trip_at_about_half_the_bytes_of_f16():
     assert q8.nbytes - q8.page_nbytes == 32 * 2 * (2 * 3 * 64) * 2 and f16.nbytes == f16.page_nbytes
     k = rng.standard_normal((5, 3, 64)).astype(np.float32)
     slots = q8.slots([2, 0], 1, 6)
-    q8.write(1, slots, k, k)
-    keys, values = q8.read(1, slots)
+    q8.storage.write(1, slots, k, k)
+    keys, values = q8.storage.read(1, slots)
     # values are quantised as they are, keys Hadamard-rotated: within half a step of the
     # quantised block either way (the inverse rotation averages a block's errors)
     for x, quantised in ((values, k), (keys, hadamard(k))):
