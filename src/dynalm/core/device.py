@@ -18,6 +18,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -76,6 +77,8 @@ class Device(ABC):
     name: ClassVar[str]
     mode: str  # auto | exact | safe (what the memory plan sizes the weights for)
     threads: int
+    repack_seconds = 0.0  # spent preparing weights (--verbose, bench)
+    repacked = mapped = 0  # weights prepared anew / mapped from a cache of prepared ones
 
     @abstractmethod
     def describe(self) -> str:
@@ -334,17 +337,109 @@ class CpuDevice(Device):
         return CpuLowering(self, executor)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """One kind of GPU device ``--backend auto|gpu`` may choose: whether this machine can
+    run it (``probe``: None, or why not in one line), how much memory it has, and its device
+    class (``create(mode, threads)``; None until that class is built)."""
+
+    name: str
+    label: str
+    probe: Callable[[], str | None]
+    memory: Callable[[], int] | None = None  # bytes of device memory, asked once usable
+    create: Callable[[str, int | None], Device] | None = None
+
+    def unavailable(self) -> str | None:
+        """None when this kind can run a model here, else why not."""
+        reason = self.probe()
+        if reason is None and self.create is None:
+            reason = f"no {self.label} device class is built into this DynaLM yet"
+        return reason
+
+    def too_small(self, need: int) -> str | None:
+        """Why a model needing ``need`` bytes of device memory does not fit, or None."""
+        have = self.memory() if self.memory is not None else None
+        if have is not None and need > have:
+            return (
+                f"the model needs {_mib(need)} of device memory (weights, KV pool, "
+                f"activations of the memory plan), the {self.label} device has {_mib(have)}"
+            )
+        return None
+
+
+def _cuda_probe() -> str | None:
+    # The CUDA driver binding (issue 17 part 3) is dynalm.core.cuda_driver; its probe()
+    # says None when a CUDA device is usable, else why not.
+    try:
+        from dynalm.core import cuda_driver  # type: ignore[attr-defined]
+    except ImportError:
+        return "no CUDA device support built yet (no NVIDIA driver binding in this DynaLM)"
+    return cuda_driver.probe()
+
+
+def _cuda_memory() -> int:
+    from dynalm.core import cuda_driver  # type: ignore[attr-defined]
+
+    return max(d.total_memory for d in cuda_driver.devices(cuda_driver.load()))
+
+
+# The GPU kinds in the order ``--backend auto`` tries them. A new GPU backend is one entry
+# here (probe, memory, its Device class as ``create``).
+GPU_KINDS: list[DeviceKind] = [
+    DeviceKind("cuda", "CUDA", _cuda_probe, _cuda_memory),
+    DeviceKind(
+        "vulkan", "Vulkan", lambda: "no Vulkan device support built yet (SPIR-V preview only)"
+    ),
+    DeviceKind("metal", "Metal", lambda: "no Metal device support built yet"),
+]
+
+
 def select_device(
     backend: str = "auto",
     mode: str = "auto",
     threads: int | None = None,
-) -> CpuDevice:
-    """Pick the device for ``--backend``; ``gpu`` fails with the reason, ``auto`` falls back."""
+    need: Callable[[str], int] | None = None,
+) -> Device:
+    """The device for ``--backend``: ``cpu``; ``gpu``: the first GPU kind available here that
+    holds the model (``need(mode)``: the bytes of device memory the memory plan asks for),
+    else ``DeviceUnavailable`` with the reasons; ``auto``: that GPU, else the CPU (the
+    reasons logged, shown with --verbose)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
-    if backend in ("gpu", "auto"):
-        reason = "no GPU backend (CUDA, Metal, Vulkan) is built into this DynaLM yet"
-        if backend == "gpu":
-            raise DeviceUnavailable(f"--gpu: {reason}; use --cpu")
-        log.info("backend auto: using the CPU (%s)", reason)
+    if backend == "cpu":
+        return CpuDevice(mode, threads)
+    reasons = []
+    for kind in GPU_KINDS:
+        reason = kind.unavailable()
+        if reason is None and need is not None:
+            reason = kind.too_small(need(mode))
+        if reason is None:
+            assert kind.create is not None  # unavailable() says so otherwise
+            log.info("backend %s: using %s", backend, kind.label)
+            return kind.create(mode, threads)
+        reasons.append(f"{kind.name}: {reason}")
+    why = "; ".join(reasons)
+    if backend == "gpu":
+        raise DeviceUnavailable(f"--gpu: no usable GPU ({why}); use --cpu")
+    log.info("backend auto: using the CPU (%s)", why)
     return CpuDevice(mode, threads)
+
+
+def describe_devices() -> list[str]:
+    """``dynalm show --system``'s devices: the CPU with its kernel backend, and each GPU
+    kind with whether it is available here or why not."""
+    try:
+        kernels = backends.select().name
+    except backends.BackendUnavailable as e:
+        kernels = f"none ({e})"
+    lines = [f"  {'cpu':<8}available: kernels {kernels} ({physical_cores()} cores)"]
+    for kind in GPU_KINDS:
+        reason = kind.unavailable()
+        lines.append(
+            f"  {kind.name:<8}{'available' if reason is None else 'unavailable: ' + reason}"
+        )
+    return lines
