@@ -254,11 +254,15 @@ def _device(
     from dynalm.core.device import select_device
     from dynalm.runtime.memory_plan import plan_memory
 
+    need = lambda m: plan_memory(model, config, m).device_bytes  # noqa: E731
+    return select_device(_backend(backend, cpu, gpu), mode.value, threads, need)
+
+
+def _backend(backend: Backend, cpu: bool, gpu: bool) -> str:
+    """--backend, or what --cpu / --gpu say instead."""
     if cpu and gpu:
         raise typer.BadParameter("--cpu and --gpu exclude each other")
-    chosen = "gpu" if gpu else "cpu" if cpu else backend.value
-    need = lambda m: plan_memory(model, config, m).device_bytes  # noqa: E731
-    return select_device(chosen, mode.value, threads, need)
+    return "gpu" if gpu else "cpu" if cpu else backend.value
 
 
 @app.command()
@@ -662,6 +666,9 @@ def bench(
         typer.Option(help="Also run with this drafter (ngram | layer-skip): speed-up, acceptance."),
     ] = None,
     num_draft_tokens: NumDraftTokens = 4,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
     verbose: Verbose = False,
 ) -> None:
     """Measure prefill (pp) and decode (tg) speed, llama-bench style."""
@@ -679,6 +686,7 @@ def bench(
                 repetitions=repetitions,
                 mode=mode.value,
                 vs=vs,
+                backend=_backend(backend, cpu, gpu),
                 as_json=json_output,
                 profile=profile,
                 speculative=speculative,

@@ -140,8 +140,10 @@ class Lowering(ABC):
 
     OP_TABLE: ClassVar[Mapping[str, Callable[..., Call]]]
     cached_rows: ClassVar[int] = 0  # submissions of steps up to this many tokens are kept
+    device: Device
 
     def bind(self, op: str, nodes: list[Node]) -> Call:
+        """``nodes[0]`` (a run of ``split`` nodes of one value: all of them) as one call."""
         impl = self.OP_TABLE.get(op)
         if impl is None:
             raise NotImplementedError(f"the {self.device.name} device has no kernel for op '{op}'")
@@ -150,9 +152,8 @@ class Lowering(ABC):
     def prepare_matmul(
         self, raw: object, ggml_type: int, shape: tuple[int, int], **how: object
     ) -> object:
+        """A matmul weight for this graph (the CPU adds its shared activation scratch)."""
         return self.device.matmul(raw, ggml_type, shape, **how)
-
-    device: Device
 
     @abstractmethod
     def reserve(self, rows: int, widest: int) -> None:
@@ -317,19 +318,10 @@ class CpuDevice(Device):
     def buffer(self, rows: int, width: int, dtype: type = np.float32) -> np.ndarray:
         return np.empty((rows, width), dtype)
 
-    def kv_storage(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        n_pages: int,
-        page_size: int,
-        dtype: str,
-        n_seqs: int = 1,
-    ) -> KVStorage:
+    def kv_storage(self, *geometry: object) -> KVStorage:  # Device.kv_storage's arguments
         from dynalm.core.kv_storage import HostKVStorage
 
-        return HostKVStorage(n_layers, n_kv_heads, head_dim, n_pages, page_size, dtype, n_seqs)
+        return HostKVStorage(*geometry)  # type: ignore[arg-type]
 
     def lowering(self, executor: Executor) -> Lowering:
         from dynalm.core.cpu_lowering import CpuLowering
