@@ -29,11 +29,11 @@ from typing import Protocol
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.device import Device
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import MemoryPlan
+from dynalm.runtime.memory_plan import MemoryPlan, plan_memory
 from dynalm.runtime.sampling import SamplingParams
 from dynalm.runtime.speculative import Drafter, build_drafter
 
@@ -61,6 +61,13 @@ class Runner(Protocol):
         """Seconds for ``len(ids)`` single-token steps after ``prompt``."""
 
 
+def bench_config(ctx: int, num_draft_tokens: int = 4) -> EngineConfig:
+    """The engine configuration of a bench run: one sequence, no prefix cache."""
+    return EngineConfig(
+        ctx=ctx, max_num_seqs=1, enable_prefix_caching=False, num_draft_tokens=num_draft_tokens
+    )
+
+
 class DynaLMRunner:
     """The engine through its public request API (one request at a time, no prefix
     cache, greedy), so a test costs what a user's request costs."""
@@ -70,15 +77,12 @@ class DynaLMRunner:
     def __init__(
         self,
         model: LoadedModel,
-        device: CpuDevice,
+        device: Device,
         ctx: int,
         drafter: Drafter | None = None,
         num_draft_tokens: int = 4,
     ):
-        config = EngineConfig(
-            ctx=ctx, max_num_seqs=1, enable_prefix_caching=False, num_draft_tokens=num_draft_tokens
-        )
-        self.engine = Engine(model, device, config, drafter)
+        self.engine = Engine(model, device, bench_config(ctx, num_draft_tokens), drafter)
         if drafter is not None:
             self.name = f"dynalm+{drafter.name}"
         self._n = 0
@@ -423,6 +427,7 @@ def bench_command(
     repetitions: int,
     mode: str,
     vs: str | None,
+    backend: str = "auto",
     as_json: bool,
     profile: bool,
     speculative: str | None = None,
@@ -443,13 +448,14 @@ def bench_command(
         raise InvalidRequest(
             "--speculative compares with the plain engine: not with --vs or --profile"
         )
-    device = select_device("cpu", mode, threads)
     ctx = max(t.n for t in tests) + TG_PROMPT + 16
     if vs and importlib.util.find_spec("llama_cpp") is None:  # fail before loading anything
         raise InvalidRequest(INSTALL_HINT)
     t0 = time.perf_counter()
     model = load_model(path)
     t1 = time.perf_counter()
+    need = lambda m: plan_memory(model, bench_config(ctx), m).device_bytes  # noqa: E731
+    device = select_device(backend, mode, threads, need)
     n_vocab = model.hparams.n_vocab
     ours = DynaLMRunner(model, device, ctx)
     load = {  # binding repacks the weights, or maps them from the repack cache

@@ -23,7 +23,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 if TYPE_CHECKING:
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.device import Device
     from dynalm.models.loader import LoadedModel
     from dynalm.runtime.engine import EngineConfig
     from dynalm.runtime.generator import Generator
@@ -218,7 +218,7 @@ def _drafter(
     speculative: str | None,
     num_draft_tokens: int,
     target: LoadedModel,
-    device: CpuDevice,
+    device: Device,
     ctx: int,
     max_num_seqs: int,
 ) -> object:
@@ -240,14 +240,29 @@ def _drafter(
     )
 
 
-def _device(backend: Backend, cpu: bool, gpu: bool, mode: Mode, threads: int | None) -> CpuDevice:
-    """The device for --backend/--cpu/--gpu, --mode and --threads."""
+def _device(
+    backend: Backend,
+    cpu: bool,
+    gpu: bool,
+    mode: Mode,
+    threads: int | None,
+    model: LoadedModel,
+    config: EngineConfig,
+) -> Device:
+    """The device for --backend/--cpu/--gpu, --mode and --threads: a GPU only if it holds
+    ``model`` run with ``config`` (its memory plan)."""
     from dynalm.core.device import select_device
+    from dynalm.runtime.memory_plan import plan_memory
 
+    need = lambda m: plan_memory(model, config, m).device_bytes  # noqa: E731
+    return select_device(_backend(backend, cpu, gpu), mode.value, threads, need)
+
+
+def _backend(backend: Backend, cpu: bool, gpu: bool) -> str:
+    """--backend, or what --cpu / --gpu say instead."""
     if cpu and gpu:
         raise typer.BadParameter("--cpu and --gpu exclude each other")
-    chosen = "gpu" if gpu else "cpu" if cpu else backend.value
-    return select_device(chosen, mode.value, threads)
+    return "gpu" if gpu else "cpu" if cpu else backend.value
 
 
 @app.command()
@@ -503,13 +518,14 @@ def run(
             seed=seed,
             stop=list(stop or []),
         ).validate()
-        device = _device(backend, cpu, gpu, mode, threads)
         t0 = time.perf_counter()
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
         kv_dtype = kv_cache_dtype.value
         ctx = _context(ctx, loaded)
-        _memory_plan(loaded, generator_config(ctx, kv_dtype), device.mode, verbose)
+        config = generator_config(ctx, kv_dtype)
+        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
+        _memory_plan(loaded, config, device.mode, verbose)
         drafter = _drafter(draft, speculative, num_draft_tokens, loaded, device, ctx, 1)
         generator = Generator(loaded, device, ctx, kv_dtype, drafter, num_draft_tokens)
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
@@ -597,7 +613,6 @@ def serve(
         max_body = server.parse_size(max_body_size)
         if max_body < 1024:
             raise InvalidRequest(f"--max-body-size {max_body_size} is under 1 KiB")
-        device = _device(backend, cpu, gpu, mode, threads)
         path = ModelStore().resolve(model)
         loaded = load_model(path)
         config = EngineConfig(
@@ -609,6 +624,7 @@ def serve(
             kv_cache_dtype=kv_cache_dtype.value,
             num_draft_tokens=num_draft_tokens,
         )
+        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
         _memory_plan(loaded, config, device.mode, verbose)
         drafter = _drafter(
             draft, speculative, num_draft_tokens, loaded, device, config.ctx, max_num_seqs
@@ -650,6 +666,9 @@ def bench(
         typer.Option(help="Also run with this drafter (ngram | layer-skip): speed-up, acceptance."),
     ] = None,
     num_draft_tokens: NumDraftTokens = 4,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
     verbose: Verbose = False,
 ) -> None:
     """Measure prefill (pp) and decode (tg) speed, llama-bench style."""
@@ -667,6 +686,7 @@ def bench(
                 repetitions=repetitions,
                 mode=mode.value,
                 vs=vs,
+                backend=_backend(backend, cpu, gpu),
                 as_json=json_output,
                 profile=profile,
                 speculative=speculative,
@@ -711,7 +731,6 @@ def perplexity(
                 text = Path(text_file).read_bytes().decode()
             except UnicodeDecodeError as e:
                 raise InvalidRequest(f"{text_file} is not UTF-8 text (at byte {e.start})") from None
-        device = _device(backend, cpu, gpu, mode, threads)
         loaded = load_model(ModelStore().resolve(model))
         _context(ctx, loaded)
         tok = loaded.tokenizer
@@ -719,6 +738,7 @@ def perplexity(
         config = EngineConfig(
             ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
         )
+        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
         engine = Engine(loaded, device, config)
         ids = tok.encode(text, add_special=False)
         bos = tok.bos_id if tok.add_bos else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from collections import Counter
 
-from dynalm.core.device import MODES, CpuDevice, physical_cores
+from dynalm.core.device import MODES, CpuDevice, describe_devices, physical_cores
 from dynalm.core.quant import QUANT_FORMATS, tensor_type_name
 from dynalm.ir.ops import OPS
 from dynalm.kernel import backends, jit
@@ -92,6 +92,9 @@ def describe_system() -> str:
             f"  physical cores      {physical_cores()}",
             f"  vector features     {' '.join(simd) or 'none detected'}",
             f"  python              {platform.python_version()}",
+            "",
+            "Devices (--backend auto tries the GPUs in this order, then the CPU)",
+            *describe_devices(),
             "",
             "Kernels",
             f"  jit target          {host['cpu']} ({host['triple']}, llvmlite {host['llvmlite']})",

@@ -37,11 +37,11 @@ def ragged_step(
     for pages, n_ctx, n_new in seqs:
         earlier = pool.slots(pages, 0, n_ctx - n_new)
         shape = (len(earlier), kv_heads, head_dim)
-        pool.write(0, earlier, *kv(rand(*shape), rand(*shape)))
+        pool.storage.write(0, earlier, *kv(rand(*shape), rand(*shape)))
     n_tokens = sum(n for *_, n in seqs)
     positions = np.concatenate([np.arange(c - n, c) for _, c, n in seqs]).astype(np.int64)
     batch = cpu_ops.AttentionBatch(
-        kv=pool,
+        kv=pool.storage,
         query_start=np.cumsum([0] + [n for *_, n in seqs]),
         seq_lens=np.array([c for _, c, _ in seqs]),
         page_tables=[np.asarray(p, np.int64) for p, _, _ in seqs],
@@ -75,7 +75,7 @@ def attention_bound(pool, tables, lengths, q, heads, head_dim, scale) -> np.ndar
     Hadamard rotation (32 terms a row) adds one more score-sized error."""
     keys, values = [], []
     for table, n in zip(tables, lengths, strict=True):
-        k, v = pool.read(0, pool.slots(table, 0, n))
+        k, v = pool.storage.read(0, pool.slots(table, 0, n))
         keys.append(k)
         values.append(v)
     k_max = max(float(np.linalg.norm(k, axis=-1).max()) for k in keys)
@@ -96,7 +96,10 @@ def assert_close(out: np.ndarray, ref: np.ndarray, bound: np.ndarray) -> None:
 
 
 def assert_same_pages(a: PagePool, b: PagePool) -> None:
-    arrays = [(*p.k, *p.v, *p.k_scale, *p.v_scale, *p.k_recent, *p.v_recent) for p in (a, b)]
+    arrays = [
+        (*p.k, *p.v, *p.k_scale, *p.v_scale, *p.k_recent, *p.v_recent)
+        for p in (a.storage, b.storage)
+    ]
     for x, y in zip(*arrays, strict=True):
         assert np.array_equal(x, y)
 
@@ -115,7 +118,7 @@ def test_kernel_matches_numpy(dtype: str, window: int, threads: int, merged: boo
         qkv = np.concatenate([q, k, v], axis=1)
         q, k, v = np.split(qkv, np.cumsum([q.shape[1], k.shape[1]]), axis=1)
     ours, batch, *_ = ragged_step(dtype, seqs)
-    batch.kv = ours
+    batch.kv = ours.storage
     out = attend(batch, positions, q, k, v, HEADS, KV_HEADS, HEAD_DIM, 0.125, window, threads)
     assert_close(out, ref, attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125))
     assert_same_pages(ours, pool)  # the step's k/v stored exactly as PagePool.write does
@@ -191,7 +194,7 @@ def test_result_of_a_token_does_not_depend_on_the_batch():
     geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
     together = attend(batch, positions, q, k, v, *geometry)
     second = cpu_ops.AttentionBatch(
-        pool, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:], batch.recent
+        pool.storage, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:], batch.recent
     )
     alone = attend(second, positions[5:].copy(), q[5:], k[5:], v[5:], *geometry)
     assert np.array_equal(together[5:], alone)
@@ -206,14 +209,14 @@ def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: i
     q, k, v = (rng.standard_normal((n, w)).astype(np.float32) for w in (HEADS * HEAD_DIM, 192, 192))
     pool = PagePool(1, KV_HEADS, HEAD_DIM, 8, PAGE, "q8_0", n_seqs=2)
     cached = [x[:recent_from].reshape(-1, KV_HEADS, HEAD_DIM) for x in (k, v)]
-    pool.write(0, pool.slots(pages, 0, recent_from), *cached)
+    pool.storage.write(0, pool.slots(pages, 0, recent_from), *cached)
     recent = pool.open_recent() + pool.open_recent()  # buffer 1: not the first rows
     out, start = np.zeros_like(q), recent_from
     geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0)
     for size in chunks:
         rows = slice(start, start + size)
         batch = cpu_ops.AttentionBatch(
-            pool,
+            pool.storage,
             np.array([0, size]),
             np.array([start + size]),
             [np.array(pages)],
@@ -263,7 +266,7 @@ def test_binding_refuses_buffers_the_kernel_would_overrun():
     short = PagedAttention(step, 0, *geometry, out[:10], q[:10], k[:10], v[:10])
     with pytest.raises(ValueError, match="20 tokens in 10 rows"):
         short()
-    batch.slots[3] = len(pool.k[0])  # a slot past the pages
+    batch.slots[3] = len(pool.storage.k[0])  # a slot past the pages
     with pytest.raises(ValueError, match="KV slot outside the pool"):
         StepLayout().set(batch, positions)
     batch.slots[3] = 3

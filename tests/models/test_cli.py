@@ -77,6 +77,13 @@ def test_run_reads_stdin_and_verbose_reports_speed(smollm2_gguf: Path):
     assert "Paris" in result.stdout
     assert "tokens/s" in result.stderr and "tokens/s" not in result.stdout
     assert "weight repack" in result.stderr and "first token after" in result.stderr
+    # --backend auto (the default) found no usable GPU here and says why
+    assert "backend auto: using the CPU (cuda: " in result.stderr
+
+
+def test_gpu_fails_with_the_reason_instead_of_falling_back(smollm2_gguf: Path):
+    result = dynalm("run", str(smollm2_gguf), "Hi", *GREEDY, "--gpu")
+    assert_one_line_error(result, "--gpu: no usable GPU (cuda: ", "use --cpu")
 
 
 def test_run_imports_nothing_it_does_not_use(smollm2_gguf: Path):

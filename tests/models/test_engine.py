@@ -104,11 +104,11 @@ def test_copy_on_write_when_sequences_diverge_inside_a_shared_page(model, device
     first_a = run(engine, [a])[0]
     partial_page = engine.cache.match(b[:-1]).pages[-1]
     slots = engine.pool.slots([partial_page], 0, 16)
-    before = [x.copy() for x in engine.pool.read(3, slots)]
+    before = [x.copy() for x in engine.pool.storage.read(3, slots)]
 
     with_cache = run(engine, [b])[0]
     assert with_cache[-1].cached_tokens == shared  # token-exact: into the partial page
-    after = engine.pool.read(3, slots)
+    after = engine.pool.storage.read(3, slots)
     for x, y in zip(before, after, strict=True):
         np.testing.assert_array_equal(x, y)  # b wrote into its own copy
     plain = Engine(model, device, EngineConfig(ctx=128, enable_prefix_caching=False))

@@ -89,9 +89,9 @@ def test_changed_file_at_the_same_path_misses(
     first, device = bind(path)
     n = device.repacked
     name = "blk.3.ffn_down.weight"
-    info = first.executor._weights.gguf.tensors[name]
+    info = first.executor.weights.gguf.tensors[name]
     before = matmuls(first)[name]
-    other = first.executor._weights.gguf.tensors["blk.4.ffn_down.weight"]
+    other = first.executor.weights.gguf.tensors["blk.4.ffn_down.weight"]
     rows = 10 * info.nbytes // info.shape[0]
     with open(path, "r+b") as f:  # same size, other weights: 10 rows of another layer's
         f.seek(other.offset)

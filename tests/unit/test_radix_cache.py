@@ -98,7 +98,7 @@ def test_copy_on_write_when_writing_into_a_shared_partial_page():
     first = Request("a", [10, 11, 12, 13, 14, 15, 16, 17, 18], max_tokens=1)
     assert kv.match(first) == 0 and kv.allocate(first, first.num_tokens)
     values = np.asarray(first.token_ids, np.float32)[:, None, None] * np.ones((1, 1, 32))
-    pool.write(0, pool.slots(first.pages, 0, 9), values, values)
+    pool.storage.write(0, pool.slots(first.pages, 0, 9), values, values)
     first.num_computed_tokens = 9
     kv.cache_full_pages(first)  # pages 0 and 1 (8 tokens)
     kv.free(first)
@@ -110,11 +110,11 @@ def test_copy_on_write_when_writing_into_a_shared_partial_page():
     assert kv.allocate(second, second.num_tokens)
     assert second.pages[0] == shared[0] and second.pages[1] != shared[1]
     assert pool.refcount[shared[1]] == 1  # back to the cache alone
-    copied, _ = pool.read(0, pool.slots(second.pages, 0, 8))
+    copied, _ = pool.storage.read(0, pool.slots(second.pages, 0, 8))
     np.testing.assert_array_equal(copied[:6, 0, 0], [10, 11, 12, 13, 14, 15])
     new = np.full((2, 1, 32), 99, np.float32)
-    pool.write(0, pool.slots(second.pages, 6, 8), new, new)
-    original, _ = pool.read(0, pool.slots(shared, 0, 8))
+    pool.storage.write(0, pool.slots(second.pages, 6, 8), new, new)
+    original, _ = pool.storage.read(0, pool.slots(shared, 0, 8))
     np.testing.assert_array_equal(original[:, 0, 0], first.token_ids[:8])
     kv.free(second)
     assert cache.evict(100) == 2 and pool.n_free == 8
@@ -137,8 +137,8 @@ def test_q8_0_pages_round_trip_at_about_half_the_bytes_of_f16():
     assert q8.nbytes - q8.page_nbytes == 32 * 2 * (2 * 3 * 64) * 2 and f16.nbytes == f16.page_nbytes
     k = rng.standard_normal((5, 3, 64)).astype(np.float32)
     slots = q8.slots([2, 0], 1, 6)
-    q8.write(1, slots, k, k)
-    keys, values = q8.read(1, slots)
+    q8.storage.write(1, slots, k, k)
+    keys, values = q8.storage.read(1, slots)
     # values are quantised as they are, keys Hadamard-rotated: within half a step of the
     # quantised block either way (the inverse rotation averages a block's errors)
     for x, quantised in ((values, k), (keys, hadamard(k))):

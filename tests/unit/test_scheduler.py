@@ -40,11 +40,11 @@ class FakeModel:
         for c in out.chunks:
             ids = np.asarray(c.request.token_ids[c.start : c.start + c.n], np.float32)
             kv = np.broadcast_to(ids[:, None, None], (c.n, 1, 32))
-            pool.write(0, pool.slots(c.request.pages, c.start, c.start + c.n), kv, kv)
+            pool.storage.write(0, pool.slots(c.request.pages, c.start, c.start + c.n), kv, kv)
         sampled = []
         for c in out.chunks:
             if c.samples:
-                keys, _ = pool.read(0, pool.slots(c.request.pages, 0, c.start + c.n))
+                keys, _ = pool.storage.read(0, pool.slots(c.request.pages, 0, c.start + c.n))
                 sampled.append(next_token([int(k) for k in keys[:, 0, 0]]))
         return sampled
 

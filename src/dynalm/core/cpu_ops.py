@@ -16,10 +16,14 @@ import numpy as np
 
 
 class KVStorage(Protocol):
-    """Paged KV memory as the attention op sees it (owned by the runtime); the JIT kernel
-    reads and writes the per-layer arrays itself."""
+    """Paged KV memory as the CPU's attention ops see it: the bytes, owned by the device
+    (``Device.kv_storage``; ``core.kv_storage.HostKVStorage`` on the CPU), while the runtime's
+    ``PagePool`` keeps the accounting. The JIT kernel reads and writes the per-layer arrays
+    itself."""
 
     page_size: int
+    nbytes: int  # pages and recent buffers
+    page_nbytes: int
     dtype: str  # "f32" | "f16" | "q8_0"
     k: list[np.ndarray]  # per layer [slots, n_kv_heads, head_dim]; q8_0: Hadamard-rotated
     v: list[np.ndarray]
@@ -41,6 +45,14 @@ class KVStorage(Protocol):
 
     def read_recent(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values at recent-buffer ``rows`` as fp32."""
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy-on-write: page ``dst`` gets ``src``'s keys and values in every layer."""
+
+    def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Copies of recent-buffer ``rows`` of every layer (``restore_recent`` puts them back)."""
+
+    def restore_recent(self, rows: np.ndarray, saved: list[np.ndarray]) -> None: ...
 
 
 @dataclass

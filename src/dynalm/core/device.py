@@ -1,8 +1,14 @@
-"""Devices: where weights live and how the IR's ops run.
+"""Devices: where weights, activations and KV pages live, and how the IR's ops run.
 
-The CPU device is the stable one. GPU devices (CUDA/Metal/Vulkan) are in preview
-and not part of this build, so ``--backend auto`` runs on the CPU and ``--gpu``
-says why it cannot.
+A ``Device`` is what the executor lowers a DynaIR graph through: it prepares each weight
+for itself, owns the step's buffers and the KV pages' bytes, and binds every op of
+``ir/ops.py`` through its op table (``Lowering.OP_TABLE``); a step runs as one submission
+(``Lowering.submission``). ``CpuDevice`` is the first implementation (``core.cpu_lowering``).
+
+Which device runs a model is ``select_device``'s choice among ``DEVICE_KINDS``: the CPU,
+and per GPU kind an entry with a probe (available, or why not) and a capacity check against
+the model's memory plan. GPU devices (CUDA, Metal, Vulkan) are not built yet, so their
+entries say why and ``--backend auto`` runs on the CPU.
 """
 
 from __future__ import annotations
@@ -10,7 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -20,12 +29,18 @@ from dynalm.core.matmul import AUTO_VALIDATED, ActivationScratch, QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.kernel import backends
 
+if TYPE_CHECKING:
+    from dynalm.core.cpu_ops import AttentionBatch, KVStorage
+    from dynalm.ir.executor import Executor
+    from dynalm.ir.graph import Node
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "exact", "safe")
 BACKENDS = ("auto", "cpu", "gpu")
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [T, K], out [T, N])
+Call = Callable[[], None]  # one bound op of a step
 
 # Dequantise this many bytes of fp32 weights at a time in the tiled matmul, so a
 # tile stays in the L2 cache while BLAS multiplies it.
@@ -51,7 +66,126 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-class CpuDevice:
+class Device(ABC):
+    """Where a graph runs: the interface the executor lowers every DynaIR op through.
+
+    A new backend is one device class (this interface) plus its lowering (a ``Lowering``
+    subclass with an op table covering ``ir/ops.py``'s ``OPS``) and one ``DEVICE_KINDS``
+    entry; the kernels it binds come from its own kernel-language lowering module.
+    """
+
+    name: ClassVar[str]
+    mode: str  # auto | exact | safe (what the memory plan sizes the weights for)
+    threads: int
+    repack_seconds = 0.0  # spent preparing weights (--verbose, bench)
+    repacked = mapped = 0  # weights prepared anew / mapped from a cache of prepared ones
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for --verbose: the device and how it runs kernels."""
+
+    # -- weights: each prepared once, for this device
+    @abstractmethod
+    def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> object:
+        """A small weight (norm scale, bias)."""
+
+    @abstractmethod
+    def matmul(self, raw: object, ggml_type: int, shape: tuple[int, int], **how: object) -> object:
+        """A matmul weight ``[N, K]`` prepared as ``out = x @ W.T``."""
+
+    @abstractmethod
+    def embedding(
+        self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int], **how: object
+    ) -> object:
+        """A row lookup table."""
+
+    def holds_copy(self, prepared: object) -> bool:
+        """Whether a prepared matmul weight keeps its own copy (the file's bytes may go)."""
+        return False
+
+    # -- buffers
+    @abstractmethod
+    def buffer(self, rows: int, width: int, dtype: type = np.float32) -> np.ndarray:
+        """A planned activation or input buffer ``[rows, width]`` in this device's memory
+        (sliced by rows for each step's token count)."""
+
+    @abstractmethod
+    def kv_storage(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_pages: int,
+        page_size: int,
+        dtype: str,
+        n_seqs: int = 1,
+    ) -> KVStorage:
+        """The KV pages' bytes, in the layout this device's attention reads (the runtime's
+        ``PagePool`` keeps the accounting: ids, refcounts, recent buffers)."""
+
+    # -- ops
+    @abstractmethod
+    def lowering(self, executor: Executor) -> Lowering:
+        """This device's binding of ``executor``'s graph (its op table, step submission)."""
+
+
+class Lowering(ABC):
+    """One graph's ops bound on one device, made by ``Device.lowering`` per executor.
+
+    The executor plans buffers and views, prepares weights, groups split runs and keeps
+    submissions of small step shapes; the lowering binds each node through ``OP_TABLE``
+    (op name -> a method taking the node, or for ``split`` the run of consecutive splits of
+    one value) and turns a step's bound calls into one submission.
+    """
+
+    OP_TABLE: ClassVar[Mapping[str, Callable[..., Call]]]
+    cached_rows: ClassVar[int] = 0  # submissions of steps up to this many tokens are kept
+    device: Device
+
+    def bind(self, op: str, nodes: list[Node]) -> Call:
+        """``nodes[0]`` (a run of ``split`` nodes of one value: all of them) as one call."""
+        impl = self.OP_TABLE.get(op)
+        if impl is None:
+            raise NotImplementedError(f"the {self.device.name} device has no kernel for op '{op}'")
+        return impl(self, nodes if op == "split" else nodes[0])
+
+    def prepare_matmul(
+        self, raw: object, ggml_type: int, shape: tuple[int, int], **how: object
+    ) -> object:
+        """A matmul weight for this graph (the CPU adds its shared activation scratch)."""
+        return self.device.matmul(raw, ggml_type, shape, **how)
+
+    @abstractmethod
+    def reserve(self, rows: int, widest: int) -> None:
+        """Size per-step scratch for ``rows`` tokens of matmul inputs up to ``widest``
+        (before binding)."""
+
+    @abstractmethod
+    def begin_bind(self) -> None:
+        """Binding of every node starts (again)."""
+
+    @abstractmethod
+    def end_bind(self) -> None:
+        """Every node is bound."""
+
+    def cover_positions(self, need: int) -> bool:
+        """Positions up to ``need`` come next; True when that needs binding again."""
+        return False
+
+    @abstractmethod
+    def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
+        """A step over ``batch`` starts (the attention layout)."""
+
+    @abstractmethod
+    def resize(self, n_tokens: int, n_logits: int) -> None:
+        """The step shape changed (the kernels' row counts)."""
+
+    @abstractmethod
+    def submission(self, calls: list[Call]) -> list[Call]:
+        """The step's calls as few submissions as the device can (kernels lowered first)."""
+
+
+class CpuDevice(Device):
     """Runs DynaIR ops with numpy and quantised-weight matmuls.
 
     ``safe``: every weight dequantised to fp32 at load, plain numpy (the oracle).
@@ -178,18 +312,126 @@ class CpuDevice:
 
         return lookup
 
+    def holds_copy(self, prepared: object) -> bool:
+        return isinstance(prepared, QuantMatmul)  # repacked into memory of its own
+
+    def buffer(self, rows: int, width: int, dtype: type = np.float32) -> np.ndarray:
+        return np.empty((rows, width), dtype)
+
+    def kv_storage(self, *geometry: object) -> KVStorage:  # Device.kv_storage's arguments
+        from dynalm.core.kv_storage import HostKVStorage
+
+        return HostKVStorage(*geometry)  # type: ignore[arg-type]
+
+    def lowering(self, executor: Executor) -> Lowering:
+        from dynalm.core.cpu_lowering import CpuLowering
+
+        return CpuLowering(self, executor)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """One kind of GPU device ``--backend auto|gpu`` may choose: whether this machine can
+    run it (``probe``: None, or why not in one line), how much memory it has, and its device
+    class (``create(mode, threads)``; None until that class is built)."""
+
+    name: str
+    label: str
+    probe: Callable[[], str | None]
+    memory: Callable[[], int] | None = None  # bytes of device memory, asked once usable
+    create: Callable[[str, int | None], Device] | None = None
+
+    def unavailable(self) -> str | None:
+        """None when this kind can run a model here, else why not."""
+        reason = self.probe()
+        if reason is None and self.create is None:
+            reason = f"no {self.label} device class is built into this DynaLM yet"
+        return reason
+
+    def too_small(self, need: int) -> str | None:
+        """Why a model needing ``need`` bytes of device memory does not fit, or None."""
+        have = self.memory() if self.memory is not None else None
+        if have is not None and need > have:
+            return (
+                f"the model needs {_mib(need)} of device memory (weights, KV pool, "
+                f"activations of the memory plan), the {self.label} device has {_mib(have)}"
+            )
+        return None
+
+
+def _cuda_probe() -> str | None:
+    # The CUDA driver binding (issue 17 part 3) is dynalm.core.cuda_driver; its probe()
+    # says None when a CUDA device is usable, else why not.
+    try:
+        from dynalm.core import cuda_driver  # type: ignore[attr-defined]
+    except ImportError:
+        return "no CUDA device support built yet (no NVIDIA driver binding in this DynaLM)"
+    return cuda_driver.probe()
+
+
+def _cuda_memory() -> int:
+    from dynalm.core import cuda_driver  # type: ignore[attr-defined]
+
+    return max(d.total_memory for d in cuda_driver.devices(cuda_driver.load()))
+
+
+# The GPU kinds in the order ``--backend auto`` tries them. A new GPU backend is one entry
+# here (probe, memory, its Device class as ``create``).
+GPU_KINDS: list[DeviceKind] = [
+    DeviceKind("cuda", "CUDA", _cuda_probe, _cuda_memory),
+    DeviceKind(
+        "vulkan", "Vulkan", lambda: "no Vulkan device support built yet (SPIR-V preview only)"
+    ),
+    DeviceKind("metal", "Metal", lambda: "no Metal device support built yet"),
+]
+
 
 def select_device(
     backend: str = "auto",
     mode: str = "auto",
     threads: int | None = None,
-) -> CpuDevice:
-    """Pick the device for ``--backend``; ``gpu`` fails with the reason, ``auto`` falls back."""
+    need: Callable[[str], int] | None = None,
+) -> Device:
+    """The device for ``--backend``: ``cpu``; ``gpu``: the first GPU kind available here that
+    holds the model (``need(mode)``: the bytes of device memory the memory plan asks for),
+    else ``DeviceUnavailable`` with the reasons; ``auto``: that GPU, else the CPU (the
+    reasons logged, shown with --verbose)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
-    if backend in ("gpu", "auto"):
-        reason = "no GPU backend (CUDA, Metal, Vulkan) is built into this DynaLM yet"
-        if backend == "gpu":
-            raise DeviceUnavailable(f"--gpu: {reason}; use --cpu")
-        log.info("backend auto: using the CPU (%s)", reason)
+    if backend == "cpu":
+        return CpuDevice(mode, threads)
+    reasons = []
+    for kind in GPU_KINDS:
+        reason = kind.unavailable()
+        if reason is None and need is not None:
+            reason = kind.too_small(need(mode))
+        if reason is None:
+            assert kind.create is not None  # unavailable() says so otherwise
+            log.info("backend %s: using %s", backend, kind.label)
+            return kind.create(mode, threads)
+        reasons.append(f"{kind.name}: {reason}")
+    why = "; ".join(reasons)
+    if backend == "gpu":
+        raise DeviceUnavailable(f"--gpu: no usable GPU ({why}); use --cpu")
+    log.info("backend auto: using the CPU (%s)", why)
     return CpuDevice(mode, threads)
+
+
+def describe_devices() -> list[str]:
+    """``dynalm show --system``'s devices: the CPU with its kernel backend, and each GPU
+    kind with whether it is available here or why not."""
+    try:
+        kernels = backends.select().name
+    except backends.BackendUnavailable as e:
+        kernels = f"none ({e})"
+    lines = [f"  {'cpu':<8}available: kernels {kernels} ({physical_cores()} cores)"]
+    for kind in GPU_KINDS:
+        reason = kind.unavailable()
+        lines.append(
+            f"  {kind.name:<8}{'available' if reason is None else 'unavailable: ' + reason}"
+        )
+    return lines

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dynalm.core.cpu_ops import AttentionBatch
-from dynalm.core.device import CpuDevice
+from dynalm.core.device import Device
 from dynalm.core.memory import trim_heap
 from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor
@@ -136,7 +136,7 @@ def flat_batch(
     positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in seqs])
     recent = pool.recent > 0
     batch = AttentionBatch(
-        kv=pool,
+        kv=pool.storage,
         query_start=np.cumsum([0] + [b - a for _, a, b in seqs]),
         seq_lens=np.array([b for _, _, b in seqs], np.int64),
         page_tables=[np.asarray(r.pages, np.int64) for r, _, _ in seqs],
@@ -159,7 +159,7 @@ class Engine:
     def __init__(
         self,
         model: LoadedModel,
-        device: CpuDevice,
+        device: Device,
         config: EngineConfig | None = None,
         drafter: Drafter | None = None,
     ):
@@ -187,6 +187,7 @@ class Engine:
             page_size=config.page_size,
             dtype=config.kv_cache_dtype,
             n_seqs=config.max_num_seqs,
+            device=device,
         )
         self.cache = RadixCache(self.pool, enabled=config.enable_prefix_caching)
         self.scheduler = Scheduler(

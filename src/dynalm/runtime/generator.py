@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.device import Device
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
 from dynalm.runtime.guided import Guide
@@ -64,7 +64,7 @@ class Generator:
     def __init__(
         self,
         model: LoadedModel,
-        device: CpuDevice,
+        device: Device,
         ctx: int = 4096,
         kv_dtype: str = "f32",
         drafter: Drafter | None = None,
@@ -129,6 +129,7 @@ class Generator:
                 n_pages=-(-config.ctx // config.page_size),
                 page_size=config.page_size,
                 dtype=config.kv_cache_dtype,
+                device=self.engine.executor.device,
             )
             if self._scoring_pool.recent:
                 self._scored.recent = self._scoring_pool.open_recent()

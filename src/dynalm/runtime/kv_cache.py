@@ -32,25 +32,20 @@ tokens: 0.539 of f16's bytes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dynalm.core.kv_storage import Q8_BLOCK, RECENT, HostKVStorage, hadamard
 from dynalm.errors import InvalidRequest, show
 
+if TYPE_CHECKING:
+    from dynalm.core.cpu_ops import KVStorage
+    from dynalm.core.device import Device
+
+__all__ = ["Q8_BLOCK", "RECENT", "hadamard", "PagePool", "OutOfPages"]
+
 KV_DTYPES = ("f32", "f16", "q8_0")
-Q8_BLOCK = 32  # values per q8_0 scale
-RECENT = 32  # tokens of each running sequence a q8_0 pool also keeps in f16
-
-
-def hadamard(x: np.ndarray) -> np.ndarray:
-    """``x @ H`` for each 32 values of ``x`` (f32, last axis a multiple of 32), ``H`` the
-    unnormalised Walsh-Hadamard matrix (entries +-1, ``H @ H = 32 I``): five butterfly
-    stages of f32 adds in the JIT kernel's order, so both give the same bits."""
-    y = x
-    for h in (1, 2, 4, 8, 16):  # element i pairs with i + h where bit h of i is clear
-        pairs = y.reshape(-1, 2, h)
-        y = np.stack((pairs[:, 0] + pairs[:, 1], pairs[:, 0] - pairs[:, 1]), axis=1)
-    return y.reshape(x.shape)
 
 
 class OutOfPages(Exception):
@@ -80,15 +75,11 @@ def recent_bytes_per_seq(n_layers: int, n_kv_heads: int, head_dim: int, dtype: s
 
 
 class PagePool:
-    """KV memory for all sequences, indexed by slot (``page * page_size + offset``).
-
-    ``k[layer]``/``v[layer]`` are ``[n_pages * page_size, n_kv_heads, head_dim]`` arrays
-    (int8 for q8_0, with ``k_scale``/``v_scale`` ``[..., head_dim / 32]`` in f16). A q8_0
-    pool also has ``n_seqs`` recent buffers: ``k_recent``/``v_recent`` per layer, f16
-    ``[n_seqs * RECENT, n_kv_heads, head_dim]``, position ``p`` of buffer ``b`` at row
-    ``b * RECENT + p % RECENT``. With ``n_layers=0`` the pool only does the page
-    bookkeeping (unit tests, simulation).
-    """
+    """The page accounting of the KV cache: page ids, refcounts, free pages and recent
+    buffers. The bytes are the device's (``storage``, from ``Device.kv_storage``; without a
+    device, host memory as the CPU keeps it): the attention op reads ``storage`` through the
+    step's ``AttentionBatch.kv``. With ``n_layers=0`` the storage is empty and the pool only
+    does the bookkeeping (unit tests, simulation)."""
 
     def __init__(
         self,
@@ -99,6 +90,7 @@ class PagePool:
         page_size: int = 16,
         dtype: str = "f16",
         n_seqs: int = 1,
+        device: Device | None = None,
     ):
         check_dtype(dtype)
         if dtype == "q8_0" and head_dim % Q8_BLOCK:
@@ -108,31 +100,23 @@ class PagePool:
         self.page_size = page_size
         self.n_pages = n_pages
         self.dtype = dtype
-        shape = (n_pages * page_size, n_kv_heads, head_dim)
-        store = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[dtype]
-        self.k = [np.zeros(shape, store) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, store) for _ in range(n_layers)]
-        scale_shape = (*shape[:2], head_dim // Q8_BLOCK)
-        n_scaled = n_layers if dtype == "q8_0" else 0
-        self.k_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
-        self.v_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
+        geometry = (n_layers, n_kv_heads, head_dim, n_pages, page_size, dtype, n_seqs)
+        self.storage: KVStorage = (
+            device.kv_storage(*geometry) if device is not None else HostKVStorage(*geometry)
+        )
         self.refcount = np.zeros(n_pages, np.int32)
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low ids first
-        self.recent = RECENT if dtype == "q8_0" else 0
-        recent_shape = (n_seqs * self.recent, n_kv_heads, head_dim)
-        n_recent = n_layers if self.recent else 0
-        self.k_recent = [np.zeros(recent_shape, np.float16) for _ in range(n_recent)]
-        self.v_recent = [np.zeros(recent_shape, np.float16) for _ in range(n_recent)]
+        self.recent = self.storage.recent  # tokens per recent buffer (0: none)
         self._free_recent = list(range(n_seqs - 1, -1, -1)) if self.recent else []
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV memory: pages (values and scales) and recent buffers."""
-        return self.page_nbytes + sum(a.nbytes for a in (*self.k_recent, *self.v_recent))
+        """Bytes of the device's KV memory: pages (values and scales) and recent buffers."""
+        return self.storage.nbytes
 
     @property
     def page_nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))
+        return self.storage.page_nbytes
 
     @property
     def n_free(self) -> int:
@@ -180,57 +164,3 @@ class PagePool:
         pos = np.arange(start, stop)
         table = np.asarray(pages, np.int64)
         return table[pos // self.page_size] * self.page_size + pos % self.page_size
-
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy-on-write: page ``dst`` gets ``src``'s keys and values in every layer."""
-        a, b = src * self.page_size, dst * self.page_size
-        for arr in (*self.k, *self.v, *self.k_scale, *self.v_scale):
-            arr[b : b + self.page_size] = arr[a : a + self.page_size]
-
-    # -- what the attention op calls ----------------------------------------------
-    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Store ``k``/``v`` ``[T, n_kv_heads, head_dim]`` (fp32) at ``slots``."""
-        if self.dtype != "q8_0":
-            self.k[layer][slots] = k
-            self.v[layer][slots] = v
-            return
-        for x, store, scales in ((hadamard(k), self.k, self.k_scale), (v, self.v, self.v_scale)):
-            blocks = x.reshape(*x.shape[:2], x.shape[2] // Q8_BLOCK, Q8_BLOCK)
-            d = np.abs(blocks).max(axis=-1) / 127.0
-            inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
-            store[layer][slots] = np.rint(blocks * inv[..., None]).reshape(x.shape)
-            scales[layer][slots] = d
-
-    def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
-        if self.dtype != "q8_0":
-            k, v = self.k[layer][slots], self.v[layer][slots]
-            return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
-        out = []
-        for store, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            q = store[layer][slots].astype(np.float32)
-            blocks = q.reshape(*q.shape[:2], q.shape[2] // Q8_BLOCK, Q8_BLOCK)
-            blocks *= scales[layer][slots].astype(np.float32)[..., None]
-            out.append(q)
-        return hadamard(out[0]) / np.float32(Q8_BLOCK), out[1]  # H @ H / 32 = I
-
-    def write_recent(self, layer: int, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Store f32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at recent-buffer ``rows``
-        (distinct), rounded to f16."""
-        self.k_recent[layer][rows] = k
-        self.v_recent[layer][rows] = v
-
-    def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
-        """Copies of recent-buffer ``rows`` ``[layers, 2, len(rows), ...]``, keys and values
-        of every layer (``restore_recent`` puts them back)."""
-        pairs = zip(self.k_recent, self.v_recent, strict=True)
-        return [np.stack([k[rows], v[rows]]) for k, v in pairs]
-
-    def restore_recent(self, rows: np.ndarray, saved: list[np.ndarray]) -> None:
-        """Put back what ``save_recent`` copied, ``saved[layer][:, i]`` to ``rows[i]``."""
-        for k, v, (old_k, old_v) in zip(self.k_recent, self.v_recent, saved, strict=True):
-            k[rows], v[rows] = old_k, old_v
-
-    def read_recent(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        k, v = self.k_recent[layer][rows], self.v_recent[layer][rows]
-        return k.astype(np.float32), v.astype(np.float32)

@@ -242,6 +242,11 @@ class MemoryPlan:
         return self.weights + self.kv + self.activations + self.runtime
 
     @property
+    def device_bytes(self) -> int:
+        """What a GPU device would hold: weights, the KV pool and the activations."""
+        return self.weights + self.kv + self.activations
+
+    @property
     def need(self) -> int:
         """What is still to be allocated."""
         return max(0, self.total - self.resident)

@@ -111,7 +111,7 @@ class KVCacheManager:
         if self._needs_copy(req):
             idx = req.num_computed_tokens // self.page_size
             (fresh,) = self.pool.allocate(1)
-            self.pool.copy_page(req.pages[idx], fresh)
+            self.pool.storage.copy_page(req.pages[idx], fresh)
             self.pool.release([req.pages[idx]])
             req.pages[idx] = fresh
         if grow > 0:
@@ -138,7 +138,7 @@ class KVCacheManager:
         if not (chunk.n_draft and self.pool.recent):
             return None
         req = chunk.request
-        return self.pool.save_recent(self._recent_rows(req, req.num_tokens, chunk.n_draft))
+        return self.pool.storage.save_recent(self._recent_rows(req, req.num_tokens, chunk.n_draft))
 
     def _recent_rows(self, req: Request, start: int, n: int) -> np.ndarray:
         assert req.recent is not None
@@ -155,7 +155,7 @@ class KVCacheManager:
         if saved is not None:
             first = req.num_computed_tokens + n_accepted  # the first rejected position
             rows = self._recent_rows(req, first, n_draft - n_accepted)
-            self.pool.restore_recent(rows, [a[:, n_accepted:] for a in saved])
+            self.pool.storage.restore_recent(rows, [a[:, n_accepted:] for a in saved])
         req.num_computed_tokens += n_accepted
         self.rollback(req, req.num_computed_tokens)
         self.cache_full_pages(req)

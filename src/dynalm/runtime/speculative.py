@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.device import Device
 from dynalm.errors import InvalidRequest
 from dynalm.ir.executor import Executor
 from dynalm.ir.graph import Graph
@@ -356,7 +356,7 @@ class ModelDrafter(Drafter):
         graph: Graph,
         weights: object,
         hp: HParams,
-        device: CpuDevice,
+        device: Device,
         *,
         cost: float,
         n_vocab: int,
@@ -373,7 +373,12 @@ class ModelDrafter(Drafter):
         config = EngineConfig(ctx=ctx, max_num_seqs=max_num_seqs, page_size=page_size)
         n_tokens, _ = kv_pool_size(hp, config)
         self.pool = PagePool(
-            hp.n_layers, hp.n_kv_heads, hp.head_dim, -(-n_tokens // page_size), page_size
+            hp.n_layers,
+            hp.n_kv_heads,
+            hp.head_dim,
+            -(-n_tokens // page_size),
+            page_size,
+            device=device,
         )
         self.kv = KVCacheManager(self.pool, RadixCache(self.pool, enabled=False))
         self.executor = Executor(graph, device, weights, max_tokens=max_tokens)
@@ -383,7 +388,7 @@ class ModelDrafter(Drafter):
 
     @classmethod
     def for_model(
-        cls, draft: LoadedModel, target: LoadedModel, device: CpuDevice, **config: int
+        cls, draft: LoadedModel, target: LoadedModel, device: Device, **config: int
     ) -> ModelDrafter:
         """``draft`` drafting for ``target`` (checked: same vocabulary, smaller)."""
         check_vocabularies(draft, target)
@@ -402,7 +407,7 @@ class ModelDrafter(Drafter):
     def layer_skip(
         cls,
         target: LoadedModel,
-        device: CpuDevice,
+        device: Device,
         keep: Sequence[int] | None = None,
         **config: int,
     ) -> ModelDrafter:
@@ -493,7 +498,7 @@ def build_drafter(
     speculative: str | None,
     draft: LoadedModel | None,
     target: LoadedModel,
-    device: CpuDevice,
+    device: Device,
     *,
     ctx: int,
     max_num_seqs: int,
