@@ -38,7 +38,8 @@ def test_auto_falls_back_to_the_cpu_with_the_reason(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.INFO, logger="dynalm.core.device"):
         device = select_device("auto", "safe", 1)
     assert device.name == "cpu"
-    assert "backend auto: using the CPU (cuda: no CUDA device support built yet" in caplog.text
+    cuda = devices.GPU_KINDS[0]
+    assert f"backend auto: using the CPU (cuda: {cuda.unavailable()}" in caplog.text
 
 
 def test_gpu_fails_with_every_kind_s_reason_on_one_line():

@@ -364,17 +364,14 @@ class DeviceKind:
 
 
 def _cuda_probe() -> str | None:
-    # The CUDA driver binding (issue 17 part 3) is dynalm.core.cuda_driver; its probe()
-    # says None when a CUDA device is usable, else why not.
-    try:
-        from dynalm.core import cuda_driver  # type: ignore[attr-defined]
-    except ImportError:
-        return "no CUDA device support built yet (no NVIDIA driver binding in this DynaLM)"
+    """None when a CUDA device is usable (the driver binding's probe), else why not."""
+    from dynalm.core import cuda_driver
+
     return cuda_driver.probe()
 
 
 def _cuda_memory() -> int:
-    from dynalm.core import cuda_driver  # type: ignore[attr-defined]
+    from dynalm.core import cuda_driver
 
     return max(d.total_memory for d in cuda_driver.devices(cuda_driver.load()))
 
