@@ -12,11 +12,15 @@ from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
 from dynalm.runtime.speculative import (
+    PRIOR,
+    PROBE_EVERY,
     DraftLength,
     NgramDrafter,
+    StepCost,
     accept_greedy,
     accept_sampled,
     check_num_draft_tokens,
+    plan_drafts,
 )
 
 # chi-square critical values at p = 0.001 (5 and 3 degrees of freedom): a correct sampler
@@ -97,26 +101,80 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert "r" not in drafter._index
 
 
-def test_draft_length_adapts_and_probes():
+# A synthetic step-time curve shaped like SmolLM2-135M's on 2 threads (ms): slow growth while
+# a kernel tile of 8 rows fills, a jump at 9, then linear.
+def curve(t: int) -> float:
+    if t <= 0:
+        return 0.0
+    return 3.4 + 0.3 * (t - 1) if t <= 8 else 7.8 + 0.6 * (t - 9)
+
+
+def test_step_cost_learns_the_curve():
+    cost = StepCost()
+    assert not cost.measured and cost(1) == 1.0 and cost(11) == pytest.approx(2.0)  # the prior
+    cost.record(8, 5.6)
+    assert cost(8) == 5.6
+    assert cost(16) == pytest.approx(5.6 * 2.5 / 1.7)  # scaled from 8 by the prior's shape
+    assert cost(1) == pytest.approx(5.6 / 1.7)
+    cost.record(16, 11.4)
+    assert cost(12) == pytest.approx(8.5)  # interpolated between measured neighbours
+    cost.record(16, 13.4)  # an EWMA: one sample moves it by STEP_EWMA of the difference
+    assert cost(16) == pytest.approx(11.4 + 0.2 * 2.0)
+    cost.record(4, 100.0)  # a stall: counted as twice the estimate, and clipped by T = 8's
+    assert cost.times[4] == pytest.approx(2 * 5.6 * 1.3 / 1.7) and cost(4) == 5.6
+    assert cost(0) == 0.0
+
+
+def test_plan_drafts_on_a_synthetic_curve():
+    # one stream: T = 1 -> 5 costs 36 % more; 4 tokens of a good rate pay, of a poor one none
+    assert plan_drafts([0.9], [4], 1, 0, curve) == [4]
+    assert plan_drafts([0.9], [2], 1, 0, curve) == [2]  # no more than the draft has
+    assert plan_drafts([0.08], [4], 1, 0, curve) == [0]  # 1.08 tokens for 1.09x the time
+    # 4 streams: 4 more tokens fill the tile (T = 8) cheaply; the 5th would cross the jump
+    assert plan_drafts([0.9, 0.9, 0.9, 0.9], [4] * 4, 4, 0, curve) == [1, 1, 1, 1]
+    # the 4 surest tokens: 0.95, 0.95**2, then 0.6 and 0.6 (not 0.6**2)
+    assert plan_drafts([0.95, 0.6, 0.6, 0.6], [2] * 4, 4, 0, curve) == [2, 1, 1, 0]
+    # 8 streams at 77 %: every draft token crosses the jump: 8 tokens make 8 for 5.5 ms,
+    # 16 make 8 + 6.2 for 11.4 ms; none is drafted
+    assert plan_drafts([0.77] * 8, [4] * 8, 8, 0, curve) == [0] * 8
+    # ... but with sure drafts, a rate one token cannot reach, 8 can: a jump, then flat
+    def jump(t: int) -> float:
+        return 0.0 if t <= 0 else 1.0 if t <= 8 else 1.5 if t <= 16 else 1.5 + 0.2 * (t - 16)
+
+    assert plan_drafts([0.95] * 8, [4] * 8, 8, 0, jump) == [1] * 8
+    # prefill tokens in the step: drafts pay for their marginal time at the decode rate
+    # (a stream at 0.4 alone: 2 tokens, 1.56 tokens for 4.0 ms, 0.39 per ms; beside 100
+    # prefill tokens a token costs 0.6 ms, 0.23 tokens' worth: the first pays, the second not)
+    assert plan_drafts([0.4], [4], 1, 0, curve) == [2]
+    assert plan_drafts([0.4], [4], 1, 100, curve) == [1]
+    flat = lambda t: 1.0 + 0.01 * t  # noqa: E731 (weights dominate: tokens nearly free)
+    assert plan_drafts([0.9], [4], 1, 100, flat) == [4]
+    # a draft model's passes: as dear as the target, never; a tenth of it, yes
+    assert plan_drafts([1.0], [4], 1, 0, curve, curve) == [0]
+    assert plan_drafts([0.9], [4], 1, 0, curve, lambda n: 0.1 * curve(n)) == [4]
+    assert plan_drafts([], [], 3, 0, curve) == []
+
+
+def test_draft_length_rates_and_probes():
     length = DraftLength(k_max=4)
+    assert length.rate() == PRIOR and length.rate(3) == PRIOR
     for _ in range(8):
         length.update(3, 4, 4)
     length.update(3, 4, 2)
     assert 0.7 < length.rates[3] < 0.9
-    length.rates[3] = 0.8
-    assert length.choose(1, 0.0) == 4  # a lone stream: each token's 0.8**i beats 0.12
-    assert length.choose(16, 0.0) == 1  # a full batch: drafts must pay for their share
-    assert length.trim(1, 1, 0.0) == 4  # an unseen kind is tried as the best one
+    assert length.rate(1) == length.rates[3]  # an unseen kind is tried as the best one
     for _ in range(40):
         length.update(1, 1, 0)
-    assert length.trim(1, 1, 0.0) == 0 and length.trim(3, 1, 0.0) == 4  # per kind
-    for _ in range(40):
         length.update(3, 1, 0)
-    ks = [length.choose(1, 0.0) for _ in range(64)]
-    assert ks.count(0) == 60 and ks.count(1) == 64 // 16  # off, probing now and then
-    assert length.probing and length.trim(1, 1, 0.0) == 1  # a probe drafts any kind
-    assert DraftLength(k_max=4).choose(1, 1.0) == 0  # a draft as costly as the target
-    assert DraftLength(k_max=3, adaptive=False).choose(8, 0.5) == 3
+    assert length.rate() < 0.01
+    for _ in range(PROBE_EVERY):  # steps without a draft: the next one plans with the prior
+        length.planned(0)
+    assert length.rate() == PRIOR and length.rate(1) == PRIOR
+    length.planned(0)  # probed (drafted or not): back to its own rates
+    assert length.rate() < 0.01
+
+
+def test_bad_draft_lengths():
     for bad in (0, 17):
         with pytest.raises(InvalidRequest, match="--num-draft-tokens"):
             check_num_draft_tokens(bad)
