@@ -14,6 +14,7 @@ from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
 from dynalm.runtime.speculative import (
     PRIOR,
     PROBE_EVERY,
+    STEP_STALE,
     DraftLength,
     NgramDrafter,
     StepCost,
@@ -201,3 +202,13 @@ def test_rejected_draft_pages_go_back_and_never_reach_the_prefix_cache():
     assert cache.n_pages == 2  # 8 computed tokens: 2 whole pages, no rejected token in them
     assert cache.match(list(range(6)) + [100, 101]).n_tokens == 8
     assert pool.n_free == 6
+
+
+def test_step_cost_forgets_what_it_no_longer_measures():
+    cost = StepCost()
+    cost.record(2, 9.0)  # a stall made T = 2 look dear
+    for _ in range(STEP_STALE):
+        cost.record(1, 3.0)
+    assert cost.times.keys() == {1, 2}
+    cost.record(1, 3.0)
+    assert cost.times.keys() == {1} and cost(2) == pytest.approx(3.3)  # from T = 1 again

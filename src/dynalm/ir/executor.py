@@ -161,6 +161,7 @@ class Executor:
         # sequence joins or leaves, a speculative sequence verifies k + 1 tokens), and
         # compiling one costs ~2 decode steps of SmolLM2.
         self._compiled: dict[tuple[int, int], list[Call]] = {}
+        self.compiles = 0  # steps that compiled their programs (a step timing them is cold)
 
     def _resize(self, n_tokens: int, n_logits: int) -> None:
         rows = {"T": n_tokens, "S": n_logits}
@@ -183,6 +184,7 @@ class Executor:
         (``backends.lower_all``: concurrently, on threads joined before it returns): a
         kernel is still compiled only for the step that first needs it."""
         self._steps: list[Call] = []
+        self.compiles += 1
         if self._batch.kv is not self._compiled_kv:
             self._compiled.clear()  # their programs hold the old storage's addresses
         self._compiled_kv = self._batch.kv

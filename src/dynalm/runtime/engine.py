@@ -304,7 +304,7 @@ class Engine:
                     outputs.append(self._finish(self._streams[rid], "", [], "abort"))
             self._aborts.clear()
             self._propose()
-            t0 = time.perf_counter()
+            t0, compiles = time.perf_counter(), self.executor.compiles
             sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
@@ -341,8 +341,11 @@ class Engine:
                 else:
                     rid = stream.request.request_id
                     outputs += self._verify(stream, logits[first[i] : first[i + 1]], saved[rid])
-        if self.drafter is not None and all(c.n == 1 + c.n_draft for c in sched.chunks):
-            # a decode step (no prefill chunk; the drafter's passes came before t0)
+        if (
+            self.drafter is not None
+            and compiles == self.executor.compiles  # (the first step of a shape compiles it)
+            and all(c.n == 1 + c.n_draft for c in sched.chunks)  # no prefill chunk
+        ):  # a decode step's time (the drafter's passes came before t0)
             self.step_cost.record(sched.num_tokens, time.perf_counter() - t0)
         return outputs
 

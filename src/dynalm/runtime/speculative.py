@@ -63,6 +63,9 @@ PROBE_EVERY = 16  # decode steps without drafting before one token is drafted ag
 # thought too dear would never be tried, so never corrected.
 PRIOR_SLOPE = 0.1
 STEP_EWMA = 0.2  # weight of one measured step in its token count's time
+# A token count's time not measured again in this many steps is forgotten, so a size that
+# a stall or a busy machine made look dear is estimated from its neighbours and tried again.
+STEP_STALE = 256
 
 
 def check_num_draft_tokens(k: int) -> int:
@@ -145,10 +148,14 @@ class StepCost:
     times of each T; a T not measured yet is interpolated linearly between its measured
     neighbours, or scaled from the nearest one by the prior curve (``PRIOR_SLOPE``), or, with
     nothing measured, is the prior itself (in one-token steps). A step of fewer tokens never
-    costs more than a measured step of more: that clips a T whose time a stall inflated."""
+    costs more than a measured step of more: that clips a T whose time a stall inflated; and
+    a T not measured for ``STEP_STALE`` steps is forgotten (the machine's load changes).
+    Steps that compiled their shape are not recorded (the caller's business)."""
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
+        self._seen: dict[int, int] = {}  # the record each token count was last measured in
+        self._records = 0
         self._keys: list[int] = []  # measured T, ascending
         self._floor: list[float] = []  # the least time measured at or above each of them
 
@@ -166,6 +173,10 @@ class StepCost:
             self.times[n_tokens] += STEP_EWMA * (seconds - self.times[n_tokens])
         else:
             self.times[n_tokens] = seconds
+        self._records += 1
+        self._seen[n_tokens] = self._records
+        for t in [t for t, at in self._seen.items() if self._records - at > STEP_STALE]:
+            del self.times[t], self._seen[t]
         self._keys = sorted(self.times)
         floor, self._floor = float("inf"), [0.0] * len(self._keys)
         for i in range(len(self._keys) - 1, -1, -1):
@@ -567,13 +578,14 @@ class ModelDrafter(Drafter):
                 break
             from dynalm.runtime.engine import flat_batch
 
-            t0 = time.perf_counter()
+            t0, compiles = time.perf_counter(), self.executor.compiles
             tokens, positions, batch = flat_batch(self.pool, chunks)
             ends = batch.query_start[1:] - 1
             sampling = [j for j, c in enumerate(chunks) if c.samples]
             logits = self.executor.run(tokens, positions, ends[sampling], batch)
             best = logits.argmax(axis=1).tolist()
-            self.steps.record(len(tokens), time.perf_counter() - t0)
+            if compiles == self.executor.compiles:  # (not a pass that compiled its shape)
+                self.steps.record(len(tokens), time.perf_counter() - t0)
             for chunk in chunks:
                 chunk.request.num_computed_tokens = chunk.start + chunk.n
             for row, j in enumerate(sampling):
