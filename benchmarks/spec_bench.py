@@ -58,9 +58,26 @@ STORY = (
     'cleared, and a fishing boat returned with its nets full. "We owe our lives to that '
     'light," said the captain, shaking her hand.'
 )
+SETTINGS = """server = {
+    "host": "127.0.0.1",
+    "port": 8000,
+    "workers": 4,
+    "timeout": 30,
+    "log_level": "info",
+    "log_file": "/var/log/app.log",
+    "max_upload_mb": 16,
+    "allowed_origins": ["https://example.com", "https://api.example.com"],
+    "database_url": "postgres://app@localhost/app",
+    "cache_ttl": 300,
+}
+"""
 COPY_PROMPTS = {
+    # SmolLM2-135M rewrites this function's body instead of copying it: few drafts survive
     "edit code": f"Rename the function load_config to read_config everywhere in this code and "
     f"show the whole code:\n\n{CODE}",
+    # an edit whose answer is mostly the given code (the 135M model copies it, rename or not)
+    "rename, whole code": f"```python\n{SETTINGS}```\n\nRename `server` to `settings` and "
+    "reply with the whole code.",
     "repeat with changes": "Repeat the following list exactly, but replace every 'red' with "
     "'blue':\n\n1. The red car is parked near the red house.\n2. A red bird sat on the "
     "fence next to the red barn.\n3. She wore a red scarf and red gloves to the market.\n"
@@ -166,16 +183,21 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="run the rows whose name contains this text")
     args = ap.parse_args()
     os.environ.setdefault("DYNALM_THREADS", str(args.threads))
     device = CpuDevice("auto", threads=args.threads)
     model = load_model(Path(args.model))
     print(f"model {model.name} · {args.model} · threads {device.threads} · runs {args.runs}\n")
 
-    print("| T | ms/step | x T=1 |\n|---|---|---|")
-    table = step_times(model, device, args.runs)
-    for t, s in table:
-        print(f"| {t} | {s * 1e3:.2f} | {s / table[0][1]:.2f} |")
+    def wanted(name: str) -> bool:
+        return args.only in name
+
+    if wanted("step time"):
+        print("| T | ms/step | x T=1 |\n|---|---|---|")
+        table = step_times(model, device, args.runs)
+        for t, s in table:
+            print(f"| {t} | {s * 1e3:.2f} | {s / table[0][1]:.2f} |")
 
     head = (
         f"\n| {'greedy, tg' + str(args.tokens):<28} | plain t/s | spec t/s | ratio | "
@@ -184,22 +206,26 @@ def main() -> None:
     print(head)
     n, runs = args.tokens, args.runs
     for name, text in {**COPY_PROMPTS, **CHAT_PROMPTS}.items():
-        result = compare(model, device, NgramDrafter(), [encode(model, text)], n, runs)
-        print(row(f"ngram, {name}", *result))
+        if wanted(f"ngram, {name}"):
+            result = compare(model, device, NgramDrafter(), [encode(model, text)], n, runs)
+            print(row(f"ngram, {name}", *result))
     mixed = [encode(model, t) for t in [*COPY_PROMPTS.values(), *CHAT_PROMPTS.values()]]
-    mixed += mixed[:2]
-    print(row("ngram, 8 streams", *compare(model, device, NgramDrafter(), mixed, n, runs)))
+    mixed += mixed[: 8 - len(mixed)]
+    if wanted("ngram, 8 streams"):
+        print(row("ngram, 8 streams", *compare(model, device, NgramDrafter(), mixed, n, runs)))
     config = {"ctx": 1024, "max_num_seqs": 8}
     copy = [encode(model, COPY_PROMPTS["edit code"])]
     chat = [encode(model, CHAT_PROMPTS["chat: explain"])]
     for label, adaptive in (("k=4", False), ("adaptive", True)):
         for what, prompts in (("edit code", copy), ("chat", chat)):
             drafters = {
-                "self as draft": ModelDrafter.for_model(model, model, device, **config),
-                "layer-skip": ModelDrafter.layer_skip(model, device, **config),
+                "self as draft": lambda: ModelDrafter.for_model(model, model, device, **config),
+                "layer-skip": lambda: ModelDrafter.layer_skip(model, device, **config),
             }
-            for kind, drafter in drafters.items():
-                result = compare(model, device, drafter, prompts, n, runs, adaptive_draft=adaptive)
+            for kind, make in drafters.items():
+                if not wanted(f"{kind} {label}, {what}"):
+                    continue
+                result = compare(model, device, make(), prompts, n, runs, adaptive_draft=adaptive)
                 print(row(f"{kind} {label}, {what}", *result))
 
 

@@ -159,6 +159,10 @@ def test_plan_drafts_on_a_synthetic_curve():
 def test_draft_length_rates_and_probes():
     length = DraftLength(k_max=4)
     assert length.rate() == PRIOR and length.rate(3) == PRIOR
+    for _ in range(PROBE_EVERY):
+        length.planned(0)
+    assert length.rate() == PRIOR  # a probe before any draft was verified
+    length.planned(1)
     for _ in range(8):
         length.update(3, 4, 4)
     length.update(3, 4, 2)
@@ -212,3 +216,14 @@ def test_step_cost_forgets_what_it_no_longer_measures():
     assert cost.times.keys() == {1, 2}
     cost.record(1, 3.0)
     assert cost.times.keys() == {1} and cost(2) == pytest.approx(3.3)  # from T = 1 again
+
+
+def test_plan_drafts_explores_one_token_at_a_time():
+    assert plan_drafts([0.9], [4], 1, 0, curve, most=1) == [1]
+    assert plan_drafts([0.9, 0.9], [4, 4], 2, 0, curve, most=3) == [2, 1]
+    assert plan_drafts([0.9], [4], 1, 0, curve, most=0) == [0]
+    cost = StepCost()
+    assert cost.largest == 0
+    cost.record(5, 1.0)
+    cost.record(3, 1.0)
+    assert cost.largest == 5

@@ -382,9 +382,12 @@ class Engine:
         else:
             rates = [c.rate() for c in counts]  # type: ignore[union-attr]
         if self.config.adaptive_draft:
+            # explore one token past the largest step measured: beyond it the curve is a
+            # guess, and a step of a new size compiles first (not timed)
+            most = max(self.step_cost.largest, n_decode) + 1 - n_decode
             ks = plan_drafts(
                 rates, rooms, n_decode, n_other, self.step_cost,
-                lambda n: drafter.pass_time(n, self.step_cost),
+                lambda n: drafter.pass_time(n, self.step_cost), most,
             )  # fmt: skip
         else:
             ks = rooms

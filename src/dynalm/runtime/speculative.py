@@ -163,6 +163,11 @@ class StepCost:
     def measured(self) -> bool:
         return bool(self.times)
 
+    @property
+    def largest(self) -> int:
+        """The largest token count measured (0: none)."""
+        return self._keys[-1] if self._keys else 0
+
     def record(self, n_tokens: int, seconds: float) -> None:
         # a sample more than twice the estimate counts as twice: one stall must not make a
         # size look so dear that it is never tried (so never measured) again
@@ -209,6 +214,7 @@ def plan_drafts(
     n_other: int,
     step: Callable[[int], float],
     pass_time: Callable[[int], float] | None = None,
+    most: int | None = None,
 ) -> list[int]:
     """How many draft tokens each of the sequences that may draft puts in the step.
 
@@ -216,7 +222,8 @@ def plan_drafts(
     ``rates[i] ** j`` expected tokens; ``lengths[i]``: the most it may draft. The step
     computes ``n_decode`` decoding sequences' last tokens (each makes one token) and
     ``n_other`` prefill tokens; ``step(T)`` is the time of a step of T tokens and
-    ``pass_time(n)`` a drafter pass over n sequences (drafting j tokens takes j passes).
+    ``pass_time(n)`` a drafter pass over n sequences (drafting j tokens takes j passes);
+    ``most``: the most draft tokens in all (None: no limit).
 
     Taking the K most valuable draft tokens (gain G_K, drafter time D_K) for K = 0, 1, ...,
     the decoding sequences alone make ``r_K = (n_decode + G_K) / (step(n_decode + K) + D_K)``
@@ -227,11 +234,14 @@ def plan_drafts(
     token at a time: a step time that jumps (a kernel's tile filled) and then grows slowly
     can make 8 draft tokens pay where 1 does not."""
     pass_time = pass_time or (lambda n: 0.0)
+    most = sum(lengths) if most is None else max(0, most)
     candidates = sorted(
         ((r**j, i) for i, (r, n) in enumerate(zip(rates, lengths, strict=True))
-         for j in range(1, n + 1)),
+         for j in range(1, min(n, most) + 1)),
         key=lambda c: (-c[0], c[1]),  # the surest first; of equals, the earlier sequence's
-    )  # fmt: skip
+    )[:most]  # fmt: skip
+    if not candidates:
+        return [0] * len(rates)
     counts, passes = [0] * len(rates), [0] * (max(lengths, default=0) + 1)
     gains, drafts = [0.0], [0.0]  # G_K, D_K
     for gain, i in candidates:
@@ -275,7 +285,7 @@ class DraftLength:
         """The acceptance rate to plan a draft of ``kind`` with (None: its best kind's; an
         unseen kind is tried as the best one)."""
         if self.idle >= PROBE_EVERY:
-            return max(PRIOR, *self.rates.values())
+            return max([PRIOR, *self.rates.values()])
         best = max(self.rates.values(), default=PRIOR)
         return best if kind is None else self.rates.get(kind, best)
 
