@@ -14,6 +14,7 @@ from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
 from dynalm.runtime.speculative import (
     PRIOR,
     PROBE_EVERY,
+    STEP_EWMA,
     STEP_STALE,
     DraftLength,
     NgramDrafter,
@@ -120,9 +121,9 @@ def test_step_cost_learns_the_curve():
     cost.record(16, 11.4)
     assert cost(12) == pytest.approx(8.5)  # interpolated between measured neighbours
     cost.record(16, 13.4)  # an EWMA: one sample moves it by STEP_EWMA of the difference
-    assert cost(16) == pytest.approx(11.4 + 0.2 * 2.0)
-    cost.record(4, 100.0)  # a stall: counted as twice the estimate, and clipped by T = 8's
-    assert cost.times[4] == pytest.approx(2 * 5.6 * 1.3 / 1.7) and cost(4) == 5.6
+    assert cost(16) == pytest.approx(11.4 + STEP_EWMA * 2.0)
+    cost.record(4, 100.0)  # a stall: counted as twice the estimate
+    assert cost.times[4] == pytest.approx(2 * 5.6 * 1.3 / 1.7)
     assert cost(0) == 0.0
 
 

@@ -378,6 +378,8 @@ class Engine:
         if drafter.free:  # drafts first, then how much of each to verify
             drafts = drafter.propose([s.request for s in asked], rooms)
             rooms = [len(d.tokens) for d in drafts]
+            if not any(rooms):
+                return
             rates = [c.rate(d.kind) for c, d in zip(counts, drafts, strict=True)]  # type: ignore[union-attr]
         else:
             rates = [c.rate() for c in counts]  # type: ignore[union-attr]

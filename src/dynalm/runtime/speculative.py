@@ -62,7 +62,7 @@ PROBE_EVERY = 16  # decode steps without drafting before one token is drafted ag
 # 1.6x T = 1, T = 16 3.4x): a size thought too cheap is tried once and then measured, a size
 # thought too dear would never be tried, so never corrected.
 PRIOR_SLOPE = 0.1
-STEP_EWMA = 0.2  # weight of one measured step in its token count's time
+STEP_EWMA = 0.1  # weight of one measured step in its token count's time (steps are noisy)
 # A token count's time not measured again in this many steps is forgotten, so a size that
 # a stall or a busy machine made look dear is estimated from its neighbours and tried again.
 STEP_STALE = 256
@@ -147,9 +147,8 @@ class StepCost:
     """The time of a model step by its token count T, learnt online: an EWMA of the measured
     times of each T; a T not measured yet is interpolated linearly between its measured
     neighbours, or scaled from the nearest one by the prior curve (``PRIOR_SLOPE``), or, with
-    nothing measured, is the prior itself (in one-token steps). A step of fewer tokens never
-    costs more than a measured step of more: that clips a T whose time a stall inflated; and
-    a T not measured for ``STEP_STALE`` steps is forgotten (the machine's load changes).
+    nothing measured, is the prior itself (in one-token steps). A T not measured for
+    ``STEP_STALE`` steps is forgotten (the machine's load changes; a stall made it look dear).
     Steps that compiled their shape are not recorded (the caller's business)."""
 
     def __init__(self) -> None:
@@ -157,7 +156,6 @@ class StepCost:
         self._seen: dict[int, int] = {}  # the record each token count was last measured in
         self._records = 0
         self._keys: list[int] = []  # measured T, ascending
-        self._floor: list[float] = []  # the least time measured at or above each of them
 
     @property
     def measured(self) -> bool:
@@ -170,7 +168,7 @@ class StepCost:
 
     def record(self, n_tokens: int, seconds: float) -> None:
         # a sample more than twice the estimate counts as twice: one stall must not make a
-        # size look so dear that it is never tried (so never measured) again
+        # size look so dear that it is not tried (so not measured) again for a long while
         old = self(n_tokens) if self.times else None
         if old is not None:
             seconds = min(seconds, 2 * old)
@@ -183,28 +181,21 @@ class StepCost:
         for t in [t for t, at in self._seen.items() if self._records - at > STEP_STALE]:
             del self.times[t], self._seen[t]
         self._keys = sorted(self.times)
-        floor, self._floor = float("inf"), [0.0] * len(self._keys)
-        for i in range(len(self._keys) - 1, -1, -1):
-            floor = self._floor[i] = min(floor, self.times[self._keys[i]])
 
     def __call__(self, n_tokens: int) -> float:
         if n_tokens <= 0:
             return 0.0
-        keys = self._keys
+        times, keys = self.times, self._keys
+        if n_tokens in times:
+            return times[n_tokens]
         if not keys:
             return _prior(n_tokens)
         at = bisect.bisect_left(keys, n_tokens)
-        if at < len(keys) and keys[at] == n_tokens:
-            return self._floor[at]
-        if at == len(keys):  # above every measured size
-            lo = keys[-1]
-            return self.times[lo] * _prior(n_tokens) / _prior(lo)
-        hi, ceiling = keys[at], self._floor[at]
-        if at == 0:  # below every measured size
-            return min(ceiling, self.times[hi] * _prior(n_tokens) / _prior(hi))
-        lo = keys[at - 1]
-        t_lo = self._floor[at - 1]
-        return min(ceiling, t_lo + (ceiling - t_lo) * (n_tokens - lo) / (hi - lo))
+        if at == 0 or at == len(keys):  # below or above every measured size
+            near = keys[min(at, len(keys) - 1)]
+            return times[near] * _prior(n_tokens) / _prior(near)
+        lo, hi = keys[at - 1], keys[at]
+        return times[lo] + (times[hi] - times[lo]) * (n_tokens - lo) / (hi - lo)
 
 
 def plan_drafts(
