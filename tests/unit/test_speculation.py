@@ -22,6 +22,7 @@ from dynalm.runtime.speculative import (
     accept_greedy,
     accept_sampled,
     check_num_draft_tokens,
+    drafts_can_pay,
     plan_drafts,
 )
 
@@ -155,6 +156,13 @@ def test_plan_drafts_on_a_synthetic_curve():
     assert plan_drafts([1.0], [4], 1, 0, curve, curve) == [0]
     assert plan_drafts([0.9], [4], 1, 0, curve, lambda n: 0.1 * curve(n)) == [4]
     assert plan_drafts([], [], 3, 0, curve) == []
+
+
+def test_drafts_can_pay():
+    assert drafts_can_pay(1, 0, curve, 4)  # a lone stream
+    assert drafts_can_pay(4, 0, curve, 4)  # up to the tile's 8 rows
+    assert not drafts_can_pay(8, 0, curve, 8)  # the tile is full: 16 tokens cost 2.1x 8
+    assert not drafts_can_pay(8, 0, curve, 0) and not drafts_can_pay(1, 0, float, 4)
 
 
 def test_draft_length_rates_and_probes():

@@ -49,6 +49,7 @@ from dynalm.runtime.speculative import (
     SpecStats,
     StepCost,
     check_num_draft_tokens,
+    drafts_can_pay,
     plan_drafts,
     verify,
 )
@@ -374,6 +375,12 @@ class Engine:
         seats = sched.max_num_seqs - len(sched.running)
         pending += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
         n_other = min(pending, max(0, sched.max_num_batched_tokens - n_decode))
+        adaptive, cost = self.config.adaptive_draft, self.step_cost
+        # explore one token past the largest step measured: beyond it the curve is a guess,
+        # and a step of a new size compiles first (not timed)
+        most = max(cost.largest, n_decode) + 1 - n_decode
+        if adaptive and not drafts_can_pay(n_decode, n_other, cost, min(most, sum(rooms))):
+            return
         counts = [s.draft_length for s in asked]
         if drafter.free:  # drafts first, then how much of each to verify
             drafts = drafter.propose([s.request for s in asked], rooms)
@@ -383,14 +390,10 @@ class Engine:
             rates = [c.rate(d.kind) for c, d in zip(counts, drafts, strict=True)]  # type: ignore[union-attr]
         else:
             rates = [c.rate() for c in counts]  # type: ignore[union-attr]
-        if self.config.adaptive_draft:
-            # explore one token past the largest step measured: beyond it the curve is a
-            # guess, and a step of a new size compiles first (not timed)
-            most = max(self.step_cost.largest, n_decode) + 1 - n_decode
+        if adaptive:
             ks = plan_drafts(
-                rates, rooms, n_decode, n_other, self.step_cost,
-                lambda n: drafter.pass_time(n, self.step_cost), most,
-            )  # fmt: skip
+                rates, rooms, n_decode, n_other, cost, lambda n: drafter.pass_time(n, cost), most
+            )
         else:
             ks = rooms
         if not drafter.free:

@@ -241,6 +241,21 @@ def plan_drafts(
         drafts.append(drafts[-1] + pass_time(passes[p] + 1) - pass_time(passes[p]))
         passes[p] += 1
         gains.append(gains[-1] + gain)
+    best_k = _best_k(gains, drafts, n_decode, n_other, step)
+    ks = [0] * len(rates)
+    for _, i in candidates[:best_k]:
+        ks[i] += 1
+    return ks
+
+
+def _best_k(
+    gains: Sequence[float],
+    drafts: Sequence[float],
+    n_decode: int,
+    n_other: int,
+    step: Callable[[int], float],
+) -> int:
+    """``plan_drafts``' choice of K from G_K and D_K (K = 0, 1, ...)."""
     worth = max(
         (n_decode + g) / (step(n_decode + k) + d)
         for k, (g, d) in enumerate(zip(gains, drafts, strict=True))
@@ -252,10 +267,15 @@ def plan_drafts(
         value = gains[k] - worth * (step(t0 + k) - base + drafts[k])
         if value > best:
             best, best_k = value, k
-    ks = [0] * len(rates)
-    for _, i in candidates[:best_k]:
-        ks[i] += 1
-    return ks
+    return best_k
+
+
+def drafts_can_pay(n_decode: int, n_other: int, step: Callable[[int], float], most: int) -> bool:
+    """Whether up to ``most`` draft tokens could pay in this step even if each were sure to
+    be accepted and free to draft (else the drafter need not be asked: a full batch on a CPU
+    whose step time doubles from 8 to 16 tokens)."""
+    k = range(max(0, most) + 1)
+    return _best_k([float(i) for i in k], [0.0 for _ in k], n_decode, n_other, step) > 0
 
 
 @dataclass
