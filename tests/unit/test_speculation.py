@@ -12,6 +12,7 @@ from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
 from dynalm.runtime.speculative import (
+    MARGIN,
     PRIOR,
     PROBE_EVERY,
     STEP_EWMA,
@@ -119,8 +120,10 @@ def test_step_cost_learns_the_curve():
     assert cost(8) == 5.6
     assert cost(16) == pytest.approx(5.6 * 2.5 / 1.7)  # scaled from 8 by the prior's shape
     assert cost(1) == pytest.approx(5.6 / 1.7)
+    cost.record(9, 7.8)  # a jump: above, the curve goes on with its slope
+    assert cost(12) == pytest.approx(7.8 + 3 * 2.2)
     cost.record(16, 11.4)
-    assert cost(12) == pytest.approx(8.5)  # interpolated between measured neighbours
+    assert cost(12) == pytest.approx(7.8 + 3 * 3.6 / 7)  # interpolated between neighbours
     cost.record(16, 13.4)  # an EWMA: one sample moves it by STEP_EWMA of the difference
     assert cost(16) == pytest.approx(11.4 + STEP_EWMA * 2.0)
     cost.record(4, 100.0)  # a stall: counted as twice the estimate
@@ -133,6 +136,9 @@ def test_plan_drafts_on_a_synthetic_curve():
     assert plan_drafts([0.9], [4], 1, 0, curve) == [4]
     assert plan_drafts([0.9], [2], 1, 0, curve) == [2]  # no more than the draft has
     assert plan_drafts([0.08], [4], 1, 0, curve) == [0]  # 1.08 tokens for 1.09x the time
+    # 1.12 tokens for 1.09x the time: 3 % faster, under MARGIN; 1.2 tokens: 10 % faster
+    assert MARGIN == 0.05 and plan_drafts([0.12], [1], 1, 0, curve) == [0]
+    assert plan_drafts([0.2], [1], 1, 0, curve) == [1]
     # 4 streams: 4 more tokens fill the tile (T = 8) cheaply; the 5th would cross the jump
     assert plan_drafts([0.9, 0.9, 0.9, 0.9], [4] * 4, 4, 0, curve) == [1, 1, 1, 1]
     # the 4 surest tokens: 0.95, 0.95**2, then 0.6 and 0.6 (not 0.6**2)

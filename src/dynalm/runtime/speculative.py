@@ -62,6 +62,9 @@ PROBE_EVERY = 16  # decode steps without drafting before one token is drafted ag
 # 1.6x T = 1, T = 16 3.4x): a size thought too cheap is tried once and then measured, a size
 # thought too dear would never be tried, so never corrected.
 PRIOR_SLOPE = 0.1
+# Drafting must be predicted to make the decoding sequences this much faster: the curve is
+# measured with noise, and a draft costs what it does not see (a new step size compiles).
+MARGIN = 0.05
 STEP_EWMA = 0.1  # weight of one measured step in its token count's time (steps are noisy)
 # A token count's time not measured again in this many steps is forgotten, so a size that
 # a stall or a busy machine made look dear is estimated from its neighbours and tried again.
@@ -146,8 +149,11 @@ def _prior(n_tokens: int) -> float:
 class StepCost:
     """The time of a model step by its token count T, learnt online: an EWMA of the measured
     times of each T; a T not measured yet is interpolated linearly between its measured
-    neighbours, or scaled from the nearest one by the prior curve (``PRIOR_SLOPE``), or, with
-    nothing measured, is the prior itself (in one-token steps). A T not measured for
+    neighbours; above the largest measured T it goes on with the slope of the last measured
+    stretch (a jump there, such as a kernel's tile filling up, is taken to go on: pessimistic,
+    so such sizes are not explored); with one T measured, or below the smallest, it is scaled
+    by the prior curve (``PRIOR_SLOPE``), and with nothing measured it is the prior itself (in
+    one-token steps). A T not measured for
     ``STEP_STALE`` steps is forgotten (the machine's load changes; a stall made it look dear).
     Steps that compiled their shape are not recorded (the caller's business)."""
 
@@ -191,9 +197,14 @@ class StepCost:
         if not keys:
             return _prior(n_tokens)
         at = bisect.bisect_left(keys, n_tokens)
-        if at == 0 or at == len(keys):  # below or above every measured size
-            near = keys[min(at, len(keys) - 1)]
-            return times[near] * _prior(n_tokens) / _prior(near)
+        if at == 0:  # below every measured size
+            return times[keys[0]] * _prior(n_tokens) / _prior(keys[0])
+        if at == len(keys):  # above: the last measured stretch's slope, at least the prior's
+            lo = keys[-1]
+            slope = times[lo] * PRIOR_SLOPE / _prior(lo)
+            if len(keys) > 1:
+                slope = max(slope, (times[lo] - times[keys[-2]]) / (lo - keys[-2]))
+            return times[lo] + slope * (n_tokens - lo)
         lo, hi = keys[at - 1], keys[at]
         return times[lo] + (times[hi] - times[lo]) * (n_tokens - lo) / (hi - lo)
 
@@ -256,10 +267,13 @@ def _best_k(
     step: Callable[[int], float],
 ) -> int:
     """``plan_drafts``' choice of K from G_K and D_K (K = 0, 1, ...)."""
-    worth = max(
+    rates = [
         (n_decode + g) / (step(n_decode + k) + d)
         for k, (g, d) in enumerate(zip(gains, drafts, strict=True))
-    )
+    ]
+    worth = max(rates)
+    if worth < (1 + MARGIN) * rates[0]:
+        return 0
     t0 = n_decode + n_other
     base = step(t0)
     best, best_k = 0.0, 0
