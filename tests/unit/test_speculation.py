@@ -146,6 +146,7 @@ def test_plan_drafts_on_a_synthetic_curve():
     # 8 streams at 77 %: every draft token crosses the jump: 8 tokens make 8 for 5.5 ms,
     # 16 make 8 + 6.2 for 11.4 ms; none is drafted
     assert plan_drafts([0.77] * 8, [4] * 8, 8, 0, curve) == [0] * 8
+
     # ... but with sure drafts, a rate one token cannot reach, 8 can: a jump, then flat
     def jump(t: int) -> float:
         return 0.0 if t <= 0 else 1.0 if t <= 8 else 1.5 if t <= 16 else 1.5 + 0.2 * (t - 16)

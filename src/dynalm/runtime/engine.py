@@ -267,9 +267,9 @@ class Engine:
             prompt_logprobs,
             None if prompt_logprobs is None else [],
             # a grammar's state would have to follow the draft: constrained requests decode
-            None if self.drafter is None or guide is not None or not speculate else DraftLength(
-                self.config.num_draft_tokens, self.config.adaptive_draft
-            ),
+            None
+            if self.drafter is None or guide is not None or not speculate
+            else DraftLength(self.config.num_draft_tokens),
         )
         with self._lock:
             if request_id in self._streams:

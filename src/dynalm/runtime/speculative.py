@@ -57,10 +57,10 @@ MAX_DRAFT_TOKENS = 16
 EWMA = 0.15  # weight of one draft token's outcome in a sequence's acceptance rate
 PRIOR = 0.5  # the acceptance rate assumed before any draft of a kind was verified
 PROBE_EVERY = 16  # decode steps without drafting before one token is drafted again
-# The step-time curve assumed where nothing was measured, in one-token steps: 1 + 0.1 per
-# further token. It is optimistic on purpose (SmolLM2-135M Q4_1, 2 threads: T = 8 costs
-# 1.6x T = 1, T = 16 3.4x): a size thought too cheap is tried once and then measured, a size
-# thought too dear would never be tried, so never corrected.
+# The step-time curve's shape assumed before two sizes are measured, in one-token steps:
+# 1 + 0.1 per further token. It is optimistic on purpose (SmolLM2-135M Q4_1, 2 threads:
+# T = 8 costs 1.6x T = 1, T = 16 3.4x): a size thought too cheap is tried and then measured,
+# a size thought too dear would never be tried, so never corrected.
 PRIOR_SLOPE = 0.1
 # Drafting must be predicted to make the decoding sequences this much faster: the curve is
 # measured with noise, and a draft costs what it does not see (a new step size compiles).
@@ -153,9 +153,9 @@ class StepCost:
     stretch (a jump there, such as a kernel's tile filling up, is taken to go on: pessimistic,
     so such sizes are not explored); with one T measured, or below the smallest, it is scaled
     by the prior curve (``PRIOR_SLOPE``), and with nothing measured it is the prior itself (in
-    one-token steps). A T not measured for
-    ``STEP_STALE`` steps is forgotten (the machine's load changes; a stall made it look dear).
-    Steps that compiled their shape are not recorded (the caller's business)."""
+    one-token steps). A T not measured for ``STEP_STALE`` steps is forgotten (the machine's
+    load changes; a stall made it look dear). Steps that compiled their shape are not
+    recorded (the caller's business)."""
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
@@ -267,12 +267,12 @@ def _best_k(
     step: Callable[[int], float],
 ) -> int:
     """``plan_drafts``' choice of K from G_K and D_K (K = 0, 1, ...)."""
-    rates = [
+    speeds = [
         (n_decode + g) / (step(n_decode + k) + d)
         for k, (g, d) in enumerate(zip(gains, drafts, strict=True))
     ]
-    worth = max(rates)
-    if worth < (1 + MARGIN) * rates[0]:
+    worth = max(speeds)
+    if worth < (1 + MARGIN) * speeds[0]:
         return 0
     t0 = n_decode + n_other
     base = step(t0)
@@ -302,7 +302,6 @@ class DraftLength:
     the text may have changed."""
 
     k_max: int
-    adaptive: bool = True
     rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
     idle: int = 0  # steps in a row without drafting
 
