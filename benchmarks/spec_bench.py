@@ -136,6 +136,19 @@ def generate(engine: Engine, prompts: list[list[int]], n: int) -> tuple[list[lis
     return [out[rid] for rid in ids], time.perf_counter() - start
 
 
+def clock(executor: object, into: dict[str, float], key: str) -> None:
+    """Add the seconds ``executor.run`` takes to ``into[key]``."""
+    run = executor.run  # type: ignore[attr-defined]
+
+    def timed(*args: object) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = run(*args)
+        into[key] += time.perf_counter() - t0
+        return out
+
+    executor.run = timed  # type: ignore[attr-defined]
+
+
 def compare(
     model: LoadedModel,
     device: CpuDevice,
@@ -143,10 +156,12 @@ def compare(
     prompts: list[list[int]],
     n: int,
     runs: int,
+    split: dict[str, float] | None = None,
     **config: object,
 ) -> tuple[float, float, float, bool]:
     """(plain tokens/s, speculative tokens/s, acceptance, identical) over ``runs`` runs
-    alternating the two engines."""
+    alternating the two engines. ``split``: filled with the seconds the speculative runs
+    spent in all, in the target's model steps and in a draft model's passes."""
     base = {"ctx": 1024, "max_num_seqs": max(8, len(prompts)), "enable_prefix_caching": False}
     plain = Engine(model, device, EngineConfig(**base))
     spec = Engine(model, device, EngineConfig(**base, **config), drafter=drafter)
@@ -155,9 +170,16 @@ def compare(
     generate(plain, prompts, 8)  # warm-up: kernels, step shapes
     generate(spec, prompts, 8)
     spec.spec_stats.__init__()
+    split = {} if split is None else split
+    split.update(total=0.0, target=0.0, draft=0.0)
+    clock(spec.executor, split, "target")
+    if isinstance(drafter, ModelDrafter):
+        clock(drafter.executor, split, "draft")
     for _ in range(runs):
         want, t_plain = generate(plain, prompts, n)
+        t0 = time.perf_counter()
         got, t_spec = generate(spec, prompts, n)
+        split["total"] += time.perf_counter() - t0
         same &= got == want
         decoded = sum(len(t) - 1 for t in want)
         rates["plain"].append(decoded / t_plain)
@@ -216,6 +238,7 @@ def main() -> None:
     config = {"ctx": 1024, "max_num_seqs": 8}
     copy = [encode(model, COPY_PROMPTS["edit code"])]
     chat = [encode(model, CHAT_PROMPTS["chat: explain"])]
+    splits: dict[str, dict[str, float]] = {}
     for label, adaptive in (("k=4", False), ("adaptive", True)):
         for what, prompts in (("edit code", copy), ("chat", chat)):
             drafters = {
@@ -225,8 +248,19 @@ def main() -> None:
             for kind, make in drafters.items():
                 if not wanted(f"{kind} {label}, {what}"):
                     continue
-                result = compare(model, device, make(), prompts, n, runs, adaptive_draft=adaptive)
-                print(row(f"{kind} {label}, {what}", *result))
+                name, split = f"{kind} {label}, {what}", {}
+                result = compare(
+                    model, device, make(), prompts, n, runs, split, adaptive_draft=adaptive
+                )
+                print(row(name, *result))
+                splits[name] = split
+    if splits:  # where a draft model's runs spend their time (the rest: the engine's Python)
+        print("\n| draft model: time in | target steps | draft passes | the rest |")
+        print("|---|---|---|---|")
+        for name, split in splits.items():
+            total, target, draft = split["total"], split["target"], split["draft"]
+            shares = (f"{100 * t / total:.1f} %" for t in (target, draft, total - target - draft))
+            print(f"| {name} | " + " | ".join(shares) + " |")
 
 
 if __name__ == "__main__":
