@@ -14,8 +14,8 @@ distribution exactly. Rejected positions' keys and values are dropped
 On a CPU a decode step reads every weight once, so verifying a few more tokens costs
 little, until it does not: SmolLM2-135M Q4_1 on 2 threads, one sequence, T = 8 tokens cost
 1.6x T = 1, T = 9 2.3x (a kernel's tile of 8 rows is full), then ~0.2x more per token
-(``benchmarks/spec_bench.py`` measures it). With 8 sequences in the step, 8 draft tokens
-double its time. So the engine times its decode steps (``StepCost``: step time by token
+(``benchmarks/spec_bench.py`` measures it): 8 draft tokens beside 8 decoding sequences cost
+nearly as much as the 8 themselves (T = 16 is 2.1x T = 8 for one sequence). So the engine times its decode steps (``StepCost``: step time by token
 count, learnt online) and decides the draft lengths of the whole step at once
 (``plan_drafts``): the draft tokens with the most expected accepted tokens (from each
 sequence's acceptance rate, ``DraftLength``) as long as they raise the tokens made per second
