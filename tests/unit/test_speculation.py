@@ -122,6 +122,8 @@ def test_step_cost_learns_the_curve():
     assert cost(1) == pytest.approx(5.6 / 1.7)
     cost.record(9, 7.8)  # a jump: above, the curve goes on with its slope
     assert cost(12) == pytest.approx(7.8 + 3 * 2.2)
+    assert cost.guess(12) == pytest.approx(7.8 * 2.1 / 1.8)  # exploring: the prior's slope
+    assert cost.guess(8) == cost(8)
     cost.record(16, 11.4)
     assert cost(12) == pytest.approx(7.8 + 3 * 3.6 / 7)  # interpolated between neighbours
     cost.record(16, 13.4)  # an EWMA: one sample moves it by STEP_EWMA of the difference

@@ -97,6 +97,9 @@ class Executor:
             for weight, key in zip(node.weights, ("parts", "bias_parts"), strict=False):
                 if key in node.attrs:
                     self._parts[weight.name] = tuple(node.attrs[key])
+        # seconds spent binding and compiling (a new step shape, grown buffers or rope
+        # tables): what timing a step's own cost leaves out
+        self.setup_seconds = 0.0
         self._reserve(max_tokens)
 
     def _reserve(self, rows: int) -> None:
@@ -111,6 +114,13 @@ class Executor:
     # -- binding -------------------------------------------------------------------
     def _bind_all(self) -> None:
         """Bind every node against full-capacity buffers; ``_resize`` then fits a step."""
+        t0 = time.perf_counter()
+        try:
+            self._bind_nodes()
+        finally:
+            self.setup_seconds += time.perf_counter() - t0
+
+    def _bind_nodes(self) -> None:
         graph, slot_of = self.graph, self.plan.slot_of
         self._full: dict[int, np.ndarray] = {v.id: self._inputs[n] for n, v in graph.inputs.items()}
         rows_of = {v.id: str(v.type.shape[0]) for v in graph.inputs.values()}
@@ -161,7 +171,6 @@ class Executor:
         # sequence joins or leaves, a speculative sequence verifies k + 1 tokens), and
         # compiling one costs ~2 decode steps of SmolLM2.
         self._compiled: dict[tuple[int, int], list[Call]] = {}
-        self.compiles = 0  # steps that compiled their programs (a step timing them is cold)
 
     def _resize(self, n_tokens: int, n_logits: int) -> None:
         rows = {"T": n_tokens, "S": n_logits}
@@ -183,8 +192,14 @@ class Executor:
         The kernels the step calls are lowered first, those not compiled yet together
         (``backends.lower_all``: concurrently, on threads joined before it returns): a
         kernel is still compiled only for the step that first needs it."""
+        t0 = time.perf_counter()
+        try:
+            self._compile_programs()
+        finally:
+            self.setup_seconds += time.perf_counter() - t0
+
+    def _compile_programs(self) -> None:
         self._steps: list[Call] = []
-        self.compiles += 1
         if self._batch.kv is not self._compiled_kv:
             self._compiled.clear()  # their programs hold the old storage's addresses
         self._compiled_kv = self._batch.kv

@@ -43,6 +43,7 @@ from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
 from dynalm.runtime.speculative import (
+    EXPLORE_EVERY,
     Draft,
     Drafter,
     DraftLength,
@@ -186,6 +187,7 @@ class Engine:
         self.drafter = drafter
         self.spec_stats = SpecStats()
         self.step_cost = StepCost()  # decode steps' times by token count (draft planning)
+        self._plans = 0  # steps whose drafts were planned (every EXPLORE_EVERY-th explores)
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
@@ -305,7 +307,7 @@ class Engine:
                     outputs.append(self._finish(self._streams[rid], "", [], "abort"))
             self._aborts.clear()
             self._propose()
-            t0, compiles = time.perf_counter(), self.executor.compiles
+            t0, setup = time.perf_counter(), self.executor.setup_seconds
             sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
@@ -342,12 +344,11 @@ class Engine:
                 else:
                     rid = stream.request.request_id
                     outputs += self._verify(stream, logits[first[i] : first[i + 1]], saved[rid])
-        if (
-            self.drafter is not None
-            and compiles == self.executor.compiles  # (the first step of a shape compiles it)
-            and all(c.n == 1 + c.n_draft for c in sched.chunks)  # no prefill chunk
-        ):  # a decode step's time (the drafter's passes came before t0)
-            self.step_cost.record(sched.num_tokens, time.perf_counter() - t0)
+        if self.drafter is not None and all(c.n == 1 + c.n_draft for c in sched.chunks):
+            # a decode step's time (the drafter's passes came before t0), less what compiling
+            # a new shape took
+            setup = self.executor.setup_seconds - setup
+            self.step_cost.record(sched.num_tokens, time.perf_counter() - t0 - setup)
         return outputs
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -376,10 +377,13 @@ class Engine:
         pending += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
         n_other = min(pending, max(0, sched.max_num_batched_tokens - n_decode))
         adaptive, cost = self.config.adaptive_draft, self.step_cost
-        # explore one token past the largest step measured: beyond it the curve is a guess,
-        # and a step of a new size compiles first (not timed)
-        most = max(cost.largest, n_decode) + 1 - n_decode
-        if adaptive and not drafts_can_pay(n_decode, n_other, cost, min(most, sum(rooms))):
+        # one token past the largest step measured (beyond it the curve is a guess, and a
+        # step of a new size compiles first), but now and then as far as the prior guesses
+        self._plans += 1
+        explore = self._plans % EXPLORE_EVERY == 0
+        curve = cost.guess if explore else cost
+        most = sum(rooms) if explore else max(cost.largest, n_decode) + 1 - n_decode
+        if adaptive and not drafts_can_pay(n_decode, n_other, curve, min(most, sum(rooms))):
             return
         counts = [s.draft_length for s in asked]
         if drafter.free:  # drafts first, then how much of each to verify
@@ -392,7 +396,7 @@ class Engine:
             rates = [c.rate() for c in counts]  # type: ignore[union-attr]
         if adaptive:
             ks = plan_drafts(
-                rates, rooms, n_decode, n_other, cost, lambda n: drafter.pass_time(n, cost), most
+                rates, rooms, n_decode, n_other, curve, lambda n: drafter.pass_time(n, cost), most
             )
         else:
             ks = rooms

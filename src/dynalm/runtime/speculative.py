@@ -13,10 +13,10 @@ distribution exactly. Rejected positions' keys and values are dropped
 
 On a CPU a decode step reads every weight once, so verifying a few more tokens costs
 little, until it does not: SmolLM2-135M Q4_1 on 2 threads, one sequence, T = 8 tokens cost
-1.6x T = 1, T = 9 2.3x (a kernel's tile of 8 rows is full), then ~0.2x more per token
-(``benchmarks/spec_bench.py`` measures it): 8 draft tokens beside 8 decoding sequences cost
-nearly as much as the 8 themselves (T = 16 is 2.1x T = 8 for one sequence). So the engine times its decode steps (``StepCost``: step time by token
-count, learnt online) and decides the draft lengths of the whole step at once
+1.6-2x T = 1, T = 9 2.3-2.8x (a kernel's tile of 8 rows is full), then ~0.2x more per token
+(``benchmarks/spec_bench.py`` measures it); 8 decoding sequences with one draft token each
+take ~1.7x the step of the 8 alone. So the engine times its decode steps (``StepCost``: step
+time by token count, learnt online) and decides the draft lengths of the whole step at once
 (``plan_drafts``): the draft tokens with the most expected accepted tokens (from each
 sequence's acceptance rate, ``DraftLength``) as long as they raise the tokens made per second
 of step time. A lone stream drafts eagerly, a full batch only where the curve is flat
@@ -65,6 +65,9 @@ PRIOR_SLOPE = 0.1
 # Drafting must be predicted to make the decoding sequences this much faster: the curve is
 # measured with noise, and a draft costs what it does not see (a new step size compiles).
 MARGIN = 0.05
+# Every this many planned steps, one explores: it plans with ``StepCost.guess``, and without
+# the one-size-at-a-time limit, so a size past a jump in the curve gets measured.
+EXPLORE_EVERY = 32
 STEP_EWMA = 0.1  # weight of one measured step in its token count's time (steps are noisy)
 # A token count's time not measured again in this many steps is forgotten, so a size that
 # a stall or a busy machine made look dear is estimated from its neighbours and tried again.
@@ -154,8 +157,8 @@ class StepCost:
     so such sizes are not explored); with one T measured, or below the smallest, it is scaled
     by the prior curve (``PRIOR_SLOPE``), and with nothing measured it is the prior itself (in
     one-token steps). A T not measured for ``STEP_STALE`` steps is forgotten (the machine's
-    load changes; a stall made it look dear). Steps that compiled their shape are not
-    recorded (the caller's business)."""
+    load changes; a stall made it look dear). What a step spent compiling a new shape is not
+    its cost (the caller's business)."""
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
@@ -189,6 +192,14 @@ class StepCost:
         self._keys = sorted(self.times)
 
     def __call__(self, n_tokens: int) -> float:
+        return self._estimate(n_tokens, optimistic=False)
+
+    def guess(self, n_tokens: int) -> float:
+        """The estimate, but above the largest measured T on the prior's gentle slope: what
+        an exploring step plans with, so that sizes past a jump are tried now and then."""
+        return self._estimate(n_tokens, optimistic=True)
+
+    def _estimate(self, n_tokens: int, optimistic: bool) -> float:
         if n_tokens <= 0:
             return 0.0
         times, keys = self.times, self._keys
@@ -202,7 +213,7 @@ class StepCost:
         if at == len(keys):  # above: the last measured stretch's slope, at least the prior's
             lo = keys[-1]
             slope = times[lo] * PRIOR_SLOPE / _prior(lo)
-            if len(keys) > 1:
+            if len(keys) > 1 and not optimistic:
                 slope = max(slope, (times[lo] - times[keys[-2]]) / (lo - keys[-2]))
             return times[lo] + slope * (n_tokens - lo)
         lo, hi = keys[at - 1], keys[at]
@@ -612,14 +623,14 @@ class ModelDrafter(Drafter):
                 break
             from dynalm.runtime.engine import flat_batch
 
-            t0, compiles = time.perf_counter(), self.executor.compiles
+            t0, setup = time.perf_counter(), self.executor.setup_seconds
             tokens, positions, batch = flat_batch(self.pool, chunks)
             ends = batch.query_start[1:] - 1
             sampling = [j for j, c in enumerate(chunks) if c.samples]
             logits = self.executor.run(tokens, positions, ends[sampling], batch)
             best = logits.argmax(axis=1).tolist()
-            if compiles == self.executor.compiles:  # (not a pass that compiled its shape)
-                self.steps.record(len(tokens), time.perf_counter() - t0)
+            setup = self.executor.setup_seconds - setup  # (compiling a new shape)
+            self.steps.record(len(tokens), time.perf_counter() - t0 - setup)
             for chunk in chunks:
                 chunk.request.num_computed_tokens = chunk.start + chunk.n
             for row, j in enumerate(sampling):
