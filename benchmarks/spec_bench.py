@@ -58,9 +58,26 @@ STORY = (
     'cleared, and a fishing boat returned with its nets full. "We owe our lives to that '
     'light," said the captain, shaking her hand.'
 )
+SETTINGS = """server = {
+    "host": "127.0.0.1",
+    "port": 8000,
+    "workers": 4,
+    "timeout": 30,
+    "log_level": "info",
+    "log_file": "/var/log/app.log",
+    "max_upload_mb": 16,
+    "allowed_origins": ["https://example.com", "https://api.example.com"],
+    "database_url": "postgres://app@localhost/app",
+    "cache_ttl": 300,
+}
+"""
 COPY_PROMPTS = {
+    # SmolLM2-135M rewrites this function's body instead of copying it: few drafts survive
     "edit code": f"Rename the function load_config to read_config everywhere in this code and "
     f"show the whole code:\n\n{CODE}",
+    # an edit whose answer is mostly the given code (the 135M model copies it, rename or not)
+    "rename, whole code": f"```python\n{SETTINGS}```\n\nRename `server` to `settings` and "
+    "reply with the whole code.",
     "repeat with changes": "Repeat the following list exactly, but replace every 'red' with "
     "'blue':\n\n1. The red car is parked near the red house.\n2. A red bird sat on the "
     "fence next to the red barn.\n3. She wore a red scarf and red gloves to the market.\n"
@@ -119,6 +136,19 @@ def generate(engine: Engine, prompts: list[list[int]], n: int) -> tuple[list[lis
     return [out[rid] for rid in ids], time.perf_counter() - start
 
 
+def clock(executor: object, into: dict[str, float], key: str) -> None:
+    """Add the seconds ``executor.run`` takes to ``into[key]``."""
+    run = executor.run  # type: ignore[attr-defined]
+
+    def timed(*args: object) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = run(*args)
+        into[key] += time.perf_counter() - t0
+        return out
+
+    executor.run = timed  # type: ignore[attr-defined]
+
+
 def compare(
     model: LoadedModel,
     device: CpuDevice,
@@ -126,10 +156,12 @@ def compare(
     prompts: list[list[int]],
     n: int,
     runs: int,
+    split: dict[str, float] | None = None,
     **config: object,
 ) -> tuple[float, float, float, bool]:
     """(plain tokens/s, speculative tokens/s, acceptance, identical) over ``runs`` runs
-    alternating the two engines."""
+    alternating the two engines. ``split``: filled with the seconds the speculative runs
+    spent in all, in the target's model steps and in a draft model's passes."""
     base = {"ctx": 1024, "max_num_seqs": max(8, len(prompts)), "enable_prefix_caching": False}
     plain = Engine(model, device, EngineConfig(**base))
     spec = Engine(model, device, EngineConfig(**base, **config), drafter=drafter)
@@ -138,9 +170,16 @@ def compare(
     generate(plain, prompts, 8)  # warm-up: kernels, step shapes
     generate(spec, prompts, 8)
     spec.spec_stats.__init__()
+    split = {} if split is None else split
+    split.update(total=0.0, target=0.0, draft=0.0)
+    clock(spec.executor, split, "target")
+    if isinstance(drafter, ModelDrafter):
+        clock(drafter.executor, split, "draft")
     for _ in range(runs):
         want, t_plain = generate(plain, prompts, n)
+        t0 = time.perf_counter()
         got, t_spec = generate(spec, prompts, n)
+        split["total"] += time.perf_counter() - t0
         same &= got == want
         decoded = sum(len(t) - 1 for t in want)
         rates["plain"].append(decoded / t_plain)
@@ -166,16 +205,21 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="run the rows whose name contains this text")
     args = ap.parse_args()
     os.environ.setdefault("DYNALM_THREADS", str(args.threads))
     device = CpuDevice("auto", threads=args.threads)
     model = load_model(Path(args.model))
     print(f"model {model.name} · {args.model} · threads {device.threads} · runs {args.runs}\n")
 
-    print("| T | ms/step | x T=1 |\n|---|---|---|")
-    table = step_times(model, device, args.runs)
-    for t, s in table:
-        print(f"| {t} | {s * 1e3:.2f} | {s / table[0][1]:.2f} |")
+    def wanted(name: str) -> bool:
+        return args.only in name
+
+    if wanted("step time"):
+        print("| T | ms/step | x T=1 |\n|---|---|---|")
+        table = step_times(model, device, args.runs)
+        for t, s in table:
+            print(f"| {t} | {s * 1e3:.2f} | {s / table[0][1]:.2f} |")
 
     head = (
         f"\n| {'greedy, tg' + str(args.tokens):<28} | plain t/s | spec t/s | ratio | "
@@ -184,23 +228,39 @@ def main() -> None:
     print(head)
     n, runs = args.tokens, args.runs
     for name, text in {**COPY_PROMPTS, **CHAT_PROMPTS}.items():
-        result = compare(model, device, NgramDrafter(), [encode(model, text)], n, runs)
-        print(row(f"ngram, {name}", *result))
+        if wanted(f"ngram, {name}"):
+            result = compare(model, device, NgramDrafter(), [encode(model, text)], n, runs)
+            print(row(f"ngram, {name}", *result))
     mixed = [encode(model, t) for t in [*COPY_PROMPTS.values(), *CHAT_PROMPTS.values()]]
-    mixed += mixed[:2]
-    print(row("ngram, 8 streams", *compare(model, device, NgramDrafter(), mixed, n, runs)))
+    mixed += mixed[: 8 - len(mixed)]
+    if wanted("ngram, 8 streams"):
+        print(row("ngram, 8 streams", *compare(model, device, NgramDrafter(), mixed, n, runs)))
     config = {"ctx": 1024, "max_num_seqs": 8}
     copy = [encode(model, COPY_PROMPTS["edit code"])]
     chat = [encode(model, CHAT_PROMPTS["chat: explain"])]
+    splits: dict[str, dict[str, float]] = {}
     for label, adaptive in (("k=4", False), ("adaptive", True)):
         for what, prompts in (("edit code", copy), ("chat", chat)):
             drafters = {
-                "self as draft": ModelDrafter.for_model(model, model, device, **config),
-                "layer-skip": ModelDrafter.layer_skip(model, device, **config),
+                "self as draft": lambda: ModelDrafter.for_model(model, model, device, **config),
+                "layer-skip": lambda: ModelDrafter.layer_skip(model, device, **config),
             }
-            for kind, drafter in drafters.items():
-                result = compare(model, device, drafter, prompts, n, runs, adaptive_draft=adaptive)
-                print(row(f"{kind} {label}, {what}", *result))
+            for kind, make in drafters.items():
+                if not wanted(f"{kind} {label}, {what}"):
+                    continue
+                name, split = f"{kind} {label}, {what}", {}
+                result = compare(
+                    model, device, make(), prompts, n, runs, split, adaptive_draft=adaptive
+                )
+                print(row(name, *result))
+                splits[name] = split
+    if splits:  # where a draft model's runs spend their time (the rest: the engine's Python)
+        print("\n| draft model: time in | target steps | draft passes | the rest |")
+        print("|---|---|---|---|")
+        for name, split in splits.items():
+            total, target, draft = split["total"], split["target"], split["draft"]
+            shares = (f"{100 * t / total:.1f} %" for t in (target, draft, total - target - draft))
+            print(f"| {name} | " + " | ".join(shares) + " |")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,19 @@ from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
 from dynalm.runtime.speculative import (
+    MARGIN,
+    PRIOR,
+    PROBE_EVERY,
+    STEP_EWMA,
+    STEP_STALE,
     DraftLength,
     NgramDrafter,
+    StepCost,
     accept_greedy,
     accept_sampled,
     check_num_draft_tokens,
+    drafts_can_pay,
+    plan_drafts,
 )
 
 # chi-square critical values at p = 0.001 (5 and 3 degrees of freedom): a correct sampler
@@ -97,26 +105,99 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert "r" not in drafter._index
 
 
-def test_draft_length_adapts_and_probes():
+# A synthetic step-time curve shaped like SmolLM2-135M's on 2 threads (ms): slow growth while
+# a kernel tile of 8 rows fills, a jump at 9, then linear.
+def curve(t: int) -> float:
+    if t <= 0:
+        return 0.0
+    return 3.4 + 0.3 * (t - 1) if t <= 8 else 7.8 + 0.6 * (t - 9)
+
+
+def test_step_cost_learns_the_curve():
+    cost = StepCost()
+    assert not cost.measured and cost(1) == 1.0 and cost(11) == pytest.approx(2.0)  # the prior
+    cost.record(8, 5.6)
+    assert cost(8) == 5.6
+    assert cost(16) == pytest.approx(5.6 * 2.5 / 1.7)  # scaled from 8 by the prior's shape
+    assert cost(1) == pytest.approx(5.6 / 1.7)
+    cost.record(9, 7.8)  # a jump: above, the curve goes on with its slope
+    assert cost(12) == pytest.approx(7.8 + 3 * 2.2)
+    assert cost.guess(12) == pytest.approx(7.8 * 2.1 / 1.8)  # exploring: the prior's slope
+    assert cost.guess(8) == cost(8)
+    cost.record(16, 11.4)
+    assert cost(12) == pytest.approx(7.8 + 3 * 3.6 / 7)  # interpolated between neighbours
+    cost.record(16, 13.4)  # an EWMA: one sample moves it by STEP_EWMA of the difference
+    assert cost(16) == pytest.approx(11.4 + STEP_EWMA * 2.0)
+    cost.record(4, 100.0)  # a stall: counted as twice the estimate
+    assert cost.times[4] == pytest.approx(2 * 5.6 * 1.3 / 1.7)
+    assert cost(0) == 0.0
+
+
+def test_plan_drafts_on_a_synthetic_curve():
+    # one stream: T = 1 -> 5 costs 36 % more; 4 tokens of a good rate pay, of a poor one none
+    assert plan_drafts([0.9], [4], 1, 0, curve) == [4]
+    assert plan_drafts([0.9], [2], 1, 0, curve) == [2]  # no more than the draft has
+    assert plan_drafts([0.08], [4], 1, 0, curve) == [0]  # 1.08 tokens for 1.09x the time
+    # 1.12 tokens for 1.09x the time: 3 % faster, under MARGIN; 1.2 tokens: 10 % faster
+    assert MARGIN == 0.05 and plan_drafts([0.12], [1], 1, 0, curve) == [0]
+    assert plan_drafts([0.2], [1], 1, 0, curve) == [1]
+    # 4 streams: 4 more tokens fill the tile (T = 8) cheaply; the 5th would cross the jump
+    assert plan_drafts([0.9, 0.9, 0.9, 0.9], [4] * 4, 4, 0, curve) == [1, 1, 1, 1]
+    # the 4 surest tokens: 0.95, 0.95**2, then 0.6 and 0.6 (not 0.6**2)
+    assert plan_drafts([0.95, 0.6, 0.6, 0.6], [2] * 4, 4, 0, curve) == [2, 1, 1, 0]
+    # 8 streams at 77 %: every draft token crosses the jump: 8 tokens make 8 for 5.5 ms,
+    # 16 make 8 + 6.2 for 11.4 ms; none is drafted
+    assert plan_drafts([0.77] * 8, [4] * 8, 8, 0, curve) == [0] * 8
+
+    # ... but with sure drafts, a rate one token cannot reach, 8 can: a jump, then flat
+    def jump(t: int) -> float:
+        return 0.0 if t <= 0 else 1.0 if t <= 8 else 1.5 if t <= 16 else 1.5 + 0.2 * (t - 16)
+
+    assert plan_drafts([0.95] * 8, [4] * 8, 8, 0, jump) == [1] * 8
+    # prefill tokens in the step: drafts pay for their marginal time at the decode rate
+    # (a stream at 0.4 alone: 2 tokens, 1.56 tokens for 4.0 ms, 0.39 per ms; beside 100
+    # prefill tokens a token costs 0.6 ms, 0.23 tokens' worth: the first pays, the second not)
+    assert plan_drafts([0.4], [4], 1, 0, curve) == [2]
+    assert plan_drafts([0.4], [4], 1, 100, curve) == [1]
+    flat = lambda t: 1.0 + 0.01 * t  # noqa: E731 (weights dominate: tokens nearly free)
+    assert plan_drafts([0.9], [4], 1, 100, flat) == [4]
+    # a draft model's passes: as dear as the target, never; a tenth of it, yes
+    assert plan_drafts([1.0], [4], 1, 0, curve, curve) == [0]
+    assert plan_drafts([0.9], [4], 1, 0, curve, lambda n: 0.1 * curve(n)) == [4]
+    assert plan_drafts([], [], 3, 0, curve) == []
+
+
+def test_drafts_can_pay():
+    assert drafts_can_pay(1, 0, curve, 4)  # a lone stream
+    assert drafts_can_pay(4, 0, curve, 4)  # up to the tile's 8 rows
+    assert not drafts_can_pay(8, 0, curve, 8)  # the tile is full: 16 tokens cost 2.1x 8
+    assert not drafts_can_pay(8, 0, curve, 0) and not drafts_can_pay(1, 0, float, 4)
+
+
+def test_draft_length_rates_and_probes():
     length = DraftLength(k_max=4)
+    assert length.rate() == PRIOR and length.rate(3) == PRIOR
+    for _ in range(PROBE_EVERY):
+        length.planned(0)
+    assert length.rate() == PRIOR  # a probe before any draft was verified
+    length.planned(1)
     for _ in range(8):
         length.update(3, 4, 4)
     length.update(3, 4, 2)
     assert 0.7 < length.rates[3] < 0.9
-    length.rates[3] = 0.8
-    assert length.choose(1, 0.0) == 4  # a lone stream: each token's 0.8**i beats 0.12
-    assert length.choose(16, 0.0) == 1  # a full batch: drafts must pay for their share
-    assert length.trim(1, 1, 0.0) == 4  # an unseen kind is tried as the best one
+    assert length.rate(1) == length.rates[3]  # an unseen kind is tried as the best one
     for _ in range(40):
         length.update(1, 1, 0)
-    assert length.trim(1, 1, 0.0) == 0 and length.trim(3, 1, 0.0) == 4  # per kind
-    for _ in range(40):
         length.update(3, 1, 0)
-    ks = [length.choose(1, 0.0) for _ in range(64)]
-    assert ks.count(0) == 60 and ks.count(1) == 64 // 16  # off, probing now and then
-    assert length.probing and length.trim(1, 1, 0.0) == 1  # a probe drafts any kind
-    assert DraftLength(k_max=4).choose(1, 1.0) == 0  # a draft as costly as the target
-    assert DraftLength(k_max=3, adaptive=False).choose(8, 0.5) == 3
+    assert length.rate() < 0.01
+    for _ in range(PROBE_EVERY):  # steps without a draft: the next one plans with the prior
+        length.planned(0)
+    assert length.rate() == PRIOR and length.rate(1) == PRIOR
+    length.planned(0)  # probed (drafted or not): back to its own rates
+    assert length.rate() < 0.01
+
+
+def test_bad_draft_lengths():
     for bad in (0, 17):
         with pytest.raises(InvalidRequest, match="--num-draft-tokens"):
             check_num_draft_tokens(bad)
@@ -143,3 +224,24 @@ def test_rejected_draft_pages_go_back_and_never_reach_the_prefix_cache():
     assert cache.n_pages == 2  # 8 computed tokens: 2 whole pages, no rejected token in them
     assert cache.match(list(range(6)) + [100, 101]).n_tokens == 8
     assert pool.n_free == 6
+
+
+def test_step_cost_forgets_what_it_no_longer_measures():
+    cost = StepCost()
+    cost.record(2, 9.0)  # a stall made T = 2 look dear
+    for _ in range(STEP_STALE):
+        cost.record(1, 3.0)
+    assert cost.times.keys() == {1, 2}
+    cost.record(1, 3.0)
+    assert cost.times.keys() == {1} and cost(2) == pytest.approx(3.3)  # from T = 1 again
+
+
+def test_plan_drafts_explores_one_token_at_a_time():
+    assert plan_drafts([0.9], [4], 1, 0, curve, most=1) == [1]
+    assert plan_drafts([0.9, 0.9], [4, 4], 2, 0, curve, most=3) == [2, 1]
+    assert plan_drafts([0.9], [4], 1, 0, curve, most=0) == [0]
+    cost = StepCost()
+    assert cost.largest == 0
+    cost.record(5, 1.0)
+    cost.record(3, 1.0)
+    assert cost.largest == 5

@@ -54,6 +54,9 @@ class Executor:
             for weight, key in zip(node.weights, ("parts", "bias_parts"), strict=False):
                 if key in node.attrs:
                     self._parts[weight.name] = tuple(node.attrs[key])
+        # seconds spent binding and compiling (a new step shape, grown buffers or rope
+        # tables): what timing a step's own cost leaves out
+        self.setup_seconds = 0.0
         self._reserve(max_tokens)
 
     def _reserve(self, rows: int) -> None:
@@ -72,6 +75,13 @@ class Executor:
     # -- binding -------------------------------------------------------------------
     def _bind_all(self) -> None:
         """Bind every node against full-capacity buffers; ``_resize`` then fits a step."""
+        t0 = time.perf_counter()
+        try:
+            self._bind_nodes()
+        finally:
+            self.setup_seconds += time.perf_counter() - t0
+
+    def _bind_nodes(self) -> None:
         graph, slot_of = self.graph, self.plan.slot_of
         self.full: dict[int, np.ndarray] = {v.id: self._inputs[n] for n, v in graph.inputs.items()}
         rows_of = {v.id: str(v.type.shape[0]) for v in graph.inputs.values()}
@@ -134,6 +144,13 @@ class Executor:
         Redone whenever the step shape or the KV storage changes; kept for small shapes:
         decode steps alternate between shapes (a sequence joins or leaves, a speculative
         sequence verifies k + 1 tokens), and compiling one costs ~2 decode steps of SmolLM2."""
+        t0 = time.perf_counter()
+        try:
+            self._compile_submission()
+        finally:
+            self.setup_seconds += time.perf_counter() - t0
+
+    def _compile_submission(self) -> None:
         if self._kv is not self._compiled_kv:
             self._compiled.clear()  # their submissions hold the old storage's addresses
         self._compiled_kv = self._kv

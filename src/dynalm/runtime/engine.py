@@ -18,8 +18,10 @@ background thread and hands outputs to asyncio consumers.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,10 +43,15 @@ from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
 from dynalm.runtime.speculative import (
+    EXPLORE_EVERY,
+    Draft,
     Drafter,
     DraftLength,
     SpecStats,
+    StepCost,
     check_num_draft_tokens,
+    drafts_can_pay,
+    plan_drafts,
     verify,
 )
 
@@ -179,6 +186,8 @@ class Engine:
         self.config = config
         self.drafter = drafter
         self.spec_stats = SpecStats()
+        self.step_cost = StepCost()  # decode steps' times by token count (draft planning)
+        self._plans = 0  # steps whose drafts were planned (every EXPLORE_EVERY-th explores)
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
@@ -261,9 +270,9 @@ class Engine:
             prompt_logprobs,
             None if prompt_logprobs is None else [],
             # a grammar's state would have to follow the draft: constrained requests decode
-            None if self.drafter is None or guide is not None or not speculate else DraftLength(
-                self.config.num_draft_tokens, self.config.adaptive_draft
-            ),
+            None
+            if self.drafter is None or guide is not None or not speculate
+            else DraftLength(self.config.num_draft_tokens),
         )
         with self._lock:
             if request_id in self._streams:
@@ -299,6 +308,7 @@ class Engine:
                     outputs.append(self._finish(self._streams[rid], "", [], "abort"))
             self._aborts.clear()
             self._propose()
+            t0, setup = time.perf_counter(), self.executor.setup_seconds
             sched = self.scheduler.schedule()
         if not sched.chunks:
             return outputs
@@ -335,30 +345,71 @@ class Engine:
                 else:
                     rid = stream.request.request_id
                     outputs += self._verify(stream, logits[first[i] : first[i + 1]], saved[rid])
+        if self.drafter is not None and all(c.n == 1 + c.n_draft for c in sched.chunks):
+            # a decode step's time (the drafter's passes came before t0), less what compiling
+            # a new shape took
+            setup = self.executor.setup_seconds - setup
+            self.step_cost.record(sched.num_tokens, time.perf_counter() - t0 - setup)
         return outputs
 
     # -- speculative decoding ---------------------------------------------------------------
     def _propose(self) -> None:
         """Drafts for the running sequences that decode (only their last token is left to
-        compute), as many tokens as each one's ``DraftLength`` and its room allow."""
+        compute): as many tokens as ``plan_drafts`` finds worth their time in this step,
+        from each one's acceptance rates and the measured step times (``step_cost``)."""
         if self.drafter is None:
             return
-        running, ctx, cost = self.scheduler.running, self.config.ctx, self.drafter.cost
-        asked: list[tuple[_Stream, int]] = []
-        for req in running:
-            stream = self._streams[req.request_id]
-            if stream.draft_length is None or req.num_computed_tokens != req.num_tokens - 1:
+        sched, ctx, drafter = self.scheduler, self.config.ctx, self.drafter
+        n_decode, pending, asked, rooms = 0, 0, [], []
+        for req in sched.running:
+            own = req.num_tokens - req.num_computed_tokens
+            if own != 1:  # a prefill chunk
+                pending += own
                 continue
+            n_decode += 1
+            stream = self._streams[req.request_id]
             room = min(req.max_tokens - req.num_output_tokens, ctx - req.num_tokens) - 1
-            k = min(stream.draft_length.choose(len(running), cost), room)
-            if k > 0:
-                asked.append((stream, k))
+            if stream.draft_length is not None and room > 0:
+                asked.append(stream)
+                rooms.append(min(room, stream.draft_length.k_max))
         if not asked:
             return
-        drafts = self.drafter.propose([s.request for s, _ in asked], [k for _, k in asked])
-        for (stream, k), draft in zip(asked, drafts, strict=True):
+        seats = sched.max_num_seqs - len(sched.running)
+        pending += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
+        n_other = min(pending, max(0, sched.max_num_batched_tokens - n_decode))
+        adaptive, cost = self.config.adaptive_draft, self.step_cost
+        # one token past the largest step measured (beyond it the curve is a guess, and a
+        # step of a new size compiles first), but now and then as far as the prior guesses
+        self._plans += 1
+        explore = self._plans % EXPLORE_EVERY == 0
+        curve = cost.guess if explore else cost
+        most = sum(rooms) if explore else max(cost.largest, n_decode) + 1 - n_decode
+        if adaptive and not drafts_can_pay(n_decode, n_other, curve, min(most, sum(rooms))):
+            return
+        counts = [s.draft_length for s in asked]
+        if drafter.free:  # drafts first, then how much of each to verify
+            drafts = drafter.propose([s.request for s in asked], rooms)
+            rooms = [len(d.tokens) for d in drafts]
+            if not any(rooms):
+                return
+            rates = [c.rate(d.kind) for c, d in zip(counts, drafts, strict=True)]  # type: ignore[union-attr]
+        else:
+            rates = [c.rate() for c in counts]  # type: ignore[union-attr]
+        if adaptive:
+            ks = plan_drafts(
+                rates, rooms, n_decode, n_other, curve, lambda n: drafter.pass_time(n, cost), most
+            )
+        else:
+            ks = rooms
+        if not drafter.free:
+            want = [i for i, k in enumerate(ks) if k]
+            drafts = [Draft([]) for _ in asked]
+            proposed = drafter.propose([asked[i].request for i in want], [ks[i] for i in want])
+            for i, draft in zip(want, proposed, strict=True):
+                drafts[i] = draft
+        for stream, k, draft in zip(asked, ks, drafts, strict=True):
             assert stream.draft_length is not None
-            k = min(k, stream.draft_length.trim(draft.kind, len(running), cost))
+            stream.draft_length.planned(k)
             stream.request.draft = draft.tokens[:k]
             stream.draft_probs = None if draft.probs is None else draft.probs[:k]
             stream.draft_kind = draft.kind

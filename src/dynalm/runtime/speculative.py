@@ -12,11 +12,15 @@ distribution exactly. Rejected positions' keys and values are dropped
 (``KVCacheManager.accept_draft``).
 
 On a CPU a decode step reads every weight once, so verifying a few more tokens costs
-little (SmolLM2-135M Q4_1, 2 threads: a step of 4 tokens of one sequence costs ~1.2-1.3x
-a step of 1, 8 tokens ~1.7-2x; ``benchmarks/spec_bench.py`` measures it). How many to draft
-is decided per sequence (``DraftLength``) from its running acceptance rate, weighed
-against what the extra tokens cost in a step of that many sequences; where drafting does
-not pay it stops, probing again now and then.
+little, until it does not: SmolLM2-135M Q4_1 on 2 threads, one sequence, T = 8 tokens cost
+1.6-2x T = 1, T = 9 2.3-2.8x (a kernel's tile of 8 rows is full), then ~0.2x more per token
+(``benchmarks/spec_bench.py`` measures it); 8 decoding sequences with one draft token each
+take ~1.7x the step of the 8 alone. So the engine times its decode steps (``StepCost``: step
+time by token count, learnt online) and decides the draft lengths of the whole step at once
+(``plan_drafts``): the draft tokens with the most expected accepted tokens (from each
+sequence's acceptance rate, ``DraftLength``) as long as they raise the tokens made per second
+of step time. A lone stream drafts eagerly, a full batch only where the curve is flat
+enough; where drafting does not pay it stops, trying again now and then.
 
 Drafters (``Drafter``: ``propose`` and ``release``; a new one is one class):
 * ``NgramDrafter``: prompt lookup: the last n tokens (n = 3, 2, 1) found earlier in the
@@ -29,9 +33,11 @@ Drafters (``Drafter``: ``propose`` and ``release``; a new one is one class):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,14 +54,24 @@ from dynalm.runtime.sampling import Sampler, _check
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk
 
 MAX_DRAFT_TOKENS = 16
-# One more token in a decode step, as a share of a one-token step: measured on SmolLM2-135M
-# Q4_1 with 2 threads (benchmarks/spec_bench.py, "step time" table: T = 4 costs ~1.2-1.3x
-# T = 1, T = 8 ~1.7-2.0x). Weights are read once per step whatever T is; the extra rows'
-# arithmetic, attention and logits are what a token adds.
-TOKEN_COST = 0.12
 EWMA = 0.15  # weight of one draft token's outcome in a sequence's acceptance rate
 PRIOR = 0.5  # the acceptance rate assumed before any draft of a kind was verified
 PROBE_EVERY = 16  # decode steps without drafting before one token is drafted again
+# The step-time curve's shape assumed before two sizes are measured, in one-token steps:
+# 1 + 0.1 per further token. It is optimistic on purpose (SmolLM2-135M Q4_1, 2 threads:
+# T = 8 costs 1.6x T = 1, T = 16 3.4x): a size thought too cheap is tried and then measured,
+# a size thought too dear would never be tried, so never corrected.
+PRIOR_SLOPE = 0.1
+# Drafting must be predicted to make the decoding sequences this much faster: the curve is
+# measured with noise, and a draft costs what it does not see (a new step size compiles).
+MARGIN = 0.05
+# Every this many planned steps, one explores: it plans with ``StepCost.guess``, and without
+# the one-size-at-a-time limit, so a size past a jump in the curve gets measured.
+EXPLORE_EVERY = 32
+STEP_EWMA = 0.1  # weight of one measured step in its token count's time (steps are noisy)
+# A token count's time not measured again in this many steps is forgotten, so a size that
+# a stall or a busy machine made look dear is estimated from its neighbours and tried again.
+STEP_STALE = 256
 
 
 def check_num_draft_tokens(k: int) -> int:
@@ -129,53 +145,188 @@ def verify(
 # -- how many tokens to draft --------------------------------------------------------------
 
 
+def _prior(n_tokens: int) -> float:
+    return 1 + PRIOR_SLOPE * (n_tokens - 1)
+
+
+class StepCost:
+    """The time of a model step by its token count T, learnt online: an EWMA of the measured
+    times of each T; a T not measured yet is interpolated linearly between its measured
+    neighbours; above the largest measured T it goes on with the slope of the last measured
+    stretch (a jump there, such as a kernel's tile filling up, is taken to go on: pessimistic,
+    so such sizes are not explored); with one T measured, or below the smallest, it is scaled
+    by the prior curve (``PRIOR_SLOPE``), and with nothing measured it is the prior itself (in
+    one-token steps). A T not measured for ``STEP_STALE`` steps is forgotten (the machine's
+    load changes; a stall made it look dear). What a step spent compiling a new shape is not
+    its cost (the caller's business)."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, float] = {}
+        self._seen: dict[int, int] = {}  # the record each token count was last measured in
+        self._records = 0
+        self._keys: list[int] = []  # measured T, ascending
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.times)
+
+    @property
+    def largest(self) -> int:
+        """The largest token count measured (0: none)."""
+        return self._keys[-1] if self._keys else 0
+
+    def record(self, n_tokens: int, seconds: float) -> None:
+        # a sample more than twice the estimate counts as twice: one stall must not make a
+        # size look so dear that it is not tried (so not measured) again for a long while
+        old = self(n_tokens) if self.times else None
+        if old is not None:
+            seconds = min(seconds, 2 * old)
+        if n_tokens in self.times:
+            self.times[n_tokens] += STEP_EWMA * (seconds - self.times[n_tokens])
+        else:
+            self.times[n_tokens] = seconds
+        self._records += 1
+        self._seen[n_tokens] = self._records
+        for t in [t for t, at in self._seen.items() if self._records - at > STEP_STALE]:
+            del self.times[t], self._seen[t]
+        self._keys = sorted(self.times)
+
+    def __call__(self, n_tokens: int) -> float:
+        return self._estimate(n_tokens, optimistic=False)
+
+    def guess(self, n_tokens: int) -> float:
+        """The estimate, but above the largest measured T on the prior's gentle slope: what
+        an exploring step plans with, so that sizes past a jump are tried now and then."""
+        return self._estimate(n_tokens, optimistic=True)
+
+    def _estimate(self, n_tokens: int, optimistic: bool) -> float:
+        if n_tokens <= 0:
+            return 0.0
+        times, keys = self.times, self._keys
+        if n_tokens in times:
+            return times[n_tokens]
+        if not keys:
+            return _prior(n_tokens)
+        at = bisect.bisect_left(keys, n_tokens)
+        if at == 0:  # below every measured size
+            return times[keys[0]] * _prior(n_tokens) / _prior(keys[0])
+        if at == len(keys):  # above: the last measured stretch's slope, at least the prior's
+            lo = keys[-1]
+            slope = times[lo] * PRIOR_SLOPE / _prior(lo)
+            if len(keys) > 1 and not optimistic:
+                slope = max(slope, (times[lo] - times[keys[-2]]) / (lo - keys[-2]))
+            return times[lo] + slope * (n_tokens - lo)
+        lo, hi = keys[at - 1], keys[at]
+        return times[lo] + (times[hi] - times[lo]) * (n_tokens - lo) / (hi - lo)
+
+
+def plan_drafts(
+    rates: Sequence[float],
+    lengths: Sequence[int],
+    n_decode: int,
+    n_other: int,
+    step: Callable[[int], float],
+    pass_time: Callable[[int], float] | None = None,
+    most: int | None = None,
+) -> list[int]:
+    """How many draft tokens each of the sequences that may draft puts in the step.
+
+    ``rates[i]``: sequence i's per-token acceptance rate, so its j-th draft token adds
+    ``rates[i] ** j`` expected tokens; ``lengths[i]``: the most it may draft. The step
+    computes ``n_decode`` decoding sequences' last tokens (each makes one token) and
+    ``n_other`` prefill tokens; ``step(T)`` is the time of a step of T tokens and
+    ``pass_time(n)`` a drafter pass over n sequences (drafting j tokens takes j passes);
+    ``most``: the most draft tokens in all (None: no limit).
+
+    Taking the K most valuable draft tokens (gain G_K, drafter time D_K) for K = 0, 1, ...,
+    the decoding sequences alone make ``r_K = (n_decode + G_K) / (step(n_decode + K) + D_K)``
+    tokens per second; the best K there is the rate r* that time is worth. The step then
+    takes the K that maximises ``G_K - r* (step(T0 + K) - step(T0) + D_K)``, T0 the step's
+    tokens without drafts: without prefill tokens this is the K of rate r* itself; with
+    them, drafts must pay for their marginal time at r*. The whole curve is searched, not one
+    token at a time: a step time that jumps (a kernel's tile filled) and then grows slowly
+    can make 8 draft tokens pay where 1 does not."""
+    pass_time = pass_time or (lambda n: 0.0)
+    most = sum(lengths) if most is None else max(0, most)
+    candidates = sorted(
+        ((r**j, i) for i, (r, n) in enumerate(zip(rates, lengths, strict=True))
+         for j in range(1, min(n, most) + 1)),
+        key=lambda c: (-c[0], c[1]),  # the surest first; of equals, the earlier sequence's
+    )[:most]  # fmt: skip
+    if not candidates:
+        return [0] * len(rates)
+    counts, passes = [0] * len(rates), [0] * (max(lengths, default=0) + 1)
+    gains, drafts = [0.0], [0.0]  # G_K, D_K
+    for gain, i in candidates:
+        counts[i] += 1
+        p = counts[i]
+        drafts.append(drafts[-1] + pass_time(passes[p] + 1) - pass_time(passes[p]))
+        passes[p] += 1
+        gains.append(gains[-1] + gain)
+    best_k = _best_k(gains, drafts, n_decode, n_other, step)
+    ks = [0] * len(rates)
+    for _, i in candidates[:best_k]:
+        ks[i] += 1
+    return ks
+
+
+def _best_k(
+    gains: Sequence[float],
+    drafts: Sequence[float],
+    n_decode: int,
+    n_other: int,
+    step: Callable[[int], float],
+) -> int:
+    """``plan_drafts``' choice of K from G_K and D_K (K = 0, 1, ...)."""
+    speeds = [
+        (n_decode + g) / (step(n_decode + k) + d)
+        for k, (g, d) in enumerate(zip(gains, drafts, strict=True))
+    ]
+    worth = max(speeds)
+    if worth < (1 + MARGIN) * speeds[0]:
+        return 0
+    t0 = n_decode + n_other
+    base = step(t0)
+    best, best_k = 0.0, 0
+    for k in range(1, len(gains)):
+        value = gains[k] - worth * (step(t0 + k) - base + drafts[k])
+        if value > best:
+            best, best_k = value, k
+    return best_k
+
+
+def drafts_can_pay(n_decode: int, n_other: int, step: Callable[[int], float], most: int) -> bool:
+    """Whether up to ``most`` draft tokens could pay in this step even if each were sure to
+    be accepted and free to draft (else the drafter need not be asked: a full batch on a CPU
+    whose step time doubles from 8 to 16 tokens)."""
+    k = range(max(0, most) + 1)
+    return _best_k([float(i) for i in k], [0.0 for _ in k], n_decode, n_other, step) > 0
+
+
 @dataclass
 class DraftLength:
-    """One sequence's draft length from its acceptance rates: an EWMA per draft token, kept
-    per kind of draft (the n-gram drafter's match length: a 3-token match is surer than a
-    1-token one; a model drafter has one kind).
-
-    With per-token acceptance a, the i-th draft token adds a**i expected tokens and costs
-    ``TOKEN_COST + drafter cost`` of a one-token step; in a step of S sequences, that step
-    makes S tokens for ``1 + TOKEN_COST * (S - 1)``. A token is drafted while what it adds
-    beats what its cost buys at the step's own rate, so a lone stream drafts eagerly and a
-    full batch only where drafts are nearly always right."""
+    """One sequence's acceptance rates: an EWMA per draft token, kept per kind of draft (the
+    n-gram drafter's match length: a 3-token match is surer than a 1-token one; a model
+    drafter has one kind). How many tokens it drafts is decided for the whole step
+    (``plan_drafts``) from these rates and the measured step times. After ``PROBE_EVERY``
+    steps in a row without a draft the rates it gets planned with are the prior again, once:
+    the text may have changed."""
 
     k_max: int
-    adaptive: bool = True
     rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
     idle: int = 0  # steps in a row without drafting
-    probing: bool = False  # this step drafts one token although no kind pays
 
-    def _worth(self, rate: float, n_seqs: int, draft_cost: float) -> int:
-        per_cost = n_seqs / (1 + TOKEN_COST * (n_seqs - 1))  # tokens per one-token step
-        threshold = per_cost * (TOKEN_COST + draft_cost)
-        k, gain = 0, rate
-        while k < self.k_max and gain > threshold:
-            k, gain = k + 1, gain * rate
-        return k
+    def rate(self, kind: int | None = None) -> float:
+        """The acceptance rate to plan a draft of ``kind`` with (None: its best kind's; an
+        unseen kind is tried as the best one)."""
+        if self.idle >= PROBE_EVERY:
+            return max([PRIOR, *self.rates.values()])
+        best = max(self.rates.values(), default=PRIOR)
+        return best if kind is None else self.rates.get(kind, best)
 
-    def choose(self, n_seqs: int, draft_cost: float) -> int:
-        """How many tokens to ask the drafter for: what the best kind is worth."""
-        self.probing = False
-        if not self.adaptive:
-            return self.k_max
-        k = self._worth(max(self.rates.values(), default=PRIOR), n_seqs, draft_cost)
-        if k or draft_cost + TOKEN_COST >= 1:  # (a draft as costly as the target never pays)
-            self.idle = 0
-            return k
-        self.idle += 1
-        if self.idle >= PROBE_EVERY:  # the text may have changed: look again
-            self.idle, self.probing = 0, True
-            return 1
-        return 0
-
-    def trim(self, kind: int, n_seqs: int, draft_cost: float) -> int:
-        """How many tokens of a draft of ``kind`` to verify (an unseen kind is tried)."""
-        if not self.adaptive:
-            return self.k_max
-        rate = self.rates.get(kind, max(self.rates.values(), default=PRIOR))
-        return max(self._worth(rate, n_seqs, draft_cost), int(self.probing))
+    def planned(self, k: int) -> None:
+        """The step drafts ``k`` tokens for it."""
+        self.idle = 0 if k or self.idle >= PROBE_EVERY else self.idle + 1
 
     def update(self, kind: int, drafted: int, accepted: int) -> None:
         """``accepted`` of ``drafted`` tokens were kept (the ones after a rejection were
@@ -228,7 +379,12 @@ class Drafter:
     """Proposes tokens to follow running sequences."""
 
     name = "drafter"
-    cost = 0.0  # one draft token's cost, as a share of a one-token target step
+    cost = 0.0  # a pass's time as a share of a target step of as many tokens (the prior)
+    free = False  # proposing costs nothing: every sequence is asked, its draft planned after
+
+    def pass_time(self, n_seqs: int, target: StepCost) -> float:
+        """The time of one drafting pass over ``n_seqs`` sequences, in ``target``'s units."""
+        return self.cost * target(n_seqs)
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         """Up to ``ks[i]`` tokens to follow ``requests[i].token_ids``, for each request."""
@@ -244,6 +400,7 @@ class NgramDrafter(Drafter):
     Each sequence keeps an index of its n-grams, extended as it grows."""
 
     name = "ngram"
+    free = True
 
     def __init__(self, max_n: int = 3):
         self.max_n = max_n
@@ -385,6 +542,12 @@ class ModelDrafter(Drafter):
         self.max_tokens = max_tokens
         self._seqs: dict[str, Request] = {}
         self._synced: dict[str, int] = {}  # tokens each sequence shares with its target
+        self.steps = StepCost()  # its passes' times, measured
+
+    def pass_time(self, n_seqs: int, target: StepCost) -> float:
+        if self.steps.measured and target.measured:  # both in seconds
+            return self.steps(n_seqs)
+        return super().pass_time(n_seqs, target)
 
     @classmethod
     def for_model(
@@ -465,11 +628,14 @@ class ModelDrafter(Drafter):
                 break
             from dynalm.runtime.engine import flat_batch
 
+            t0, setup = time.perf_counter(), self.executor.setup_seconds
             tokens, positions, batch = flat_batch(self.pool, chunks)
             ends = batch.query_start[1:] - 1
             sampling = [j for j, c in enumerate(chunks) if c.samples]
             logits = self.executor.run(tokens, positions, ends[sampling], batch)
             best = logits.argmax(axis=1).tolist()
+            setup = self.executor.setup_seconds - setup  # (compiling a new shape)
+            self.steps.record(len(tokens), time.perf_counter() - t0 - setup)
             for chunk in chunks:
                 chunk.request.num_computed_tokens = chunk.start + chunk.n
             for row, j in enumerate(sampling):
