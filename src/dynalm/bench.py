@@ -20,7 +20,6 @@ DynaLM's warm-up pass (one run of every test) and before llama.cpp is loaded.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from dynalm.core.device import Device
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import MemoryPlan, plan_memory
+from dynalm.runtime.memory_plan import MemoryPlan, peak_rss, plan_memory
 from dynalm.runtime.sampling import SamplingParams
 from dynalm.runtime.speculative import Drafter, build_drafter
 
@@ -232,23 +231,6 @@ class Workload:
                 for runner in runners:
                     results[runner.name, test.name].rates.append(self.once(runner, test))
         return list(results.values())
-
-
-def peak_rss() -> int:
-    """The process's peak resident set so far, in bytes."""
-    # Linux: VmHWM of this process's own memory. getrusage's maxrss also counts the
-    # parent's resident set at fork (it survives exec), e.g. a fat test runner's.
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
 PLAN_MARGIN = 0.10  # the memory plan's accuracy (tests/models/test_memory_plan.py)

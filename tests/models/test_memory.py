@@ -55,7 +55,8 @@ def test_repacked_weights_leave_their_mapped_source(smollm2_gguf: Path):
         engine.step()
     resident = resident_bytes_of(smollm2_gguf.resolve())
     # before: the 512 looked-up rows faulted in whole folios of the mapping, 25 MB of 98
-    assert resident <= 0.02 * smollm2_gguf.stat().st_size, resident
+    # (the metadata's pages, up to 2 MiB at a time where the file sits in large folios)
+    assert resident <= 0.02 * smollm2_gguf.stat().st_size + 2**21, resident
 
 
 @pytest.mark.parametrize("which", ["smollm2", "big_vocab"])

@@ -37,11 +37,11 @@ if TYPE_CHECKING:
     from dynalm.models.hparams import HParams
     from dynalm.runtime.engine import EngineConfig
 
-# Measured on x86-64 Linux, Python 3.11: a fresh process after importing DynaLM's engine
-# (numpy + OpenBLAS, llvmlite, tokenizers, jinja2) holds 85 MB; by its peak the compiled
-# kernels, the worker pool, the graph and its bindings have added ~15 MB, and ~30 MB more
-# when the JIT compiles (LLVM's heap) rather than loading its disk cache: the middle.
-RUNTIME_BYTES = 104 * 2**20
+# The interpreter's and libraries' own memory (heap, not their code pages, which are page
+# cache: see library_rss). Measured on x86-64 Linux, Python 3.11, SmolLM2 at ctx 1024 with
+# every KV row and step buffer filled: 279 MiB peak with the JIT's disk cache, 289 MiB
+# when the JIT compiles (LLVM's heap), against 284 MiB planned with this figure.
+RUNTIME_BYTES = 20 * 2**20
 # The HF tokenizer's vocabulary and merges, and the GGUF's tokenizer metadata while it is
 # built: ~40 MB measured for SmolLM2's 49152 tokens.
 TOKENIZER_BYTES_PER_TOKEN = 800
@@ -210,15 +210,45 @@ def available_memory() -> Available:
     return min(candidates, key=lambda a: a.bytes)
 
 
-def current_rss() -> int:
-    """This process's resident set now (part of the plan's runtime is already in it)."""
+def library_rss() -> int:
+    """Bytes of shared libraries' files mapped resident in this process. They are page cache
+    (clean, reclaimable: MemAvailable counts them), and how many of them a run maps depends
+    on the page cache itself (a freshly installed .so sits in large folios, mapped 2 MB at a
+    time: 60 MB more for the same run), so the plan and the RSS it is held to leave them out."""
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                fields = line.split()
+                if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+                    inside = len(fields) > 5 and ".so" in fields[5].rsplit("/", 1)[-1]
+                elif inside and fields[0] == "Rss:":
+                    total += int(fields[1]) * 1024
+    except OSError:
+        pass
+    return total
+
+
+def _status_bytes(key: str) -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def current_rss() -> int:
+    """This process's resident set now, less its libraries' pages (part of the plan's
+    runtime is already in it)."""
+    return max(0, _status_bytes("VmRSS:") - library_rss())
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (Linux VmHWM: getrusage's maxrss would also count a
+    parent's resident set at fork, which survives exec), less its libraries' pages."""
+    return max(0, _status_bytes("VmHWM:") - library_rss())
 
 
 @dataclass(frozen=True)
