@@ -1,10 +1,25 @@
-"""Fixtures of the model tests: the transformers reference, built once per session."""
+"""Fixtures of the model tests: the test model loaded, a CPU device, and the transformers
+reference (built once per session)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from dynalm.core.device import CpuDevice
+from dynalm.models.loader import LoadedModel, load_model
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path) -> LoadedModel:
+    """SmolLM2 loaded (once per test module)."""
+    return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def device() -> CpuDevice:
+    return CpuDevice("auto")
 
 
 @pytest.fixture(scope="session")

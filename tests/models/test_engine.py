@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dynalm.core.device import CpuDevice
 from dynalm.errors import InvalidRequest, PromptTooLong
-from dynalm.models.loader import LoadedModel, load_model
+from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
 from dynalm.runtime.kv_cache import kv_bytes_per_token, recent_bytes_per_seq
 from dynalm.runtime.sampling import SamplingParams
@@ -21,16 +20,6 @@ from workload import SYSTEM, TEXTS, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0)
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def device() -> CpuDevice:
-    return CpuDevice("auto")
 
 
 def encode(model: LoadedModel, text: str) -> list[int]:

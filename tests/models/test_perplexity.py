@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynalm.core.device import CpuDevice
-from dynalm.models.loader import LoadedModel, load_model
+from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.perplexity import perplexity
 
@@ -40,11 +40,6 @@ brought letters, newspapers a week old, tins of coffee, and once a small grey ca
 nobody in town had wanted. The cat took to the lighthouse at once. It slept on the warm
 brass housing of the lamp and followed the keeper up and down the spiral stairs.
 """
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

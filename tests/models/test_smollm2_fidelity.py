@@ -7,14 +7,12 @@ must equal `exact` within the rounding of two fp32 passes (`tolerances.forward_b
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from dynalm.core.device import CpuDevice
-from dynalm.models.loader import LoadedModel, load_model
+from dynalm.models.loader import LoadedModel
 from dynalm.runtime.generator import Generator
 from dynalm.runtime.sampling import SamplingParams
 from tolerances import forward_bound, logit_scale
@@ -37,11 +35,6 @@ TEXTS = [
     "Photosynthesis is the process by which plants",
 ]
 CONTINUATION = 32
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

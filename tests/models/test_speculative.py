@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dynalm.core.device import CpuDevice
 from dynalm.errors import InvalidRequest
-from dynalm.models.loader import LoadedModel, load_model
+from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig, RequestOutput
 from dynalm.runtime.generator import Generator
 from dynalm.runtime.kv_cache import kv_bytes_per_token
@@ -36,16 +34,6 @@ COPY = [  # prompts whose answers repeat their text: n-gram drafts are often rig
     "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday,",
 ]
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def device() -> CpuDevice:
-    return CpuDevice("auto")
 
 
 def chat(model: LoadedModel, question: str) -> list[int]:
