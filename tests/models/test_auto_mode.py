@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from test_smollm2_fidelity import _dynalm_logits, _log_softmax, model, prompts  # noqa: F401
+from test_smollm2_fidelity import _dynalm_logits, _log_softmax, prompts  # noqa: F401
 
 from dynalm.core.device import CpuDevice
 from dynalm.models.loader import LoadedModel

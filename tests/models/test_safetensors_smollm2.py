@@ -22,7 +22,7 @@ import pytest
 from hf_quant import quantize_linears, write_checkpoint
 from safetensors.numpy import save_file
 from test_auto_mode import auto_vs_exact
-from test_smollm2_fidelity import CONTINUATION, model, prompts  # noqa: F401
+from test_smollm2_fidelity import CONTINUATION, prompts  # noqa: F401
 
 from dynalm.core.device import CpuDevice
 from dynalm.core.quant import dequantize
