@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
+from test_engine import chat
 
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
@@ -25,7 +26,7 @@ from dynalm.runtime.speculative import (
     StepCost,
     check_vocabularies,
 )
-from workload import SYSTEM, TEXTS, assert_no_leak
+from workload import TEXTS, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, repeat_penalty=1.0)
 COPY = [  # prompts whose answers repeat their text: n-gram drafts are often right
@@ -34,11 +35,6 @@ COPY = [  # prompts whose answers repeat their text: n-gram drafts are often rig
     "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday,",
 ]
 _ids = itertools.count()
-
-
-def chat(model: LoadedModel, question: str) -> list[int]:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    return model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
 
 
 def run(
