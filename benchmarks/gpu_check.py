@@ -123,7 +123,7 @@ def matmul_case(gpu: Gpu, mode: str, t_rows: int, n: int, k: int) -> tuple[np.nd
     for _, which, args, total, _ in plan:  # auto: the quantiser, then the product
         words = np.frombuffer((ctypes.c_int64 * N_ARGS).from_address(args), np.int64)
         block = gpu.block(words, devices)
-        fn, entry = gpu.function(MATMUL, qm._kernels._specs[which], "")
+        fn, entry = gpu.function(MATMUL, qm._kernels.specs[which], "")
         seconds += gpu.run(fn, entry, block.ptr, total, 20)
     got = gpu.ctx.copy_out(devices[out.ctypes.data], np.empty_like(out))
     return got, want, seconds

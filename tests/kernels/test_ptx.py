@@ -18,9 +18,8 @@ from test_matmul import activations, weights
 
 from dynalm.core import elementwise
 from dynalm.core.matmul import QuantMatmul
-from dynalm.kernel import backends, jit, nvptx, ptx_check, sampling, spirv
+from dynalm.kernel import backends, nvptx, ptx_check, sampling, spirv
 from dynalm.kernel import elementwise as ew_programs
-from dynalm.kernel.lang import I64, Module
 from dynalm.kernel.matmul import MATMUL, UNPACKS, effective_mode
 from dynalm.kernel.pool import POOL
 from tolerances import U, sum_bound
@@ -116,34 +115,10 @@ def test_spirv_reader_rejects_other_binaries() -> None:
 
 
 # -- the grid mapping, run on this CPU ---------------------------------------------------
-_THREAD = [0]
-_THREAD_FN = ctypes.CFUNCTYPE(ctypes.c_int64)(lambda: _THREAD[0])
-_THREAD_SYMBOL = "dynalm_test_grid_thread"
-_ENTRY = (ctypes.c_void_p, ctypes.c_int64)
-
-
-def host_grid(program: backends.Program, spec: dict) -> dict[str, tuple[object, int]]:
-    """``program``'s NVPTX entry kernels built for this CPU (the NVPTX backend's portable
-    twin: same width, same integer sums), the thread index read from ``_THREAD``."""
-    jit.add_symbol(_THREAD_SYMBOL, ctypes.cast(_THREAD_FN, ctypes.c_void_p).value)
-    module = Module(nvptx.module_name("host-grid", program, spec), nvptx.NVPTX.twin(), jit.triple())
-    program.build(module, **spec)
-    nvptx.add_entries(module, program, spec, cc="", thread=lambda k: k.call(_THREAD_SYMBOL, I64))
-    addresses, _ = jit.compile_module(module.text(), module.names)
-    return {
-        short: (jit.cfunc(addresses[f"{full}_grid"], None, *_ENTRY), chunk)
-        for short, full, chunk in module.entries
-    }
-
-
-def run_grid(entry: tuple[object, int], args: int, rows: int) -> None:
-    """Every thread of a launch over ``rows`` rounded up to blocks of 4 threads (the last
-    ones past the end), last thread first."""
-    fn, chunk = entry
-    blocks, threads = nvptx.Entry("", chunk).grid(rows, 4)
-    for t in reversed(range(blocks * threads)):
-        _THREAD[0] = t
-        fn(args, rows)
+def run_grid(entry: nvptx.HostEntry, args: int, rows: int) -> None:
+    """Every thread of a launch over ``rows`` in blocks of 4 threads (the last ones past
+    the end), through the NVPTX backend's host twin."""
+    entry.launch(args, rows, entry.entry.grid(rows, 4))
 
 
 @pytest.mark.parametrize(
@@ -161,8 +136,8 @@ def test_grid_matmul_is_the_cpu_kernel(ggml_type: T, mode: str, t_rows: int) -> 
     qm = QuantMatmul(raw, ggml_type, k, mode=mode, backend=nvptx.NVPTX.twin(), threads=1)
     out = np.full((t_rows, n), np.nan, np.float32)
     for _, which, args, total, _ in qm._plan(x, out):
-        spec = qm._kernels._specs[which]
-        run_grid(host_grid(MATMUL, spec)[""], args, total)
+        spec = qm._kernels.specs[which]
+        run_grid(nvptx.host_twin(MATMUL, spec)[""], args, total)
     np.testing.assert_array_equal(out, want)
 
 
@@ -192,7 +167,7 @@ def test_grid_elementwise_is_the_cpu_kernel() -> None:
         got = np.full_like(want, np.nan)
         bound = bind(got, nvptx.NVPTX.twin())
         program = ew_programs.PROGRAMS[kind]
-        entry = host_grid(program, bound._params)[kind]
+        entry = nvptx.host_twin(program, bound._params)[kind]
         run_grid(entry, bound.block.ctypes.data, int(bound.block[0]))
         np.testing.assert_array_equal(got, want, err_msg=kind)
 
@@ -211,10 +186,11 @@ def test_sampling_reduction() -> None:
         outs = [np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.zeros(rows, np.float32)]
         args = np.array([a.ctypes.data for a in (logits, *outs)], np.int64)
         if run == "grid":
-            run_grid(host_grid(sampling.ROW_REDUCE, spec)[""], args.ctypes.data, rows)
+            run_grid(nvptx.host_twin(sampling.ROW_REDUCE, spec)[""], args.ctypes.data, rows)
         else:
             done = backends.GENERIC.lower(sampling.ROW_REDUCE, spec)
-            done.cfunc("", *_ENTRY, ctypes.c_int64)(args.ctypes.data, 0, rows)
+            fn = done.cfunc("", ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+            fn(args.ctypes.data, 0, rows)
         top, arg, total = outs
         np.testing.assert_array_equal(top, m_ref)
         np.testing.assert_array_equal(arg, arg_ref)

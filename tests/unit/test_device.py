@@ -12,7 +12,7 @@ import pytest
 from dynalm.core import device as devices
 from dynalm.core.cpu_lowering import CpuLowering
 from dynalm.core.device import CpuDevice, DeviceKind, select_device
-from dynalm.core.kv_storage import HostKVStorage
+from dynalm.core.kv_storage import HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable
 from dynalm.ir.ops import OPS
 from dynalm.runtime.kv_cache import PagePool
@@ -97,13 +97,13 @@ def test_the_kv_bytes_are_the_device_s():
     asked = []
 
     class Recording(CpuDevice):
-        def kv_storage(self, *geometry: object) -> HostKVStorage:
+        def kv_storage(self, geometry: KVGeometry) -> HostKVStorage:
             asked.append(geometry)
-            return super().kv_storage(*geometry)
+            return super().kv_storage(geometry)
 
     pool = PagePool(2, 3, 64, n_pages=4, page_size=16, dtype="q8_0", n_seqs=2,
                     device=Recording("safe", threads=1))  # fmt: skip
-    assert asked == [(2, 3, 64, 4, 16, "q8_0", 2)]
+    assert asked == [KVGeometry(2, 3, 64, 4, 16, "q8_0", 2)]
     assert pool.recent == pool.storage.recent == 32 and pool.n_free_recent == 2
     # the pool's own arrays: the refcounts, and lists of free page and buffer ids
     arrays = [v for v in vars(pool).values() if isinstance(v, np.ndarray)]

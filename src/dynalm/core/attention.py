@@ -69,27 +69,27 @@ def _addr(a: np.ndarray) -> int:
         return a.__array_interface__["data"][0]
 
 
-def _row_stride(what: str, x: np.ndarray, rows: int, width: int) -> int:
+def row_stride(what: str, x: np.ndarray, rows: int, width: int) -> int:
     """Floats between the rows of ``x``: f32 ``[rows, width]`` with contiguous rows."""
     return check(what, x, np.float32, (rows, width), strided_rows=True).strides[0] // 4
 
 
-def _check_layout(batch: AttentionBatch, n: int) -> None:
+def check_layout(batch: AttentionBatch, n: int) -> None:
     """The kernels index the pages with the step's page tables and slots, walk each token's
     keys up to its sequence's length through its table, and read recent buffers from their
     first rows: all must lie in the pool."""
     kv, (pages, seq_of, _, recent_rows, _), slots = batch.kv, batch.kernel_tables, batch.slots
     require(len(seq_of) == n, f"{len(seq_of)} tokens in the page tables, {n} slots")
-    if not (n and kv.k):
+    g = kv.geometry
+    if not (n and g.n_layers):
         return
-    require(slots.min() >= 0 and slots.max() < len(kv.k[0]), "a KV slot outside the pool")
-    n_pages = len(kv.k[0]) // kv.page_size
-    require(pages.min() >= 0 and pages.max() < n_pages, "a page id outside the pool")
+    require(slots.min() >= 0 and slots.max() < g.slot_shape[0], "a KV slot outside the pool")
+    require(pages.min() >= 0 and pages.max() < g.n_pages, "a page id outside the pool")
     widths = np.array([len(p) for p in batch.page_tables]) * kv.page_size
     require(bool((batch.seq_lens <= widths).all()), "a sequence longer than its pages")
     if kv.recent:
         end = recent_rows.max() + kv.recent
-        require(recent_rows.min() >= 0 and end <= len(kv.k_recent[0]), "a recent buffer outside")
+        require(recent_rows.min() >= 0 and end <= g.recent_shape[0], "a recent buffer outside")
 
 
 class StepLayout:
@@ -110,7 +110,7 @@ class StepLayout:
         n = len(slots)
         check("positions", positions, np.int64, (None,))
         require(len(positions) >= n, f"{len(positions)} positions for {n} tokens")
-        _check_layout(batch, n)
+        check_layout(batch, n)
         self._arrays = (pages, seq_of, positions, slots, *per_seq)  # alive while kernels run
         words = (n, _addr(pages), pages.shape[1], _addr(seq_of), _addr(positions), _addr(slots))
         self._block[:] = (*words, *map(_addr, per_seq))
@@ -160,7 +160,7 @@ class PagedAttention:
             ("k", k, A_K_NEW, A_K_STRIDE, n_kv_heads),
             ("v", v, A_V_NEW, A_V_STRIDE, n_kv_heads),
         ):
-            a[at], a[stride] = _addr(x), _row_stride(name, x, self._rows, heads * head_dim)
+            a[at], a[stride] = _addr(x), row_stride(name, x, self._rows, heads * head_dim)
         a[A_OUT], a[A_WINDOW], a[A_STEP] = _addr(out), window, step.address
         a[A_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
         self._ptr = _addr(a)

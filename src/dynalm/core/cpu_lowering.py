@@ -65,12 +65,10 @@ class CpuLowering(Lowering):
     cached_rows = CACHED_ROWS
 
     def __init__(self, device: CpuDevice, executor: Executor) -> None:
-        self.device, self.ex = device, executor
+        super().__init__(device, executor)
         self._native = device.mode != "safe"
         self._backend = device.backend  # lowers the native kernels
         self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
-        self._rope_tables: dict[tuple, cpu_ops.RopeTable] = {}
-        self._rope_positions = 256  # positions the rope tables cover (they grow on demand)
         self._batch: AttentionBatch | None = None
         self._layout = attention.StepLayout()  # what the native attention kernels read
 
@@ -107,18 +105,6 @@ class CpuLowering(Lowering):
             return self._kernel(elementwise.add, full[out], full[x], full[y], rows=rows)
         v, o, a, b = ex.views, ex.view_of[out], ex.view_of[x], ex.view_of[y]
         return lambda: np.add(v[a], v[b], out=v[o])
-
-    def _rope_table(self, node: Node) -> cpu_ops.RopeTable:
-        a, w = node.attrs, [wt.name for wt in node.weights]
-        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None)
-        if key not in self._rope_tables:
-            factors = self.ex.prepare(w[0], "vector") if w else None
-            self._rope_tables[key] = cpu_ops.RopeTable(
-                a["rope_dim"], a["base"], a["scale"], factors
-            )
-        table = self._rope_tables[key]
-        table.ensure(self._rope_positions)
-        return table
 
     def _operands(self, node: Node) -> tuple:
         """views, full buffers, operand view indices, output view index, output buffer,
@@ -180,7 +166,7 @@ class CpuLowering(Lowering):
     def _rope(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
         a = node.attrs
-        table = self._rope_table(node)
+        table = self.rope_table(node)
         shape = (a["head_dim"], a["rope_dim"], a["neox"])
         if self._native:
             tables = (table.cos, table.sin)
@@ -279,12 +265,6 @@ class CpuLowering(Lowering):
     }
 
     # -- running -------------------------------------------------------------------
-    def cover_positions(self, need: int) -> bool:
-        if need > self._rope_positions and self._rope_tables:
-            self._rope_positions = max(need, 2 * self._rope_positions)
-            return True  # the JIT rope kernels hold the tables' addresses: bind again
-        return False
-
     def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
         self._batch = batch
         if self._native:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dynalm.core.kv_storage import KVGeometry
 
 
 class KVStorage(Protocol):
@@ -21,6 +24,7 @@ class KVStorage(Protocol):
     ``PagePool`` keeps the accounting. The JIT kernel reads and writes the per-layer arrays
     itself."""
 
+    geometry: KVGeometry
     page_size: int
     nbytes: int  # pages and recent buffers
     page_nbytes: int

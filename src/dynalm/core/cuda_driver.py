@@ -131,6 +131,13 @@ class DeviceArray:
     nbytes: int
 
 
+def _check_range(what: str, array: DeviceArray, offset: int, nbytes: int) -> None:
+    if offset < 0 or offset + nbytes > array.nbytes:
+        raise ValueError(
+            f"{what} device memory: bytes {offset}..{offset + nbytes} of {array.nbytes}"
+        )
+
+
 class Module:
     """A loaded PTX module; ``function(name)`` looks up an entry kernel."""
 
@@ -203,27 +210,47 @@ class Context:
         self.copy_in(array, host)
         return array
 
-    def copy_in(self, array: DeviceArray, host: np.ndarray) -> None:
+    def copy_in(self, array: DeviceArray, host: np.ndarray, offset: int = 0) -> None:
+        """``host``'s bytes into ``array`` from byte ``offset`` on."""
         host = np.ascontiguousarray(host)
-        if host.nbytes > array.nbytes:
-            raise ValueError(f"copy of {host.nbytes} bytes into {array.nbytes} of device memory")
+        _check_range("copy into", array, offset, host.nbytes)
         self.driver.call(
             "cuMemcpyHtoD_v2",
-            ctypes.c_uint64(array.ptr),
+            ctypes.c_uint64(array.ptr + offset),
             host.ctypes.data_as(ctypes.c_void_p),
             ctypes.c_size_t(host.nbytes),
         )
 
-    def copy_out(self, array: DeviceArray, host: np.ndarray) -> np.ndarray:
-        if not host.flags.c_contiguous or host.nbytes > array.nbytes:
-            raise ValueError("copy_out needs a contiguous host array no larger than the source")
+    def copy_out(self, array: DeviceArray, host: np.ndarray, offset: int = 0) -> np.ndarray:
+        """``host.nbytes`` bytes of ``array`` from byte ``offset`` on into ``host``; waits
+        for the work queued before it."""
+        if not host.flags.c_contiguous:
+            raise ValueError("copy_out needs a contiguous host array")
+        _check_range("copy out of", array, offset, host.nbytes)
         self.driver.call(
             "cuMemcpyDtoH_v2",
             host.ctypes.data_as(ctypes.c_void_p),
-            ctypes.c_uint64(array.ptr),
+            ctypes.c_uint64(array.ptr + offset),
             ctypes.c_size_t(host.nbytes),
         )
         return host
+
+    def copy_within(
+        self, dst: DeviceArray, dst_offset: int, src: DeviceArray, src_offset: int, nbytes: int
+    ) -> None:
+        """Device to device, queued after the work before it."""
+        _check_range("copy into", dst, dst_offset, nbytes)
+        _check_range("copy out of", src, src_offset, nbytes)
+        self.driver.call(
+            "cuMemcpyDtoD_v2",
+            ctypes.c_uint64(dst.ptr + dst_offset),
+            ctypes.c_uint64(src.ptr + src_offset),
+            ctypes.c_size_t(nbytes),
+        )
+
+    def zero(self, array: DeviceArray) -> None:
+        size = ctypes.c_size_t(array.nbytes)
+        self.driver.call("cuMemsetD8_v2", ctypes.c_uint64(array.ptr), 0, size)
 
     def launch(
         self,

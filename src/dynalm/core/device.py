@@ -5,10 +5,10 @@ for itself, owns the step's buffers and the KV pages' bytes, and binds every op 
 ``ir/ops.py`` through its op table (``Lowering.OP_TABLE``); a step runs as one submission
 (``Lowering.submission``). ``CpuDevice`` is the first implementation (``core.cpu_lowering``).
 
-Which device runs a model is ``select_device``'s choice among ``DEVICE_KINDS``: the CPU,
-and per GPU kind an entry with a probe (available, or why not) and a capacity check against
-the model's memory plan. GPU devices (CUDA, Metal, Vulkan) are not built yet, so their
-entries say why and ``--backend auto`` runs on the CPU.
+Which device runs a model is ``select_device``'s choice: the CPU, or per GPU kind
+(``GPU_KINDS``) an entry with a probe (available, or why not), a capacity check against the
+model's memory plan and its device class. CUDA is a preview (``core.cuda_device``); Metal and
+Vulkan have no device class yet, so their entries say why.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.kernel import backends
 
 if TYPE_CHECKING:
-    from dynalm.core.cpu_ops import AttentionBatch, KVStorage
+    from dynalm.core.cpu_ops import AttentionBatch, KVStorage, RopeTable
+    from dynalm.core.kv_storage import KVGeometry
     from dynalm.ir.executor import Executor
     from dynalm.ir.graph import Node
 
@@ -110,16 +111,7 @@ class Device(ABC):
         (sliced by rows for each step's token count)."""
 
     @abstractmethod
-    def kv_storage(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        n_pages: int,
-        page_size: int,
-        dtype: str,
-        n_seqs: int = 1,
-    ) -> KVStorage:
+    def kv_storage(self, geometry: KVGeometry) -> KVStorage:
         """The KV pages' bytes, in the layout this device's attention reads (the runtime's
         ``PagePool`` keeps the accounting: ids, refcounts, recent buffers)."""
 
@@ -140,7 +132,12 @@ class Lowering(ABC):
 
     OP_TABLE: ClassVar[Mapping[str, Callable[..., Call]]]
     cached_rows: ClassVar[int] = 0  # submissions of steps up to this many tokens are kept
-    device: Device
+
+    def __init__(self, device: Device, executor: Executor) -> None:
+        self.device, self.ex = device, executor
+        # rope's cos/sin tables, computed on the host (and grown on demand) for every device
+        self._rope_tables: dict[tuple, RopeTable] = {}
+        self._rope_positions = 256  # positions the rope tables cover
 
     def bind(self, op: str, nodes: list[Node]) -> Call:
         """``nodes[0]`` (a run of ``split`` nodes of one value: all of them) as one call."""
@@ -168,8 +165,25 @@ class Lowering(ABC):
     def end_bind(self) -> None:
         """Every node is bound."""
 
+    def rope_table(self, node: Node) -> RopeTable:
+        """The cos/sin table of a rope node's settings, covering the positions bound for."""
+        from dynalm.core.cpu_ops import RopeTable
+
+        a, w = node.attrs, [wt.name for wt in node.weights]
+        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None)
+        if key not in self._rope_tables:
+            factors = self.ex.prepare(w[0], "vector") if w else None
+            self._rope_tables[key] = RopeTable(a["rope_dim"], a["base"], a["scale"], factors)
+        table = self._rope_tables[key]
+        table.ensure(self._rope_positions)
+        return table
+
     def cover_positions(self, need: int) -> bool:
-        """Positions up to ``need`` come next; True when that needs binding again."""
+        """Positions up to ``need`` come next; True when that needs binding again (the
+        kernels hold the rope tables' addresses)."""
+        if need > self._rope_positions and self._rope_tables:
+            self._rope_positions = max(need, 2 * self._rope_positions)
+            return True
         return False
 
     @abstractmethod
@@ -318,10 +332,10 @@ class CpuDevice(Device):
     def buffer(self, rows: int, width: int, dtype: type = np.float32) -> np.ndarray:
         return np.empty((rows, width), dtype)
 
-    def kv_storage(self, *geometry: object) -> KVStorage:  # Device.kv_storage's arguments
+    def kv_storage(self, geometry: KVGeometry) -> KVStorage:
         from dynalm.core.kv_storage import HostKVStorage
 
-        return HostKVStorage(*geometry)  # type: ignore[arg-type]
+        return HostKVStorage(geometry)
 
     def lowering(self, executor: Executor) -> Lowering:
         from dynalm.core.cpu_lowering import CpuLowering
@@ -370,6 +384,12 @@ def _cuda_probe() -> str | None:
     return cuda_driver.probe()
 
 
+def _cuda_device(mode: str, threads: int | None) -> Device:
+    from dynalm.core.cuda_device import CudaDevice
+
+    return CudaDevice(mode, threads)
+
+
 def _cuda_memory() -> int:
     from dynalm.core import cuda_driver
 
@@ -379,7 +399,7 @@ def _cuda_memory() -> int:
 # The GPU kinds in the order ``--backend auto`` tries them. A new GPU backend is one entry
 # here (probe, memory, its Device class as ``create``).
 GPU_KINDS: list[DeviceKind] = [
-    DeviceKind("cuda", "CUDA", _cuda_probe, _cuda_memory),
+    DeviceKind("cuda", "CUDA (preview)", _cuda_probe, _cuda_memory, _cuda_device),
     DeviceKind(
         "vulkan", "Vulkan", lambda: "no Vulkan device support built yet (SPIR-V preview only)"
     ),
@@ -404,6 +424,8 @@ def select_device(
     reasons = []
     for kind in GPU_KINDS:
         reason = kind.unavailable()
+        if reason is None and mode == "safe":
+            reason = "--mode safe is the CPU's fp32 numpy reference"
         if reason is None and need is not None:
             reason = kind.too_small(need(mode))
         if reason is None:

@@ -61,9 +61,13 @@ class BoundKernel:
         self._fn = _lowered(self._backend, self._kind, **self._params)
         return self._fn
 
+    @property
+    def request(self) -> backends.Request:
+        """(backend, program, spec): what lowers this kernel."""
+        return self._backend, programs.PROGRAMS[self._kind], self._params
+
     def pending(self) -> list[backends.Request]:
-        program = programs.PROGRAMS[self._kind]
-        return [] if self._fn else [(self._backend, program, self._params)]
+        return [] if self._fn else [self.request]
 
     def __call__(self) -> None:
         (self._fn or self._lower())(self._at)

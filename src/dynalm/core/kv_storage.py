@@ -9,6 +9,8 @@ Hadamard-rotated keys and f16 recent buffers).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 Q8_BLOCK = 32  # values per q8_0 scale
@@ -26,8 +28,62 @@ def hadamard(x: np.ndarray) -> np.ndarray:
     return y.reshape(x.shape)
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of a paged KV cache, as every device stores it: per layer, ``n_pages *
+    page_size`` slots of ``n_kv_heads x head_dim`` values in ``dtype`` (int8 for q8_0, with
+    an f16 scale per 32 values), and for q8_0 ``n_seqs`` recent buffers of ``RECENT`` f16
+    rows each."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    n_pages: int
+    page_size: int
+    dtype: str
+    n_seqs: int = 1
+
+    @property
+    def slot_shape(self) -> tuple[int, int, int]:
+        """A layer's page memory: ``[slots, n_kv_heads, head_dim]``."""
+        return (self.n_pages * self.page_size, self.n_kv_heads, self.head_dim)
+
+    @property
+    def store(self) -> type:
+        return {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[self.dtype]
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int]:
+        return (*self.slot_shape[:2], self.head_dim // Q8_BLOCK)
+
+    @property
+    def recent(self) -> int:
+        """Tokens per recent buffer (0: none, unless q8_0)."""
+        return RECENT if self.dtype == "q8_0" else 0
+
+    @property
+    def recent_shape(self) -> tuple[int, int, int]:
+        return (self.n_seqs * self.recent, self.n_kv_heads, self.head_dim)
+
+    def arrays(self) -> dict[str, tuple[int, tuple[int, ...], type]]:
+        """Each per-layer array a storage holds: name -> (layers, shape, dtype)."""
+        scaled = self.n_layers if self.dtype == "q8_0" else 0
+        recent = self.n_layers if self.recent else 0
+        return {
+            "k": (self.n_layers, self.slot_shape, self.store),
+            "v": (self.n_layers, self.slot_shape, self.store),
+            "k_scale": (scaled, self.scale_shape, np.float16),
+            "v_scale": (scaled, self.scale_shape, np.float16),
+            "k_recent": (recent, self.recent_shape, np.float16),
+            "v_recent": (recent, self.recent_shape, np.float16),
+        }
+
+
+PAGE_ARRAYS = ("k", "v", "k_scale", "v_scale")  # copied with their page (copy-on-write)
+
+
 class HostKVStorage:
-    """KV memory indexed by slot (``page * page_size + offset``).
+    """KV memory indexed by slot (``page * page_size + offset``) in host memory.
 
     ``k[layer]``/``v[layer]`` are ``[n_pages * page_size, n_kv_heads, head_dim]`` arrays
     (int8 for q8_0, with ``k_scale``/``v_scale`` ``[..., head_dim / 32]`` in f16). A q8_0
@@ -36,31 +92,12 @@ class HostKVStorage:
     ``b * RECENT + p % RECENT``. With ``n_layers=0`` it holds nothing (bookkeeping only).
     """
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        n_pages: int,
-        page_size: int,
-        dtype: str,
-        n_seqs: int = 1,
-    ):
-        self.page_size = page_size
-        self.dtype = dtype
-        shape = (n_pages * page_size, n_kv_heads, head_dim)
-        store = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[dtype]
-        self.k = [np.zeros(shape, store) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, store) for _ in range(n_layers)]
-        scale_shape = (*shape[:2], head_dim // Q8_BLOCK)
-        n_scaled = n_layers if dtype == "q8_0" else 0
-        self.k_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
-        self.v_scale = [np.zeros(scale_shape, np.float16) for _ in range(n_scaled)]
-        self.recent = RECENT if dtype == "q8_0" else 0
-        recent_shape = (n_seqs * self.recent, n_kv_heads, head_dim)
-        n_recent = n_layers if self.recent else 0
-        self.k_recent = [np.zeros(recent_shape, np.float16) for _ in range(n_recent)]
-        self.v_recent = [np.zeros(recent_shape, np.float16) for _ in range(n_recent)]
+    def __init__(self, geometry: KVGeometry):
+        self.geometry = geometry
+        self.page_size, self.dtype = geometry.page_size, geometry.dtype
+        self.recent = geometry.recent
+        for name, (layers, shape, dtype) in geometry.arrays().items():
+            setattr(self, name, [np.zeros(shape, dtype) for _ in range(layers)])
 
     @property
     def nbytes(self) -> int:
@@ -74,8 +111,9 @@ class HostKVStorage:
     def copy_page(self, src: int, dst: int) -> None:
         """Copy-on-write: page ``dst`` gets ``src``'s keys and values in every layer."""
         a, b = src * self.page_size, dst * self.page_size
-        for arr in (*self.k, *self.v, *self.k_scale, *self.v_scale):
-            arr[b : b + self.page_size] = arr[a : a + self.page_size]
+        for name in PAGE_ARRAYS:
+            for arr in getattr(self, name):
+                arr[b : b + self.page_size] = arr[a : a + self.page_size]
 
     # -- what the attention ops call --------------------------------------------
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:

@@ -75,14 +75,14 @@ class ActivationScratch:
         self._buffer = np.empty(0, np.uint8)
 
     @staticmethod
-    def _sizes(t_rows: int, n_cols: int) -> tuple[int, int, int]:
+    def sizes(t_rows: int, n_cols: int) -> tuple[int, int, int]:
         align = lambda n: -(-n // 64) * 64  # noqa: E731 - each part cache-line aligned
         nb = n_cols // QK
         quants = (t_rows + programs.ROW_OVERREAD) * n_cols  # tile loads read past T
         return align(quants), align(t_rows * nb * 8), align(t_rows * nb * 4)
 
     def reserve(self, t_rows: int, n_cols: int) -> None:
-        need = sum(self._sizes(t_rows, n_cols)) + 64
+        need = sum(self.sizes(t_rows, n_cols)) + 64
         if need > self._buffer.size:
             self._buffer = np.empty(need, np.uint8)
             self.generation += 1
@@ -90,7 +90,7 @@ class ActivationScratch:
     def views(self, t_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int8 ``[T, K]`` quants, fp32 ``[T, K/32, 2]`` scales, fp32 ``[T, K/32]`` sums."""
         self.reserve(t_rows, n_cols)
-        nb, (q, d, _) = n_cols // QK, self._sizes(t_rows, n_cols)
+        nb, (q, d, _) = n_cols // QK, self.sizes(t_rows, n_cols)
         start = -_address(self._buffer) % 64
         base = self._buffer[start:]
         return (
@@ -137,7 +137,7 @@ class QuantMatmul:
         if n_cols % QK:
             raise ValueError(f"{u.name}: K={n_cols} is not a multiple of {QK}")
         if not callable(raw):
-            self._check_rows(u, raw, n_cols, None)
+            self.check_rows(u, raw, n_cols, None)
             n_rows = raw.shape[0]
         elif n_rows is None:
             raise ValueError("n_rows is needed when raw is a function")
@@ -150,7 +150,7 @@ class QuantMatmul:
 
         def repack() -> np.ndarray:
             rows = raw() if callable(raw) else raw
-            self._check_rows(u, rows, n_cols, n_rows)
+            self.check_rows(u, rows, n_cols, n_rows)
             return layouts.repack(u, rows, n_cols, layout, release_rows)
 
         if source is None:
@@ -177,7 +177,7 @@ class QuantMatmul:
         self._generation = -1  # the scratch's generation the bound addresses belong to
 
     @staticmethod
-    def _check_rows(u: Unpack, raw: np.ndarray, n_cols: int, n_rows: int | None) -> None:
+    def check_rows(u: Unpack, raw: np.ndarray, n_cols: int, n_rows: int | None) -> None:
         rows = raw.shape[0] if n_rows is None else n_rows
         if raw.dtype != np.uint8 or raw.shape != (rows, u.row_bytes(n_cols)):
             raise ValueError(

@@ -563,6 +563,11 @@ class MatmulKernels:
         self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._specs)
 
     @property
+    def specs(self) -> list[dict[str, int]]:
+        """Each kernel's spec: the tiles per batch bucket, then the quantiser."""
+        return self._specs
+
+    @property
     def quantize(self) -> int:
         """The index of the quantiser (auto mode)."""
         return len(self._specs) - 1

@@ -38,6 +38,7 @@ fp32 sum (the tests' ``sum_bound``), not bitwise.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 from collections.abc import Callable, Mapping
@@ -161,6 +162,14 @@ class NvptxBackend(Backend):
         return done
 
 
+    def source_of(self, ptx: str) -> tuple[str, Spec] | None:
+        """The (program name, spec) this backend lowered to ``ptx``, if it did."""
+        for (name, items), done in self._lowered.items():
+            if done.ptx == ptx:
+                return name, dict(items)
+        return None
+
+
 NVPTX = NvptxBackend(
     "nvptx-sm80", "nvptx", LANES, int8_dot="dp4a (llvm.nvvm.idp4a.u.s)", accumulate="int32"
 )
@@ -190,8 +199,9 @@ def add_entries(
 ) -> None:
     """An entry kernel per exported function (see the module's docstring), in calling
     convention ``cc``, ``thread(k)`` its global thread index (default: the PTX special
-    registers); the functions become private and always inlined. ``module.entries``:
-    (short name, symbol, chunk)."""
+    registers; ``HOST_LOOP``: the entry takes a third parameter, a thread count, and runs
+    threads ``0 .. count - 1`` in turn); the functions become private and always inlined.
+    ``module.entries``: (short name, symbol, chunk)."""
     prefix = module.ir.name
     entries = []
     for name in list(module.names):
@@ -214,10 +224,18 @@ def _entry(
     body.linkage = "private"
     body.attributes.add("alwaysinline")
     params = [str(a.type) for a in body.args]
-    k = module.kernel(f"{body.name}_grid", (PTR, I64))
+    loop = thread is HOST_LOOP
+    k = module.kernel(f"{body.name}_grid", (PTR, I64, I64) if loop else (PTR, I64))
     k.fn.calling_convention = cc
-    args, rows = k.args
+    args, rows = k.args[:2]
     row_bytes = ROW_BYTES.get(program.name)
+    if loop:  # the host twin: every thread of the launch, one after another
+        threads = k.args[2]
+        thread = lambda k: index.get()  # noqa: E731 - the loop's
+        index = k.var(0)
+        head, tail = k.b.append_basic_block("thread"), k.b.append_basic_block("done")
+        k.b.cbranch(k.lt(k.i64(0), threads), head, tail)
+        k.b.position_at_end(head)
     if params == ["ptr", "i64", "i64"] or (params == ["ptr"] and row_bytes):
         chunk = chunk_of(program, spec)
         lo = k.mul(thread(k), chunk)
@@ -243,8 +261,57 @@ def _entry(
         k.branch(first, lambda: k.b.call(body, [args]))
     else:
         raise ValueError(f"{body.name}: no grid mapping for parameters ({', '.join(params)})")
+    if loop:
+        nxt = k.add(index.get(), 1)
+        index.set(nxt)
+        k.b.cbranch(k.lt(nxt, threads), head, tail)
+        k.b.position_at_end(tail)
     k.ret()
     return chunk
+
+
+def _host_loop(k: Kernel) -> ir.Value:
+    raise AssertionError("a marker: add_entries loops over the threads itself")
+
+
+HOST_LOOP = _host_loop
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """An entry kernel of the host twin: ``fn(args, rows, threads)`` runs the threads of a
+    launch in turn; ``entry`` is its GPU entry (chunk, grid)."""
+
+    fn: Callable[[int, int, int], None]
+    entry: Entry
+
+    def launch(self, args: int, rows: int, grid: tuple[int, int]) -> None:
+        self.fn(args, rows, grid[0] * grid[1])
+
+
+def host_twin(program: Program, spec: Spec) -> dict[str, HostEntry]:
+    """``program``'s NVPTX entry kernels built for this CPU: the NVPTX backend's portable
+    twin (``NVPTX.twin()``: same width, the same integer sums, the same float order except
+    where the docstring says), with the same grid mapping, each thread's index the host
+    loop's. What runs a CUDA device's launches where no GPU is (tests, ``gpu_check``)."""
+    from dynalm.kernel import jit  # the host JIT; the PTX path never needs it
+
+    key = (program.name, tuple(sorted(spec.items())))
+    done = _HOST_TWINS.get(key)
+    if done is None:
+        module = Module(module_name("host-twin", program, spec), NVPTX.twin(), jit.triple())
+        program.build(module, **spec)
+        add_entries(module, program, spec, cc="", thread=HOST_LOOP)
+        addresses, _ = jit.compile_module(module.text(), module.names)
+        done = _HOST_TWINS[key] = {}
+        for short, full, chunk in module.entries:
+            fn = jit.cfunc(addresses[f"{full}_grid"], None, *_HOST_SIGNATURE)
+            done[short] = HostEntry(fn, Entry(f"{full}_grid", chunk))
+    return done
+
+
+_HOST_SIGNATURE = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+_HOST_TWINS: dict[tuple, dict[str, HostEntry]] = {}
 
 
 _MACHINES: dict[tuple[str, str], llvm.TargetMachine] = {}

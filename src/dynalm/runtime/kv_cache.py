@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynalm.core.kv_storage import Q8_BLOCK, RECENT, HostKVStorage, hadamard
+from dynalm.core.kv_storage import Q8_BLOCK, RECENT, HostKVStorage, KVGeometry, hadamard
 from dynalm.errors import InvalidRequest, show
 
 if TYPE_CHECKING:
@@ -100,9 +100,9 @@ class PagePool:
         self.page_size = page_size
         self.n_pages = n_pages
         self.dtype = dtype
-        geometry = (n_layers, n_kv_heads, head_dim, n_pages, page_size, dtype, n_seqs)
+        geometry = KVGeometry(n_layers, n_kv_heads, head_dim, n_pages, page_size, dtype, n_seqs)
         self.storage: KVStorage = (
-            device.kv_storage(*geometry) if device is not None else HostKVStorage(*geometry)
+            device.kv_storage(geometry) if device is not None else HostKVStorage(geometry)
         )
         self.refcount = np.zeros(n_pages, np.int32)
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low ids first

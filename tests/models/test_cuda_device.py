@@ -1,0 +1,171 @@
+"""The CUDA device (preview) end to end without a GPU: SmolLM2 runs through
+``core.cuda_device`` and the driver API against ``cuda_emulator.EmulatedLibcuda``, whose
+kernels are the NVPTX backend's host twin. Its logits must equal the CPU's generic backend
+bitwise (the twin's arithmetic: same 8 lanes, same integer sums, same float order) and the
+host's best backend within two fp32 passes' rounding; the engine's greedy tokens are the
+CPU's; the KV pages live in (emulated) device memory; ``--backend auto|gpu`` choose it.
+
+On a machine with an NVIDIA GPU, ``benchmarks/gpu_check.py --fidelity`` runs the same
+comparison on the real device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_engine import GREEDY, encode, run, tokens
+
+from cuda_emulator import ILLEGAL_ADDRESS, EmulatedLibcuda
+from dynalm.core import cuda_driver
+from dynalm.core import device as devices
+from dynalm.core.cpu_ops import AttentionBatch
+from dynalm.core.cuda_device import CudaDevice, CudaKVStorage
+from dynalm.core.device import CpuDevice, select_device
+from dynalm.core.kv_storage import HostKVStorage, KVGeometry
+from dynalm.errors import DeviceUnavailable, InvalidRequest
+from dynalm.ir.executor import Executor
+from dynalm.models.loader import LoadedModel
+from dynalm.runtime.engine import Engine, EngineConfig
+from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.speculative import NgramDrafter
+from dynalm.show import describe_system
+from tolerances import forward_bound, logit_scale
+from workload import TEXTS, assert_no_leak
+
+
+@pytest.fixture
+def gpu() -> EmulatedLibcuda:
+    return EmulatedLibcuda()
+
+
+def cuda(gpu: EmulatedLibcuda, mode: str = "auto") -> CudaDevice:
+    return CudaDevice(mode, driver=cuda_driver.Driver(gpu))
+
+
+def forward(model: LoadedModel, device: object, ids: list[int]) -> np.ndarray:
+    """Logits of a prefill of ``ids`` at every position, then of one decode step (f32 KV,
+    so that only the two devices' arithmetic differs)."""
+    hp = model.hparams
+    ex = Executor(model.graph, device, model.weights, max_tokens=64)
+    pool = PagePool(hp.n_layers, hp.n_kv_heads, hp.head_dim, 4, 16, "f32", device=device)
+    pages = pool.allocate(4)
+    n = len(ids)
+
+    def step(tokens: list[int], start: int, rows: np.ndarray) -> np.ndarray:
+        end = start + len(tokens)
+        batch = AttentionBatch(
+            pool.storage, np.array([0, len(tokens)]), np.array([end]), [np.array(pages)],
+            pool.slots(pages, start, end),
+        )  # fmt: skip
+        return ex.run(np.array(tokens), np.arange(start, end), rows, batch).copy()
+
+    prefill = step(ids, 0, np.arange(n))
+    return np.concatenate([prefill, step([int(prefill[-1].argmax())], n, np.array([0]))])
+
+
+@pytest.mark.parametrize("mode", ["exact", "auto"])
+def test_logits_equal_the_cpu(model, gpu, mode, monkeypatch):
+    ids = encode(model, "The capital of France is")
+    got = forward(model, cuda(gpu, mode), ids)
+    assert gpu.launches > 0 and gpu.allocated > 50 << 20  # weights, KV, activations
+    monkeypatch.setenv("DYNALM_ISA", "generic")
+    np.testing.assert_array_equal(got, forward(model, CpuDevice(mode), ids))
+    monkeypatch.delenv("DYNALM_ISA")
+    best = forward(model, CpuDevice(mode), ids)
+    hp = model.hparams
+    bound = forward_bound(hp.n_layers, max(hp.d_ff, hp.d_model), logit_scale(best))
+    assert (np.abs(got - best) <= bound).all()
+    assert (got.argmax(-1) == best.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+def test_engine_tokens_equal_the_cpu(model, device, gpu, kv_dtype):
+    """Four greedy requests batched, with a shared prefix cached: the CPU's tokens. q8_0
+    also drafts n-grams (fixed draft length): rejected drafts roll the device's recent f16
+    buffers back."""
+    spec = kv_dtype == "q8_0"
+    config = EngineConfig(ctx=128, kv_cache_dtype=kv_dtype, max_num_seqs=4, adaptive_draft=False)
+    prompts = [encode(model, t) for t in TEXTS[:3]] + [encode(model, TEXTS[0] + " the")]
+    want = [tokens(o) for o in run(Engine(model, device, config), prompts)]
+    engine = Engine(model, cuda(gpu), config, NgramDrafter() if spec else None)
+    assert isinstance(engine.pool.storage, CudaKVStorage)
+    assert [tokens(o) for o in run(engine, prompts)] == want
+    drafted = engine.spec_stats
+    assert not spec or drafted.num_draft_tokens > drafted.num_accepted_tokens > 0
+    again = run(engine, prompts[:1])[0]  # its prefix from the cache, on the device
+    assert again[-1].cached_tokens > 0 and tokens(again) == want[0]
+    assert all(len(t) == GREEDY.max_tokens for t in want)
+    assert_no_leak(engine)
+
+
+def test_kv_pages_live_in_device_memory(gpu):
+    """Copy-on-write and the recent-row saves of speculative decoding move device bytes as
+    the host storage moves its arrays."""
+    geometry = KVGeometry(2, 3, 64, n_pages=4, page_size=16, dtype="q8_0", n_seqs=2)
+    device, host = cuda(gpu).kv_storage(geometry), HostKVStorage(geometry)
+    before = gpu.allocated
+    assert device.nbytes == host.nbytes and device.page_nbytes == host.page_nbytes
+    rng = np.random.default_rng(0)
+    context = cuda(gpu).context
+    for name, (layers, shape, dtype) in geometry.arrays().items():
+        for layer in range(layers):
+            data = rng.integers(-100, 100, shape).astype(dtype)
+            getattr(host, name)[layer][...] = data
+            context.copy_in(getattr(device, name)[layer], data)
+    host.copy_page(1, 3)
+    device.copy_page(1, 3)
+    rows = np.array([5, 40])
+    saved = device.save_recent(rows)
+    np.testing.assert_array_equal(np.stack(saved), np.stack(host.save_recent(rows)))
+    for name, (layers, shape, dtype) in geometry.arrays().items():
+        for layer in range(layers):
+            out = context.copy_out(getattr(device, name)[layer], np.empty(shape, dtype))
+            np.testing.assert_array_equal(out, getattr(host, name)[layer], err_msg=name)
+    device.restore_recent(rows[::-1], saved)  # put back crosswise: rows swapped
+    k = context.copy_out(device.k_recent[1], np.empty(geometry.recent_shape, np.float16))
+    np.testing.assert_array_equal(k[[40, 5]], host.k_recent[1][[5, 40]])
+    del device
+    assert gpu.allocated < before  # freed with the storage
+
+
+def test_backend_auto_and_gpu_choose_the_cuda_device(gpu, monkeypatch):
+    monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
+    assert isinstance(select_device("auto", "auto"), CudaDevice)
+    assert isinstance(select_device("gpu", "exact"), CudaDevice)
+    assert isinstance(select_device("cpu", "auto"), CpuDevice)
+    assert isinstance(select_device("auto", "safe"), CpuDevice)  # the CPU's reference
+    assert isinstance(select_device("auto", "auto", need=lambda mode: 9 << 30), CpuDevice)
+    with pytest.raises(DeviceUnavailable, match=r"cuda: the model needs 9216 MiB .* has 8192"):
+        select_device("gpu", "auto", need=lambda mode: 9 << 30)
+    assert "  cuda    available" in describe_system()
+    gpu.cc = (7, 5)
+    with pytest.raises(DeviceUnavailable, match="is sm_75; the preview's PTX needs sm_80"):
+        select_device("gpu", "auto")
+    with pytest.raises(InvalidRequest, match="--mode safe .* --cpu"):
+        cuda(gpu, "safe")
+
+
+def test_what_the_preview_cannot_run_is_named(model, gpu):
+    device = cuda(gpu)
+    lowering = device.lowering(Executor(model.graph, device, model.weights, max_tokens=4))
+    with pytest.raises(NotImplementedError, match="the cuda device has no kernel for op 'mul'"):
+        lowering.bind("mul", [])
+    with pytest.raises(InvalidRequest, match="no matmul kernel for IQ2_XXS .* --cpu"):
+        device.matmul(np.zeros((4, 66), np.uint8), 16, (4, 256))
+    assert "cuda" in [kind.name for kind in devices.GPU_KINDS]
+
+
+def test_the_emulator_refuses_host_memory_in_a_launch(gpu):
+    """What makes the tests above mean something: a host address reaching a kernel fails."""
+    device = cuda(gpu)
+    from dynalm.kernel import elementwise as programs
+
+    out = device.buffer(4, 8)
+    host = np.ones((4, 8), np.float32)  # not mirrored: no device copy
+    fn, entry = device.function(programs.PROGRAMS["add"], {}, "add")
+    block = device.alloc(32)
+    words = np.array([out.size, device.address(out), host.ctypes.data, device.address(out)])
+    device.context.copy_in(block, words)
+    with pytest.raises(cuda_driver.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS") as e:
+        device.context.launch(fn, entry.grid(out.size), [block.ptr, out.size])
+    assert e.value.code == ILLEGAL_ADDRESS and "word 2" in gpu.error
