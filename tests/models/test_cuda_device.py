@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_engine import GREEDY, encode, run, tokens
 
-from cuda_emulator import ILLEGAL_ADDRESS, EmulatedLibcuda
+from cuda_emulator import ILLEGAL_ADDRESS, INVALID_PTX, EmulatedLibcuda
 from dynalm.core import cuda_driver
 from dynalm.core import device as devices
 from dynalm.core.cpu_ops import AttentionBatch
@@ -138,6 +138,12 @@ def test_backend_auto_and_gpu_choose_the_cuda_device(gpu, monkeypatch):
     with pytest.raises(DeviceUnavailable, match=r"cuda: the model needs 9216 MiB .* has 8192"):
         select_device("gpu", "auto", need=lambda mode: 9 << 30)
     assert "  cuda    available" in describe_system()
+    ptx_load = gpu.cuModuleLoadDataEx
+    gpu.cuModuleLoadDataEx = lambda *args: INVALID_PTX  # a driver too old for the PTX
+    assert isinstance(select_device("auto", "auto"), CpuDevice)  # its self-check failed
+    with pytest.raises(DeviceUnavailable, match="self-check: .* CUDA_ERROR_INVALID_PTX"):
+        select_device("gpu", "auto")
+    gpu.cuModuleLoadDataEx = ptx_load
     gpu.cc = (7, 5)
     with pytest.raises(DeviceUnavailable, match="is sm_75; the preview's PTX needs sm_80"):
         select_device("gpu", "auto")

@@ -105,7 +105,7 @@ def test_launch_and_copies_reach_the_driver() -> None:
     context.launch(ctypes.c_void_p(1), (2, 128), [array.ptr, 4])
     context.synchronize()
     context.copy_out(array, np.empty(4, np.float32))
-    with pytest.raises(ValueError, match="into 16 of device memory"):
+    with pytest.raises(ValueError, match="copy into device memory: bytes 0..32 of 16"):
         context.copy_in(array, np.zeros(8, np.float32))
     assert fake.calls[-4:] == ["cuMemcpyHtoD_v2", "cuLaunchKernel", "cuCtxSynchronize",
                                "cuMemcpyDtoH_v2"]  # fmt: skip

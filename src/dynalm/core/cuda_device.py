@@ -224,6 +224,32 @@ class CudaDevice(Device):
         return CudaLowering(self, executor)
 
     # -- kernels -------------------------------------------------------------------
+    def self_check(self) -> None:
+        """Load and run one kernel (RMSNorm of 4 rows) and compare it with the CPU's numpy
+        reference: a driver that rejects the PTX, or a device that computes wrongly, is
+        found before a model is loaded (``--backend auto`` then falls back to the CPU)."""
+        from dynalm.core.cpu_ops import rms_norm
+
+        rng = np.random.default_rng(0)
+        x, w = (self.mirror(rng.standard_normal(n).astype(np.float32)) for n in ((4, 64), 64))
+        out, block = self.buffer(4, 64), self.alloc(8 * elementwise.MAX_WORDS, owner=x)
+        bound = elementwise.rms_norm(out, x, w, 1e-5, backend=self.backend)
+        _, program, spec = bound.request
+        words = [4, *(self.address(a) for a in bound.arrays)]
+        try:
+            self.context.copy_in(block, np.array(words, np.int64))
+            fn, entry = self.function(program, spec, "rms_norm")
+            self.context.launch(fn, entry.grid(4), (block.ptr, 4))
+            copy, offset = self.device_view(out)
+            self.context.copy_out(copy, out, offset)
+        except cuda_driver.CudaError as e:
+            raise DeviceUnavailable(f"CUDA self-check: {e}") from None
+        want = np.empty_like(out)
+        rms_norm(want, x, w, 1e-5)
+        if not np.allclose(out, want, rtol=1e-4, atol=1e-5):  # 64-term sums: ~1e-6
+            worst = float(np.abs(out - want).max())
+            raise DeviceUnavailable(f"CUDA self-check: RMSNorm off by {worst:.3g} on the device")
+
     def function(self, program: Program, spec: Spec, entry: str) -> tuple[object, nvptx.Entry]:
         """A kernel's entry, its PTX lowered and loaded once."""
         key = (program.name, tuple(sorted(spec.items())))

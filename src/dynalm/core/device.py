@@ -387,7 +387,9 @@ def _cuda_probe() -> str | None:
 def _cuda_device(mode: str, threads: int | None) -> Device:
     from dynalm.core.cuda_device import CudaDevice
 
-    return CudaDevice(mode, threads)
+    device = CudaDevice(mode, threads)
+    device.self_check()
+    return device
 
 
 def _cuda_memory() -> int:
@@ -430,8 +432,13 @@ def select_device(
             reason = kind.too_small(need(mode))
         if reason is None:
             assert kind.create is not None  # unavailable() says so otherwise
+            try:
+                device = kind.create(mode, threads)
+            except DeviceUnavailable as e:  # it failed to start or its self-check
+                reasons.append(f"{kind.name}: {e}")
+                continue
             log.info("backend %s: using %s", backend, kind.label)
-            return kind.create(mode, threads)
+            return device
         reasons.append(f"{kind.name}: {reason}")
     why = "; ".join(reasons)
     if backend == "gpu":
