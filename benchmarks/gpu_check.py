@@ -1,14 +1,21 @@
-"""GPU preview check: run the NVPTX kernels on an NVIDIA GPU against the CPU kernels.
+"""GPU preview check: the CUDA device's kernels and a model on an NVIDIA GPU, against the CPU.
 
-    PYTHONPATH=src python benchmarks/gpu_check.py            # on a machine with a CUDA GPU
-    PYTHONPATH=src python benchmarks/gpu_check.py --assemble # anywhere with ptxas on PATH
+    PYTHONPATH=src python benchmarks/gpu_check.py                     # kernels
+    PYTHONPATH=src python benchmarks/gpu_check.py --fidelity MODEL    # a model, GPU vs CPU
+    PYTHONPATH=src python benchmarks/gpu_check.py --assemble          # anywhere with ptxas
+    ... --emulate                     # either check on this CPU (tests/cuda_emulator.py)
 
 Default: loads the PTX (``kernel.nvptx``) of the Q4_1 matmuls (auto and exact; GEMV and a
-5-row batch), RMSNorm and the sampling reductions through ``core.cuda_driver``, runs them
+5-row batch), RMSNorm and the sampling reductions through ``core.cuda_device``, runs them
 on random inputs in device memory and compares with the CPU's generic backend (same
 8-lane programs): ``auto`` matmuls must be bitwise equal (exact integer sums, the same
 fma/mul order), the others within 1e-3 of the largest |reference| value; prints a table
 with the time per launch. Exits 2 with the reason when no CUDA device is usable.
+
+``--fidelity MODEL``: the model's logits on the GPU (``CudaDevice``) and the CPU, per mode,
+at every position of three prompts and one decode step: top-1 must agree and the logits lie
+within two fp32 passes' rounding (``tests/tolerances.forward_bound``); whether they are
+within 1e-3 is printed beside. Decode speed on the GPU: ``dynalm bench MODEL --gpu``.
 
 ``--assemble``: lowers every kernel the device needs (``nvptx.device_kernels``) and
 assembles each with NVIDIA's ``ptxas`` for ``--arch`` (registers, spills, stack per
@@ -31,9 +38,10 @@ from pathlib import Path
 import numpy as np
 
 from dynalm.core import cuda_driver, elementwise
+from dynalm.core.cuda_device import CudaDevice
+from dynalm.core.device import CpuDevice
 from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import backends, nvptx, sampling
-from dynalm.kernel import elementwise as ew_programs
 from dynalm.kernel.matmul import MATMUL, N_ARGS
 
 Q4_1 = 3
@@ -71,31 +79,48 @@ def assemble(arch: str) -> int:
     return 1 if failed else 0
 
 
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+def _tests_on_path() -> None:
+    """The test helpers this script shares: kernel inputs, tolerances, the emulator."""
+    for folder in (TESTS, TESTS / "kernels", TESTS / "models"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+
+
+def make_device(mode: str, emulate: bool) -> CudaDevice:
+    """The CUDA device (``--emulate``: on this CPU, through ``tests/cuda_emulator.py``)."""
+    if not emulate:
+        return CudaDevice(mode)
+    _tests_on_path()
+    from cuda_emulator import EmulatedLibcuda
+
+    return CudaDevice(mode, driver=cuda_driver.Driver(EmulatedLibcuda()))
+
+
 class Gpu:
-    """A context and helpers to mirror a CPU argument block into device memory."""
+    """Launches of single kernels on a ``CudaDevice``: CPU argument blocks moved to the
+    device (their words that are addresses of mirrored arrays replaced by the copies')."""
 
-    def __init__(self) -> None:
-        self.ctx = cuda_driver.Context(cuda_driver.load())
-        self.modules: dict[int, tuple[nvptx.PtxModule, cuda_driver.Module]] = {}
+    def __init__(self, device: CudaDevice) -> None:
+        self.device, self.ctx = device, device.context
 
-    def function(self, program: backends.Program, spec: dict, short: str) -> tuple:
-        lowered = nvptx.NVPTX.lower(program, spec)
-        key = id(lowered)
-        if key not in self.modules:
-            what = f"{program.name} {spec}"
-            self.modules[key] = (lowered, self.ctx.load_ptx(lowered.ptx, what))
-        entry = lowered.entries[short]
-        return self.modules[key][1].function(entry.name), entry
+    def block(self, words: np.ndarray, arrays: list[np.ndarray]) -> cuda_driver.DeviceArray:
+        """``words`` in device memory (held as long as this object), ``arrays`` mirrored."""
+        for a in arrays:
+            self.device.mirror(a)
+        moved = []
+        for word in words.tolist():
+            found = self.device.mirrored(word)
+            moved.append(found[0].ptr + found[1] if found else word)
+        block = self.device.alloc(8 * len(moved), owner=self)
+        self.ctx.copy_in(block, np.array(moved, np.int64))
+        return block
 
-    def upload(self, arrays: list[np.ndarray]) -> dict[int, cuda_driver.DeviceArray]:
-        """Device copies of ``arrays`` by their host addresses."""
-        return {a.ctypes.data: self.ctx.to_device(a) for a in arrays}
-
-    def block(self, words: np.ndarray, devices: dict) -> cuda_driver.DeviceArray:
-        """A device copy of a CPU argument block, its words that are host addresses of
-        uploaded arrays replaced by the device copies' (counts stay)."""
-        moved = [devices[w].ptr if w in devices else w for w in words.tolist()]
-        return self.ctx.to_device(np.array(moved, np.int64))
+    def fetch(self, host: np.ndarray) -> np.ndarray:
+        copy, offset = self.device.device_view(host)
+        return self.ctx.copy_out(copy, np.empty_like(host), offset)
 
     def run(self, fn: object, entry: nvptx.Entry, block: int, rows: int, repeat: int) -> float:
         """Launch over ``rows``; the mean seconds per launch over ``repeat``."""
@@ -109,7 +134,7 @@ class Gpu:
 
 
 def matmul_case(gpu: Gpu, mode: str, t_rows: int, n: int, k: int) -> tuple[np.ndarray, ...]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+    _tests_on_path()
     from test_matmul import activations, weights  # the kernel tests' inputs
 
     raw, x = weights(Q4_1, n, k), activations(t_rows, k)
@@ -117,16 +142,15 @@ def matmul_case(gpu: Gpu, mode: str, t_rows: int, n: int, k: int) -> tuple[np.nd
     qm = QuantMatmul(raw, Q4_1, k, mode=mode, backend=nvptx.NVPTX.twin(), threads=1)
     out = np.zeros((t_rows, n), np.float32)
     plan = qm._plan(x, out)
-    # the repacked weights, x, y and (auto) the quantised activations' scratch views
-    devices = gpu.upload([qm._weights, x, out, *qm._scratch.views(t_rows, k)])
+    # the repacked weights, x, y and (auto) the quantised activations' scratch
+    arrays = [qm._weights, x, out, qm._scratch._buffer]
     seconds = 0.0
     for _, which, args, total, _ in plan:  # auto: the quantiser, then the product
-        words = np.frombuffer((ctypes.c_int64 * N_ARGS).from_address(args), np.int64)
-        block = gpu.block(words, devices)
-        fn, entry = gpu.function(MATMUL, qm._kernels.specs[which], "")
+        words = np.frombuffer((ctypes.c_int64 * N_ARGS).from_address(args), np.int64).copy()
+        block = gpu.block(words, arrays)
+        fn, entry = gpu.device.function(MATMUL, qm._kernels.specs[which], "")
         seconds += gpu.run(fn, entry, block.ptr, total, 20)
-    got = gpu.ctx.copy_out(devices[out.ctypes.data], np.empty_like(out))
-    return got, want, seconds
+    return gpu.fetch(out), want, seconds
 
 
 def rms_norm_case(gpu: Gpu, rows: int, width: int) -> tuple[np.ndarray, ...]:
@@ -137,32 +161,27 @@ def rms_norm_case(gpu: Gpu, rows: int, width: int) -> tuple[np.ndarray, ...]:
     elementwise.rms_norm(want, x, w, 1e-5, backend=backends.GENERIC)()
     out = np.zeros_like(x)
     bound = elementwise.rms_norm(out, x, w, 1e-5, backend=nvptx.NVPTX.twin())
-    devices = gpu.upload([out, x, w])
-    block = gpu.block(bound.block, devices)
-    fn, entry = gpu.function(ew_programs.PROGRAMS["rms_norm"], bound._params, "rms_norm")
+    block = gpu.block(bound.block.copy(), [out, x, w])
+    _, program, spec = bound.request
+    fn, entry = gpu.device.function(program, spec, "rms_norm")
     seconds = gpu.run(fn, entry, block.ptr, rows, 20)
-    return gpu.ctx.copy_out(devices[out.ctypes.data], np.empty_like(out)), want, seconds
+    return gpu.fetch(out), want, seconds
 
 
 def sampling_case(gpu: Gpu, rows: int, vocab: int) -> tuple[np.ndarray, ...]:
     logits = (np.random.default_rng(2).standard_normal((rows, vocab)) * 4).astype(np.float32)
     outs = [np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.zeros(rows, np.float32)]
     words = np.array([a.ctypes.data for a in (logits, *outs)], np.int64)
-    devices = gpu.upload([logits, *outs])
-    block = gpu.block(words, devices)
-    fn, entry = gpu.function(sampling.ROW_REDUCE, {"vocab": vocab}, "")
+    block = gpu.block(words, [logits, *outs])
+    fn, entry = gpu.device.function(sampling.ROW_REDUCE, {"vocab": vocab}, "")
     seconds = gpu.run(fn, entry, block.ptr, rows, 20)
-    got = [gpu.ctx.copy_out(devices[o.ctypes.data], np.empty_like(o)) for o in outs]
+    got = [gpu.fetch(o) for o in outs]
     m, arg, s = sampling.reference(logits)
     return np.concatenate([got[0], got[1], got[2]]), np.concatenate([m, arg, s]), seconds
 
 
-def on_gpu() -> int:
-    reason = cuda_driver.probe()
-    if reason:
-        print(f"no CUDA device usable: {reason}")
-        return 2
-    gpu = Gpu()
+def kernels(emulate: bool) -> int:
+    gpu = Gpu(make_device("auto", emulate))
     dev = gpu.ctx.device
     print(f"device: {dev.name}, {dev.total_memory / 2**30:.1f} GiB, {dev.sm}")
     cases = [
@@ -186,7 +205,49 @@ def on_gpu() -> int:
         ok = np.array_equal(got, want) if rule == "bitwise" else err <= 1e-3
         failed += not ok
         print(f"{name:<36} {rule:>8} {'ok' if ok else 'FAIL':>7} {err:12.2e} {seconds * 1e6:10.1f}")
-    gpu.ctx.close()
+    return 1 if failed else 0
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Photosynthesis is the process by which plants turn light, water and carbon dioxide",
+]
+
+
+def fidelity(model_path: str, emulate: bool) -> int:
+    """The model on the GPU against the CPU in each mode: every prompt position's logits
+    and one decode step's (f32 KV). Top-1 must agree everywhere and the logits lie within
+    two fp32 passes' rounding (``tests/tolerances.forward_bound``; the issue's 1e-3 is
+    printed beside it)."""
+    _tests_on_path()
+    from test_cuda_device import forward
+
+    from dynalm.models.loader import load_model
+    from tolerances import forward_bound, logit_scale
+
+    model = load_model(model_path)
+    hp = model.hparams
+    print(f"{'mode':<6} {'prompt':<28} {'top-1':>7} {'max |d|':>9} {'of bound':>9} "
+          f"{'<=1e-3':>7} {'gpu s':>7} {'cpu s':>7}")  # fmt: skip
+    failed = 0
+    for mode in ("exact", "auto"):
+        gpu, cpu = make_device(mode, emulate), CpuDevice(mode)
+        for text in PROMPTS:
+            ids = model.tokenizer.encode(text, add_special=True)
+            t0 = time.perf_counter()
+            got = forward(model, gpu, ids)
+            t1 = time.perf_counter()
+            want = forward(model, cpu, ids)
+            t2 = time.perf_counter()
+            bound = forward_bound(hp.n_layers, max(hp.d_ff, hp.d_model), logit_scale(want))
+            diff = np.abs(got - want)
+            top1 = float((got.argmax(-1) == want.argmax(-1)).mean())
+            ok = top1 == 1.0 and bool((diff <= bound).all())
+            failed += not ok
+            print(f"{mode:<6} {text[:28]!r:<28} {top1:7.1%} {diff.max():9.2e} "
+                  f"{(diff / bound).max():9.2f} {str(diff.max() <= 1e-3):>7} "
+                  f"{t1 - t0:7.2f} {t2 - t1:7.2f}{'' if ok else '  FAIL'}")  # fmt: skip
     return 1 if failed else 0
 
 
@@ -194,8 +255,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assemble", action="store_true", help="ptxas every device kernel")
     parser.add_argument("--arch", default=nvptx.SM, help="ptxas -arch (default %(default)s)")
+    parser.add_argument("--fidelity", metavar="MODEL", help="a GGUF model: GPU vs CPU logits")
+    parser.add_argument(
+        "--emulate", action="store_true", help="run on this CPU (tests/cuda_emulator.py)"
+    )
     args = parser.parse_args()
-    return assemble(args.arch) if args.assemble else on_gpu()
+    if args.assemble:
+        return assemble(args.arch)
+    reason = None if args.emulate else cuda_driver.probe()
+    if reason:
+        print(f"no CUDA device usable: {reason}")
+        return 2
+    return fidelity(args.fidelity, args.emulate) if args.fidelity else kernels(args.emulate)
 
 
 if __name__ == "__main__":

@@ -175,3 +175,10 @@ def test_the_emulator_refuses_host_memory_in_a_launch(gpu):
     with pytest.raises(cuda_driver.CudaError, match="CUDA_ERROR_ILLEGAL_ADDRESS") as e:
         device.context.launch(fn, entry.grid(out.size), [block.ptr, out.size])
     assert e.value.code == ILLEGAL_ADDRESS and "word 2" in gpu.error
+
+
+def test_gpu_check_runs_its_kernels_on_the_emulator():
+    """``benchmarks/gpu_check.py``, what a GPU machine runs, keeps working."""
+    import gpu_check
+
+    assert gpu_check.kernels(emulate=True) == 0

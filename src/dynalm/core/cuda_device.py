@@ -148,12 +148,12 @@ class CudaDevice(Device):
         self.allocated -= array.nbytes
 
     def mirror(self, host: np.ndarray) -> np.ndarray:
-        """``host`` (C-contiguous, owning its data) with a device copy of its bytes, made
-        now; the copy is freed with ``host``."""
+        """``host`` (C-contiguous) with a device copy of its bytes, made now; the copy is
+        freed with ``host`` (so the device's own mirrors are arrays owning their data)."""
         base = host.__array_interface__["data"][0]
         if base not in self._mirrors:
-            if not host.flags.c_contiguous or host.base is not None:
-                raise ValueError("a mirrored array must be C-contiguous and own its data")
+            if not host.flags.c_contiguous:
+                raise ValueError("a mirrored array must be C-contiguous")
             copy = self.alloc(host.nbytes)
             self.context.copy_in(copy, host)
             self._mirrors[base] = (host.nbytes, copy)
@@ -163,13 +163,19 @@ class CudaDevice(Device):
     def _unmirror(self, base: int) -> None:
         self._free(self._mirrors.pop(base)[1])
 
-    def device_view(self, view: np.ndarray) -> tuple[DeviceArray, int]:
-        """The device copy of the mirror ``view`` lies in, and the view's byte offset in it."""
-        at = view.__array_interface__["data"][0]
+    def mirrored(self, at: int) -> tuple[DeviceArray, int] | None:
+        """The device copy of the mirror holding host address ``at``, and ``at``'s offset."""
         for base, (nbytes, copy) in self._mirrors.items():
             if base <= at < base + max(nbytes, 1):
                 return copy, at - base
-        raise ValueError(f"a {view.dtype} {list(view.shape)} array has no device copy")
+        return None
+
+    def device_view(self, view: np.ndarray) -> tuple[DeviceArray, int]:
+        """The device copy of the mirror ``view`` lies in, and the view's byte offset in it."""
+        found = self.mirrored(view.__array_interface__["data"][0])
+        if found is None:
+            raise ValueError(f"a {view.dtype} {list(view.shape)} array has no device copy")
+        return found
 
     def address(self, view: np.ndarray) -> int:
         copy, offset = self.device_view(view)

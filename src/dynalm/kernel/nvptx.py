@@ -161,7 +161,6 @@ class NvptxBackend(Backend):
             done = self._lowered[key] = PtxModule(ptx, entries, time.perf_counter() - t0)
         return done
 
-
     def source_of(self, ptx: str) -> tuple[str, Spec] | None:
         """The (program name, spec) this backend lowered to ``ptx``, if it did."""
         for (name, items), done in self._lowered.items():
