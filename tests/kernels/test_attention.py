@@ -9,6 +9,7 @@ from test_matmul import VECTOR_BACKENDS, runnable
 
 from dynalm.core import cpu_ops
 from dynalm.core.attention import PagedAttention, StepLayout
+from dynalm.core.kv_storage import AttentionBatch
 from dynalm.kernel import backends
 from dynalm.runtime.kv_cache import PagePool
 from tolerances import U, sum_bound
@@ -40,7 +41,7 @@ def ragged_step(
         pool.storage.write(0, earlier, *kv(rand(*shape), rand(*shape)))
     n_tokens = sum(n for *_, n in seqs)
     positions = np.concatenate([np.arange(c - n, c) for _, c, n in seqs]).astype(np.int64)
-    batch = cpu_ops.AttentionBatch(
+    batch = AttentionBatch(
         kv=pool.storage,
         query_start=np.cumsum([0] + [n for *_, n in seqs]),
         seq_lens=np.array([c for _, c, _ in seqs]),
@@ -87,7 +88,7 @@ def attention_bound(pool, tables, lengths, q, heads, head_dim, scale) -> np.ndar
     return np.broadcast_to(per_head, (len(q), heads, head_dim)).reshape(len(q), -1)
 
 
-def tables(batch: cpu_ops.AttentionBatch) -> tuple[list[np.ndarray], np.ndarray]:
+def tables(batch: AttentionBatch) -> tuple[list[np.ndarray], np.ndarray]:
     return batch.page_tables, batch.seq_lens
 
 
@@ -193,7 +194,7 @@ def test_result_of_a_token_does_not_depend_on_the_batch():
     pool, batch, positions, q, k, v = ragged_step("f16", seqs)
     geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1)
     together = attend(batch, positions, q, k, v, *geometry)
-    second = cpu_ops.AttentionBatch(
+    second = AttentionBatch(
         pool.storage, np.array([0, 1]), batch.seq_lens[1:], [[5, 9]], batch.slots[5:], batch.recent
     )
     alone = attend(second, positions[5:].copy(), q[5:], k[5:], v[5:], *geometry)
@@ -215,7 +216,7 @@ def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: i
     geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0)
     for size in chunks:
         rows = slice(start, start + size)
-        batch = cpu_ops.AttentionBatch(
+        batch = AttentionBatch(
             pool.storage,
             np.array([0, size]),
             np.array([start + size]),

@@ -51,7 +51,7 @@ from dynalm.kernel.attention import (
 )
 
 if TYPE_CHECKING:
-    from dynalm.core.cpu_ops import AttentionBatch, KVStorage
+    from dynalm.core.kv_storage import AttentionBatch, HostKVStorage
 
 
 def _request(backend: backends.Backend, dtype: str, *geometry: int) -> backends.Request:
@@ -98,7 +98,7 @@ class StepLayout:
     def __init__(self) -> None:
         self._block = np.zeros(N_STEP, np.int64)
         self.address = _addr(self._block)
-        self.kv: KVStorage | None = None
+        self.kv: HostKVStorage | None = None
         self.tokens = 0
         self._arrays: tuple[np.ndarray, ...] = ()
 
@@ -164,9 +164,9 @@ class PagedAttention:
         a[A_OUT], a[A_WINDOW], a[A_STEP] = _addr(out), window, step.address
         a[A_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
         self._ptr = _addr(a)
-        self._kv: KVStorage | None = None
+        self._kv: HostKVStorage | None = None
 
-    def _request(self, kv: KVStorage) -> backends.Request:
+    def _request(self, kv: HostKVStorage) -> backends.Request:
         return _request(self._backend, kv.dtype, *self._geometry, kv.page_size, kv.recent)
 
     def pending(self) -> list[backends.Request]:
@@ -175,7 +175,7 @@ class PagedAttention:
         kv = self._step.kv
         return [] if kv is None or kv is self._kv else [self._request(kv)]
 
-    def _bind_kv(self, kv: KVStorage) -> None:
+    def _bind_kv(self, kv: HostKVStorage) -> None:
         """Kernels for ``kv``'s storage and the addresses of this layer's pages."""
         backend, program, spec = self._request(kv)
         done = backend.lower(program, spec)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from dynalm.core import attention, cpu_ops, elementwise, pool
-from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import Call, Lowering
+from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Node
 from dynalm.ir.ops import OPS

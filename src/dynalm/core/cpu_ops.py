@@ -8,98 +8,12 @@ reads keys and values through each sequence's page table.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from dynalm.core.kv_storage import KVGeometry
-
-
-class KVStorage(Protocol):
-    """Paged KV memory as the CPU's attention ops see it: the bytes, owned by the device
-    (``Device.kv_storage``; ``core.kv_storage.HostKVStorage`` on the CPU), while the runtime's
-    ``PagePool`` keeps the accounting. The JIT kernel reads and writes the per-layer arrays
-    itself."""
-
-    geometry: KVGeometry
-    page_size: int
-    nbytes: int  # pages and recent buffers
-    page_nbytes: int
-    dtype: str  # "f32" | "f16" | "q8_0"
-    k: list[np.ndarray]  # per layer [slots, n_kv_heads, head_dim]; q8_0: Hadamard-rotated
-    v: list[np.ndarray]
-    k_scale: list[np.ndarray]  # per layer, q8_0 only: f16 [slots, n_kv_heads, head_dim / 32]
-    v_scale: list[np.ndarray]
-    recent: int  # tokens per recent buffer (q8_0: keys/values near a query, in f16); 0: none
-    k_recent: list[np.ndarray]  # per layer f16 [buffers * recent, n_kv_heads, head_dim]
-    v_recent: list[np.ndarray]
-
-    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Store fp32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at ``slots`` (quantising
-        if the pages are quantised)."""
-
-    def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Keys (un-rotated) and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
-
-    def write_recent(self, layer: int, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Store fp32 ``k``/``v`` at recent-buffer ``rows`` (rounded to f16)."""
-
-    def read_recent(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values at recent-buffer ``rows`` as fp32."""
-
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy-on-write: page ``dst`` gets ``src``'s keys and values in every layer."""
-
-    def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
-        """Copies of recent-buffer ``rows`` of every layer (``restore_recent`` puts them back)."""
-
-    def restore_recent(self, rows: np.ndarray, saved: list[np.ndarray]) -> None: ...
-
-
-@dataclass
-class AttentionBatch:
-    """Where the step's tokens belong: a flat ragged batch of sequences.
-
-    Sequence ``s`` owns tokens ``query_start[s]:query_start[s+1]`` of the step; after
-    the step it holds ``seq_lens[s]`` tokens of context, stored in the pages listed
-    by ``page_tables[s]``; token ``t`` of the step is written to KV slot
-    ``slots[t]`` (page * page_size + offset). With a recent window (``kv.recent``), it also
-    has recent buffer ``recent[s]``, which holds its positions from ``recent_from[s]`` on.
-    """
-
-    kv: KVStorage
-    query_start: np.ndarray  # int64 [S + 1]
-    seq_lens: np.ndarray  # int64 [S]
-    page_tables: list[np.ndarray]  # S arrays of page ids
-    slots: np.ndarray  # int64 [T]
-    recent: np.ndarray | None = None  # int64 [S], when kv.recent
-    recent_from: np.ndarray | None = None  # int64 [S], when kv.recent
-
-    def __post_init__(self) -> None:
-        if self.kv.recent and (self.recent is None or self.recent_from is None):
-            raise ValueError("a KV pool with recent buffers needs each sequence's buffer")
-
-    @cached_property
-    def kernel_tables(self) -> tuple[np.ndarray, ...]:
-        """The layout as attention kernels read it, built once per step: the page tables
-        as one int64 ``[S, max_pages]`` array, each token's sequence index ``[T]``, and per
-        sequence its first row in the step, its recent buffer's first row and its
-        ``recent_from`` (``[S]`` each; zeros without recent buffers)."""
-        n_seqs = len(self.seq_lens)
-        widest = max((len(p) for p in self.page_tables), default=0)
-        pages = np.zeros((n_seqs, max(widest, 1)), np.int64)
-        for s, table in enumerate(self.page_tables):
-            pages[s, : len(table)] = table
-        seq_of = np.repeat(np.arange(n_seqs, dtype=np.int64), np.diff(self.query_start))
-        first_row = np.ascontiguousarray(self.query_start[:-1], np.int64)
-        recent_row, recent_from = np.zeros(n_seqs, np.int64), np.zeros(n_seqs, np.int64)
-        if self.kv.recent:
-            recent_row[:] = np.asarray(self.recent) * self.kv.recent
-            recent_from[:] = self.recent_from
-        return pages, seq_of, first_row, recent_row, recent_from
+    from dynalm.core.kv_storage import AttentionBatch
 
 
 def rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> None:

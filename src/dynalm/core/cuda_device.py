@@ -65,7 +65,7 @@ from dynalm.kernel.matmul import (
 from dynalm.kernel.matmul import N_ARGS as MATMUL_ARGS
 
 if TYPE_CHECKING:
-    from dynalm.core.cpu_ops import AttentionBatch
+    from dynalm.core.kv_storage import AttentionBatch
     from dynalm.ir.executor import Executor
     from dynalm.ir.graph import Node
 
@@ -577,14 +577,17 @@ class CudaLowering(Lowering):
         self._context.copy_in(self._table_copy, self._table[: self._used])
 
     def submission(self, calls: list[Call]) -> list[Call]:
-        """The step's launches in order (their PTX lowered and loaded first), the host
-        parts between them, then the logits copied back."""
+        """The step's launches in order (their PTX lowered and loaded first) and the host
+        parts between them."""
         steps: list[Call] = []
         for call in calls:
             steps += call.launches() if isinstance(call, _Kernels) else [call]
         # the blocks as this shape and KV storage bind them
         self._context.copy_in(self._table_copy, self._table[: self._used])
-        logits = self.ex.view_of[self.ex.graph.outputs["logits"].id]
-        copy, offset = self.device.device_view(self.ex.full[self.ex.graph.outputs["logits"].id])
-        steps.append(lambda: self._context.copy_out(copy, self.ex.views[logits], offset))
         return steps
+
+    def end_step(self) -> None:
+        """Copy the step's logits back (the copy waits for the launches)."""
+        logits = self.ex.graph.outputs["logits"].id
+        copy, offset = self.device.device_view(self.ex.full[logits])
+        self._context.copy_out(copy, self.ex.views[self.ex.view_of[logits]], offset)

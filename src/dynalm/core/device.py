@@ -30,8 +30,8 @@ from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.kernel import backends
 
 if TYPE_CHECKING:
-    from dynalm.core.cpu_ops import AttentionBatch, KVStorage, RopeTable
-    from dynalm.core.kv_storage import KVGeometry
+    from dynalm.core.cpu_ops import RopeTable
+    from dynalm.core.kv_storage import AttentionBatch, KVGeometry, KVStorage
     from dynalm.ir.executor import Executor
     from dynalm.ir.graph import Node
 
@@ -197,6 +197,10 @@ class Lowering(ABC):
     @abstractmethod
     def submission(self, calls: list[Call]) -> list[Call]:
         """The step's calls as few submissions as the device can (kernels lowered first)."""
+
+    def end_step(self) -> None:  # noqa: B027 - nothing to do where the host holds them
+        """The step's calls have run: its logits must be readable on the host when this
+        returns (a GPU copies them back)."""
 
 
 class CpuDevice(Device):

@@ -1,15 +1,20 @@
-"""KV page storage in host memory: the bytes of the paged KV cache on the CPU device.
+"""KV page storage: the bytes of the paged KV cache, as every device holds them, and a
+step's view of them.
 
 The runtime's ``PagePool`` keeps the page accounting (ids, refcounts, free lists, the radix
-tree above it); the device keeps the bytes (``Device.kv_storage``). This is the CPU's: numpy
-arrays the numpy attention op (``cpu_ops.attention``) and the JIT attention kernels
-(``core.attention``) read, in the formats ``runtime.kv_cache`` describes (f32, f16, q8_0 with
-Hadamard-rotated keys and f16 recent buffers).
+tree above it); the device keeps the bytes (``Device.kv_storage``), shaped by ``KVGeometry``
+in the formats ``runtime.kv_cache`` describes (f32, f16, q8_0 with Hadamard-rotated keys and
+f16 recent buffers). ``KVStorage`` is what the runtime asks of any device's storage;
+``HostKVStorage`` is the CPU's (numpy arrays the numpy attention op ``cpu_ops.attention``
+and the JIT attention kernels ``core.attention`` read). ``AttentionBatch`` is a step's
+layout: which sequence each token belongs to and where its keys go.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
@@ -80,6 +85,73 @@ class KVGeometry:
 
 
 PAGE_ARRAYS = ("k", "v", "k_scale", "v_scale")  # copied with their page (copy-on-write)
+
+
+class KVStorage(Protocol):
+    """The KV pages' bytes, owned by a device (``Device.kv_storage``: ``HostKVStorage`` on
+    the CPU, ``cuda_device.CudaKVStorage`` on CUDA): what the runtime asks of them. The page
+    accounting (ids, refcounts, free lists, the radix tree above it) is the runtime's
+    ``PagePool``; the attention kernels read and write the bytes themselves."""
+
+    geometry: KVGeometry
+    page_size: int
+    dtype: str  # "f32" | "f16" | "q8_0"
+    recent: int  # tokens per recent buffer (q8_0: keys/values near a query, in f16); 0: none
+    nbytes: int  # pages and recent buffers
+    page_nbytes: int
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy-on-write: page ``dst`` gets ``src``'s keys and values in every layer."""
+
+    def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Copies of recent-buffer ``rows`` of every layer (``restore_recent`` puts them back)."""
+
+    def restore_recent(self, rows: np.ndarray, saved: list[np.ndarray]) -> None: ...
+
+
+@dataclass
+class AttentionBatch:
+    """Where the step's tokens belong: a flat ragged batch of sequences.
+
+    Sequence ``s`` owns tokens ``query_start[s]:query_start[s+1]`` of the step; after
+    the step it holds ``seq_lens[s]`` tokens of context, stored in the pages listed
+    by ``page_tables[s]``; token ``t`` of the step is written to KV slot
+    ``slots[t]`` (page * page_size + offset). With a recent window (``kv.recent``), it also
+    has recent buffer ``recent[s]``, which holds its positions from ``recent_from[s]`` on.
+    """
+
+    kv: KVStorage
+    query_start: np.ndarray  # int64 [S + 1]
+    seq_lens: np.ndarray  # int64 [S]
+    page_tables: list[np.ndarray]  # S arrays of page ids
+    slots: np.ndarray  # int64 [T]
+    recent: np.ndarray | None = None  # int64 [S], when kv.recent
+    recent_from: np.ndarray | None = None  # int64 [S], when kv.recent
+
+    def __post_init__(self) -> None:
+        if self.kv.recent and (self.recent is None or self.recent_from is None):
+            raise ValueError("a KV pool with recent buffers needs each sequence's buffer")
+
+    @cached_property
+    def kernel_tables(self) -> tuple[np.ndarray, ...]:
+        """The layout as attention kernels read it, built once per step: the page tables
+        as one int64 ``[S, max_pages]`` array, each token's sequence index ``[T]``, and per
+        sequence its first row in the step, its recent buffer's first row and its
+        ``recent_from`` (``[S]`` each; zeros without recent buffers)."""
+        n_seqs = len(self.seq_lens)
+        widest = max((len(p) for p in self.page_tables), default=0)
+        pages = np.zeros((n_seqs, max(widest, 1)), np.int64)
+        for s, table in enumerate(self.page_tables):
+            pages[s, : len(table)] = table
+        seq_of = np.repeat(np.arange(n_seqs, dtype=np.int64), np.diff(self.query_start))
+        first_row = np.ascontiguousarray(self.query_start[:-1], np.int64)
+        recent_row, recent_from = np.zeros(n_seqs, np.int64), np.zeros(n_seqs, np.int64)
+        if self.kv.recent:
+            recent_row[:] = np.asarray(self.recent) * self.kv.recent
+            recent_from[:] = self.recent_from
+        return pages, seq_of, first_row, recent_row, recent_from
+
+
 
 
 class HostKVStorage:

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
-from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import Call, Device
+from dynalm.core.kv_storage import AttentionBatch
 from dynalm.ir.graph import Graph
 from dynalm.ir.planner import Plan, plan_buffers
 
@@ -230,6 +230,7 @@ class Executor:
                 call()
         else:
             self._run_profiled(self.profile)
+        self.lowering.end_step()
         return self.views[self._logits]
 
     def _run_profiled(self, profile: dict[str, float]) -> None:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynalm.core.cpu_ops import AttentionBatch
 from dynalm.core.device import Device
+from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.memory import trim_heap
 from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor

@@ -40,8 +40,8 @@ from dynalm.core.kv_storage import Q8_BLOCK, RECENT, HostKVStorage, KVGeometry, 
 from dynalm.errors import InvalidRequest, show
 
 if TYPE_CHECKING:
-    from dynalm.core.cpu_ops import KVStorage
     from dynalm.core.device import Device
+    from dynalm.core.kv_storage import KVStorage
 
 __all__ = ["Q8_BLOCK", "RECENT", "hadamard", "PagePool", "OutOfPages"]
 
