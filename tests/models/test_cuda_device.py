@@ -41,11 +41,14 @@ def cuda(gpu: EmulatedLibcuda, mode: str = "auto") -> CudaDevice:
     return CudaDevice(mode, driver=cuda_driver.Driver(gpu))
 
 
-def forward(model: LoadedModel, device: object, ids: list[int]) -> np.ndarray:
+def forward(
+    model: LoadedModel, device: object, ids: list[int], profile: bool = False
+) -> np.ndarray:
     """Logits of a prefill of ``ids`` at every position, then of one decode step (f32 KV,
-    so that only the two devices' arithmetic differs)."""
+    so that only the two devices' arithmetic differs); ``profile``: op by op, timed."""
     hp = model.hparams
     ex = Executor(model.graph, device, model.weights, max_tokens=64)
+    ex.profile = {} if profile else None
     pool = PagePool(hp.n_layers, hp.n_kv_heads, hp.head_dim, 4, 16, "f32", device=device)
     pages = pool.allocate(4)
     n = len(ids)
@@ -67,6 +70,8 @@ def test_logits_equal_the_cpu(model, gpu, mode, monkeypatch):
     ids = encode(model, "The capital of France is")
     got = forward(model, cuda(gpu, mode), ids)
     assert gpu.launches > 0 and gpu.allocated > 50 << 20  # weights, KV, activations
+    if mode == "auto":  # run op by op (bench --profile): the same logits come back
+        np.testing.assert_array_equal(forward(model, cuda(gpu, mode), ids, profile=True), got)
     monkeypatch.setenv("DYNALM_ISA", "generic")
     np.testing.assert_array_equal(got, forward(model, CpuDevice(mode), ids))
     monkeypatch.delenv("DYNALM_ISA")
