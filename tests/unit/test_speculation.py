@@ -255,13 +255,13 @@ def tile(t: int) -> float:
 
 
 def test_plan_drafts_in_a_closed_batch():
-    """With no request waiting for a seat, draft tokens that only shorten their own sequence
-    are worth its marginal time (0.05 here, under the 0.05 a token costs past the tile):
-    5 copy-heavy streams beside 3 chats cross the tile with open seats waiting, not without.
-    What every sequence gains shortens the whole batch: a batch that all drafts well, or a
-    lone stream, is planned as before."""
+    """With no request waiting to be admitted, draft tokens that only shorten their own
+    sequence are worth its marginal time (0.05 / (1 + MARGIN) here, under the 0.05 a token
+    costs past the tile): 5 copy-heavy streams beside 3 chats cross the tile where requests
+    wait, not where none does. What every sequence gains shortens the whole batch: a batch
+    that all drafts well, or a lone stream, is planned as before."""
     mixed = [0.95] * 5 + [0.1] * 3
-    assert sum(plan_drafts(mixed, [4] * 8, 8, 0, tile)) > 8  # seats wanted: drafts pay
+    assert sum(plan_drafts(mixed, [4] * 8, 8, 0, tile)) > 8  # requests wait: drafts pay
     assert plan_drafts(mixed, [4] * 8, 8, 0, tile, closed=True) == [0] * 8
     uniform = [0.95] * 8
     open_plan = plan_drafts(uniform, [4] * 8, 8, 0, tile)
@@ -269,7 +269,7 @@ def test_plan_drafts_in_a_closed_batch():
         sum(open_plan) > 0 and plan_drafts(uniform, [4] * 8, 8, 0, tile, closed=True) == open_plan
     )
     assert plan_drafts([0.9], [4], 1, 0, curve, closed=True) == [4]
-    # fewer sure tokens than sequences only shorten some: 7 of them pay for open seats only
+    # fewer sure tokens than sequences only shorten some: 7 of them pay only where requests wait
     assert drafts_can_pay(8, 0, tile, 7) and not drafts_can_pay(8, 0, tile, 7, closed=True)
     assert drafts_can_pay(8, 0, tile, 8, closed=True)  # one each: the batch ends sooner
 

@@ -387,7 +387,8 @@ class Engine:
         seats = sched.max_num_seqs - len(sched.running)
         pending += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
         n_other = min(pending, max(0, sched.max_num_batched_tokens - n_decode))
-        closed = not (sched.waiting and seats <= 0)  # no request waits for a seat
+        # no request waits (for a seat, pages or budget a sequence that finishes would free)
+        closed = not sched.waiting
         adaptive, cost = self.config.adaptive_draft, self.step_cost
         # one token past the largest step measured (beyond it the curve is a guess, and a
         # step of a new size compiles first), but now and then as far as the prior guesses

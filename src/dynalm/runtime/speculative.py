@@ -238,7 +238,7 @@ def plan_drafts(
     ``n_other`` prefill tokens; ``step(T)`` is the time of a step of T tokens and
     ``pass_time(n)`` a drafter pass over n sequences (drafting j tokens takes j passes);
     ``most``: the most draft tokens in all (None: no limit); ``closed``: no request waits
-    for the seat a sequence that finishes sooner would free.
+    for what a sequence that finishes sooner would free (its seat, pages, budget).
 
     Taking the K most valuable draft tokens (gain G_K, drafter time D_K) for K = 0, 1, ...,
     the decoding sequences alone make ``r_K = (n_decode + G_K) / (step(n_decode + K) + D_K)``
@@ -249,8 +249,8 @@ def plan_drafts(
     token at a time: a step time that jumps (a kernel's tile filled) and then grows slowly
     can make 8 draft tokens pay where 1 does not.
 
-    That values a token at 1 / r*, right where a sequence that finishes sooner gives its
-    seat to a waiting request. In a ``closed`` batch (none waits) the batch ends when its
+    That values a token at 1 / r*, right where a sequence that finishes sooner makes room
+    for a waiting request. In a ``closed`` batch (none waits) the batch ends when its
     slowest sequence does: what every decoding sequence gains at least (G_min each, n_decode
     G_min in all) shortens the batch and keeps that value, but the rest only shortens its
     own sequence, which saves the later steps its share of their time, the step's marginal
