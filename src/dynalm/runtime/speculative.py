@@ -339,7 +339,9 @@ class DraftLength:
     drafter has one kind). How many tokens it drafts is decided for the whole step
     (``plan_drafts``) from these rates and the measured step times. After ``PROBE_EVERY``
     steps in a row without a draft the rates it gets planned with are the prior again, once:
-    the text may have changed."""
+    the text may have changed. (A free drafter is then only asked: its proposal is planned
+    with the learnt rates, and its first token, if not verified, checked against the
+    target's, which moves them: ``Engine._check_shadow``.)"""
 
     k_max: int
     rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
