@@ -157,11 +157,14 @@ def compare(
     n: int,
     runs: int,
     split: dict[str, float] | None = None,
+    raw: dict[str, list[float]] | None = None,
     **config: object,
 ) -> tuple[float, float, float, bool]:
-    """(plain tokens/s, speculative tokens/s, acceptance, identical) over ``runs`` runs
-    alternating the two engines. ``split``: filled with the seconds the speculative runs
-    spent in all, in the target's model steps and in a draft model's passes."""
+    """(plain tokens/s, speculative tokens/s, acceptance, identical): medians over ``runs``
+    runs alternating the two engines, which one goes first alternating too (a run after
+    another is slowed or sped up by what ran before it on a busy machine). ``split``: filled
+    with the seconds the speculative runs spent in all, in the target's model steps and in
+    a draft model's passes; ``raw``: with each run's tokens/s (``plain``, ``spec``)."""
     base = {"ctx": 1024, "max_num_seqs": max(8, len(prompts)), "enable_prefix_caching": False}
     plain = Engine(model, device, EngineConfig(**base))
     spec = Engine(model, device, EngineConfig(**base, **config), drafter=drafter)
@@ -175,15 +178,22 @@ def compare(
     clock(spec.executor, split, "target")
     if isinstance(drafter, ModelDrafter):
         clock(drafter.executor, split, "draft")
-    for _ in range(runs):
+    for i in range(runs):
+        if i % 2:
+            t0 = time.perf_counter()
+            got, t_spec = generate(spec, prompts, n)
+            split["total"] += time.perf_counter() - t0
         want, t_plain = generate(plain, prompts, n)
-        t0 = time.perf_counter()
-        got, t_spec = generate(spec, prompts, n)
-        split["total"] += time.perf_counter() - t0
+        if not i % 2:
+            t0 = time.perf_counter()
+            got, t_spec = generate(spec, prompts, n)
+            split["total"] += time.perf_counter() - t0
         same &= got == want
         decoded = sum(len(t) - 1 for t in want)
         rates["plain"].append(decoded / t_plain)
         rates["spec"].append(decoded / t_spec)
+    if raw is not None:
+        raw.update(rates)
     return (
         statistics.median(rates["plain"]),
         statistics.median(rates["spec"]),
@@ -227,14 +237,17 @@ def main() -> None:
     )
     print(head)
     n, runs = args.tokens, args.runs
-    for name, text in {**COPY_PROMPTS, **CHAT_PROMPTS}.items():
-        if wanted(f"ngram, {name}"):
-            result = compare(model, device, NgramDrafter(), [encode(model, text)], n, runs)
-            print(row(f"ngram, {name}", *result))
     mixed = [encode(model, t) for t in [*COPY_PROMPTS.values(), *CHAT_PROMPTS.values()]]
     mixed += mixed[: 8 - len(mixed)]
-    if wanted("ngram, 8 streams"):
-        print(row("ngram, 8 streams", *compare(model, device, NgramDrafter(), mixed, n, runs)))
+    ngram = {f"ngram, {name}": [encode(model, text)] for name, text in COPY_PROMPTS.items()}
+    ngram |= {f"ngram, {name}": [encode(model, text)] for name, text in CHAT_PROMPTS.items()}
+    ngram["ngram, 8 streams"] = mixed
+    raws: dict[str, dict[str, list[float]]] = {}
+    for name, prompts in ngram.items():
+        if wanted(name):
+            raws[name] = {}
+            result = compare(model, device, NgramDrafter(), prompts, n, runs, raw=raws[name])
+            print(row(name, *result))
     config = {"ctx": 1024, "max_num_seqs": 8}
     copy = [encode(model, COPY_PROMPTS["edit code"])]
     chat = [encode(model, CHAT_PROMPTS["chat: explain"])]
@@ -254,6 +267,15 @@ def main() -> None:
                 )
                 print(row(name, *result))
                 splits[name] = split
+    if raws:  # every run, not only the medians (a shared machine is noisy)
+        print("\n| n-gram: each run | plain t/s | spec t/s | pairs' median ratio |")
+        print("|---|---|---|---|")
+        for name, raw in raws.items():
+            plain, spec = (" ".join(f"{r:.1f}" for r in raw[k]) for k in ("plain", "spec"))
+            # the two runs of a pair ran back to back: their ratio sees the same load
+            pairs = zip(raw["plain"], raw["spec"], strict=True)
+            paired = statistics.median([b / a for a, b in pairs])
+            print(f"| {name} | {plain} | {spec} | {paired:.2f}x |")
     if splits:  # where a draft model's runs spend their time (the rest: the engine's Python)
         print("\n| draft model: time in | target steps | draft passes | the rest |")
         print("|---|---|---|---|")

@@ -20,6 +20,8 @@ from dynalm.runtime.kv_cache import kv_bytes_per_token
 from dynalm.runtime.metrics import ServerMetrics
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.speculative import (
+    EXPLORE_EVERY,
+    PROBE_EVERY,
     ModelDrafter,
     NgramDrafter,
     SpecStats,
@@ -142,6 +144,37 @@ def test_draft_lengths_follow_the_step_cost(model, device):
         assert run(engine, batch) == want
         assert engine.stats.spec == drafted
     assert drafted.num_draft_tokens > drafted.num_drafts > 0
+
+
+class CountingNgram(NgramDrafter):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, requests, ks):
+        self.calls += 1
+        return super().propose(requests, ks)
+
+
+def test_nothing_drafted_costs_no_lookups(model, device, monkeypatch):
+    """Where no draft can pay, the speculative engine's step is the plain one's: the drafter
+    is never asked, and the plan is not remade while the decoding batch stays (only when a
+    sequence's probe is due, every PROBE_EVERY + 1 steps, or every EXPLORE_EVERY-th plan)."""
+    import dynalm.runtime.engine as engine_module
+
+    plans = []
+    gate = engine_module.drafts_can_pay
+    monkeypatch.setattr(engine_module, "drafts_can_pay", lambda *a: plans.append(a) or gate(*a))
+    batch = [model.tokenizer.encode(t) for t in COPY]
+    drafter = CountingNgram()
+    engine = Engine(model, device, EngineConfig(ctx=128), drafter)
+    engine.step_cost = FixedCost(float)  # each token costs a whole step
+    assert run(engine, batch) == run(Engine(model, device, EngineConfig(ctx=128)), batch)
+    assert drafter.calls == 0 and engine.stats.spec == SpecStats()
+    # the three requests decode side by side from the second step to the last: one batch
+    decode_steps = GREEDY.max_tokens - 1
+    bound = 1 + decode_steps // (PROBE_EVERY + 1) + decode_steps // EXPLORE_EVERY
+    assert 1 <= len(plans) <= bound
 
 
 def test_draft_models_are_token_identical(model, device):

@@ -12,6 +12,7 @@ from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
 from dynalm.runtime.speculative import (
+    EWMA,
     MARGIN,
     PRIOR,
     PROBE_EVERY,
@@ -245,3 +246,49 @@ def test_plan_drafts_explores_one_token_at_a_time():
     cost.record(5, 1.0)
     cost.record(3, 1.0)
     assert cost.largest == 5
+
+
+def tile(t: int) -> float:
+    """8 sequences cost 1.35x one (0.05 a sequence), then a kernel's tile fills: a jump of
+    0.5, and 0.05 a token again."""
+    return 0.0 if t <= 0 else 1 + 0.05 * (t - 1) if t <= 8 else 1.9 + 0.05 * (t - 9)
+
+
+def test_plan_drafts_in_a_closed_batch():
+    """With no request waiting to be admitted, draft tokens that only shorten their own
+    sequence are worth its marginal time (0.05 / (1 + MARGIN) here, under the 0.05 a token
+    costs past the tile): 5 copy-heavy streams beside 3 chats cross the tile where requests
+    wait, not where none does. What every sequence gains shortens the whole batch: a batch
+    that all drafts well, or a lone stream, is planned as before."""
+    mixed = [0.95] * 5 + [0.1] * 3
+    assert sum(plan_drafts(mixed, [4] * 8, 8, 0, tile)) > 8  # requests wait: drafts pay
+    assert plan_drafts(mixed, [4] * 8, 8, 0, tile, closed=True) == [0] * 8
+    uniform = [0.95] * 8
+    open_plan = plan_drafts(uniform, [4] * 8, 8, 0, tile)
+    assert (
+        sum(open_plan) > 0 and plan_drafts(uniform, [4] * 8, 8, 0, tile, closed=True) == open_plan
+    )
+    assert plan_drafts([0.9], [4], 1, 0, curve, closed=True) == [4]
+    # fewer sure tokens than sequences only shorten some: 7 of them pay only where requests wait
+    assert drafts_can_pay(8, 0, tile, 7) and not drafts_can_pay(8, 0, tile, 7, closed=True)
+    assert drafts_can_pay(8, 0, tile, 8, closed=True)  # one each: the batch ends sooner
+
+
+def test_shadow_drafts_teach_the_rate():
+    """A free drafter's first token that the step did not verify is checked against the
+    token sampled there: one draft token's outcome for its kind's rate; a proposal made for
+    another position (the request was preempted and recomputed since) is ignored."""
+    from dynalm.runtime.engine import Engine, _Stream
+
+    req = Request("r", [1, 2, 3], 8)
+    stream = _Stream(req, Sampler(SamplingParams()), None, None, frozenset(), None)
+    stream.draft_length = DraftLength(k_max=4)
+    stream.shadow = (3, 7, 2)
+    Engine._check_shadow(stream, 7)
+    assert stream.shadow is None and stream.draft_length.rates == {2: PRIOR + EWMA * (1 - PRIOR)}
+    stream.shadow = (3, 5, 1)
+    Engine._check_shadow(stream, 7)  # missed
+    assert stream.draft_length.rates[1] == PRIOR * (1 - EWMA)
+    stream.shadow = (2, 7, 3)  # made for position 2
+    Engine._check_shadow(stream, 7)
+    assert 3 not in stream.draft_length.rates and stream.shadow is None

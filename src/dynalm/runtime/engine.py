@@ -44,6 +44,7 @@ from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample
 from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
 from dynalm.runtime.speculative import (
     EXPLORE_EVERY,
+    PROBE_EVERY,
     Draft,
     Drafter,
     DraftLength,
@@ -132,6 +133,9 @@ class _Stream:
     draft_length: DraftLength | None = None  # None: no speculation for this request
     draft_probs: np.ndarray | None = None  # what the drafter drew this step's draft from
     draft_kind: int = 0  # and what acceptance rate that draft goes by
+    # a free drafter's proposal this step did not verify: (position, first token, kind), its
+    # first token checked against the one sampled there, so rates are learnt without drafting
+    shadow: tuple[int, int, int] | None = None
 
 
 def flat_batch(
@@ -188,6 +192,10 @@ class Engine:
         self.spec_stats = SpecStats()
         self.step_cost = StepCost()  # decode steps' times by token count (draft planning)
         self._plans = 0  # steps whose drafts were planned (every EXPLORE_EVERY-th explores)
+        # the decoding batch whose last plan found no draft worth it even at each sequence's
+        # best rate: while it stays (and no probe or exploration is due) that answer stands
+        # (no rate moves while nothing is drafted; the step times drift slowly)
+        self._quiet: tuple | None = None
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
@@ -341,6 +349,8 @@ class Engine:
             sampled = dict(zip(plain, zip(rows, tokens.tolist(), strict=True), strict=True))
             for i, stream in enumerate(streams):
                 if i in sampled:
+                    if stream.shadow is not None:
+                        self._check_shadow(stream, sampled[i][1])
                     outputs.append(self._emit(stream, *sampled[i]))
                 else:
                     rid = stream.request.request_id
@@ -377,6 +387,8 @@ class Engine:
         seats = sched.max_num_seqs - len(sched.running)
         pending += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
         n_other = min(pending, max(0, sched.max_num_batched_tokens - n_decode))
+        # no request waits (for a seat, pages or budget a sequence that finishes would free)
+        closed = not sched.waiting
         adaptive, cost = self.config.adaptive_draft, self.step_cost
         # one token past the largest step measured (beyond it the curve is a guess, and a
         # step of a new size compiles first), but now and then as far as the prior guesses
@@ -384,23 +396,33 @@ class Engine:
         explore = self._plans % EXPLORE_EVERY == 0
         curve = cost.guess if explore else cost
         most = sum(rooms) if explore else max(cost.largest, n_decode) + 1 - n_decode
-        if adaptive and not drafts_can_pay(n_decode, n_other, curve, min(most, sum(rooms))):
-            return
         counts = [s.draft_length for s in asked]
+        batch = (n_decode, n_other, closed, [s.request.request_id for s in asked])
+        if batch == self._quiet and not explore and all(c.idle < PROBE_EVERY for c in counts):  # type: ignore[union-attr]
+            return self._plan_none(counts)  # no rate moved since (nothing drafted or looked up)
+        self._quiet = None
+        if adaptive and not drafts_can_pay(n_decode, n_other, curve, min(most, sum(rooms)), closed):
+            self._quiet = batch  # (a probe due now would be in vain: consumed)
+            return self._plan_none(counts)
+        rates = [c.rate() for c in counts]  # type: ignore[union-attr]
+        pass_time = None if drafter.free else lambda n: drafter.pass_time(n, cost)
+
+        def plan(rates: list[float], rooms: list[int]) -> list[int]:
+            if not adaptive:
+                return rooms
+            return plan_drafts(rates, rooms, n_decode, n_other, curve, pass_time, most, closed)
+
+        ks = plan(rates, rooms)
+        if not any(ks):  # (not even at each one's best rate: no drafter need be asked)
+            self._quiet = batch
+            return self._plan_none(counts)
         if drafter.free:  # drafts first, then how much of each to verify
             drafts = drafter.propose([s.request for s in asked], rooms)
             rooms = [len(d.tokens) for d in drafts]
-            if not any(rooms):
-                return
-            rates = [c.rate(d.kind) for c, d in zip(counts, drafts, strict=True)]  # type: ignore[union-attr]
-        else:
-            rates = [c.rate() for c in counts]  # type: ignore[union-attr]
-        if adaptive:
-            ks = plan_drafts(
-                rates, rooms, n_decode, n_other, curve, lambda n: drafter.pass_time(n, cost), most
-            )
-        else:
-            ks = rooms
+            # by the rates of their kinds, without a probe's prior: what a free draft's
+            # first token would have been worth is learnt from its shadow (``_check_shadow``)
+            rates = [c.rate(d.kind, probe=False) for c, d in zip(counts, drafts, strict=True)]  # type: ignore[union-attr]
+            ks = plan(rates, rooms)
         if not drafter.free:
             want = [i for i, k in enumerate(ks) if k]
             drafts = [Draft([]) for _ in asked]
@@ -410,9 +432,27 @@ class Engine:
         for stream, k, draft in zip(asked, ks, drafts, strict=True):
             assert stream.draft_length is not None
             stream.draft_length.planned(k)
+            if drafter.free and not k and draft.tokens:
+                stream.shadow = (stream.request.num_tokens, draft.tokens[0], draft.kind)
             stream.request.draft = draft.tokens[:k]
             stream.draft_probs = None if draft.probs is None else draft.probs[:k]
             stream.draft_kind = draft.kind
+
+    @staticmethod
+    def _plan_none(counts: list[DraftLength | None]) -> None:
+        for count in counts:
+            count.planned(0)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _check_shadow(stream: _Stream, token: int) -> None:
+        """The token sampled after ``stream``'s last one: was it what the free drafter
+        proposed (and this step did not verify)? One draft token's outcome for its rate: the
+        chance a draft token is kept is the chance the target picks it (greedy or
+        sampled), so a sequence that never drafts still learns whether drafts would pay."""
+        (at, proposed, kind), stream.shadow = stream.shadow, None  # type: ignore[misc]
+        if at == stream.request.num_tokens:  # (not a proposal from before a preemption)
+            assert stream.draft_length is not None
+            stream.draft_length.update(kind, 1, int(token == proposed))
 
     def _verify(self, stream: _Stream, logits: np.ndarray, saved: object) -> list[RequestOutput]:
         """A speculative sequence after the step: emit the tokens verification keeps, one

@@ -228,6 +228,7 @@ def plan_drafts(
     step: Callable[[int], float],
     pass_time: Callable[[int], float] | None = None,
     most: int | None = None,
+    closed: bool = False,
 ) -> list[int]:
     """How many draft tokens each of the sequences that may draft puts in the step.
 
@@ -236,7 +237,8 @@ def plan_drafts(
     computes ``n_decode`` decoding sequences' last tokens (each makes one token) and
     ``n_other`` prefill tokens; ``step(T)`` is the time of a step of T tokens and
     ``pass_time(n)`` a drafter pass over n sequences (drafting j tokens takes j passes);
-    ``most``: the most draft tokens in all (None: no limit).
+    ``most``: the most draft tokens in all (None: no limit); ``closed``: no request waits
+    for what a sequence that finishes sooner would free (its seat, pages, budget).
 
     Taking the K most valuable draft tokens (gain G_K, drafter time D_K) for K = 0, 1, ...,
     the decoding sequences alone make ``r_K = (n_decode + G_K) / (step(n_decode + K) + D_K)``
@@ -245,7 +247,18 @@ def plan_drafts(
     tokens without drafts: without prefill tokens this is the K of rate r* itself; with
     them, drafts must pay for their marginal time at r*. The whole curve is searched, not one
     token at a time: a step time that jumps (a kernel's tile filled) and then grows slowly
-    can make 8 draft tokens pay where 1 does not."""
+    can make 8 draft tokens pay where 1 does not.
+
+    That values a token at 1 / r*, right where a sequence that finishes sooner makes room
+    for a waiting request. In a ``closed`` batch (none waits) the batch ends when its
+    slowest sequence does: what every decoding sequence gains at least (G_min each, n_decode
+    G_min in all) shortens the batch and keeps that value, but the rest only shortens its
+    own sequence, which saves the later steps its share of their time, the step's marginal
+    time per sequence: ``(step(n_decode) - step(1)) / (n_decode - 1)``. On a CPU whose step
+    time is mostly reading the weights that share is small (SmolLM2-135M, 2 threads: 8
+    sequences cost 1.8x one, 0.3 ms a sequence against 0.6 ms a token at r*), so 8 streams
+    mixing copy-heavy and open-ended text do not cross a kernel tile for a few of them; a
+    lone stream, or a batch that all drafts well, is planned as before."""
     pass_time = pass_time or (lambda n: 0.0)
     most = sum(lengths) if most is None else max(0, most)
     candidates = sorted(
@@ -257,13 +270,18 @@ def plan_drafts(
         return [0] * len(rates)
     counts, passes = [0] * len(rates), [0] * (max(lengths, default=0) + 1)
     gains, drafts = [0.0], [0.0]  # G_K, D_K
+    own = [0.0] * len(rates)  # each sequence's gain in the first K
+    floors = [0.0] if closed else None  # G_min of the first K (0 while one decodes alone)
     for gain, i in candidates:
         counts[i] += 1
         p = counts[i]
         drafts.append(drafts[-1] + pass_time(passes[p] + 1) - pass_time(passes[p]))
         passes[p] += 1
         gains.append(gains[-1] + gain)
-    best_k = _best_k(gains, drafts, n_decode, n_other, step)
+        if floors is not None:
+            own[i] += gain
+            floors.append(min(own) if len(own) == n_decode else 0.0)
+    best_k = _best_k(gains, drafts, n_decode, n_other, step, floors)
     ks = [0] * len(rates)
     for _, i in candidates[:best_k]:
         ks[i] += 1
@@ -276,31 +294,42 @@ def _best_k(
     n_decode: int,
     n_other: int,
     step: Callable[[int], float],
+    floors: Sequence[float] | None = None,
 ) -> int:
-    """``plan_drafts``' choice of K from G_K and D_K (K = 0, 1, ...)."""
-    speeds = [
-        (n_decode + g) / (step(n_decode + k) + d)
-        for k, (g, d) in enumerate(zip(gains, drafts, strict=True))
-    ]
+    """``plan_drafts``' choice of K from G_K and D_K (K = 0, 1, ...); ``floors[K]``: in a
+    closed batch, the gain each decoding sequence has at least in the first K (else None)."""
+    ks = range(len(gains))
+    decode = [step(n_decode + k) for k in ks]  # each step time once: this runs every step
+    whole = [step(n_decode + n_other + k) for k in ks] if n_other else decode
+    speeds = [(n_decode + g) / (t + d) for g, t, d in zip(gains, decode, drafts, strict=True)]
     worth = max(speeds)
     if worth < (1 + MARGIN) * speeds[0]:
         return 0
-    t0 = n_decode + n_other
-    base = step(t0)
+    average = share = 1 / worth  # the seconds a token is worth, and one only its sequence's
+    if floors is not None and n_decode > 1:
+        share = max(0.0, decode[0] - step(1)) / (n_decode - 1) / (1 + MARGIN)  # (noisy times)
+        share = min(average, share)
     best, best_k = 0.0, 0
-    for k in range(1, len(gains)):
-        value = gains[k] - worth * (step(t0 + k) - base + drafts[k])
-        if value > best:
+    for k in ks[1:]:
+        # the gain all share keeps 1 / r*; the rest, what only its own sequence gains, ``share``
+        batch = gains[k] if floors is None else n_decode * floors[k]
+        valued = batch * average + (gains[k] - batch) * share
+        value = valued - (whole[k] - whole[0] + drafts[k])
+        if value > best or (value == best == 0.0 and gains[k] > 0):  # a free draft is taken
             best, best_k = value, k
     return best_k
 
 
-def drafts_can_pay(n_decode: int, n_other: int, step: Callable[[int], float], most: int) -> bool:
+def drafts_can_pay(
+    n_decode: int, n_other: int, step: Callable[[int], float], most: int, closed: bool = False
+) -> bool:
     """Whether up to ``most`` draft tokens could pay in this step even if each were sure to
-    be accepted and free to draft (else the drafter need not be asked: a full batch on a CPU
-    whose step time doubles from 8 to 16 tokens)."""
+    be accepted and free to draft, one per sequence before any gets two (else the drafter
+    need not be asked: a full batch on a CPU whose step time doubles from 8 to 16 tokens)."""
     k = range(max(0, most) + 1)
-    return _best_k([float(i) for i in k], [0.0 for _ in k], n_decode, n_other, step) > 0
+    floors = [float(i // n_decode) for i in k] if closed and n_decode else None
+    gains = [float(i) for i in k]
+    return _best_k(gains, [0.0 for _ in k], n_decode, n_other, step, floors) > 0
 
 
 @dataclass
@@ -310,16 +339,18 @@ class DraftLength:
     drafter has one kind). How many tokens it drafts is decided for the whole step
     (``plan_drafts``) from these rates and the measured step times. After ``PROBE_EVERY``
     steps in a row without a draft the rates it gets planned with are the prior again, once:
-    the text may have changed."""
+    the text may have changed. (A free drafter is then only asked: its proposal is planned
+    with the learnt rates, and its first token, if not verified, checked against the
+    target's, which moves them: ``Engine._check_shadow``.)"""
 
     k_max: int
     rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
     idle: int = 0  # steps in a row without drafting
 
-    def rate(self, kind: int | None = None) -> float:
+    def rate(self, kind: int | None = None, probe: bool = True) -> float:
         """The acceptance rate to plan a draft of ``kind`` with (None: its best kind's; an
-        unseen kind is tried as the best one)."""
-        if self.idle >= PROBE_EVERY:
+        unseen kind is tried as the best one); ``probe``: the prior's, when due."""
+        if probe and self.idle >= PROBE_EVERY:
             return max([PRIOR, *self.rates.values()])
         best = max(self.rates.values(), default=PRIOR)
         return best if kind is None else self.rates.get(kind, best)
