@@ -25,14 +25,13 @@ from dynalm.core.device import Call, Lowering
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Node
-from dynalm.ir.ops import OPS
+from dynalm.ir.ops import GATES
 from dynalm.kernel import backends
 
 if TYPE_CHECKING:
     from dynalm.core.device import CpuDevice
     from dynalm.ir.executor import Executor
 
-_GATES = {op.name: op.gate for op in OPS.values() if op.gate}  # swiglu -> silu, ...
 
 
 class _Matmul:
@@ -198,8 +197,8 @@ class CpuLowering(Lowering):
     def _gated(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
         if self._native:
-            return self._kernel(elementwise.gated, out, *ins, _GATES[node.op], rows=rows)
-        return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], _GATES[node.op])
+            return self._kernel(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
+        return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], GATES[node.op])
 
     def _mul(self, node: Node) -> Call:
         v, args, o, *_ = self._operands(node)
@@ -254,7 +253,7 @@ class CpuLowering(Lowering):
         "rope": _rope,
         "attention": _attention,
         "add": _add_op,
-        **dict.fromkeys(_GATES, _gated),
+        **dict.fromkeys(GATES, _gated),
         "mul": _mul,
         "scale": _scale,
         "silu": _silu,

@@ -45,7 +45,7 @@ from dynalm.core.device import MODES, Call, CpuDevice, Device, Lowering, physica
 from dynalm.core.kv_storage import PAGE_ARRAYS, KVGeometry
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
-from dynalm.ir.ops import OPS
+from dynalm.ir.ops import GATES
 from dynalm.kernel import attention as attention_program
 from dynalm.kernel import layouts, nvptx
 from dynalm.kernel.backends import Program, Spec
@@ -71,7 +71,6 @@ if TYPE_CHECKING:
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the PTX targets sm_80 (kernel.nvptx.SM)
 WORDS = max(MATMUL_ARGS, attention_program.N_ARGS, elementwise.MAX_WORDS)  # per block
-_GATES = {op.name: op.gate for op in OPS.values() if op.gate}  # swiglu -> silu, ...
 # One launch of a step: (program, spec, entry, argument block's device address, rows).
 Launch = tuple[Program, Spec, str, int, int]
 
@@ -141,9 +140,9 @@ class CudaDevice(Device):
 
     def free_with(self, owner: object, array: DeviceArray) -> None:
         """Free ``array`` when ``owner`` is garbage (not at exit: the driver may be gone)."""
-        weakref.finalize(owner, self._free, array).atexit = False
+        weakref.finalize(owner, self.free, array).atexit = False
 
-    def _free(self, array: DeviceArray) -> None:
+    def free(self, array: DeviceArray) -> None:
         self.context.free(array)
         self.allocated -= array.nbytes
 
@@ -161,7 +160,7 @@ class CudaDevice(Device):
         return host
 
     def _unmirror(self, base: int) -> None:
-        self._free(self._mirrors.pop(base)[1])
+        self.free(self._mirrors.pop(base)[1])
 
     def mirrored(self, at: int) -> tuple[DeviceArray, int] | None:
         """The device copy of the mirror holding host address ``at``, and ``at``'s offset."""
@@ -356,7 +355,7 @@ class CudaLowering(Lowering):
         sizes = ActivationScratch.sizes(rows, widest) if widest else (0, 0, 0)
         if self._scratch is None or sum(sizes) > self._scratch.nbytes:
             if self._scratch is not None:
-                self.device._free(self._scratch)
+                self.device.free(self._scratch)
             self._scratch = self.device.alloc(sum(sizes))
         self._scratch_at = (0, sizes[0], sizes[0] + sizes[1])
 
@@ -473,7 +472,7 @@ class CudaLowering(Lowering):
 
     def _gated(self, node: Node) -> _Kernels:
         out, ins, rows = self._values(node)
-        return self._elementwise(elementwise.gated, out, *ins, _GATES[node.op], rows=rows)
+        return self._elementwise(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
 
     def _attention(self, node: Node) -> _Kernels:
         out, (q, k, v), _ = self._values(node)
@@ -540,7 +539,7 @@ class CudaLowering(Lowering):
         "rope": _rope,
         "attention": _attention,
         "add": _add,
-        **dict.fromkeys(_GATES, _gated),
+        **dict.fromkeys(GATES, _gated),
         "select_rows": _select_rows,
     }
 
@@ -557,7 +556,7 @@ class CudaLowering(Lowering):
         packed = np.concatenate([a.ravel() for a in arrays]).astype(np.int64, copy=False)
         if self._arena is None or packed.nbytes > self._arena.nbytes:
             if self._arena is not None:
-                self.device._free(self._arena)
+                self.device.free(self._arena)
             self._arena = self.device.alloc(max(packed.nbytes, 4096))
         self._context.copy_in(self._arena, packed)
         starts = np.cumsum([0] + [a.size for a in arrays]) * 8 + self._arena.ptr

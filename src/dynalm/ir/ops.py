@@ -219,6 +219,7 @@ _TABLE = (
           kernel="copy", view=True, doc="columns start..start+width (a view when marked)"),
 )  # fmt: skip
 OPS: dict[str, OpDef] = {op.name: op for op in _TABLE}
+GATES = {op.name: op.gate for op in _TABLE if op.gate}  # a gated op's activation: swiglu -> silu
 
 
 def op_def(name: str) -> OpDef:
