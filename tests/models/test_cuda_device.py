@@ -42,16 +42,25 @@ def cuda(gpu: EmulatedLibcuda, mode: str = "auto") -> CudaDevice:
 
 
 def forward(
-    model: LoadedModel, device: object, ids: list[int], profile: bool = False
+    model: LoadedModel,
+    device: object,
+    ids: list[int],
+    profile: bool = False,
+    max_tokens: int = 64,
+    start: int = 0,
 ) -> np.ndarray:
-    """Logits of a prefill of ``ids`` at every position, then of one decode step (f32 KV,
-    so that only the two devices' arithmetic differs); ``profile``: op by op, timed."""
+    """Logits of a prefill of ``ids`` at every position (from position ``start``: the
+    earlier ones' KV is left zero), then of one decode step (f32 KV, so that only the two
+    devices' arithmetic differs); ``profile``: op by op, timed; ``max_tokens``: what the
+    executor is sized for at first."""
     hp = model.hparams
-    ex = Executor(model.graph, device, model.weights, max_tokens=64)
+    ex = Executor(model.graph, device, model.weights, max_tokens=max_tokens)
     ex.profile = {} if profile else None
-    pool = PagePool(hp.n_layers, hp.n_kv_heads, hp.head_dim, 4, 16, "f32", device=device)
-    pages = pool.allocate(4)
     n = len(ids)
+    n_pages = -(-(start + n + 1) // 16)
+    pool = PagePool(hp.n_layers, hp.n_kv_heads, hp.head_dim, n_pages, 16, "f32", device=device)
+    pages = pool.allocate(n_pages)
+    n += start
 
     def step(tokens: list[int], start: int, rows: np.ndarray) -> np.ndarray:
         end = start + len(tokens)
@@ -61,7 +70,7 @@ def forward(
         )  # fmt: skip
         return ex.run(np.array(tokens), np.arange(start, end), rows, batch).copy()
 
-    prefill = step(ids, 0, np.arange(n))
+    prefill = step(ids, start, np.arange(len(ids)))
     return np.concatenate([prefill, step([int(prefill[-1].argmax())], n, np.array([0]))])
 
 
@@ -80,6 +89,17 @@ def test_logits_equal_the_cpu(model, gpu, mode, monkeypatch):
     bound = forward_bound(hp.n_layers, max(hp.d_ff, hp.d_model), logit_scale(best))
     assert (np.abs(got - best) <= bound).all()
     assert (got.argmax(-1) == best.argmax(-1)).all()
+
+
+def test_buffers_and_rope_tables_grow_on_the_device(model, gpu, monkeypatch):
+    """A step longer than the executor was sized for (its buffers, scratch and argument
+    blocks reallocated), at positions past the rope tables' first 256 (they grow, and every
+    op is bound again to the new device copies)."""
+    ids = encode(model, TEXTS[1])
+    monkeypatch.setenv("DYNALM_ISA", "generic")  # the twin's arithmetic: bitwise
+    want = forward(model, CpuDevice("auto"), ids, max_tokens=4, start=290)
+    got = forward(model, cuda(gpu), ids, max_tokens=4, start=290)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
