@@ -206,3 +206,20 @@ def test_gpu_check_runs_its_kernels_on_the_emulator():
     import gpu_check
 
     assert gpu_check.kernels(emulate=True) == 0
+
+
+def test_dynalm_run_gpu_answers_as_the_cpu(smollm2_gguf, gpu, monkeypatch):
+    """`dynalm run MODEL PROMPT --gpu --verbose`, the CLI in this process (the emulated
+    driver in place of libcuda): the CPU's greedy answer, and --verbose names the device."""
+    from typer.testing import CliRunner
+
+    from dynalm.cli import app
+
+    args = ["run", str(smollm2_gguf), "The three primary colors are", "--temperature", "0"]
+    args += ["--max-tokens", "12", "--verbose"]
+    cpu = CliRunner().invoke(app, [*args, "--cpu"])
+    monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
+    on_gpu = CliRunner().invoke(app, [*args, "--gpu"])
+    assert cpu.exit_code == on_gpu.exit_code == 0, on_gpu.output
+    assert on_gpu.stdout == cpu.stdout and len(cpu.stdout.split()) > 3
+    assert "cuda:0 DynaLM emulated GPU (sm_80" in on_gpu.stderr
