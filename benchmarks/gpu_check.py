@@ -141,11 +141,11 @@ def matmul_case(gpu: Gpu, mode: str, t_rows: int, n: int, k: int) -> tuple[np.nd
     want = QuantMatmul(raw, Q4_1, k, mode=mode, backend=backends.GENERIC, threads=1)(x)
     qm = QuantMatmul(raw, Q4_1, k, mode=mode, backend=nvptx.NVPTX.twin(), threads=1)
     out = np.zeros((t_rows, n), np.float32)
-    plan = qm._plan(x, out)
+    plan = qm.kernel_calls(x, out)
     # the repacked weights, x, y and (auto) the quantised activations' scratch
     arrays = [qm._weights, x, out, qm._scratch._buffer]
     seconds = 0.0
-    for _, which, args, total, _ in plan:  # auto: the quantiser, then the product
+    for which, args, total in plan:  # auto: the quantiser, then the product's tiles
         words = np.frombuffer((ctypes.c_int64 * N_ARGS).from_address(args), np.int64).copy()
         block = gpu.block(words, arrays)
         fn, entry = gpu.device.function(MATMUL, qm._kernels.specs[which], "")

@@ -208,6 +208,28 @@ def test_rows_do_not_depend_on_the_batch(
         assert np.array_equal(mm(x[t : t + size].copy())[0], batched[t])
 
 
+def test_a_ragged_batch_runs_its_rest_on_the_rest_s_own_tile() -> None:
+    """A partial group of a tile costs a whole one: 9 rows are a tile of 8 and a GEMV of 1,
+    12 a tile of 8 and one of 4, 20 on AMX a tile product of 16 and a vector tile of 4; a
+    rest the smaller tile would not do in fewer rows (15 = 8 + 7: 8 rows of 4-tiles)
+    stays on the batch's tile. (Every row's result is the same whichever tile computes it:
+    ``test_rows_do_not_depend_on_the_batch``.)"""
+    from dynalm.kernel.matmul import MatmulKernels
+
+    def cover(backend: backends.Backend, mode: str, t_rows: int) -> list[tuple[int, int, int]]:
+        kernels = MatmulKernels(T.Q4_1, mode, backend, 256)
+        return [(kernels.specs[k]["mr"], first, n) for k, first, n in kernels.cover(t_rows)]
+
+    assert cover(backends.AVX512, "auto", 9) == [(8, 0, 8), (1, 8, 1)]
+    assert cover(backends.AVX512, "auto", 12) == [(8, 0, 8), (4, 8, 4)]
+    assert cover(backends.AVX512, "auto", 15) == [(8, 0, 15)]
+    assert cover(backends.AVX512, "auto", 16) == [(8, 0, 16)]
+    assert cover(backends.AVX512, "auto", 3) == [(1, 0, 3)]
+    assert cover(backends.AMX, "auto", 20) == [(16, 0, 16), (4, 16, 4)]
+    assert cover(backends.GENERIC, "auto", 6) == [(4, 0, 4), (1, 4, 2)]
+    assert cover(backends.AVX512, "exact", 9) == [(4, 0, 8), (1, 8, 1)]
+
+
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
 def test_repack_in_chunks_equals_repack_at_once(

@@ -135,7 +135,7 @@ def test_grid_matmul_is_the_cpu_kernel(ggml_type: T, mode: str, t_rows: int) -> 
     want = QuantMatmul(raw, ggml_type, k, mode=mode, backend=backends.GENERIC, threads=1)(x)
     qm = QuantMatmul(raw, ggml_type, k, mode=mode, backend=nvptx.NVPTX.twin(), threads=1)
     out = np.full((t_rows, n), np.nan, np.float32)
-    for _, which, args, total, _ in qm._plan(x, out):
+    for which, args, total in qm.kernel_calls(x, out):
         spec = qm._kernels.specs[which]
         run_grid(nvptx.host_twin(MATMUL, spec)[""], args, total)
     np.testing.assert_array_equal(out, want)

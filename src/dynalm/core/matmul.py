@@ -191,18 +191,20 @@ class QuantMatmul:
         return programs.supported(ggml_type, mode)
 
     def _use_blocks(self, t_rows: int) -> None:
-        """Make the argument blocks of ``t_rows`` rows the bound ones."""
+        """Make the argument blocks of ``t_rows`` rows the bound ones: the quantiser's, one
+        per tile of ``MatmulKernels.cover``, and the pair's (both tiles as one call)."""
         key = t_rows if t_rows <= CACHED_ROWS else 0
         if key not in self._arg_blocks:
-            args, qargs = (ctypes.c_int64 * N_ARGS)(), (ctypes.c_int64 * N_ARGS)()
-            args[A_W] = _address(self._weights)
-            args[A_NB], args[A_LDY], qargs[A_NB] = self._nb, self.n_rows, self._nb
-            self._arg_blocks[key] = (args, qargs)
-        self._args, self._qargs = self._arg_blocks[key]
-        self._args_at, self._qargs_at = map(ctypes.addressof, self._arg_blocks[key])
-
-    def _set(self, slot: int, value: int) -> None:
-        self._args[slot] = self._qargs[slot] = value
+            qargs, *tiles = [(ctypes.c_int64 * N_ARGS)() for _ in range(3)]
+            qargs[A_NB] = self._nb
+            for args in tiles:
+                args[A_W] = _address(self._weights)
+                args[A_NB], args[A_LDY] = self._nb, self.n_rows
+            self._arg_blocks[key] = (qargs, *tiles, (ctypes.c_int64 * 4)())
+        self._qargs, *self._tiles, self._pair = self._arg_blocks[key]
+        self._qargs_at, *self._tiles_at, self._pair_at = map(
+            ctypes.addressof, self._arg_blocks[key]
+        )
 
     def _bind_x(self, x: np.ndarray) -> None:
         if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != self.n_cols:
@@ -212,29 +214,36 @@ class QuantMatmul:
         t_rows = x.shape[0]
         self._x, self._out = x, None
         self._use_blocks(t_rows)
-        self._set(A_T, t_rows)
-        if self.mode == "exact":
-            self._set(A_X, _address(x))
-            return
-        xq, xd, xs = self._scratch.views(t_rows, self.n_cols)
-        self._generation = self._scratch.generation
-        self._set(A_X, _address(xq))
-        self._set(A_XD, _address(xd))
-        self._set(A_XS, _address(xs))
-        self._qargs[A_Y] = _address(x)
+        self._cover = self._kernels.cover(t_rows)
+        self._qargs[A_T] = t_rows
+        if self.mode == "exact":  # each tile reads x from its first row on
+            views = [(x[first:],) for _, first, _ in self._cover]
+        else:  # x quantised into the scratch, each tile reading from its first row on
+            xq, xd, xs = self._scratch.views(t_rows, self.n_cols)
+            self._generation = self._scratch.generation
+            self._qargs[A_X], self._qargs[A_XD], self._qargs[A_XS] = map(_address, (xq, xd, xs))
+            self._qargs[A_Y] = _address(x)
+            views = [(xq[first:], xd[first:], xs[first:]) for _, first, _ in self._cover]
+        for args, (_, _, rows), xs_of_tile in zip(self._tiles, self._cover, views, strict=False):
+            args[A_T] = rows
+            for slot, view in zip((A_X, A_XD, A_XS), xs_of_tile, strict=False):
+                args[slot] = _address(view)
 
     def _bind_out(self, out: np.ndarray) -> None:
         shape = (self._x.shape[0], self.n_rows)
         if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous float32 {list(shape)}")
         self._out = out
-        self._args[A_Y] = _address(out)
+        for args, (_, first, _) in zip(self._tiles, self._cover, strict=False):
+            args[A_Y] = _address(out[first:])
 
     def pending(self, t_rows: int) -> list[backends.Request]:
         """The kernels a product of ``t_rows`` rows calls and nobody has lowered yet (see
         ``backends.lower_all``)."""
         kernels = self._kernels
-        which = [kernels.tile_for(t_rows)] + ([kernels.quantize] if self.mode == "auto" else [])
+        cover = kernels.cover(t_rows)
+        which = [k for k, _, _ in cover] + ([kernels.pair] if len(cover) > 1 else [])
+        which += [kernels.quantize] if self.mode == "auto" else []
         return [r for k in which for r in kernels.pending(k)]
 
     def records(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
@@ -242,6 +251,17 @@ class QuantMatmul:
         total, chunk), valid while ``x`` and ``out`` stay this object's bound arrays."""
         address = self._kernels.address
         return [(kind, address(k), *rest) for kind, k, *rest in self._plan(x, out)]
+
+    def kernel_calls(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int]]:
+        """``self(x, out)``'s kernels one by one, for running them elsewhere (a GPU's grid):
+        (kernel, argument block, rows of the call): the quantiser in auto, then each tile
+        of the cover (which the CPU runs as one ``pair`` call when there are two)."""
+        self._plan(x, out)
+        tiles = zip(self._cover, self._tiles_at, strict=False)
+        calls = [(which, at, self.n_rows) for (which, _, _), at in tiles]
+        if self.mode == "auto":
+            calls.insert(0, (self._kernels.quantize, self._qargs_at, x.shape[0]))
+        return calls
 
     def _plan(self, x: np.ndarray, out: np.ndarray) -> list[tuple[int, int, int, int, int]]:
         """Bind ``x``/``out``; the calls of one product: (kind, kernel, args, total, chunk)."""
@@ -253,7 +273,12 @@ class QuantMatmul:
         self._bind_out(out)
         t_rows, threads = x.shape[0], self._threads
         kernels = self._kernels
-        calls = [(kernels.tile_for(t_rows), self._args_at, self.n_rows, self._chunk)]
+        if len(self._cover) == 1:
+            calls = [(self._cover[0][0], self._tiles_at[0], self.n_rows, self._chunk)]
+        else:  # a ragged batch: its two tiles as one call over the weight rows
+            for i, (which, _, _) in enumerate(self._cover):
+                self._pair[2 * i], self._pair[2 * i + 1] = kernels.address(which), self._tiles_at[i]
+            calls = [(kernels.pair, self._pair_at, self.n_rows, self._chunk)]
         if self.mode == "auto":  # quantise the activations first
             calls.insert(0, (kernels.quantize, self._qargs_at, t_rows, -(-t_rows // threads)))
         self._calls = [

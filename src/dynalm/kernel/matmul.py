@@ -43,7 +43,7 @@ import llvmlite.ir as ir
 
 from dynalm.kernel.backends import TILE_ROWS, Backend, Executable, Program, Request
 from dynalm.kernel.formats import QK, UNPACKS, Unpack, byte_lanes, nibbles
-from dynalm.kernel.lang import F32, I8, I32, I64, PTR, Kernel, Module, const, vec
+from dynalm.kernel.lang import F32, I8, I32, I64, PTR, VOID, Kernel, Module, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
 
 # Argument block words (one int64 array per call site).
@@ -533,6 +533,22 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
 
 
 MATMUL = Program("mm", _build)
+
+
+def _build_pair(module: Module) -> None:
+    """``pair(block, lo, hi)``, ``block`` = [fn, args, fn2, args2]: ``fn(args, lo, hi)``
+    then ``fn2(args2, lo, hi)``. A ragged batch's two tiles (``MatmulKernels.cover``) over
+    the same weight rows as one job of the pool: a thread runs both on the rows it takes,
+    the weights still in its cache, and no barrier parts them (they write other rows)."""
+    k = module.kernel(module.ir.name, _PARAMS)
+    block, lo, hi = k.args
+    fn, args, fn2, args2 = (k.pointer(w) for w in k.words(block, 4))
+    k.call_at(fn, VOID, args, lo, hi)
+    k.call_at(fn2, VOID, args2, lo, hi)
+    k.ret()
+
+
+PAIR = Program("mm_pair", _build_pair)
 _SIG = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
 
@@ -559,8 +575,10 @@ class MatmulKernels:
         nb = n_cols // QK
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
         self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
-        self._done: list[Executable | None] = [None] * len(self._specs)
-        self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._specs)
+        # what each index lowers: the tiles, the quantiser, then the pair of two tiles
+        self._programs = [(MATMUL, spec) for spec in self._specs] + [(PAIR, {})]
+        self._done: list[Executable | None] = [None] * len(self._programs)
+        self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._programs)
 
     @property
     def specs(self) -> list[dict[str, int]]:
@@ -572,24 +590,44 @@ class MatmulKernels:
         """The index of the quantiser (auto mode)."""
         return len(self._specs) - 1
 
+    @property
+    def pair(self) -> int:
+        """The index of the pair program (two tiles as one call, see ``cover``)."""
+        return len(self._programs) - 1
+
     def tile_for(self, t_rows: int) -> int:
         """The index of the tile for a batch of ``t_rows``: the tallest that fits."""
         return max(i for i, mr in enumerate(self._mrs) if mr <= max(t_rows, 1))
 
+    def cover(self, t_rows: int) -> list[tuple[int, int, int]]:
+        """The tiles a batch of ``t_rows`` runs: (kernel, first row, rows). A partial group
+        costs a whole one (its missing rows repeat the last), so a rest that the tile of
+        its own bucket computes in fewer rows goes to that tile: 9 rows are a tile of 8
+        and a GEMV of 1, while 15 stay two tiles of 8 (a tile of 4 would do 8 rows too).
+        Every row's products are the same whichever tile computes them."""
+        which = self.tile_for(t_rows)
+        mr = self._mrs[which]
+        rest = t_rows % mr
+        if rest:
+            other = self.tile_for(rest)
+            if -(-rest // self._mrs[other]) * self._mrs[other] < mr:
+                return [(which, 0, t_rows - rest), (other, t_rows - rest, rest)]
+        return [(which, 0, t_rows)]
+
     def pending(self, which: int) -> list[Request]:
         """Kernel ``which`` as a request to ``backends.lower_all`` if not lowered yet."""
-        spec = self._specs[which]
-        done = self._done[which] or self.backend.lowered(MATMUL, spec)
-        return [] if done else [(self.backend, MATMUL, spec)]
+        program, spec = self._programs[which]
+        done = self._done[which] or self.backend.lowered(program, spec)
+        return [] if done else [(self.backend, program, spec)]
 
     def _lowered(self, which: int) -> Executable:
         done = self._done[which]
         if done is None:
-            done = self._done[which] = self.backend.lower(MATMUL, self._specs[which])
+            done = self._done[which] = self.backend.lower(*self._programs[which])
         return done
 
     def address(self, which: int) -> int:
-        """The native entry point of kernel ``which`` (``tile_for(T)`` or ``quantize``)."""
+        """The native entry point of kernel ``which`` (a tile, ``quantize`` or ``pair``)."""
         return self._lowered(which).addresses[""]
 
     def call(self, which: int) -> Callable[[int, int, int], None]:
