@@ -20,7 +20,7 @@ from dynalm.core import elementwise
 from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import backends, nvptx, ptx_check, sampling, spirv
 from dynalm.kernel import elementwise as ew_programs
-from dynalm.kernel.matmul import MATMUL, UNPACKS, effective_mode
+from dynalm.kernel.matmul import MATMUL, PAIR, UNPACKS, effective_mode
 from dynalm.kernel.pool import POOL
 from tolerances import U, sum_bound
 
@@ -51,9 +51,11 @@ def test_every_format_and_mode_is_covered() -> None:
     assert seen == {(t, effective_mode(t, m)) for t in UNPACKS for m in ("exact", "auto")}
 
 
-def test_pool_program_is_cpu_only() -> None:
+def test_pool_programs_are_cpu_only() -> None:
     with pytest.raises(ValueError, match="pool.*CPU-only"):
         nvptx.NVPTX.module(POOL, {"machine": "x86_64"})
+    with pytest.raises(ValueError, match="mm_pair.*CPU-only"):
+        nvptx.NVPTX.module(PAIR, {})
 
 
 @pytest.fixture(scope="module")

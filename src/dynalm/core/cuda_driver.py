@@ -9,8 +9,9 @@ one device: PTX modules (``cuModuleLoadDataEx`` with an error log buffer, so a P
 driver rejects is reported with the driver's log), functions, device memory, copies,
 launches and synchronisation.
 
-Nothing here has run on a GPU in DynaLM's CI (no NVIDIA driver there): it is a preview;
-``benchmarks/gpu_check.py`` exercises it where a GPU is present.
+Nothing here has run on a GPU (no NVIDIA driver where DynaLM was built): it is a preview.
+CI runs it against an emulated driver (``tests/cuda_emulator.py``, behind
+``core.cuda_device``); ``benchmarks/gpu_check.py`` exercises it where a GPU is present.
 """
 
 from __future__ import annotations

@@ -69,7 +69,10 @@ ROW_BYTES: dict[str, Callable[[Mapping[str, object]], tuple[int, ...]]] = {
         0,
     ),
 }
-CPU_ONLY = {"pool": "the native thread pool (futex syscalls, CPU pause/cycle counter)"}
+CPU_ONLY = {
+    "pool": "the native thread pool (futex syscalls, CPU pause/cycle counter)",
+    "mm_pair": "two matmul tiles called through host function pointers (a pool job)",
+}
 
 
 def chunk_of(program: Program, spec: Spec) -> int:
