@@ -14,6 +14,8 @@ source's columns, which rope and attention read with a row stride.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
@@ -73,13 +75,19 @@ class Executor:
         self._bind_all()
 
     # -- binding -------------------------------------------------------------------
-    def _bind_all(self) -> None:
-        """Bind every node against full-capacity buffers; ``_resize`` then fits a step."""
+    @contextmanager
+    def _setup(self) -> Iterator[None]:
+        """Count the time inside as setup (binding, compiling), not a step's own cost."""
         t0 = time.perf_counter()
         try:
-            self._bind_nodes()
+            yield
         finally:
             self.setup_seconds += time.perf_counter() - t0
+
+    def _bind_all(self) -> None:
+        """Bind every node against full-capacity buffers; ``_resize`` then fits a step."""
+        with self._setup():
+            self._bind_nodes()
 
     def _bind_nodes(self) -> None:
         graph, slot_of = self.graph, self.plan.slot_of
@@ -144,11 +152,8 @@ class Executor:
         Redone whenever the step shape or the KV storage changes; kept for small shapes:
         decode steps alternate between shapes (a sequence joins or leaves, a speculative
         sequence verifies k + 1 tokens), and compiling one costs ~2 decode steps of SmolLM2."""
-        t0 = time.perf_counter()
-        try:
+        with self._setup():
             self._compile_submission()
-        finally:
-            self.setup_seconds += time.perf_counter() - t0
 
     def _compile_submission(self) -> None:
         if self._kv is not self._compiled_kv:
