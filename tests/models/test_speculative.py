@@ -20,7 +20,6 @@ from dynalm.runtime.kv_cache import kv_bytes_per_token
 from dynalm.runtime.metrics import ServerMetrics
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.speculative import (
-    EXPLORE_EVERY,
     PROBE_EVERY,
     ModelDrafter,
     NgramDrafter,
@@ -130,6 +129,7 @@ class FixedCost(StepCost):
     def __call__(self, n_tokens: int) -> float:
         return self.curve(n_tokens) if n_tokens > 0 else 0.0
 
+    guess = __call__  # (exploring steps see the same curve)
     largest = 64
 
 
@@ -161,23 +161,41 @@ class CountingNgram(NgramDrafter):
 
 def test_nothing_drafted_costs_no_lookups(model, device, monkeypatch):
     """Where no draft can pay, the speculative engine's step is the plain one's: the drafter
-    is never asked, and the plan is not remade while the decoding batch stays (only when a
-    sequence's probe is due, every PROBE_EVERY + 1 steps, or every EXPLORE_EVERY-th plan)."""
+    is never asked, and while the decoding batch stays nothing is planned again (not even
+    the probes that are due every PROBE_EVERY + 1 steps: a sure draft could not pay either;
+    only an exploring step, every EXPLORE_EVERY-th, plans, and none is due here); a request
+    that joins makes the plan be remade."""
     import dynalm.runtime.engine as engine_module
 
     plans = []
     gate = engine_module.drafts_can_pay
     monkeypatch.setattr(engine_module, "drafts_can_pay", lambda *a: plans.append(a) or gate(*a))
+    monkeypatch.setattr(engine_module, "EXPLORE_EVERY", 10**6)
     batch = [model.tokenizer.encode(t) for t in COPY]
+    params = dataclasses.replace(GREEDY, max_tokens=3 * PROBE_EVERY)
     drafter = CountingNgram()
     engine = Engine(model, device, EngineConfig(ctx=128), drafter)
     engine.step_cost = FixedCost(float)  # each token costs a whole step
-    assert run(engine, batch) == run(Engine(model, device, EngineConfig(ctx=128)), batch)
+    plain = Engine(model, device, EngineConfig(ctx=128))
+    assert run(engine, batch, params) == run(plain, batch, params)
     assert drafter.calls == 0 and engine.stats.spec == SpecStats()
-    # the three requests decode side by side from the second step to the last: one batch
-    decode_steps = GREEDY.max_tokens - 1
-    bound = 1 + decode_steps // (PROBE_EVERY + 1) + decode_steps // EXPLORE_EVERY
-    assert 1 <= len(plans) <= bound
+    # the three requests decode side by side from the second step to the last: one batch,
+    # planned once (each would have been probed twice)
+    assert len(plans) == 1
+
+    for i, prompt in enumerate(batch):
+        before = len(plans)
+        engine.add_request(f"join-{i}", prompt, params, stop_ids=frozenset())
+        for _ in range(3):  # queued, admitted, decoding: a new batch
+            engine.step()
+        assert len(plans) > before
+        before = len(plans)
+        for _ in range(3):
+            engine.step()
+        assert len(plans) == before  # (the new batch, where nothing pays either)
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leak(engine)
 
 
 def test_draft_models_are_token_identical(model, device):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -117,6 +118,24 @@ class EngineStats:
     spec: SpecStats  # speculative decoding's counters (zero without a drafter)
 
 
+@dataclass
+class _NoDrafts:
+    """A plan that drafts nothing, standing while the scheduler's batch stays as it was
+    (``changes``) until plan number ``until``: when the sequences' next probe is due, or
+    never where not even sure drafts could pay. Meanwhile no rate moves (nothing is drafted
+    or looked up) and the step times drift slowly, so a step plans nothing: it costs what it
+    would without a drafter. The steps it stood for count as idle for ``counts`` after."""
+
+    changes: int
+    at: int  # the plan that made it
+    until: float
+    counts: list[DraftLength]
+
+    def end(self, plans: int) -> None:
+        for count in self.counts:
+            count.idle += plans - 1 - self.at
+
+
 @dataclass(eq=False)
 class _Stream:
     """Per-request sampling and text state (the scheduler only sees the Request)."""
@@ -191,11 +210,8 @@ class Engine:
         self.drafter = drafter
         self.spec_stats = SpecStats()
         self.step_cost = StepCost()  # decode steps' times by token count (draft planning)
-        self._plans = 0  # steps whose drafts were planned (every EXPLORE_EVERY-th explores)
-        # the decoding batch whose last plan found no draft worth it even at each sequence's
-        # best rate: while it stays (and no probe or exploration is due) that answer stands
-        # (no rate moves while nothing is drafted; the step times drift slowly)
-        self._quiet: tuple | None = None
+        self._plans = 0  # steps with a drafter (every EXPLORE_EVERY-th explores)
+        self._standing: _NoDrafts | None = None  # a plan to draft nothing, while it stands
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
@@ -370,6 +386,14 @@ class Engine:
         if self.drafter is None:
             return
         sched, ctx, drafter = self.scheduler, self.config.ctx, self.drafter
+        self._plans += 1
+        explore = self._plans % EXPLORE_EVERY == 0
+        standing = self._standing
+        if standing is not None:
+            if standing.changes == sched.changes and self._plans < standing.until and not explore:
+                return
+            self._standing = None
+            standing.end(self._plans)
         n_decode, pending, asked, rooms = 0, 0, [], []
         for req in sched.running:
             own = req.num_tokens - req.num_computed_tokens
@@ -392,19 +416,12 @@ class Engine:
         adaptive, cost = self.config.adaptive_draft, self.step_cost
         # one token past the largest step measured (beyond it the curve is a guess, and a
         # step of a new size compiles first), but now and then as far as the prior guesses
-        self._plans += 1
-        explore = self._plans % EXPLORE_EVERY == 0
         curve = cost.guess if explore else cost
         most = sum(rooms) if explore else max(cost.largest, n_decode) + 1 - n_decode
-        counts = [s.draft_length for s in asked]
-        batch = (n_decode, n_other, closed, [s.request.request_id for s in asked])
-        if batch == self._quiet and not explore and all(c.idle < PROBE_EVERY for c in counts):  # type: ignore[union-attr]
-            return self._plan_none(counts)  # no rate moved since (nothing drafted or looked up)
-        self._quiet = None
+        counts: list[DraftLength] = [s.draft_length for s in asked]  # type: ignore[misc]
         if adaptive and not drafts_can_pay(n_decode, n_other, curve, min(most, sum(rooms)), closed):
-            self._quiet = batch  # (a probe due now would be in vain: consumed)
-            return self._plan_none(counts)
-        rates = [c.rate() for c in counts]  # type: ignore[union-attr]
+            return self._plan_none(counts, probes=False)  # (a probe due now: in vain)
+        rates = [c.rate() for c in counts]
         pass_time = None if drafter.free else lambda n: drafter.pass_time(n, cost)
 
         def plan(rates: list[float], rooms: list[int]) -> list[int]:
@@ -414,8 +431,7 @@ class Engine:
 
         ks = plan(rates, rooms)
         if not any(ks):  # (not even at each one's best rate: no drafter need be asked)
-            self._quiet = batch
-            return self._plan_none(counts)
+            return self._plan_none(counts, probes=True)
         if drafter.free:  # drafts first, then how much of each to verify
             drafts = drafter.propose([s.request for s in asked], rooms)
             rooms = [len(d.tokens) for d in drafts]
@@ -438,10 +454,13 @@ class Engine:
             stream.draft_probs = None if draft.probs is None else draft.probs[:k]
             stream.draft_kind = draft.kind
 
-    @staticmethod
-    def _plan_none(counts: list[DraftLength | None]) -> None:
+    def _plan_none(self, counts: list[DraftLength], probes: bool) -> None:
+        """Draft nothing this step, and while the batch stays: until a sequence's probe is
+        due (``probes``), else until it changes."""
         for count in counts:
-            count.planned(0)  # type: ignore[union-attr]
+            count.planned(0)
+        due = self._plans + PROBE_EVERY + 1 - max(c.idle for c in counts) if probes else math.inf
+        self._standing = _NoDrafts(self.scheduler.changes, self._plans, due, counts)
 
     @staticmethod
     def _check_shadow(stream: _Stream, token: int) -> None:

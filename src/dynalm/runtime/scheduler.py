@@ -228,12 +228,16 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_preemptions = 0
+        # counts the changes of the batch (a request queued, admitted, preempted or finished,
+        # a prefill chunk computed): what was decided for one batch holds while it stays
+        self.changes = 0
 
     def add(self, req: Request) -> None:
         """Queue a request (FCFS); raises QueueFull when ``max_queue`` are waiting."""
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting; retry later")
         self.waiting.append(req)
+        self.changes += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -276,6 +280,7 @@ class Scheduler:
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += hit
             self.running.append(req)
+            self.changes += 1
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return out
@@ -286,11 +291,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self.changes += 1
 
     def advance(self, out: SchedulerOutput) -> None:
         """The model ran ``out``: its tokens are computed (call before appending the
         sampled tokens); draft tokens count once accepted (``KVCacheManager.accept_draft``)."""
         for chunk in out.chunks:
+            if chunk.start + 1 < chunk.request.num_tokens:  # a prefill chunk: the batch changed
+                self.changes += 1
             chunk.request.num_computed_tokens = chunk.start + chunk.n - chunk.n_draft
             self.kv.cache_full_pages(chunk.request)
 
@@ -302,4 +310,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.changes += 1
         self.kv.free(req)
