@@ -198,6 +198,28 @@ def test_nothing_drafted_costs_no_lookups(model, device, monkeypatch):
     assert_no_leak(engine)
 
 
+def test_explorations_thin_out_where_nothing_pays(model, device, monkeypatch):
+    """An exploring step plans with the optimistic guess: after EXPLORE_EVERY steps, then
+    at twice the gap each time while no other plan drafts (here none can: each token costs
+    a whole step), so a full batch that cannot gain stops paying for explorations."""
+    import dynalm.runtime.engine as engine_module
+
+    explored = []
+    gate = engine_module.drafts_can_pay
+
+    def counted(n_decode, n_other, curve, most, closed):
+        explored.append(not isinstance(curve, StepCost))  # (StepCost.guess: exploring)
+        return gate(n_decode, n_other, curve, most, closed)
+
+    monkeypatch.setattr(engine_module, "drafts_can_pay", counted)
+    engine = Engine(model, device, EngineConfig(ctx=320), NgramDrafter())
+    engine.step_cost = FixedCost(float)
+    params = dataclasses.replace(GREEDY, max_tokens=240)
+    run(engine, [model.tokenizer.encode(COPY[0])], params)
+    # steps 32, 96 and 224 explored (each 1 + 240 steps apart: 7 of them)
+    assert sum(explored) == 3 and engine.stats.spec == SpecStats()
+
+
 def test_draft_models_are_token_identical(model, device):
     """The target drafting for itself accepts everything (the plumbing: its own paged KV
     follows the target's tokens); a layer-skipping draft is often wrong, and rolls back."""

@@ -46,6 +46,7 @@ from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Sc
 from dynalm.runtime.speculative import (
     EXPLORE_EVERY,
     PROBE_EVERY,
+    STEP_STALE,
     Draft,
     Drafter,
     DraftLength,
@@ -210,7 +211,8 @@ class Engine:
         self.drafter = drafter
         self.spec_stats = SpecStats()
         self.step_cost = StepCost()  # decode steps' times by token count (draft planning)
-        self._plans = 0  # steps with a drafter (every EXPLORE_EVERY-th explores)
+        self._plans = 0  # steps with a drafter
+        self._explore_at = self._explore_gap = EXPLORE_EVERY  # the next plan that explores
         self._standing: _NoDrafts | None = None  # a plan to draft nothing, while it stands
         self.pool = PagePool(
             hp.n_layers,
@@ -387,7 +389,10 @@ class Engine:
             return
         sched, ctx, drafter = self.scheduler, self.config.ctx, self.drafter
         self._plans += 1
-        explore = self._plans % EXPLORE_EVERY == 0
+        explore = self._plans >= self._explore_at
+        if explore:
+            self._explore_gap = min(2 * self._explore_gap, STEP_STALE)
+            self._explore_at = self._plans + self._explore_gap
         standing = self._standing
         if standing is not None:
             if standing.changes == sched.changes and self._plans < standing.until and not explore:
@@ -453,6 +458,9 @@ class Engine:
             stream.request.draft = draft.tokens[:k]
             stream.draft_probs = None if draft.probs is None else draft.probs[:k]
             stream.draft_kind = draft.kind
+        if not explore and any(ks):  # drafting pays here: explore at the first pace again
+            self._explore_gap = EXPLORE_EVERY
+            self._explore_at = min(self._explore_at, self._plans + EXPLORE_EVERY)
 
     def _plan_none(self, counts: list[DraftLength], probes: bool) -> None:
         """Draft nothing this step, and while the batch stays: until a sequence's probe is

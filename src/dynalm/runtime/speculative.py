@@ -66,7 +66,9 @@ PRIOR_SLOPE = 0.1
 # measured with noise, and a draft costs what it does not see (a new step size compiles).
 MARGIN = 0.05
 # Every this many planned steps, one explores: it plans with ``StepCost.guess``, and without
-# the one-size-at-a-time limit, so a size past a jump in the curve gets measured.
+# the one-size-at-a-time limit, so a size past a jump in the curve gets measured. While no
+# plan that does not explore drafts, the gap doubles up to ``STEP_STALE`` steps (a full batch
+# on a CPU: each exploration costs a planning and a dear step with drafts mostly rejected).
 EXPLORE_EVERY = 32
 STEP_EWMA = 0.1  # weight of one measured step in its token count's time (steps are noisy)
 # A token count's time not measured again in this many steps is forgotten, so a size that
