@@ -221,12 +221,18 @@ def test_a_ragged_batch_runs_its_rest_on_the_rest_s_own_tile() -> None:
         return [(kernels.specs[k]["mr"], first, n) for k, first, n in kernels.cover(t_rows)]
 
     assert cover(backends.AVX512, "auto", 9) == [(8, 0, 8), (1, 8, 1)]
+    assert cover(backends.AVX512, "auto", 11) == [(8, 0, 8), (4, 8, 3)]  # not 3 GEMV rows
     assert cover(backends.AVX512, "auto", 12) == [(8, 0, 8), (4, 8, 4)]
     assert cover(backends.AVX512, "auto", 15) == [(8, 0, 15)]
     assert cover(backends.AVX512, "auto", 16) == [(8, 0, 16)]
     assert cover(backends.AVX512, "auto", 3) == [(1, 0, 3)]
+    assert cover(backends.AVX512, "auto", 5) == [(4, 0, 4), (1, 4, 1)]
+    for t in (6, 7):  # one taller tile (a GEMV row costs about two tile rows)
+        assert cover(backends.AVX512, "auto", t) == [(8, 0, t)]
     assert cover(backends.AMX, "auto", 20) == [(16, 0, 16), (4, 16, 4)]
+    assert cover(backends.AMX, "auto", 28) == [(16, 0, 28)]
     assert cover(backends.GENERIC, "auto", 6) == [(4, 0, 4), (1, 4, 2)]
+    assert cover(backends.GENERIC, "auto", 7) == [(4, 0, 7)]
     assert cover(backends.AVX512, "exact", 9) == [(4, 0, 8), (1, 8, 1)]
 
 

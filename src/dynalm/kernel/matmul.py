@@ -535,16 +535,32 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
 MATMUL = Program("mm", _build)
 
 
+# What a GEMV row costs in tile rows when it computes the rest of a ragged batch (the
+# head's matmul, T = 4..8 rows: 1.8-2.2 on AVX-512 beside tiles of 8, 1.6 on AVX2).
+GEMV_ROW_COST = 2.0
+# Weight rows the pair's two tiles take turns on: a multiple of every layout's row group,
+# and at most ~60 KB of weights (K = 1536 in Q4_1), which the second tile finds in L2.
+PAIR_ROWS = 64
+
+
 def _build_pair(module: Module) -> None:
-    """``pair(block, lo, hi)``, ``block`` = [fn, args, fn2, args2]: ``fn(args, lo, hi)``
-    then ``fn2(args2, lo, hi)``. A ragged batch's two tiles (``MatmulKernels.cover``) over
-    the same weight rows as one job of the pool: a thread runs both on the rows it takes,
-    the weights still in its cache, and no barrier parts them (they write other rows)."""
+    """``pair(block, lo, hi)``, ``block`` = [fn, args, fn2, args2]: ``fn(args, r, r2)``
+    then ``fn2(args2, r, r2)`` over ``[lo, hi)`` in runs of ``PAIR_ROWS`` weight rows. A
+    ragged batch's two tiles (``MatmulKernels.cover``) over the same weight rows as one
+    job of the pool: a thread runs both on each run of the rows it takes while the
+    weights are still in its cache (the pool's grabs are up to a quarter of a matrix: the
+    second tile would stream a 30 MB head from memory again), and no barrier parts them
+    (they write other rows)."""
     k = module.kernel(module.ir.name, _PARAMS)
     block, lo, hi = k.args
     fn, args, fn2, args2 = (k.pointer(w) for w in k.words(block, 4))
-    k.call_at(fn, VOID, args, lo, hi)
-    k.call_at(fn2, VOID, args2, lo, hi)
+
+    def run(r: ir.Value) -> None:
+        end = k.smin(k.add(r, PAIR_ROWS), hi)
+        k.call_at(fn, VOID, args, r, end)
+        k.call_at(fn2, VOID, args2, r, end)
+
+    k.loop(lo, hi, PAIR_ROWS, run, partial=True)
     k.ret()
 
 
@@ -571,7 +587,8 @@ class MatmulKernels:
         self.mode = effective_mode(ggml_type, mode)
         self.backend = backend
         self.layout = layout(self.mode, backend.lanes)
-        self._mrs = [s.mr for s in buckets(self.mode, backend)]
+        shapes = buckets(self.mode, backend)
+        self._mrs, self._amx = [s.mr for s in shapes], [s.tiles for s in shapes]
         nb = n_cols // QK
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
         self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
@@ -601,18 +618,41 @@ class MatmulKernels:
 
     def cover(self, t_rows: int) -> list[tuple[int, int, int]]:
         """The tiles a batch of ``t_rows`` runs: (kernel, first row, rows). A partial group
-        costs a whole one (its missing rows repeat the last), so a rest that the tile of
-        its own bucket computes in fewer rows goes to that tile: 9 rows are a tile of 8
-        and a GEMV of 1, while 15 stay two tiles of 8 (a tile of 4 would do 8 rows too).
-        Every row's products are the same whichever tile computes them."""
+        costs a whole one (its missing rows repeat the last) and a GEMV row about two tile
+        rows (``GEMV_ROW_COST``), so of one tile over all rows (the tallest that fits, or a
+        taller vector tile: 6 or 7 rows in one tile of 8) and the tallest tile's whole
+        groups with the rest on a smaller tile (9 rows: 8 and a GEMV of 1; 11: 8 and a
+        tile of 4 over 3), the cheapest: 15 rows stay two tiles of 8. Fewer than the
+        smallest tile's rows are the GEMV's (memory-bound: more rows cost it little). Every
+        row's products are the same whichever tile computes them."""
         which = self.tile_for(t_rows)
         mr = self._mrs[which]
+        if mr == 1:
+            return [(which, 0, t_rows)]
+
+        def cost(i: int, rows: int) -> tuple[float, int]:
+            computed = -(-rows // self._mrs[i]) * self._mrs[i]
+            return computed * (GEMV_ROW_COST if self._mrs[i] == 1 else 1), computed
+
         rest = t_rows % mr
-        if rest:
+        whole = t_rows - rest
+        if self._amx[which]:  # (an AMX row's cost beside a vector tile's is not measured
+            # here: the rest goes to its own bucket's tile where that computes fewer rows)
             other = self.tile_for(rest)
-            if -(-rest // self._mrs[other]) * self._mrs[other] < mr:
-                return [(which, 0, t_rows - rest), (other, t_rows - rest, rest)]
-        return [(which, 0, t_rows)]
+            if rest and cost(other, rest)[1] < mr:
+                return [(which, 0, whole), (other, whole, rest)]
+            return [(which, 0, t_rows)]
+        # (cost, the taller tiles first: they reuse more, rows computed, kernels), tiles
+        options = [
+            ((cost(i, t_rows)[0], -self._mrs[i], cost(i, t_rows)[1], 1, 0), [(i, 0, t_rows)])
+            for i in range(1, len(self._mrs))
+            if i <= which or not self._amx[i]
+        ]
+        for i in range(which) if rest else ():
+            c, computed = cost(i, rest)
+            tiles = [(which, 0, whole), (i, whole, rest)]
+            options.append(((whole + c, -mr, whole + computed, 2, -self._mrs[i]), tiles))
+        return min(options)[1]
 
     def pending(self, which: int) -> list[Request]:
         """Kernel ``which`` as a request to ``backends.lower_all`` if not lowered yet."""
