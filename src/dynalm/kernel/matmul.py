@@ -630,29 +630,35 @@ class MatmulKernels:
         if mr == 1:
             return [(which, 0, t_rows)]
 
-        def cost(i: int, rows: int) -> tuple[float, int]:
-            computed = -(-rows // self._mrs[i]) * self._mrs[i]
-            return computed * (GEMV_ROW_COST if self._mrs[i] == 1 else 1), computed
+        def rows(i: int, n: int) -> int:  # what tile i computes for n rows
+            return -(-n // self._mrs[i]) * self._mrs[i]
+
+        def cost(i: int, n: int) -> float:
+            return rows(i, n) * (GEMV_ROW_COST if self._mrs[i] == 1 else 1)
 
         rest = t_rows % mr
         whole = t_rows - rest
         if self._amx[which]:  # (an AMX row's cost beside a vector tile's is not measured
             # here: the rest goes to its own bucket's tile where that computes fewer rows)
             other = self.tile_for(rest)
-            if rest and cost(other, rest)[1] < mr:
+            if rest and rows(other, rest) < mr:
                 return [(which, 0, whole), (other, whole, rest)]
             return [(which, 0, t_rows)]
-        # (cost, the taller tiles first: they reuse more, rows computed, kernels), tiles
-        options = [
-            ((cost(i, t_rows)[0], -self._mrs[i], cost(i, t_rows)[1], 1, 0), [(i, 0, t_rows)])
+        # the cheapest; of equals, the one with taller tiles (they reuse more), then fewer
+        # rows computed, then fewer kernels
+        singles = [
+            ((cost(i, t_rows), -self._mrs[i], rows(i, t_rows), 1, 0), [(i, 0, t_rows)])
             for i in range(1, len(self._mrs))
             if i <= which or not self._amx[i]
         ]
-        for i in range(which) if rest else ():
-            c, computed = cost(i, rest)
-            tiles = [(which, 0, whole), (i, whole, rest)]
-            options.append(((whole + c, -mr, whole + computed, 2, -self._mrs[i]), tiles))
-        return min(options)[1]
+        splits = [
+            (
+                (whole + cost(i, rest), -mr, whole + rows(i, rest), 2, -self._mrs[i]),
+                [(which, 0, whole), (i, whole, rest)],
+            )
+            for i in range(which if rest else 0)
+        ]
+        return min(singles + splits)[1]
 
     def pending(self, which: int) -> list[Request]:
         """Kernel ``which`` as a request to ``backends.lower_all`` if not lowered yet."""
