@@ -216,7 +216,7 @@ def test_explorations_thin_out_where_nothing_pays(model, device, monkeypatch):
     engine.step_cost = FixedCost(float)
     params = dataclasses.replace(GREEDY, max_tokens=240)
     run(engine, [model.tokenizer.encode(COPY[0])], params)
-    # steps 32, 96 and 224 explored (each 1 + 240 steps apart: 7 of them)
+    # plans 32, 96 and 224 of the 241 explored (every 32nd would have been 7)
     assert sum(explored) == 3 and engine.stats.spec == SpecStats()
 
 
