@@ -24,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 FTYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
-FTYPES["q8_0"] = "LLAMA_FTYPE_MOSTLY_Q8_0"
+FTYPES |= {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+K_QUANT_TABLE = "q4_k_m,q6_k,q8_0"
 BENCH_ARGS = ["-p", "512", "-n", "128", "-r", "3", "-t", "2"]
 
 
@@ -64,7 +65,7 @@ def census(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", type=Path, help="GGUF to quantise (default: smollm2:135m)")
-    parser.add_argument("--formats", default=",".join(FTYPES), help=", ".join(FTYPES))
+    parser.add_argument("--formats", default=K_QUANT_TABLE, help=", ".join(FTYPES))
     parser.add_argument("--out", type=Path, default=Path(".cache/kquant"))
     parser.add_argument("bench_args", nargs="*", help="after --: arguments for dynalm bench")
     args = parser.parse_args()
