@@ -188,7 +188,14 @@ def main() -> None:
         if args.write_only:
             continue
         dynalm = Path(sys.executable).with_name("dynalm")
-        cmd = [str(dynalm), "bench", str(path), "--vs", "llama.cpp", *(args.bench_args or BENCH_ARGS)]
+        cmd = [
+            str(dynalm),
+            "bench",
+            str(path),
+            "--vs",
+            "llama.cpp",
+            *(args.bench_args or BENCH_ARGS),
+        ]
         subprocess.run(cmd, check=False, env={**os.environ})
 
 

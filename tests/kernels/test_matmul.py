@@ -276,7 +276,7 @@ def test_matmuls_share_one_activation_scratch() -> None:
 
 def test_amx_lowers_to_tile_instructions() -> None:
     """The x86-amx tile kernel as LLVM makes it for an AMX CPU (on any host: assembly
-    only): tiles configured once, per block one A load and a zeroed C, B load, tdpbssd and
+    only): tiles configured once, per block one A load and a zeroed C, B load, tdpbsud and
     C store per key, tiles released. Its arithmetic is tested above through its twin."""
     from dynalm.kernel import jit
     from dynalm.kernel.matmul import MATMUL
@@ -286,10 +286,10 @@ def test_amx_lowers_to_tile_instructions() -> None:
         spec = {"k_blocks": 18, "ggml_type": int(ggml_type), "mode": "auto", "mr": 16}
         asm = jit.assembly(backends.AMX.module(MATMUL, spec).text(), features)
         ops = re.findall(
-            r"^\s+(ldtilecfg|tileloadd|tilezero|tdpbssd|tilestored|tilerelease)\b", asm, re.M
+            r"^\s+(ldtilecfg|tileloadd|tilezero|tdpbsud|tilestored|tilerelease)\b", asm, re.M
         )
         assert ops.count("ldtilecfg") == 1 and ops.count("tilerelease") == 1
-        assert ops.count("tdpbssd") == ops.count("tilezero") == ops.count("tilestored") == keys
+        assert ops.count("tdpbsud") == ops.count("tilezero") == ops.count("tilestored") == keys
         assert ops.count("tileloadd") == 1 + keys
 
 

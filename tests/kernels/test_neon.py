@@ -105,13 +105,14 @@ def _matmul_calls(h: Harness, b: backends.Backend, run: Run) -> dict:
                 xp, y = arena.put(x), arena.alloc(t_rows * N * 4)
                 fn = h.add(b, programs.MATMUL, {**spec, "mr": _tile(b, mode, t_rows)})[""]
                 if mode == "exact":
-                    args = arena.words([w, xp, 0, 0, y, t_rows, nb, N])
+                    args = arena.words([w, xp, 0, 0, y, t_rows, nb, N, 0])
                     calls = [(fn, args, N)]
                 else:
                     xq = arena.alloc((t_rows + programs.ROW_OVERREAD) * K)
                     xd, xs = arena.alloc(t_rows * nb * 8), arena.alloc(t_rows * nb * 4)
-                    qargs = arena.words([0, xq, xd, xs, xp, t_rows, nb, 0])
-                    args = arena.words([w, xq, xd, xs, y, t_rows, nb, N])
+                    xk = arena.alloc(t_rows * nb * 4 * programs.KEY_SUMS)
+                    qargs = arena.words([0, xq, xd, xs, xp, t_rows, nb, 0, xk])
+                    args = arena.words([w, xq, xd, xs, y, t_rows, nb, N, xk])
                     quantize = h.add(b, programs.MATMUL, {"k_blocks": nb})[""]
                     calls = [(quantize, qargs, t_rows), (fn, args, N)]
                 for f, a, total in calls:

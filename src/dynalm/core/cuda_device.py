@@ -57,6 +57,7 @@ from dynalm.kernel.matmul import (
     A_W,
     A_X,
     A_XD,
+    A_XK,
     A_XS,
     A_Y,
     MATMUL,
@@ -344,7 +345,7 @@ class CudaLowering(Lowering):
         self.device: CudaDevice = device
         self._context = device.context
         self._scratch: DeviceArray | None = None  # auto matmuls' quantised activations
-        self._scratch_at = (0, 0, 0)  # offsets of the quants, block scales, block sums
+        self._scratch_at = (0, 0, 0, 0)  # offsets of the quants, scales, sums, key sums
         self._step = device.alloc(8 * attention_program.N_STEP, owner=self)  # layout block
         self._arena: DeviceArray | None = None  # the step layout's arrays
         self._kv: object = None
@@ -352,12 +353,12 @@ class CudaLowering(Lowering):
 
     # -- binding ---------------------------------------------------------------------
     def reserve(self, rows: int, widest: int) -> None:
-        sizes = ActivationScratch.sizes(rows, widest) if widest else (0, 0, 0)
+        sizes = ActivationScratch.sizes(rows, widest) if widest else (0, 0, 0, 0)
         if self._scratch is None or sum(sizes) > self._scratch.nbytes:
             if self._scratch is not None:
                 self.device.free(self._scratch)
             self._scratch = self.device.alloc(sum(sizes))
-        self._scratch_at = (0, sizes[0], sizes[0] + sizes[1])
+        self._scratch_at = tuple(int(at) for at in np.cumsum((0, *sizes[:-1])))
 
     def begin_bind(self) -> None:
         self._table = np.zeros((2 * len(self.ex.graph.nodes) + 1, WORDS), np.int64)
@@ -426,8 +427,8 @@ class CudaLowering(Lowering):
             args[A_X] = address(x)
         else:  # quantise x into the scratch first
             qargs, qargs_at = self._block()
-            q, d, s = (self._scratch.ptr + at for at in self._scratch_at)  # type: ignore[union-attr]
-            args[A_X], args[A_XD], args[A_XS] = qargs[A_X], qargs[A_XD], qargs[A_XS] = q, d, s
+            for slot, at in zip((A_X, A_XD, A_XS, A_XK), self._scratch_at, strict=True):
+                args[slot] = qargs[slot] = self._scratch.ptr + at  # type: ignore[union-attr]
             qargs[A_NB], qargs[A_Y] = mm.n_cols // QK, address(x)
             blocks.append(qargs)
 

@@ -22,7 +22,7 @@ from dynalm.core import pool
 from dynalm.kernel import backends, layouts, repack_cache
 from dynalm.kernel import matmul as programs
 from dynalm.kernel.formats import QK, UNPACKS, Unpack
-from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XS, A_Y, N_ARGS
+from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XK, A_XS, A_Y, KEY_SUMS, N_ARGS
 
 # Formats whose ``auto`` (int8) kernels met the model-level budget of
 # tests/models/test_auto_mode.py (mean KL(exact || auto) <= 0.005, top-1 agreement with exact
@@ -61,13 +61,18 @@ def default_threads() -> int:
 
 # --- the public API --------------------------------------------------------------------
 
+# Where a matmul's argument block takes its activations: exact's fp32 rows, or auto's
+# quantised ones (quants, block scales, block sums, key sums: ``ActivationScratch.views``).
+_X_SLOTS = (A_X, A_XD, A_XS, A_XK)
+
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
 class ActivationScratch:
-    """The int8 activations of ``auto`` matmuls (quants, block scales, block sums), one
+    """The int8 activations of ``auto`` matmuls (quants, block scales, block sums, integer
+    key sums), one
     buffer shared by every matmul that is given it: matmuls of one executor run one at a
     time, so one buffer for the largest ``[T, K]`` serves them all (a buffer per matmul
     cost 75 MB at T = 512 on SmolLM2). Grown, never shrunk; ``generation`` counts the
@@ -78,11 +83,12 @@ class ActivationScratch:
         self._buffer = np.empty(0, np.uint8)
 
     @staticmethod
-    def sizes(t_rows: int, n_cols: int) -> tuple[int, int, int]:
+    def sizes(t_rows: int, n_cols: int) -> tuple[int, int, int, int]:
         align = lambda n: -(-n // 64) * 64  # noqa: E731 - each part cache-line aligned
         nb = n_cols // QK
         quants = (t_rows + programs.ROW_OVERREAD) * n_cols  # tile loads read past T
-        return align(quants), align(t_rows * nb * 8), align(t_rows * nb * 4)
+        sums = t_rows * nb * 4 * KEY_SUMS
+        return align(quants), align(t_rows * nb * 8), align(t_rows * nb * 4), align(sums)
 
     def reserve(self, t_rows: int, n_cols: int) -> None:
         need = sum(self.sizes(t_rows, n_cols)) + 64
@@ -90,16 +96,19 @@ class ActivationScratch:
             self._buffer = np.empty(need, np.uint8)
             self.generation += 1
 
-    def views(self, t_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int8 ``[T, K]`` quants, fp32 ``[T, K/32, 2]`` scales, fp32 ``[T, K/32]`` sums."""
+    def views(self, t_rows: int, n_cols: int) -> tuple[np.ndarray, ...]:
+        """int8 ``[T, K]`` quants, fp32 ``[T, K/32, 2]`` scales, fp32 ``[T, K/32]`` sums,
+        int32 ``[T, K/32, KEY_SUMS]`` key sums."""
         self.reserve(t_rows, n_cols)
-        nb, (q, d, _) = n_cols // QK, self.sizes(t_rows, n_cols)
+        nb, (q, d, s, _) = n_cols // QK, self.sizes(t_rows, n_cols)
         start = -_address(self._buffer) % 64
         base = self._buffer[start:]
+        k_at = q + d + s
         return (
             base[: t_rows * n_cols].view(np.int8).reshape(t_rows, n_cols),
             base[q : q + t_rows * nb * 8].view(np.float32).reshape(t_rows, nb, 2),
             base[q + d : q + d + t_rows * nb * 4].view(np.float32).reshape(t_rows, nb),
+            base[k_at : k_at + t_rows * nb * 4 * KEY_SUMS].view(np.int32).reshape(t_rows, nb, -1),
         )
 
 
@@ -222,14 +231,15 @@ class QuantMatmul:
         if self.mode == "exact":  # each tile reads x from its first row on
             views = [(x[first:],) for _, first, _ in self._cover]
         else:  # x quantised into the scratch, each tile reading from its first row on
-            xq, xd, xs = self._scratch.views(t_rows, self.n_cols)
+            quantised = self._scratch.views(t_rows, self.n_cols)
             self._generation = self._scratch.generation
-            self._qargs[A_X], self._qargs[A_XD], self._qargs[A_XS] = map(_address, (xq, xd, xs))
+            for slot, view in zip(_X_SLOTS, quantised, strict=True):
+                self._qargs[slot] = _address(view)
             self._qargs[A_Y] = _address(x)
-            views = [(xq[first:], xd[first:], xs[first:]) for _, first, _ in self._cover]
+            views = [tuple(v[first:] for v in quantised) for _, first, _ in self._cover]
         for args, (_, _, rows), xs_of_tile in zip(self._tiles, self._cover, views, strict=False):
             args[A_T] = rows
-            for slot, view in zip((A_X, A_XD, A_XS), xs_of_tile, strict=False):
+            for slot, view in zip(_X_SLOTS, xs_of_tile, strict=False):
                 args[slot] = _address(view)
 
     def _bind_out(self, out: np.ndarray) -> None:

@@ -7,7 +7,7 @@ ISA-dependent primitives of ``kernel.lang``:
 ==============  =====  ===========================================  =====================
 backend         lanes  int8 dot (u8 x s8, 4 products per i32 lane)  needs (LLVM features)
 ==============  =====  ===========================================  =====================
-x86-amx         16     ``tdpbssd`` tiles for batches of >= 16 rows,  x86-avx512's +
+x86-amx         16     ``tdpbsud`` tiles for batches of >= 16 rows,  x86-avx512's +
                        else as x86-avx512                            amx-tile/int8
 x86-avx512      16     ``vpdpbusd`` (AVX-512 VNNI)                   avx512f/bw/vl/vnni
 x86-avx2        8      ``vpmaddubsw`` + ``vpmaddwd``                 avx2, fma, f16c
@@ -217,6 +217,14 @@ class Backend:
             return _sdot(k, acc, u, s)
         return _quad_sums(k, acc, u, s, u_signed=False)
 
+    def u8_dot_exact(self, bound: int) -> bool:
+        """Whether ``dot_u8s8`` sums unsigned bytes up to ``bound`` exactly: always into
+        int32 lanes (``vpdpbusd``, the widened IR); ``sdot`` reads them signed (< 128); int16
+        pairs hold two products of at most 127 in magnitude (``vpmaddubsw`` saturates)."""
+        if self._has_sdot():
+            return bound <= 127
+        return self.accumulate == "int32" or 2 * bound * 127 <= 32767
+
     def dot_s8s8(self, k: Kernel, acc: ir.Value, a: ir.Value, s: ir.Value) -> ir.Value:
         """``acc`` plus, per int32 lane, the sum of its 4 signed byte products ``a`` x
         ``s``, exactly (``sdot``; for backends with ``signed_dot``)."""
@@ -234,10 +242,10 @@ class Backend:
 
     # -- int8 tile products (x86-amx) -----------------------------------------------------
     # A tile product multiplies TILE_ROWS rows of 32 signed bytes (A, rows ``a_stride``
-    # apart) by 8 rows of 64 signed bytes (B: row r holds 4 bytes for each of 16 columns,
+    # apart) by 8 rows of 64 unsigned bytes (B: row r holds 4 bytes for each of 16 columns,
     # the VNNI order), C[m][n] = sum over r, i of A[m][4r + i] * B[r][4n + i], as TILE_ROWS
-    # rows of 16 int32. Tile registers: 0 for A, then the Bs, then the Cs (the Bs share
-    # register 1 where there are too many to keep apart).
+    # rows of 16 int32 (``tdpbsud``). Tile registers: 0 for A, then the Bs, then the Cs
+    # (the Bs share register 1 where there are too many to keep apart).
 
     def tile_begin(self, k: Kernel, products: int) -> None:
         """Configure the tile registers for ``products`` tile products per A (``ldtilecfg``;
@@ -272,7 +280,7 @@ class Backend:
             for b_reg, c_reg, b, c in zip(b_regs, c_regs, bs, cs, strict=True):
                 k.call("llvm.x86.tilezero", VOID, reg(c_reg))
                 k.call("llvm.x86.tileloadd64", VOID, reg(b_reg), b, k.i64(64))
-                k.call("llvm.x86.tdpbssd", VOID, reg(c_reg), reg(0), reg(b_reg))
+                k.call("llvm.x86.tdpbsud", VOID, reg(c_reg), reg(0), reg(b_reg))
                 k.call("llvm.x86.tilestored64", VOID, reg(c_reg), c, k.i64(64))
             return
         acc_ty = vec(I32, 16)
@@ -283,7 +291,7 @@ class Backend:
                 acc = ir.Constant(acc_ty, None)
                 for r in range(8):
                     x4 = k.bitcast(k.splat(k.load(I32, a_row, 4 * r), 16), vec(I8, 64))
-                    acc = _quad_sums(k, acc, k.load(vec(I8, 64), b, 64 * r), x4, u_signed=True)
+                    acc = _quad_sums(k, acc, k.load(vec(I8, 64), b, 64 * r), x4, u_signed=False)
                 k.store(acc, c, k.mul(m, 64))
 
         k.loop(0, TILE_ROWS, 1, row)
@@ -329,7 +337,7 @@ AMX = Backend(
     "amx",
     16,
     (*_AVX512_FEATURES, "amx-tile", "amx-int8"),
-    "tdpbssd tiles for T >= 16, else vpdpbusd",
+    "tdpbsud tiles for T >= 16, else vpdpbusd",
     accumulate="int32",
     vector_isa="avx512",
     tiles=True,

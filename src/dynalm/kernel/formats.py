@@ -5,13 +5,16 @@ A weight is repacked once into *planes* (quants apart from scales; ``repack``), 
 format contributes the in-register decoders of one 32-weight block (``lanes``: 32 integer
 or float lanes, for ``exact``) or of a row group's blocks side by side (``chunks``,
 for the int8 ``auto`` kernels), plus how to read ``d`` and ``m`` so that
-``w = d * (q + offset) + m``. Adding a format is one new :class:`Unpack` row, not a new
-kernel.
+``w = d * (q + offset) + m``. Quants are stored unsigned: signed formats (Q8_0, Q6_K, Q3_K)
+keep ``q + bias`` and say ``offset = -bias``, so every ``auto`` kernel multiplies unsigned
+weight bytes by signed activation bytes (``vpdpbusd``'s operands) and adds ``offset`` times
+the activations' sum once per block, in integers. Adding a format is one new
+:class:`Unpack` row, not a new kernel.
 
-Legacy formats split their blocks' fields; K-quants are decoded in numpy and re-encoded
-per 32-block: Q4_K/Q5_K as Q4_1/Q5_1 lanes with fp32 ``d = d*scale`` and ``m =
--dmin*min`` planes, Q6_K and Q3_K as signed bytes with one fp32 scale per 16 weights
-(``Unpack.halves``), Q2_K as bytes with an fp32 scale and min per 16 weights.
+Legacy formats split their blocks' fields (Q8_0's bytes biased by 128); K-quants are
+decoded in numpy and re-encoded per 32-block: Q4_K/Q5_K as Q4_1/Q5_1 lanes with fp32 ``d =
+d*scale`` and ``m = -dmin*min`` planes, Q6_K and Q3_K as biased bytes with one fp32 scale per
+16 weights (``Unpack.halves``), Q2_K as bytes with an fp32 scale and min per 16 weights.
 """
 
 from __future__ import annotations
@@ -154,24 +157,32 @@ def _repack_q2_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"d": d.reshape(-1, 2), "m": m.reshape(-1, 2), "qs": q}
 
 
-def _repack_signed_16(q: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
-    """Signed quants [n, 256] and per-16 scales [n, 16] -> int8 [n*8, 32] + two f32 per 32."""
-    return {"qs": q.astype(np.int8).view(np.uint8).reshape(-1, 32), "d": d.reshape(-1, 2)}
+def _repack_q8_0(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    # int8 quants biased by 128 (offset -128): bytes 0..255
+    return {"d": blocks[:, :2], "qs": blocks[:, 2:] ^ np.uint8(0x80)}
+
+
+def _repack_biased_16(q: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
+    """Biased quants [n, 256] (``q - offset`` >= 0) and per-16 scales [n, 16] -> bytes
+    [n*8, 32] + two f32 per 32."""
+    return {"qs": q.astype(np.uint8).reshape(-1, 32), "d": d.reshape(-1, 2)}
 
 
 def _repack_q6_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    # 6-bit quants as stored: q + 32 (offset -32)
     low = bit_fields(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, QK_K)
     high = bit_fields(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, QK_K)
-    q = (low | (high << 4)).astype(np.int16) - 32
-    return _repack_signed_16(q, f16_field(blocks, 208) * blocks[:, 192:208].view(np.int8))
+    return _repack_biased_16(
+        low | (high << 4), f16_field(blocks, 208) * blocks[:, 192:208].view(np.int8)
+    )
 
 
 def _repack_q3_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    # q = low - 4 * (hmask bit unset): biased by 4 (offset -4), 0..7
     low = bit_fields(blocks[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, QK_K)
-    minus4 = (bit_fields(blocks[:, 0:32], 1) ^ 1) << 2
+    plus4 = bit_fields(blocks[:, 0:32], 1) << 2
     sc = bit_fields(blocks[:, 96:104], 4) | (bit_fields(blocks[:, 104:108], 2) << 4)
-    q = low.astype(np.int16) - minus4
-    return _repack_signed_16(q, f16_field(blocks, 108) * (sc.astype(np.float32) - 32))
+    return _repack_biased_16(low | plus4, f16_field(blocks, 108) * (sc.astype(np.float32) - 32))
 
 
 @dataclass(frozen=True)
@@ -181,11 +192,13 @@ class Unpack:
 
     ``planes`` are (name, bytes per 32-block) and ``repack`` turns GGUF blocks into them
     (uint8 [n, type_size] -> arrays of [n * blocks per GGUF block, bytes]). ``kind`` is the
-    lane type ``lanes`` returns: "u8" / "s8" (``<32 x i8>``) or "float" (``<32 x float>``,
-    no ``d``/``m``). ``scale`` is the type of ``d``/``m`` ("half" / "float"); a ``d`` plane
-    of two scales per block holds one per 16 weights (K-quants with 16-weight sub-blocks).
+    lane type ``lanes`` returns: "u8" (``<32 x i8>``, unsigned) or "float" (``<32 x
+    float>``, no ``d``/``m``). ``scale`` is the type of ``d``/``m`` ("half" / "float"); a
+    ``d`` plane of two scales per block holds one per 16 weights (K-quants with 16-weight
+    sub-blocks).
     ``chunks`` decodes a row group's block for the ``auto`` kernels (see ``nibble_chunks``)
-    and ``bound`` is the largest ``|q|`` it yields (how many int16 products may be summed).
+    and ``bound`` is the largest ``q`` it yields (whether a backend's unsigned byte dot is
+    exact for it, how many int16 products may be summed).
     """
 
     name: str
@@ -268,19 +281,35 @@ UNPACKS: dict[int, Unpack] = {
     _T.Q5_0: _row(_T.Q5_0, _Q50, None, *_5BIT, -16, "half", fifth_bit_chunks, 31),
     _T.Q5_1: _row(_T.Q5_1, _Q51, None, *_5BIT, 0, "half", fifth_bit_chunks, 31),
     _T.Q8_0: _row(
-        _T.Q8_0, (("d", 2), ("qs", 32)), None, byte_lanes, "s8", 0, "half", byte_chunks, 128
+        _T.Q8_0,
+        (("d", 2), ("qs", 32)),
+        _repack_q8_0,
+        byte_lanes,
+        "u8",
+        -128,
+        "half",
+        byte_chunks,
+        255,
     ),
     _T.Q2_K: _row(
         _T.Q2_K, (("d", 8), ("m", 8), ("qs", 32)), _repack_q2_k, byte_lanes, "u8", scale="float"
     ),
     _T.Q3_K: _row(
-        _T.Q3_K, (("d", 8), ("qs", 32)), _repack_q3_k, byte_lanes, "s8", 0, "float", byte_chunks, 4
+        _T.Q3_K, (("d", 8), ("qs", 32)), _repack_q3_k, byte_lanes, "u8", -4, "float", byte_chunks, 7
     ),
     _T.Q4_K: _row(_T.Q4_K, _K_PLANES, _repack_q4_k, nibbles, "u8", 0, "float", nibble_chunks, 15),
     _T.Q5_K: _row(
         _T.Q5_K, (*_K_PLANES, ("qh", 4)), _repack_q5_k, *_5BIT, 0, "float", fifth_bit_chunks, 31
     ),
     _T.Q6_K: _row(
-        _T.Q6_K, (("d", 8), ("qs", 32)), _repack_q6_k, byte_lanes, "s8", 0, "float", byte_chunks, 32
+        _T.Q6_K,
+        (("d", 8), ("qs", 32)),
+        _repack_q6_k,
+        byte_lanes,
+        "u8",
+        -32,
+        "float",
+        byte_chunks,
+        63,
     ),
 }

@@ -7,17 +7,21 @@ the per-format unpacks of ``kernel.formats``.
   dequantise each weight in registers. A register tile of ``mr`` activation rows x ``nr``
   weight rows with accumulators of the backend's width, over ``RowLayout`` weights.
 * ``auto`` -- activations quantised per 32-block to int8 (two scales ``dx`` per block and
-  ``dx * sum(q)``, like ggml's Q8_1) and integer dot products: one fp32 lane per weight row
-  over ``LaneLayout`` weights, so one byte-dot against 4 broadcast activation bytes serves
-  a whole register of rows. On AVX-512 VNNI a chunk is one ``vpdpbusd`` into int32
-  accumulators, on AArch64 dotprod one ``sdot`` per 16 bytes; elsewhere products are
-  summed in int16 (``Unpack.bound`` says how many stay exact) and widened once. Either
-  way the integer sums are exact and identical, and are converted and scaled in the same
-  float order: every backend's auto kernel gives bitwise the same ``y``. Float weights and
-  Q2_K (a min per 16 weights) use ``exact``.
+  ``dx * sum(q)``, like ggml's Q8_1, and the integer sums ``offset`` multiplies) and integer
+  dot products of unsigned weight bytes (``q - offset``, see ``kernel.formats``) by signed
+  activation bytes: one fp32 lane per weight row over ``LaneLayout`` weights, so one
+  byte-dot against 4 broadcast activation bytes serves a whole register of rows. On
+  AVX-512 VNNI a chunk is one ``vpdpbusd`` into int32 accumulators that start from
+  ``offset`` times the activations' sum, on AArch64 dotprod one ``sdot`` per 16 bytes;
+  elsewhere products are summed in int16 (``Unpack.bound`` says how many stay exact) and
+  widened once. Where a backend's unsigned dot is not exact for a format's bytes (Q8_0's
+  0..255 in int16 pairs or ``sdot``) they are made signed again and dot as such. Either way
+  the integer sums are exact and identical, and are converted and scaled in the same float
+  order: every backend's auto kernel gives bitwise the same ``y``. Float weights and Q2_K
+  (a min per 16 weights) use ``exact``.
 * ``auto`` on tiles (x86-amx, batches of >= 16 rows) -- the same sums as tile products:
-  16 activation rows (A, straight from the quantised activations) times a block's chunks
-  of 16 weight rows (B, the lane layout's chunks are the tile's VNNI rows). Each
+  16 activation rows (A, straight from the quantised activations, signed) times a block's
+  chunks of 16 weight rows (B, unsigned: the lane layout's chunks are the tile's VNNI rows). Each
   (sub-block, scale group) sum is one product against a B holding only that key's chunks
   (the other rows zero), so C's rows are the vector kernel's int32 sums, then scaled in its
   float order: bitwise the same ``y`` again.
@@ -47,8 +51,11 @@ from dynalm.kernel.lang import F32, I8, I32, I64, PTR, VOID, Kernel, Module, con
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
 
 # Argument block words (one int64 array per call site).
-A_W, A_X, A_XD, A_XS, A_Y, A_T, A_NB, A_LDY = range(8)
-N_ARGS = 8
+A_W, A_X, A_XD, A_XS, A_Y, A_T, A_NB, A_LDY, A_XK = range(9)
+N_ARGS = 9
+# The quantiser's integer sums per activation block: one per (16-weight half, scale group),
+# [T, K/32, KEY_SUMS] int32, what ``offset`` times the activations adds in ``auto``.
+KEY_SUMS = 4
 _PARAMS = (PTR, I64, I64)
 ROWS = 4  # weight rows interleaved in memory for exact tiles: one stream per thread
 
@@ -110,8 +117,8 @@ class _Args:
         words = k.words(k.args[0], N_ARGS)
         self.t_rows, self.ldy = words[A_T], words[A_LDY]
         self.nb = k.i64(k_blocks)
-        self.w, self.x, self.xd, self.xs, self.y = (
-            k.pointer(words[i]) for i in (A_W, A_X, A_XD, A_XS, A_Y)
+        self.w, self.x, self.xd, self.xs, self.y, self.xk = (
+            k.pointer(words[i]) for i in (A_W, A_X, A_XD, A_XS, A_Y, A_XK)
         )
 
 
@@ -149,7 +156,7 @@ def _scales(k: Kernel, u: Unpack, at: ir.Value, n: int, offset: int = 0) -> ir.V
 
 def _integers(k: Kernel, u: Unpack, q: ir.Value) -> ir.Value:
     """Integer lanes -> ``q + offset`` as fp32 (small integers: exact)."""
-    qf = k.convert(q, F32, signed=u.kind == "s8")
+    qf = k.convert(q, F32, signed=False)
     return k.add(qf, float(u.offset)) if u.offset else qf
 
 
@@ -159,15 +166,14 @@ def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
     costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``."""
     if u.lanes not in (nibbles, byte_lanes):
         return _integers(k, u, u.lanes(k, p))
-    signed = u.kind == "s8"
     if u.lanes is byte_lanes:
         ints = [
-            k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=signed) for at in (0, 8, 16, 24)
+            k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8, 16, 24)
         ]
     else:  # byte k holds elements k (low nibble) and k + 16 (high)
         wide = [k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8)]
         ints = [k.and_(w, 15) for w in wide] + [k.lshr(w, 4) for w in wide]
-    parts = [k.convert(v, F32, signed=signed) for v in ints]
+    parts = [k.convert(v, F32) for v in ints]
     if u.offset:
         parts = [k.add(v, float(u.offset)) for v in parts]
     return k.concat(parts)
@@ -303,17 +309,28 @@ class _AutoBlock:
         return {f: self.k.at(base, at) for f, at in self.field_at.items()}
 
     def weight_scales(self, p: dict[str, ir.Value]) -> tuple[list[ir.Value], ir.Value | None]:
-        """The rows' ``d`` per sub-block and the min the block adds per ``sum(x)``."""
-        k, u, f_l = self.k, self.u, vec(F32, self.lanes)
+        """The rows' ``d`` per sub-block and their min per ``sum(x)`` (None: no min)."""
+        k, u = self.k, self.u
 
         def row_scales(at: ir.Value, n: int) -> ir.Value:
             return _scales(k, u, at, self.lanes, n * self.lanes * u.scale_bytes)
 
-        dw = [row_scales(p["d"], n) for n in range(self.h)]
-        m_eff = row_scales(p["m"], 0) if u.has_min else None
-        if u.offset:  # w = d * (q + offset) + m: the offset joins the min
-            m_eff = k.fma(const(f_l, float(u.offset)), dw[0], m_eff or ir.Constant(f_l, None))
-        return dw, m_eff
+        return [row_scales(p["d"], n) for n in range(self.h)], (
+            row_scales(p["m"], 0) if u.has_min else None
+        )
+
+    def offset_sums(self, blk: ir.Value) -> dict[tuple[int, int], ir.Value]:
+        """Per key of activation block ``blk``: ``offset`` times the sum of its int8
+        activations, as the i32 lanes a key's dot sum starts from (the weights are stored
+        as ``q - offset``, see ``kernel.formats``)."""
+        k, a = self.k, self.a
+        sums = [k.load(I32, a.xk, k.mul(k.add(k.mul(blk, KEY_SUMS), i), 4), 4) for i in range(4)]
+        out = {}
+        for n in range(self.h):
+            for g in range(2):
+                total = sums[2 * n + g] if self.h > 1 else k.add(sums[g], sums[2 + g])
+                out[n, g] = k.splat(k.mul(total, self.u.offset), self.lanes)
+        return out
 
     def scaled(
         self,
@@ -360,24 +377,29 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
 
     Per block and activation row: each chunk's integer dot against the activation's 4
     matching elements (broadcast) serves every row of the register; the block's sums are
-    kept per activation scale group and sub-block, converted once and scaled by the rows'
-    ``d`` in one FMA. The output of a tile is ``lanes`` consecutive floats of y: no
-    horizontal sums."""
+    kept per activation scale group and sub-block, each started from ``offset`` times the
+    activations' sum (weights are stored unsigned, ``q - offset``), converted once and
+    scaled by the rows' ``d`` in one FMA. The output of a tile is ``lanes`` consecutive
+    floats of y: no horizontal sums. Where the backend's unsigned dot would not be exact
+    for the format's bytes (Q8_0's 0..255 in int16 pairs or ``sdot``), the bytes are made
+    signed again (``q + offset``, offset -128) and dot signed: the same integer sums."""
     a, target = _Args(k, k_blocks), k.target
     blocks = _AutoBlock(k, u, a)
     lanes, h = target.lanes, u.halves
     i32_l = vec(I32, lanes)
     int32_sums = target.accumulate == "int32"
-    run = max(1, 32767 // (2 * u.bound * 127))  # int16 pair products summed before widening
-    # Signed weights: straight signed dots where the backend has them (``signed_dot``),
-    # else their magnitudes against the activations with the weights' signs moved on.
-    signed_dots = u.kind == "s8" and int32_sums and target.signed_dot
-    moved_sign = u.kind == "s8" and not signed_dots
+    unsigned = target.u8_dot_exact(u.bound)
+    if not unsigned and u.offset != -128:
+        raise ValueError(f"{u.name}: {target.name} has no exact dot for bytes up to {u.bound}")
+    # int16 pair products summed before widening (signed bytes: magnitudes up to 128)
+    run = max(1, 32767 // (2 * (u.bound if unsigned else 128) * 127))
+    signed_dots = not unsigned and target.signed_dot
+    moved_sign = not unsigned and not signed_dots  # the sign moves onto the activations
     dot = target.dot_s8s8 if signed_dots else target.dot_u8s8
     t_last = k.add(a.t_rows, -1)
 
     def widened(products: list[ir.Value]) -> ir.Value:
-        """Sum of int16 pair products as fp32: in int16 ``run`` at a time, then int32."""
+        """Sum of int16 pair products as i32: in int16 ``run`` at a time, then int32."""
         total = None
         for r in range(0, len(products), run):
             part = products[r]
@@ -385,7 +407,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 part = k.b.add(part, p)
             part = target.pair_sums(k, part)
             total = part if total is None else k.b.add(total, part)
-        return k.convert(total, F32)
+        return total
 
     def tile(t: ir.Value, n: ir.Value) -> None:
         x_rows = _clamped(k, t, s.mr, t_last)
@@ -396,7 +418,9 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         def block(b: ir.Value) -> None:
             p = blocks.planes(group, b, s.pf)
             chunks = u.chunks(k, p, lanes)
-            if moved_sign:  # the sign moves onto the activations (``sign_of``)
+            if not unsigned:  # q - offset back to q + offset = q ^ 0x80, as signed bytes
+                chunks = [k.b.xor(c, const(c.type, -128)) for c in chunks]
+            if moved_sign:
                 mags = [
                     k.call(f"llvm.abs.v{4 * lanes}i8", c.type, c, ir.Constant(ir.IntType(1), 0))
                     for c in chunks
@@ -407,6 +431,8 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
             for i in range(s.mr):
                 blk = k.add(first[i], b)
                 xq = k.at(a.x, k.mul(blk, QK))
+                zero = ir.Constant(i32_l, None)
+                start = blocks.offset_sums(blk) if unsigned and u.offset else {}
                 sums: dict[tuple[int, int], list[ir.Value]] = {}
                 for j in range(8):
                     xj = k.bitcast(k.splat(k.load(I32, xq, 4 * j), lanes), vec(I8, 4 * lanes))
@@ -414,14 +440,17 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                         xj = target.sign_of(k, xj, chunks[j])
                     key = blocks.key(j, h)
                     if int32_sums:
-                        prev = sums.get(key, [ir.Constant(i32_l, None)])[0]
+                        prev = sums.get(key, [start.get(key, zero)])[0]
                         sums[key] = [dot(k, prev, mags[j], xj)]
                     else:
                         sums.setdefault(key, []).append(target.pair_products(k, mags[j], xj))
 
-                def as_float(n: int, g: int, sums: dict = sums) -> ir.Value:
+                def as_float(n: int, g: int, sums: dict = sums, start: dict = start) -> ir.Value:
                     part = sums[n, g]
-                    return k.convert(part[0], F32) if int32_sums else widened(part)
+                    total = part[0] if int32_sums else widened(part)
+                    if not int32_sums and (n, g) in start:
+                        total = k.b.add(start[n, g], total)
+                    return k.convert(total, F32)
 
                 accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
 
@@ -465,12 +494,13 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
             target.tile_products(k, k.at(x_tile, k.mul(b, QK)), x_stride, bs, cs)
             dw, m_eff = blocks.weight_scales(p)
             for i in range(rows):
-
-                def as_float(n: int, g: int, i: int = i) -> ir.Value:
-                    c = cs[keys.index((n, g))]
-                    return k.convert(k.load(vec(I32, lanes), c, 4 * lanes * i, 64), F32)
-
                 blk = k.add(first[i], b)
+                start = blocks.offset_sums(blk) if u.offset else {}
+
+                def as_float(n: int, g: int, i: int = i, start: dict = start) -> ir.Value:
+                    c = k.load(vec(I32, lanes), cs[keys.index((n, g))], 4 * lanes * i, 64)
+                    return k.convert(k.b.add(start[n, g], c) if start else c, F32)
+
                 accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
 
         k.loop(0, a.nb, 1, block)
@@ -484,7 +514,8 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
 
 def _quantize(k: Kernel, k_blocks: int) -> None:
     """Activation rows [lo, hi) of fp32 [T, K] -> int8 [T, K], per-block scales dx
-    [T, nb, 2] (one per ``X_GROUPS`` group) and sum(dx * q) [T, nb]."""
+    [T, nb, 2] (one per ``X_GROUPS`` group), sum(dx * q) [T, nb] and the integer sums of q
+    per (16-weight half, group) [T, nb, KEY_SUMS]."""
     a = _Args(k, k_blocks)
     x_in = a.y  # the fp32 source rides in the y slot
     f32x32 = vec(F32, 32)
@@ -510,7 +541,11 @@ def _quantize(k: Kernel, k_blocks: int) -> None:
         wide = k.convert(q, I32)
         total = ir.Constant(F32, 0.0)
         for g, lanes in enumerate(X_GROUPS):
-            part = k.convert(k.reduce("add", k.shuffle(wide, lanes)), F32)
+            halves = [k.reduce("add", k.shuffle(wide, [e for e in lanes if e // 16 == n]))
+                      for n in (0, 1)]  # fmt: skip
+            for n, half in enumerate(halves):
+                k.store(half, a.xk, k.mul(k.add(k.mul(b, KEY_SUMS), 2 * n + g), 4), 4)
+            part = k.convert(k.b.add(halves[0], halves[1]), F32)
             total = k.fma(d[g], part, total)
             k.store(d[g], a.xd, k.add(k.mul(b, 8), 4 * g), 4)
         k.store(total, a.xs, k.mul(b, 4), 4)
