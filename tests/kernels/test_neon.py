@@ -108,9 +108,10 @@ def _matmul_calls(h: Harness, b: backends.Backend, run: Run) -> dict:
                     args = arena.words([w, xp, 0, 0, y, t_rows, nb, N, 0])
                     calls = [(fn, args, N)]
                 else:
-                    xq = arena.alloc((t_rows + programs.ROW_OVERREAD) * K)
-                    xd, xs = arena.alloc(t_rows * nb * 8), arena.alloc(t_rows * nb * 4)
-                    xk = arena.alloc(t_rows * nb * 4 * programs.KEY_SUMS)
+                    rows = t_rows + programs.ROW_OVERREAD
+                    xq = arena.alloc(rows * K)
+                    xd, xs = arena.alloc(rows * nb * 8), arena.alloc(rows * nb * 4)
+                    xk = arena.alloc(rows * nb * 4 * programs.KEY_SUMS)
                     qargs = arena.words([0, xq, xd, xs, xp, t_rows, nb, 0, xk])
                     args = arena.words([w, xq, xd, xs, y, t_rows, nb, N, xk])
                     quantize = h.add(b, programs.MATMUL, {"k_blocks": nb})[""]

@@ -85,10 +85,13 @@ class ActivationScratch:
     @staticmethod
     def sizes(t_rows: int, n_cols: int) -> tuple[int, int, int, int]:
         align = lambda n: -(-n // 64) * 64  # noqa: E731 - each part cache-line aligned
-        nb = n_cols // QK
-        quants = (t_rows + programs.ROW_OVERREAD) * n_cols  # tile loads read past T
-        sums = t_rows * nb * 4 * KEY_SUMS
-        return align(quants), align(t_rows * nb * 8), align(t_rows * nb * 4), align(sums)
+        nb, rows = n_cols // QK, t_rows + programs.ROW_OVERREAD  # tiles read past T
+        return (
+            align(rows * n_cols),
+            align(rows * nb * 8),
+            align(rows * nb * 4),
+            align(rows * nb * 4 * KEY_SUMS),
+        )
 
     def reserve(self, t_rows: int, n_cols: int) -> None:
         need = sum(self.sizes(t_rows, n_cols)) + 64

@@ -100,8 +100,10 @@ def buckets(mode: str, target: Backend) -> list[Shape]:
     return [Shape(mr=1, nr=lanes, tc=64, pf=8192), *gemms]
 
 
-# auto tile kernels load TILE_ROWS activation rows at a time (a tile load cannot clamp at
-# the last row as vector tiles do): the quantised activations have this many rows more.
+# auto tiles read their rows ``t .. t + mr - 1`` without clamping them at the last one
+# (one base address for all, the rows at constant offsets; a tile load cannot clamp): the
+# quantised activations have this many rows more, their scales and sums zeroed by the
+# quantiser when T > 1 (the GEMV reads none).
 ROW_OVERREAD = TILE_ROWS - 1
 
 
@@ -343,8 +345,10 @@ class _AutoBlock:
         """``acc`` plus activation block ``blk``'s part: ``sums(n, g)`` (fp32) scaled by the
         activation's group scales and the rows' ``d``, then the min's ``m * sum(x)``."""
         k, lanes = self.k, self.lanes
-        dx = k.load(vec(F32, 2), self.a.xd, k.mul(blk, 8))
-        dx = [k.lane(dx, g, lanes) for g in range(2)]
+        # scalar loads, so each broadcast folds into the multiply (``{1to16}``)
+        dx = [
+            k.splat(k.load(F32, self.a.xd, k.add(k.mul(blk, 8), 4 * g), 4), lanes) for g in (0, 1)
+        ]
         for n in range(self.h):
             f0, f1 = sums(n, 0), sums(n, 1)
             both = k.fma(f1, dx[1], k.mul(f0, dx[0]))
@@ -353,6 +357,15 @@ class _AutoBlock:
             xs = k.load(F32, self.a.xs, k.mul(blk, 4))
             acc = k.fma(m_eff, k.splat(xs, lanes), acc)
         return acc
+
+    def store_rows(self, accs: list[ir.Value], t: ir.Value, n: ir.Value) -> None:
+        """A tile's ``accs`` into y's rows ``t, t + 1, ..``: those before T (the rows past
+        it computed the quantiser's zero padding)."""
+        k = self.k
+        self.store(accs[0], t, n)
+        for i, acc in enumerate(accs[1:], 1):
+            row = k.add(t, i)
+            k.branch(k.lt(row, self.a.t_rows), lambda acc=acc, row=row: self.store(acc, row, n))
 
     def store(self, acc: ir.Value, row: ir.Value, n: ir.Value) -> None:
         """``acc`` into y's activation row ``row`` at weight rows ``n ..``: all lanes, or
@@ -396,7 +409,6 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     signed_dots = not unsigned and target.signed_dot
     moved_sign = not unsigned and not signed_dots  # the sign moves onto the activations
     dot = target.dot_s8s8 if signed_dots else target.dot_u8s8
-    t_last = k.add(a.t_rows, -1)
 
     def widened(products: list[ir.Value]) -> ir.Value:
         """Sum of int16 pair products as i32: in int16 ``run`` at a time, then int32."""
@@ -410,9 +422,8 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         return total
 
     def tile(t: ir.Value, n: ir.Value) -> None:
-        x_rows = _clamped(k, t, s.mr, t_last)
         group = blocks.group(n)
-        first = [k.mul(r, a.nb) for r in x_rows]  # each row's first block
+        first = k.mul(t, a.nb)  # row t's first block; row t + i's is i * nb further
         accs = [k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(s.mr)]
 
         def block(b: ir.Value) -> None:
@@ -429,7 +440,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 mags = chunks
             dw, m_eff = blocks.weight_scales(p)
             for i in range(s.mr):
-                blk = k.add(first[i], b)
+                blk = k.add(k.add(first, b), i * k_blocks)
                 xq = k.at(a.x, k.mul(blk, QK))
                 zero = ir.Constant(i32_l, None)
                 start = blocks.offset_sums(blk) if unsigned and u.offset else {}
@@ -455,8 +466,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
 
         k.loop(0, a.nb, 1, block)
-        for i in range(s.mr):
-            blocks.store(accs[i].get(), x_rows[i], n)
+        blocks.store_rows([acc.get() for acc in accs], t, n)
 
     _walk(k, s, a.t_rows, tile)
 
@@ -477,13 +487,11 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     bs = [k.at(b_tiles, i * b_bytes) for i in range(len(keys))]
     cs = [k.at(c_tiles, i * c_bytes) for i in range(len(keys))]
     target.tile_begin(k, len(keys))
-    t_last = k.add(a.t_rows, -1)
     x_stride = k.mul(a.nb, QK)
 
     def tile(t: ir.Value, n: ir.Value) -> None:
-        x_rows = _clamped(k, t, rows, t_last)  # for scales: rows past T repeat the last
         group = blocks.group(n)
-        first = [k.mul(r, a.nb) for r in x_rows]
+        first = k.mul(t, a.nb)
         accs = [k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(rows)]
         x_tile = k.at(a.x, k.mul(t, x_stride))
 
@@ -494,7 +502,7 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
             target.tile_products(k, k.at(x_tile, k.mul(b, QK)), x_stride, bs, cs)
             dw, m_eff = blocks.weight_scales(p)
             for i in range(rows):
-                blk = k.add(first[i], b)
+                blk = k.add(k.add(first, b), i * k_blocks)
                 start = blocks.offset_sums(blk) if u.offset else {}
 
                 def as_float(n: int, g: int, i: int = i, start: dict = start) -> ir.Value:
@@ -504,9 +512,7 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
 
         k.loop(0, a.nb, 1, block)
-        for i in range(rows):
-            row = k.add(t, i)
-            k.branch(k.lt(row, a.t_rows), lambda i=i, row=row: blocks.store(accs[i].get(), row, n))
+        blocks.store_rows([acc.get() for acc in accs], t, n)
 
     _walk(k, s, a.t_rows, tile)
     target.tile_end(k)
@@ -551,6 +557,15 @@ def _quantize(k: Kernel, k_blocks: int) -> None:
         k.store(total, a.xs, k.mul(b, 4), 4)
 
     k.loop(k.mul(k.args[1], a.nb), k.mul(k.args[2], a.nb), 1, block)
+
+    def padding(blk: ir.Value) -> None:
+        k.store(ir.Constant(vec(F32, 2), None), a.xd, k.mul(blk, 8), 4)
+        k.store(ir.Constant(F32, 0.0), a.xs, k.mul(blk, 4), 4)
+        k.store(ir.Constant(vec(I32, KEY_SUMS), None), a.xk, k.mul(blk, 4 * KEY_SUMS), 4)
+
+    last = k.b.and_(k.b.icmp_signed("==", k.args[2], a.t_rows), k.lt(k.i64(1), a.t_rows))
+    pad_end = k.mul(k.add(a.t_rows, ROW_OVERREAD), a.nb)
+    k.branch(last, lambda: k.loop(k.mul(a.t_rows, a.nb), pad_end, 1, padding))
 
 
 def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", mr: int = 0) -> None:
