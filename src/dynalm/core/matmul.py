@@ -171,7 +171,7 @@ class QuantMatmul:
         if source is None:
             self._weights, self.repacked = repack(), True
         else:
-            nbytes = -(-n_rows // layout.rows) * layout.rows * self._nb * u.block_bytes
+            nbytes = -(-n_rows // layout.rows) * layout.rows * u.packed_bytes(n_cols)
             what = f"{u.name} [{n_rows}, {n_cols}] {layout!r}"
             cache = repack_cache.shared()
             self._weights, self.repacked = cache.load_or_build(source, what, nbytes, repack)

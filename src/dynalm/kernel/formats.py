@@ -11,10 +11,14 @@ weight bytes by signed activation bytes (``vpdpbusd``'s operands) and adds ``off
 the activations' sum once per block, in integers. Adding a format is one new
 :class:`Unpack` row, not a new kernel.
 
-Legacy formats split their blocks' fields (Q8_0's bytes biased by 128); K-quants are
-decoded in numpy and re-encoded per 32-block: Q4_K/Q5_K as Q4_1/Q5_1 lanes with fp32 ``d =
-d*scale`` and ``m = -dmin*min`` planes, Q6_K and Q3_K as biased bytes with one fp32 scale per
-16 weights (``Unpack.halves``), Q2_K as bytes with an fp32 scale and min per 16 weights.
+Legacy formats split their blocks' fields (Q8_0's bytes biased by 128). K-quants are
+decoded in numpy and re-encoded per 32-block, keeping their bits per weight: Q4_K/Q5_K as
+Q4_1/Q5_1 quants with the 6-bit scale and min of each 32-block as bytes and the super-block's
+f16 ``d`` and ``dmin`` once per 256 weights (``Unpack.side``), so the kernels form ``d =
+d * scale`` and ``m = -dmin * min`` in fp32, exactly; Q6_K as 4-bit and 2-bit planes of ``q +
+32`` with its int8 scale per 16 weights (``Unpack.halves``) and f16 ``d`` per 256 (6.56 bits
+per weight, as in the file). Q3_K (biased bytes, one fp32 scale per 16 weights) and Q2_K
+(bytes with an fp32 scale and min per 16 weights) are not packed yet.
 """
 
 from __future__ import annotations
@@ -59,6 +63,20 @@ def _fifth_bits(k: Kernel, mask: ir.Value, n: int) -> ir.Value:
 def nibbles_and_fifth_bit(k: Kernel, p: Planes) -> ir.Value:
     """Q5: nibbles plus bit i of the little-endian u32 ``qh`` as 16 in lane i."""
     return k.b.or_(nibbles(k, p), _fifth_bits(k, k.load(vec(I8, 4), p["qh"]), 32))
+
+
+def _two_bit_lanes(k: Kernel, p: Planes) -> ir.Value:
+    """8 bytes of ``q2`` -> 32 lanes: element e is the 2 bits at bit 2 * (e // 8) of byte
+    e % 8 (one shuffle, a per-dword shift and a mask, as ``nibbles``)."""
+    b = k.load(vec(I8, 8), p["q2"])
+    words = k.bitcast(k.shuffle(b, [e % 8 for e in range(32)]), vec(I32, 8))
+    words = k.b.lshr(words, const(vec(I32, 8), [2 * (w // 2) for w in range(8)]))
+    return k.and_(k.bitcast(words, vec(I8, 32)), 3)
+
+
+def six_bits(k: Kernel, p: Planes) -> ir.Value:
+    """Q6_K: the low nibbles of ``qs`` and the 2-bit highs of ``q2``: 0..63."""
+    return k.b.or_(nibbles(k, p), k.shl(_two_bit_lanes(k, p), 4))
 
 
 def byte_lanes(k: Kernel, p: Planes) -> ir.Value:
@@ -109,6 +127,22 @@ def fifth_bit_chunks(k: Kernel, p: Planes, lanes: int) -> list[ir.Value]:
     ]
 
 
+def six_bit_chunks(k: Kernel, p: Planes, lanes: int) -> list[ir.Value]:
+    """Q6_K: nibble chunks plus the 2-bit highs: word w (``4 * lanes`` bytes) of ``q2``
+    holds chunk 4w + s's at bits 2s of each byte, moved to bits 4-5 by a 16-bit shift
+    (what crosses a byte falls outside the mask)."""
+    width = 4 * lanes
+    low = nibble_chunks(k, p, lanes)
+    out = []
+    for w in range(2):
+        word = k.bitcast(k.load(vec(I8, width), p["q2"], width * w), vec(I16, width // 2))
+        for s in range(4):
+            moved = k.shl(word, 4 - 2 * s) if s < 2 else word if s == 2 else k.lshr(word, 2)
+            high = k.and_(k.bitcast(moved, vec(I8, width)), 0x30)
+            out.append(k.b.or_(low[4 * w + s], high))
+    return out
+
+
 def byte_chunks(k: Kernel, p: Planes, lanes: int) -> list[ir.Value]:
     return [k.load(vec(I8, 4 * lanes), p["qs"], 4 * lanes * j) for j in range(8)]
 
@@ -133,12 +167,17 @@ def _nibble_plane(q: np.ndarray) -> np.ndarray:
 
 
 def _repack_q4_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
-    # Per 32-block: d = d * scale, m = -dmin * min (both exact in fp32), nibbles as Q4_1.
+    # Per 32-block its 6-bit scale and min as bytes, per 256 the f16 d and dmin; nibbles
+    # as Q4_1.
     scales, mins = k_scales_mins(blocks[:, 4:16])
     q = bit_fields(blocks[:, 16:144].reshape(-1, 4, 32), 4).reshape(-1, 32)
-    d = (f16_field(blocks, 0) * scales).reshape(-1, 1)
-    m = (-f16_field(blocks, 2) * mins).reshape(-1, 1)
-    return {"d": d, "m": m, "qs": _nibble_plane(q)}
+    return {
+        "sc": scales.astype(np.uint8).reshape(-1, 1),
+        "mn": mins.astype(np.uint8).reshape(-1, 1),
+        "qs": _nibble_plane(q),
+        "d": blocks[:, 0:2],
+        "dmin": blocks[:, 2:4],
+    }
 
 
 def _repack_q5_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
@@ -162,19 +201,24 @@ def _repack_q8_0(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"d": blocks[:, :2], "qs": blocks[:, 2:] ^ np.uint8(0x80)}
 
 
-def _repack_biased_16(q: np.ndarray, d: np.ndarray) -> dict[str, np.ndarray]:
-    """Biased quants [n, 256] (``q - offset`` >= 0) and per-16 scales [n, 16] -> bytes
-    [n*8, 32] + two f32 per 32."""
-    return {"qs": q.astype(np.uint8).reshape(-1, 32), "d": d.reshape(-1, 2)}
+def _two_bit_plane(q: np.ndarray) -> np.ndarray:
+    """uint8 [n, 32] values < 4 -> the ``_two_bit_lanes`` layout: [n, 8] bytes, element e
+    at bits 2 * (e // 8) of byte e % 8."""
+    fields = q.reshape(-1, 4, 8).astype(np.uint8)
+    return fields[:, 0] | (fields[:, 1] << 2) | (fields[:, 2] << 4) | (fields[:, 3] << 6)
 
 
 def _repack_q6_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
-    # 6-bit quants as stored: q + 32 (offset -32)
-    low = bit_fields(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, QK_K)
-    high = bit_fields(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, QK_K)
-    return _repack_biased_16(
-        low | (high << 4), f16_field(blocks, 208) * blocks[:, 192:208].view(np.int8)
-    )
+    # 6-bit quants as stored (q + 32, offset -32): low nibbles as Q4 and the 2-bit highs;
+    # the int8 scale per 16 weights, the f16 d per 256.
+    low = bit_fields(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 32)
+    high = bit_fields(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 32)
+    return {
+        "sc": blocks[:, 192:208].reshape(-1, 2),
+        "qs": _nibble_plane(low),
+        "q2": _two_bit_plane(high),
+        "d": blocks[:, 208:210],
+    }
 
 
 def _repack_q3_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
@@ -182,7 +226,43 @@ def _repack_q3_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
     low = bit_fields(blocks[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, QK_K)
     plus4 = bit_fields(blocks[:, 0:32], 1) << 2
     sc = bit_fields(blocks[:, 96:104], 4) | (bit_fields(blocks[:, 104:108], 2) << 4)
-    return _repack_biased_16(low | plus4, f16_field(blocks, 108) * (sc.astype(np.float32) - 32))
+    d = f16_field(blocks, 108) * (sc.astype(np.float32) - 32)
+    return {"qs": (low | plus4).astype(np.uint8).reshape(-1, 32), "d": d.reshape(-1, 2)}
+
+
+SUPER = QK_K // QK  # 32-blocks per K-quant super-block: ``Unpack.side`` comes once per SUPER
+
+_SCALE_TYPES = {"half": (F16, 2), "float": (F32, 4), "u8": (I8, 1), "s8": (I8, 1)}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Where a block's ``d`` (or ``m``) comes from: the ``plane`` field holds one value of
+    ``type`` per block (two for 16-weight sub-blocks): an fp16/fp32 scale, or (K-quants)
+    an integer factor ("u8" / "s8") of the ``side`` field, an fp16 value per super-block;
+    ``negate``: the product's negative (a min subtracted). An fp16 times an integer of at
+    most 8 bits is exact in fp32, so kernels form the file's scales exactly."""
+
+    plane: str
+    type: str = "half"
+    side: str = ""
+    negate: bool = False
+
+    @property
+    def ir_type(self) -> ir.Type:
+        return _SCALE_TYPES[self.type][0]
+
+    @property
+    def bytes(self) -> int:
+        return _SCALE_TYPES[self.type][1]
+
+    def values(self, k: Kernel, at: ir.Value, count: int, side: ir.Value | None) -> ir.Value:
+        """``count`` values from ``at`` as ``<count x float>``, times ``side`` (the side
+        field's fp32 value(s), a vector of ``count`` lanes) where the scale has one."""
+        v = k.convert(k.load(vec(self.ir_type, count), at), F32, signed=self.type == "s8")
+        if not self.side:
+            return v
+        return k.b.fmul(v, k.b.fneg(side) if self.negate else side)
 
 
 @dataclass(frozen=True)
@@ -190,12 +270,12 @@ class Unpack:
     """How kernels read one 32-weight block of the repacked planes: ``w = d * (q + offset)
     + m``.
 
-    ``planes`` are (name, bytes per 32-block) and ``repack`` turns GGUF blocks into them
-    (uint8 [n, type_size] -> arrays of [n * blocks per GGUF block, bytes]). ``kind`` is the
-    lane type ``lanes`` returns: "u8" (``<32 x i8>``, unsigned) or "float" (``<32 x
-    float>``, no ``d``/``m``). ``scale`` is the type of ``d``/``m`` ("half" / "float"); a
-    ``d`` plane of two scales per block holds one per 16 weights (K-quants with 16-weight
-    sub-blocks).
+    ``planes`` are (name, bytes per 32-block), ``side`` (name, bytes per super-block of
+    ``SUPER`` blocks: K-quants' f16 factors), and ``repack`` turns GGUF blocks into them
+    (uint8 [n, type_size] -> arrays of [n * blocks per GGUF block, bytes], side fields [n,
+    bytes]). ``kind`` is the lane type ``lanes`` returns: "u8" (``<32 x i8>``, unsigned)
+    or "float" (``<32 x float>``, no ``d``/``m``). ``d`` and ``m`` say where the scales
+    come from (:class:`Scale`); two ``d`` values per block are one per 16 weights.
     ``chunks`` decodes a row group's block for the ``auto`` kernels (see ``nibble_chunks``)
     and ``bound`` is the largest ``q`` it yields (whether a backend's unsigned byte dot is
     exact for it, how many int16 products may be summed).
@@ -209,25 +289,19 @@ class Unpack:
     lanes: Callable[[Kernel, Planes], ir.Value]
     kind: str
     offset: int = 0
-    scale: str = "half"
+    d: Scale | None = None
+    m: Scale | None = None
+    side: tuple[tuple[str, int], ...] = ()
     chunks: Callable[[Kernel, Planes, int], list[ir.Value]] | None = None
     bound: int = 0
 
     @property
-    def scale_type(self) -> ir.Type:
-        return F16 if self.scale == "half" else F32
-
-    @property
-    def scale_bytes(self) -> int:
-        return 2 if self.scale == "half" else 4
-
-    @property
     def has_min(self) -> bool:
-        return any(name == "m" for name, _ in self.planes)
+        return self.m is not None
 
     @property
     def has_scale(self) -> bool:
-        return self.kind != "float"
+        return self.d is not None
 
     @property
     def has_int8(self) -> bool:
@@ -238,24 +312,49 @@ class Unpack:
     @property
     def halves(self) -> int:
         """Scales per 32-block (1, or 2 for per-16 sub-block scales)."""
-        return self.size("d") // self.scale_bytes if self.has_scale else 0
+        return self.size(self.d.plane) // self.d.bytes if self.d else 0
 
     def size(self, field: str) -> int:
         return dict(self.planes)[field]
+
+    def unit(self, field: str) -> int:
+        """Bytes of one value of a scale plane or side field (the lane layout keeps each
+        row's values whole)."""
+        rule = next((r for r in (self.d, self.m) if r and r.plane == field), None)
+        return rule.bytes if rule else 2  # side fields are fp16
 
     @property
     def block_bytes(self) -> int:
         return sum(size for _, size in self.planes)
 
     @property
+    def side_bytes(self) -> int:
+        return sum(size for _, size in self.side)
+
+    @property
     def fields(self) -> list[tuple[str, int, int]]:
         """(name, bytes per block, offset of the field in a block's record)."""
-        at = np.cumsum([0] + [size for _, size in self.planes])
-        return [(f, size, int(at[i])) for i, (f, size) in enumerate(self.planes)]
+        return _offsets(self.planes)
+
+    @property
+    def side_fields(self) -> list[tuple[str, int, int]]:
+        """(name, bytes per super-block, offset in a super-block's side record)."""
+        return _offsets(self.side)
 
     def row_bytes(self, n_cols: int) -> int:
         """Bytes of one GGUF row of ``n_cols`` weights."""
         return n_cols // self.block_size * self.type_size
+
+    def packed_bytes(self, n_cols: int) -> int:
+        """Bytes of one row of ``n_cols`` weights as the kernels hold it (its blocks'
+        records, then its super-blocks' side records)."""
+        nb = n_cols // QK
+        return nb * self.block_bytes + nb // SUPER * self.side_bytes
+
+
+def _offsets(fields: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int]]:
+    at = np.cumsum([0] + [size for _, size in fields])
+    return [(f, size, int(at[i])) for i, (f, size) in enumerate(fields)]
 
 
 def _row(ggml_type: _T, planes: tuple[tuple[str, int], ...], repack, *rest, **kw) -> Unpack:  # noqa: ANN001
@@ -264,52 +363,55 @@ def _row(ggml_type: _T, planes: tuple[tuple[str, int], ...], repack, *rest, **kw
     return Unpack(ggml_type.name, type_size, block_size, planes, repack, *rest, **kw)
 
 
-_K_PLANES = (("d", 4), ("m", 4), ("qs", 16))
+_HALF_D, _HALF_M = Scale("d"), Scale("m")
 _Q41 = (("d", 2), ("m", 2), ("qs", 16))
 _Q50 = (("d", 2), ("qh", 4), ("qs", 16))
 _Q51 = (("d", 2), ("m", 2), ("qh", 4), ("qs", 16))
 _5BIT = (nibbles_and_fifth_bit, "u8")
+# K-quants with a 6-bit scale and min per 32-block (Q4_K, Q5_K)
+_K_SCALES = {
+    "d": Scale("sc", "u8", side="d"),
+    "m": Scale("mn", "u8", side="dmin", negate=True),
+    "side": (("d", 2), ("dmin", 2)),
+}
 
 UNPACKS: dict[int, Unpack] = {
     _T.F32: _row(_T.F32, (("qs", 128),), None, floats, "float"),
     _T.F16: _row(_T.F16, (("qs", 64),), None, halves, "float"),
     _T.BF16: _row(_T.BF16, (("qs", 64),), None, bfloats, "float"),
     _T.Q4_0: _row(
-        _T.Q4_0, (("d", 2), ("qs", 16)), None, nibbles, "u8", -8, "half", nibble_chunks, 15
+        _T.Q4_0, (("d", 2), ("qs", 16)), None, nibbles, "u8", -8, _HALF_D,
+        chunks=nibble_chunks, bound=15,
     ),
-    _T.Q4_1: _row(_T.Q4_1, _Q41, None, nibbles, "u8", 0, "half", nibble_chunks, 15),
-    _T.Q5_0: _row(_T.Q5_0, _Q50, None, *_5BIT, -16, "half", fifth_bit_chunks, 31),
-    _T.Q5_1: _row(_T.Q5_1, _Q51, None, *_5BIT, 0, "half", fifth_bit_chunks, 31),
+    _T.Q4_1: _row(
+        _T.Q4_1, _Q41, None, nibbles, "u8", 0, _HALF_D, _HALF_M, chunks=nibble_chunks, bound=15
+    ),
+    _T.Q5_0: _row(_T.Q5_0, _Q50, None, *_5BIT, -16, _HALF_D, chunks=fifth_bit_chunks, bound=31),
+    _T.Q5_1: _row(
+        _T.Q5_1, _Q51, None, *_5BIT, 0, _HALF_D, _HALF_M, chunks=fifth_bit_chunks, bound=31
+    ),
     _T.Q8_0: _row(
-        _T.Q8_0,
-        (("d", 2), ("qs", 32)),
-        _repack_q8_0,
-        byte_lanes,
-        "u8",
-        -128,
-        "half",
-        byte_chunks,
-        255,
+        _T.Q8_0, (("d", 2), ("qs", 32)), _repack_q8_0, byte_lanes, "u8", -128, _HALF_D,
+        chunks=byte_chunks, bound=255,
     ),
     _T.Q2_K: _row(
-        _T.Q2_K, (("d", 8), ("m", 8), ("qs", 32)), _repack_q2_k, byte_lanes, "u8", scale="float"
+        _T.Q2_K, (("d", 8), ("m", 8), ("qs", 32)), _repack_q2_k, byte_lanes, "u8", 0,
+        Scale("d", "float"), Scale("m", "float"),
     ),
     _T.Q3_K: _row(
-        _T.Q3_K, (("d", 8), ("qs", 32)), _repack_q3_k, byte_lanes, "u8", -4, "float", byte_chunks, 7
+        _T.Q3_K, (("d", 8), ("qs", 32)), _repack_q3_k, byte_lanes, "u8", -4,
+        Scale("d", "float"), chunks=byte_chunks, bound=7,
     ),
-    _T.Q4_K: _row(_T.Q4_K, _K_PLANES, _repack_q4_k, nibbles, "u8", 0, "float", nibble_chunks, 15),
+    _T.Q4_K: _row(
+        _T.Q4_K, (("sc", 1), ("mn", 1), ("qs", 16)), _repack_q4_k, nibbles, "u8",
+        **_K_SCALES, chunks=nibble_chunks, bound=15,
+    ),
     _T.Q5_K: _row(
-        _T.Q5_K, (*_K_PLANES, ("qh", 4)), _repack_q5_k, *_5BIT, 0, "float", fifth_bit_chunks, 31
+        _T.Q5_K, (("sc", 1), ("mn", 1), ("qh", 4), ("qs", 16)), _repack_q5_k, *_5BIT,
+        **_K_SCALES, chunks=fifth_bit_chunks, bound=31,
     ),
     _T.Q6_K: _row(
-        _T.Q6_K,
-        (("d", 8), ("qs", 32)),
-        _repack_q6_k,
-        byte_lanes,
-        "u8",
-        -32,
-        "float",
-        byte_chunks,
-        63,
+        _T.Q6_K, (("sc", 2), ("qs", 16), ("q2", 8)), _repack_q6_k, six_bits, "u8", -32,
+        Scale("sc", "s8", side="d"), side=(("d", 2),), chunks=six_bit_chunks, bound=63,
     ),
-}
+}  # fmt: skip

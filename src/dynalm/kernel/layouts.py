@@ -1,7 +1,9 @@
 """Compact weight layouts: GGUF rows repacked once into the order the matmul programs read.
 
 Two layouts, both a stream of *records* per row group so that a register tile reads one
-contiguous stream:
+contiguous stream; K-quants' super-blocks each start with a *side record* (the rows'
+fp16 factors, ``Unpack.side``) before the records of its ``SUPER`` blocks, so the stream
+stays one linear read (``side_interleave``):
 
 * ``RowLayout(rows=4)`` (``exact``): ``rows`` weight rows interleaved; per row group one
   record per step of the kernel's block loop (``GROUP`` blocks while a whole group fits,
@@ -9,8 +11,8 @@ contiguous stream:
   row after the other, so a row's scales for the record's blocks are one vector load.
 * ``LaneLayout(lanes=L)`` (``auto``): ``L`` rows, one per fp32 lane of the backend's
   vectors; per row group one record per block holding each field of the group's rows in
-  *lane order* (quants as chunks of 4 elements of every row side by side; scales as one
-  vector of the rows per sub-block scale).
+  *lane order* (quants as chunks of 4 elements of every row side by side; scales and side
+  fields as one vector of the rows per value).
 
 ``repack`` walks the GGUF rows a chunk at a time, so memory holds one chunk's
 temporaries and the mapped source of a chunk can be dropped (``release_rows``) before the
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynalm.kernel.formats import QK, Unpack
+from dynalm.kernel.formats import QK, SUPER, Unpack
 
 GROUP = 4  # blocks per exact main-loop step: their scales are loaded and converted as one vector
 
@@ -39,9 +41,9 @@ class RowLayout:
     def write(
         self, u: Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int, out: np.ndarray
     ) -> None:
-        """Repacked planes (``[n_rows * nb, size]`` per field, in block order) -> ``out``,
-        uint8 ``[ceil(n_rows / rows), rows * nb * block_bytes]`` (the last row group
-        padded with zero blocks)."""
+        """Repacked planes (``[n_rows * nb, size]`` per field, in block order; side fields
+        ``[n_rows * nb / SUPER, size]``) -> ``out``, uint8 ``[ceil(n_rows / rows), rows *
+        packed row bytes]`` (the last row group padded with zero blocks)."""
         rows, groups = self.rows, out.shape[0]
         main = nb - nb % GROUP
         for lo, hi, g in ((0, main, GROUP), (main, nb, 1)):
@@ -72,7 +74,7 @@ class LaneLayout:
         block_bytes]`` (the last row group padded with zero rows)."""
         lanes, groups = self.rows, out.shape[0]
         full = n_rows // lanes
-        out = out.reshape(groups, nb, lanes * u.block_bytes)
+        out = out[:, : nb * lanes * u.block_bytes].reshape(groups, nb, lanes * u.block_bytes)
         for f, size, at in u.fields:
             src = planes[f].view(np.uint8).reshape(n_rows, nb, size)
             dst = out[:, :, lanes * at : lanes * (at + size)]
@@ -87,8 +89,9 @@ class LaneLayout:
         """One field of whole row groups, uint8 ``[groups * lanes, nb, size]``, into
         ``dst`` ``[groups, nb, lanes * size]``: quants as chunks (``qs``: the rows' 4-byte
         units side by side, unit j of every row, then j + 1; ``qh``: chunk j's 4 bits of
-        each row together, bit 4r + c), scales as one vector of the rows per sub-block
-        scale. One strided copy (the weights may be large)."""
+        each row together, bit 4r + c; ``q2``: word w's byte 4r + c holds chunk 4w + s's
+        2 bits at bit 2s), scales as one vector of the rows per sub-block scale. One
+        strided copy (the weights may be large)."""
         lanes = self.rows
         groups, nb, width = dst.shape
         size = width // lanes
@@ -98,7 +101,15 @@ class LaneLayout:
             bits = bits.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8, lanes * 4)
             dst[...] = np.packbits(bits, axis=-1, bitorder="little").reshape(groups, nb, width)
             return
-        unit = 4 if field == "qs" else u.scale_bytes
+        if field == "q2":  # the plane: element e at bits 2 * (e // 8) of byte e % 8
+            two = (src[..., None, :] >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+            two = two.reshape(groups, lanes, nb, 32)  # [.., element]
+            chunks = two.reshape(groups, lanes, nb, 2, 4, 4)  # [.., w, s, c]
+            shifted = chunks << (2 * np.arange(4, dtype=np.uint8))[:, None]
+            words = np.bitwise_or.reduce(shifted, axis=-2)  # [g, lanes, nb, w, c]
+            dst[...] = words.transpose(0, 2, 3, 1, 4).reshape(groups, nb, width)
+            return
+        unit = 4 if field == "qs" else u.unit(field)
         view = dst.reshape(groups, nb, size // unit, lanes, unit)
         if not np.may_share_memory(view, dst):  # a copy would leave dst unwritten
             raise ValueError(f"{field}: the lane order needs a view of the destination")
@@ -106,6 +117,26 @@ class LaneLayout:
 
 
 Layout = RowLayout | LaneLayout
+
+
+def side_interleave(
+    u: Unpack, planes: dict[str, np.ndarray], n_rows: int, nb: int, out: np.ndarray, per: int
+) -> None:
+    """``out`` (row groups of ``per`` rows, their block records written in order) with
+    each super-block's side record put before its ``SUPER`` blocks' records: per field
+    the ``per`` rows' values side by side."""
+    groups, n_super = out.shape[0], nb // SUPER
+    main = np.array(out[:, : nb * per * u.block_bytes]).reshape(groups, n_super, -1)
+    side_rec = per * u.side_bytes
+    dst = out.reshape(groups, n_super, side_rec + main.shape[-1])
+    dst[:, :, side_rec:] = main
+    for f, size, at in u.side_fields:
+        src = planes[f].view(np.uint8).reshape(n_rows, n_super, size)
+        if n_rows % per:
+            pad = np.zeros((groups * per - n_rows, n_super, size), np.uint8)
+            src = np.concatenate([src, pad])
+        field = dst[:, :, per * at : per * (at + size)].reshape(groups, n_super, per, size)
+        field[...] = src.reshape(groups, per, n_super, size).transpose(0, 2, 1, 3)
 
 
 def repack(
@@ -118,14 +149,17 @@ def repack(
     """GGUF rows ``raw`` (uint8 ``[N, row bytes]``) -> the flat uint8 stream of ``layout``,
     a chunk of whole row groups at a time; ``release_rows(lo, hi)`` is called once rows
     ``lo:hi`` are repacked."""
-    n_rows, nb, per = raw.shape[0], n_cols // QK, layout.rows
+    n_rows, per = raw.shape[0], layout.rows
     groups = -(-n_rows // per)
-    out = np.empty((groups, per * nb * u.block_bytes), np.uint8)
+    out = np.empty((groups, per * u.packed_bytes(n_cols)), np.uint8)
     step = max(1, _REPACK_CHUNK_BYTES // raw.shape[1] // per) * per
     for lo in range(0, n_rows, step):
         hi = min(lo + step, n_rows)
         planes = u.repack(np.ascontiguousarray(raw[lo:hi]).reshape(-1, u.type_size))
-        layout.write(u, planes, hi - lo, nb, out[lo // per : -(-hi // per)])
+        part = out[lo // per : -(-hi // per)]
+        layout.write(u, planes, hi - lo, n_cols // QK, part)
+        if u.side:
+            side_interleave(u, planes, hi - lo, n_cols // QK, part, per)
         if release_rows is not None:
             release_rows(lo, hi)
     return out.reshape(-1)

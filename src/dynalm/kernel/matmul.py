@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from dynalm.kernel.backends import TILE_ROWS, Backend, Executable, Program, Request
-from dynalm.kernel.formats import QK, UNPACKS, Unpack, byte_lanes, nibbles
-from dynalm.kernel.lang import F32, I8, I32, I64, PTR, VOID, Kernel, Module, const, vec
+from dynalm.kernel.formats import QK, SUPER, UNPACKS, Scale, Unpack, byte_lanes, nibbles
+from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
 
 # Argument block words (one int64 array per call site).
@@ -151,9 +151,25 @@ def _walk(
     k.loop(0, t_rows, s.tc, chunk, partial=True)
 
 
-def _scales(k: Kernel, u: Unpack, at: ir.Value, n: int, offset: int = 0) -> ir.Value:
-    """``n`` weight scales at ``at + offset`` as ``<n x float>``."""
-    return k.convert(k.load(vec(u.scale_type, n), at, offset), F32)
+def _record_at(k: Kernel, u: Unpack, b: ir.Value, record: int, side_record: int) -> ir.Value:
+    """Where block ``b``'s record starts in its row group: after ``b`` records and, with
+    side fields, the side records of its super-block and those before it
+    (``layouts.side_interleave``)."""
+    at = k.mul(b, record)
+    return k.add(at, k.mul(k.add(k.lshr(b, 3), 1), side_record)) if u.side else at
+
+
+def _side_at(k: Kernel, b: ir.Value, record: int, side_record: int) -> ir.Value:
+    """Where the side record of block ``b``'s super-block starts in its row group."""
+    return k.mul(k.lshr(b, 3), SUPER * record + side_record)
+
+
+def _row_scales(k: Kernel, rule: Scale, at: dict[str, ir.Value], n: int) -> ir.Value:
+    """``n`` scales of one weight row (exact's records), the side factor the same for all."""
+    side = None
+    if rule.side:
+        side = k.splat(k.convert(k.load(F16, at[rule.side], 0, 2), F32), n)
+    return rule.values(k, at[rule.plane], n, side)
 
 
 def _integers(k: Kernel, u: Unpack, q: ir.Value) -> ir.Value:
@@ -192,6 +208,7 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     h = u.halves
     n_last, t_last = k.add(k.args[2], -1), k.add(a.t_rows, -1)
     group_bytes = ROWS * u.block_bytes
+    side_names = {f for f, _ in u.side}
     factored = u.has_min and h == 1  # a min per block factors out like d (see below)
 
     def per_lane(v: ir.Value, n: int, b: int) -> ir.Value:
@@ -205,7 +222,7 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         w_rows = _clamped(k, n, nr, n_last)
         x_rows = _clamped(k, t, mr, t_last)
         # Row r lives in row group r // ROWS at slot r % ROWS (see ``RowLayout``).
-        row_bytes = k.mul(a.nb, u.block_bytes)
+        row_bytes = u.packed_bytes(QK * k_blocks)
         w_group = [k.at(a.w, k.mul(k.and_(r, -ROWS), row_bytes)) for r in w_rows]
         w_slot = [k.and_(r, ROWS - 1) for r in w_rows]
         x_off = [k.mul(k.mul(r, a.nb), x_block) for r in x_rows]
@@ -213,7 +230,7 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         def group(kb: ir.Value, g: int) -> None:
             """Blocks kb .. kb+g of the tile; scales are loaded and converted g at a time."""
             w_at, dw, mw = [], [], []
-            record = k.mul(kb, group_bytes)
+            record = _record_at(k, u, kb, group_bytes, ROWS * u.side_bytes)
             for j in range(nr):
                 base = k.at(w_group[j], record)
                 w_at.append(
@@ -224,14 +241,23 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 )
                 if s.pf and j == 0:
                     k.prefetch(base, s.pf, g * group_bytes)
+                if u.side:  # the record's super-block's side record (g <= SUPER blocks)
+                    side = k.at(w_group[j], _side_at(k, kb, group_bytes, ROWS * u.side_bytes))
+                    w_at[j] |= {
+                        f: k.at(side, k.add(k.mul(w_slot[j], size), ROWS * at_f))
+                        for f, size, at_f in u.side_fields
+                    }
                 if u.has_scale:
-                    dw.append(_scales(k, u, w_at[j]["d"], g * h))
-                    mw.append(_scales(k, u, w_at[j]["m"], g * h) if u.has_min else None)
+                    dw.append(_row_scales(k, u.d, w_at[j], g * h))
+                    mw.append(_row_scales(k, u.m, w_at[j], g * h) if u.has_min else None)
             xk = [k.add(o, k.mul(kb, x_block)) for o in x_off]
             for b in range(g):
                 # Each block unpacked where it is used (unpacking all g up front keeps too
                 # many registers live).
-                planes = [{f: k.at(p, b * u.size(f)) for f, p in at.items()} for at in w_at]
+                planes = [
+                    {f: p if f in side_names else k.at(p, b * u.size(f)) for f, p in at.items()}
+                    for at in w_at
+                ]
                 xs = []
                 for i in range(mr):
                     xv = k.load(vec(F32, 32), a.x, k.add(xk[i], b * x_block))
@@ -287,10 +313,13 @@ class _AutoBlock:
     scales, the sums' keys, and the float order that turns a block's integer sums into
     the output (the same order in every ``auto`` kernel, so results agree bitwise)."""
 
-    def __init__(self, k: Kernel, u: Unpack, a: _Args) -> None:
+    def __init__(self, k: Kernel, u: Unpack, a: _Args, k_blocks: int) -> None:
         self.k, self.u, self.a, self.lanes = k, u, a, k.target.lanes
         self.record = self.lanes * u.block_bytes
         self.field_at = {f: self.lanes * at for f, _, at in u.fields}
+        self.side_at = {f: self.lanes * at for f, _, at in u.side_fields}
+        self.side_record = self.lanes * u.side_bytes
+        self.group_bytes = self.lanes * u.packed_bytes(QK * k_blocks)
         self.h = u.halves
 
     @staticmethod
@@ -302,24 +331,31 @@ class _AutoBlock:
     def group(self, n: ir.Value) -> ir.Value:
         """The records of the row group holding weight row ``n``."""
         k = self.k
-        return k.at(self.a.w, k.mul(k.udiv(n, self.lanes), k.mul(self.a.nb, self.record)))
+        return k.at(self.a.w, k.mul(k.udiv(n, self.lanes), self.group_bytes))
 
     def planes(self, group: ir.Value, b: ir.Value, pf: int) -> dict[str, ir.Value]:
-        base = self.k.at(group, self.k.mul(b, self.record))
+        """Block ``b``'s fields in the row group, and its super-block's side fields."""
+        k = self.k
+        base = k.at(group, _record_at(k, self.u, b, self.record, self.side_record))
         if pf:
-            self.k.prefetch(base, pf, self.record)
-        return {f: self.k.at(base, at) for f, at in self.field_at.items()}
+            k.prefetch(base, pf, self.record)
+        fields = {f: k.at(base, at) for f, at in self.field_at.items()}
+        if self.side_at:
+            side = k.at(group, _side_at(k, b, self.record, self.side_record))
+            fields |= {f: k.at(side, at) for f, at in self.side_at.items()}
+        return fields
 
     def weight_scales(self, p: dict[str, ir.Value]) -> tuple[list[ir.Value], ir.Value | None]:
         """The rows' ``d`` per sub-block and their min per ``sum(x)`` (None: no min)."""
-        k, u = self.k, self.u
+        k, u, lanes = self.k, self.u, self.lanes
 
-        def row_scales(at: ir.Value, n: int) -> ir.Value:
-            return _scales(k, u, at, self.lanes, n * self.lanes * u.scale_bytes)
+        def row_scales(rule: Scale, n: int) -> ir.Value:
+            side = None
+            if rule.side:
+                side = k.convert(k.load(vec(F16, lanes), p[rule.side], 0, 2), F32)
+            return rule.values(k, k.at(p[rule.plane], n * lanes * rule.bytes), lanes, side)
 
-        return [row_scales(p["d"], n) for n in range(self.h)], (
-            row_scales(p["m"], 0) if u.has_min else None
-        )
+        return [row_scales(u.d, n) for n in range(self.h)], (row_scales(u.m, 0) if u.m else None)
 
     def offset_sums(self, blk: ir.Value) -> dict[tuple[int, int], ir.Value]:
         """Per key of activation block ``blk``: ``offset`` times the sum of its int8
@@ -397,7 +433,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     for the format's bytes (Q8_0's 0..255 in int16 pairs or ``sdot``), the bytes are made
     signed again (``q + offset``, offset -128) and dot signed: the same integer sums."""
     a, target = _Args(k, k_blocks), k.target
-    blocks = _AutoBlock(k, u, a)
+    blocks = _AutoBlock(k, u, a, k_blocks)
     lanes, h = target.lanes, u.halves
     i32_l = vec(I32, lanes)
     int32_sums = target.accumulate == "int32"
@@ -478,7 +514,7 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     for the others' chunks), stored to the stack and scaled as ``_auto`` scales its sums.
     Reads up to ``ROW_OVERREAD`` activation rows past T (their results are not stored)."""
     a, target = _Args(k, k_blocks), k.target
-    blocks = _AutoBlock(k, u, a)
+    blocks = _AutoBlock(k, u, a, k_blocks)
     lanes, h, rows = target.lanes, u.halves, s.mr
     keys = [(n, g) for n in range(h) for g in range(2)]
     b_bytes, c_bytes = 8 * 4 * lanes, rows * 4 * lanes  # one B, one C

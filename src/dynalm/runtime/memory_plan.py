@@ -96,7 +96,7 @@ def weight_bytes(graph: Graph, mode: str) -> int:
             if kernel.startswith("jit-") and shape[-1] % 32 == 0:
                 from dynalm.kernel.formats import UNPACKS
 
-                total += n // 32 * UNPACKS[qtype].block_bytes
+                total += n // shape[-1] * UNPACKS[qtype].packed_bytes(shape[-1])
             elif kernel == "numpy":
                 total += 4 * n
             else:  # tiled: the mapped file's blocks, resident once read
