@@ -4,11 +4,11 @@ the runner of native programs (``core.pool`` owns the threads and the state buff
 The state is one cache line per word. GEN: job generation (the workers' futex word);
 NEXT: the job generation << 32 | next free row (CLOSED while the job fields are
 rewritten); DONE: rows finished (the caller's futex word); JOB: fn, args, total, chunk,
-then 2 x threads (set once); SOLO: jobs left to run on the caller alone (only the caller
-touches it). Waiting spins ``SPIN`` pause instructions, then sleeps on a futex (Linux
-``futex(2)`` through libc's varargs ``syscall``, which the JIT knows as
-``dynalm_syscall``). Grabs are one compare-and-swap of NEXT, guided: ``1 / (2 x
-threads)`` of the rows left in whole chunks.
+then 2 x threads (set once); SOLO: jobs left to run on the caller alone, and BACKOFF: how
+many the next stall gives (only the caller touches them). Waiting spins ``SPIN`` pause
+instructions, then sleeps on a futex (Linux ``futex(2)`` through libc's varargs
+``syscall``, which the JIT knows as ``dynalm_syscall``). Grabs are one compare-and-swap of
+NEXT, guided: ``1 / (2 x threads)`` of the rows left in whole chunks.
 
 Functions (exported): ``worker(state)`` never returns; ``run(state, fn, args, total,
 chunk)`` runs one job over the pool; ``program(state, records, n)`` runs ``n`` records of
@@ -31,13 +31,16 @@ _FUTEX_WAIT, _FUTEX_WAKE = 128, 129
 # gaps between the matmuls of a decode step, short enough not to starve a busy machine.
 SPIN = 1 << 12
 # When the caller waited for a worker's chunk longer than it takes for 8 of its own (the
-# OS descheduled that worker: the machine is oversubscribed), run this many jobs alone
-# before trying the workers again.
-SOLO_JOBS = 1000
+# OS or the hypervisor descheduled that worker), it runs the next jobs alone before trying
+# the workers again: SOLO_FIRST jobs after a lone stall (a virtual CPU's stolen
+# milliseconds: running alone for long would halve the speed for nothing), twice as many
+# after each stall that follows, up to SOLO_MAX (an oversubscribed machine: every try
+# stalls); each job the pool finishes without a stall halves it again.
+SOLO_FIRST, SOLO_MAX = 8, 1024
 # Kinds of the records of a native program.
 PLAIN, RANGE, SPLIT = 0, 1, 2
 # Byte offsets of the state words.
-GEN, SLEEPERS, NEXT, DONE, MAIN_WAITS, JOB, SOLO = 0, 64, 128, 192, 256, 320, 384
+GEN, SLEEPERS, NEXT, DONE, MAIN_WAITS, JOB, SOLO, BACKOFF = 0, 64, 128, 192, 256, 320, 384, 392
 JOB_FN, JOB_ARGS, JOB_TOTAL, JOB_CHUNK, JOB_PARTS = (JOB + 8 * i for i in range(5))
 STATE_BYTES = 448
 CLOSED = 0xFFFFFFFF
@@ -156,13 +159,15 @@ def _worker(module: Module, wait_ne: Kernel, drain: Kernel) -> None:
 
 def _run(module: Module, machine: str, wait_ne: Kernel, drain: Kernel) -> Kernel:
     """``run(state, fn, args, total, chunk)``: publish the job, drain it with the workers,
-    wait for their chunks; after a stall, the next ``SOLO_JOBS`` jobs run here alone."""
+    wait for their chunks; after a stall, the next jobs run here alone (``SOLO_FIRST``,
+    doubling while stalls follow each other)."""
     k = module.kernel(f"{module.ir.name}_run", (PTR, PTR, PTR, I64, I64))
     b, (s, fn, args, total, chunk) = k.b, k.args
     gen, done = k.at(s, GEN), k.at(s, DONE)
     by_myself, publish, wake, mine, check, wait, measure, stalled, leave = _blocks(
         k, "by_myself", "publish", "wake", "mine", "check", "wait", "measure", "stalled", "exit"
     )
+    stalls = k.var(0)  # whether this job stalled
     solo = k.load(I64, s, SOLO, 8)
     b.cbranch(b.icmp_signed(">", solo, k.i64(0)), by_myself, publish)
     b.position_at_end(by_myself)
@@ -202,11 +207,17 @@ def _run(module: Module, machine: str, wait_ne: Kernel, drain: Kernel) -> Kernel
     # A stall: the wait outlasted 8 of this thread's own chunks (the worker was descheduled).
     waited = k.sub(k.call("llvm.readcyclecounter", I64), t1)
     per_chunk = b.udiv(k.sub(t1, t0), mine_n)
-    b.cbranch(b.icmp_unsigned(">", waited, k.mul(per_chunk, 8)), stalled, check)
+    first = b.icmp_unsigned("==", stalls.get(), k.i64(0))  # a job counts one stall
+    b.cbranch(b.and_(first, b.icmp_unsigned(">", waited, k.mul(per_chunk, 8))), stalled, check)
     b.position_at_end(stalled)
-    k.store(k.i64(SOLO_JOBS), s, SOLO, 8)
+    backoff = k.call("llvm.umax.i64", I64, k.load(I64, s, BACKOFF, 8), k.i64(SOLO_FIRST))
+    k.store(backoff, s, SOLO, 8)
+    k.store(k.call("llvm.umin.i64", I64, k.mul(backoff, 2), k.i64(SOLO_MAX)), s, BACKOFF, 8)
+    stalls.set(k.i64(1))
     b.branch(check)
     b.position_at_end(leave)
+    clean = k.b.icmp_unsigned("==", stalls.get(), k.i64(0))
+    k.branch(clean, lambda: k.store(k.lshr(k.load(I64, s, BACKOFF, 8), 1), s, BACKOFF, 8))
     k.ret()
     return k
 
