@@ -2,11 +2,16 @@
 the host's measured peaks, with compile times; ``--baseline REV`` compares another git
 revision in the same run.
 
-Shapes are SmolLM2-135M's (Q4_1 layers, Q8_0 tied output; ``--format`` swaps the layer
-format) with random weights in the real layouts. Per backend (every one this CPU runs
-natively, or ``--backends``) and mode, per shape and batch (T = 1: GEMV, the decode step;
-T = 8: a batched decode step; T = 128: a prefill chunk): the best time of repeated calls,
-weight GB/s (bytes of the GGUF weight / time) and GMAC/s (T x N x K / time).
+Shapes are a model's matmuls (``--model``: SmolLM2-135M, the default, with Q4_1 layers and
+a Q8_0 tied output; or the real-size shapes of ``benchmarks/real_size.py``: Llama-3.2-1B
+and 3B, Llama-3.1-8B, Qwen2.5-1.5B, with Q4_0 layers and a Q6_K output as llama.cpp's
+quantiser writes them; ``--format`` and ``--output-format`` swap them) with random weights
+in the real layouts. Per backend (every one this CPU runs natively, or ``--backends``) and
+mode, per shape and batch (T = 1: GEMV, the decode step; T = 8: a batched decode step; T =
+128 or 512: a prefill chunk): the best time of repeated calls, weight GB/s (bytes of the
+GGUF weight / time) and GMAC/s (T x N x K / time), each as a share of the host's peak
+(GB/s: of the streaming read at this thread count; GMAC/s: of the int8 rate of the
+variant's backend).
 
 Peaks (kernel programs of their own, ``dynalm.kernel.probes``): the streaming-read
 bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply-accumulate
@@ -18,8 +23,9 @@ on its path, an empty JIT cache); jobs are sent to the workers in turn, so machi
 hits the revisions alike. ``--baseline REV`` adds a worker for git revision REV (its
 default kernels; revisions before DynaKernel know no backends).
 
-    python benchmarks/kernel_bench.py [--threads 2] [--backends avx512,avx2]
-        [--modes auto,exact] [--batches 1,8,128] [--format q4_1] [--baseline REV] [--json]
+    python benchmarks/kernel_bench.py [--model smollm2|1b|3b|8b|qwen2-1.5b] [--threads 2]
+        [--backends avx512,avx2] [--modes auto,exact] [--batches 1,8,128] [--format q4_1]
+        [--output-format q8_0] [--baseline REV] [--json]
 """
 
 from __future__ import annotations
@@ -41,13 +47,35 @@ from gguf import GGMLQuantizationType
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, N, K) of SmolLM2-135M's matmuls: 30 layers, tied 49152-token output.
-SHAPES = [
+SMOLLM2 = [
     ("attn_q/o", 576, 576),
     ("attn_k/v", 192, 576),
     ("ffn_gate/up", 1536, 576),
     ("ffn_down", 576, 1536),
     ("output", 49152, 576),
 ]
+# --model: (shapes, layer format, output format)
+MODELS = {"smollm2": (SMOLLM2, "q4_1", "q8_0")}
+
+
+def model_shapes(model: str) -> tuple[list[tuple[str, int, int]], str, str]:
+    if model in MODELS:
+        return MODELS[model]
+    from real_size import MODELS as REAL
+
+    if model not in REAL:
+        raise SystemExit(f"unknown model {model!r}: choose from {', '.join([*MODELS, *REAL])}")
+    m = REAL[model]
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    shapes = [
+        ("attn_q", q, m.d_model),
+        ("attn_k/v", kv, m.d_model),
+        ("attn_output", m.d_model, q),
+        ("ffn_gate/up", m.d_ff, m.d_model),
+        ("ffn_down", m.d_model, m.d_ff),
+        ("output", m.vocab, m.d_model),
+    ]
+    return shapes, "q4_0", "q6_k"
 
 
 # --- the worker: runs jobs with whatever dynalm is on its path ---------------------------
@@ -180,11 +208,13 @@ def peaks(backend_names: list[str], threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="whose matmul shapes (see above)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", help="comma-separated ISAs (default: all native here)")
     ap.add_argument("--modes", default="auto,exact")
     ap.add_argument("--batches", default="1,8,128")
-    ap.add_argument("--format", default="q4_1", help="layer weight format (output: q8_0)")
+    ap.add_argument("--format", help="layer weight format (default: the model's)")
+    ap.add_argument("--output-format", help="output weight format (default: the model's)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--baseline", metavar="REV", help="also run git revision REV's kernels")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -202,8 +232,11 @@ def main() -> None:
         if args.backends
         else [b.isa for b in backends.BACKENDS if not b.missing()]
     )
+    shapes, layer_format, output_format = model_shapes(args.model)
+    args.format = args.format or layer_format
+    args.output_format = args.output_format or output_format
     layer_type = int(GGMLQuantizationType[args.format.upper()])
-    q8_0 = int(GGMLQuantizationType.Q8_0)
+    output_type = int(GGMLQuantizationType[args.output_format.upper()])
     modes, batches = args.modes.split(","), [int(t) for t in args.batches.split(",")]
 
     tmp = tempfile.TemporaryDirectory(prefix="dynalm-bench-src-")
@@ -215,8 +248,8 @@ def main() -> None:
 
     rows, compile_times = [], []
     for mode in modes:
-        for name, n, k in SHAPES:
-            ggml_type = q8_0 if name == "output" else layer_type
+        for name, n, k in shapes:
+            ggml_type = output_type if name == "output" else layer_type
             kernel_mode = mode if ggml_type in AUTO_VALIDATED else "exact"
             for t in batches:
                 if name == "output" and t > 1:
@@ -230,6 +263,7 @@ def main() -> None:
                     rows.append(
                         {
                             "variant": label,
+                            "backend": backends.by_name(isa).name if isa else None,
                             "mode": kernel_mode,
                             "shape": name,
                             "n": n,
@@ -244,8 +278,10 @@ def main() -> None:
         w.close()
     tmp.cleanup()
     report = {
+        "model": args.model,
         "threads": args.threads,
         "format": args.format,
+        "output_format": args.output_format,
         "peaks": peaks(isas, args.threads),
         "compile_ms": {
             "kernels": len(compile_times),
@@ -273,17 +309,28 @@ def print_report(r: dict) -> None:
             f"compile (empty cache): {c['kernels']} kernels, median {c['median']:.0f} ms, ", end=""
         )
         print(f"slowest {c['max']:.0f} ms")
-    print(f"\n{r['format']} layers + q8_0 output, {r['threads']} threads, best of repeats\n")
-    print("| mode | shape | N x K | T | variant | us | GB/s | GMAC/s | x first |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    stream_peak = p["stream_gbs"][r["threads"]]
+    int8_peaks = {name: per[r["threads"]] for name, per in p["int8_gmacs"].items()}
+    best = next(iter(int8_peaks.values()))  # a baseline revision runs the host's best
+    print(
+        f"\n{r['model']}: {r['format']} layers + {r['output_format']} output, "
+        f"{r['threads']} threads, best of repeats (a weight that fits in L3 is read from it "
+        "when repeated: GB/s above the streaming peak)\n"
+    )
+    print(
+        "| mode | shape | N x K | T | variant | us | GB/s | % stream | GMAC/s | % int8 | x first |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     first: dict[tuple, float] = {}
     for row in r["rows"]:
         key = (row["mode"], row["shape"], row["t"])
         base = first.setdefault(key, row["us"])
+        int8 = int8_peaks.get(row.get("backend"), best)
         print(
             f"| {row['mode']} | {row['shape']} | {row['n']}x{row['k']} | {row['t']} | "
-            f"{row['variant']} | {row['us']:.1f} | {row['gbs']:.1f} | {row['gmacs']:.1f} | "
-            f"{base / row['us']:.2f} |"
+            f"{row['variant']} | {row['us']:.1f} | {row['gbs']:.1f} | "
+            f"{100 * row['gbs'] / stream_peak:.0f} | {row['gmacs']:.1f} | "
+            f"{100 * row['gmacs'] / int8:.0f} | {base / row['us']:.2f} |"
         )
 
 

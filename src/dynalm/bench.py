@@ -233,6 +233,32 @@ class Workload:
         return list(results.values())
 
 
+def file_decode_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors a decode step reads: all but the token embedding,
+    whose one row per token is nothing (unless it is also the output head)."""
+    from dynalm.models.gguf_file import GGUFFile
+
+    with GGUFFile(path) as gguf:
+        tensors = gguf.tensors
+        tied = "output.weight" not in tensors
+        return sum(t.nbytes for n, t in tensors.items() if tied or n != "token_embd.weight")
+
+
+def decode_bandwidth(results: list[Result], ours: int, file_bytes: int) -> str:
+    """What each engine's tg rate streams: its weight bytes per token times tokens/s."""
+    rates = {r.engine: statistics.fmean(r.rates) for r in results if r.test.startswith("tg")}
+    if not rates:
+        return ""
+    mib = 2**20
+    parts = []
+    for engine, rate in rates.items():
+        nbytes = file_bytes if engine == "llama.cpp" else ours
+        parts.append(
+            f"{engine} {nbytes / mib:,.0f} MiB x {rate:.1f} t/s = {nbytes * rate / 1e9:.1f} GB/s"
+        )
+    return "decode streams weights per token: " + "; ".join(parts)
+
+
 PLAN_MARGIN = 0.10  # the memory plan's accuracy (tests/models/test_memory_plan.py)
 
 
@@ -478,6 +504,7 @@ def bench_command(
         if isinstance(runner, LlamaCppRunner):
             runner.close()
     spec = runners[0].engine.spec_stats if speculative else None  # type: ignore[attr-defined]
+    weights, file_bytes = ours.engine.memory_plan.weights, file_decode_bytes(path)
     if as_json:
         extra = {} if spec is None else {"acceptance_rate": spec.acceptance_rate}
         return json.dumps(
@@ -485,6 +512,7 @@ def bench_command(
                 **summary,
                 "results": [r.as_json() for r in results],
                 "memory": memory.as_json(),
+                "decode_bytes": {"dynalm": weights, "file": file_bytes},
                 **extra,
             }
         )
@@ -500,6 +528,8 @@ def bench_command(
         f"cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
     )
     table = format_table(results, header, [r.name for r in runners])
+    if bandwidth := decode_bandwidth(results, weights, file_bytes):
+        table += f"\n\n{bandwidth}"
     if spec is not None:
         table += f"\n\n{spec.summary()}"
     return f"{table}\n\n{memory.line()}\n{loaded}"

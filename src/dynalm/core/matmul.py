@@ -106,12 +106,12 @@ class ActivationScratch:
         nb, (q, d, s, _) = n_cols // QK, self.sizes(t_rows, n_cols)
         start = -_address(self._buffer) % 64
         base = self._buffer[start:]
-        k_at = q + d + s
+        k_at, n_keys = q + d + s, t_rows * nb * KEY_SUMS
         return (
             base[: t_rows * n_cols].view(np.int8).reshape(t_rows, n_cols),
             base[q : q + t_rows * nb * 8].view(np.float32).reshape(t_rows, nb, 2),
             base[q + d : q + d + t_rows * nb * 4].view(np.float32).reshape(t_rows, nb),
-            base[k_at : k_at + t_rows * nb * 4 * KEY_SUMS].view(np.int32).reshape(t_rows, nb, -1),
+            base[k_at : k_at + 4 * n_keys].view(np.int32).reshape(t_rows, nb, KEY_SUMS),
         )
 
 
