@@ -347,7 +347,9 @@ def show(
 
         loaded = load_model(ModelStore().resolve(model))
         if graph:
-            typer.echo(str(loaded.graph))
+            from dynalm.ir.text import print_graph
+
+            typer.echo(print_graph(loaded.graph))
             return
         config = EngineConfig(
             ctx=_context(ctx, loaded),
