@@ -177,9 +177,9 @@ def test_backend_auto_and_gpu_choose_the_cuda_device(gpu, monkeypatch):
 
 def test_what_the_preview_cannot_run_is_named(model, gpu):
     device = cuda(gpu)
-    lowering = device.lowering(Executor(model.graph, device, model.weights, max_tokens=4))
+    binder = Executor(model.graph, device, model.weights, max_tokens=4).binder
     with pytest.raises(NotImplementedError, match="the cuda device has no kernel for op 'mul'"):
-        lowering.bind("mul", [])
+        binder.bind("mul", [])
     with pytest.raises(InvalidRequest, match="no matmul kernel for IQ2_XXS .* --cpu"):
         device.matmul(np.zeros((4, 66), np.uint8), 16, (4, 256))
     assert "cuda" in [kind.name for kind in devices.GPU_KINDS]

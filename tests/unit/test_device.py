@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from dynalm.core import device as devices
-from dynalm.core.cpu_lowering import CpuLowering
 from dynalm.core.device import CpuDevice, DeviceKind, select_device
 from dynalm.core.kv_storage import HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable
+from dynalm.ir.lower.cpu import CpuBinder
 from dynalm.ir.ops import OPS
 from dynalm.runtime.kv_cache import PagePool
 from dynalm.show import describe_system
@@ -22,16 +22,16 @@ MIB = 2**20
 
 
 def test_the_cpu_op_table_covers_every_op_of_the_ir():
-    assert set(CpuLowering.OP_TABLE) == set(OPS)
+    assert set(CpuBinder.OP_TABLE) == set(OPS)
 
 
 def test_an_op_missing_from_a_device_table_is_named():
-    class Partial(CpuLowering):
-        OP_TABLE = {op: f for op, f in CpuLowering.OP_TABLE.items() if op != "mul"}
+    class Partial(CpuBinder):
+        OP_TABLE = {op: f for op, f in CpuBinder.OP_TABLE.items() if op != "mul"}
 
-    lowering = Partial(CpuDevice("safe", threads=1), executor=None)
+    binder = Partial(CpuDevice("safe", threads=1), graph=None, prepare=None)
     with pytest.raises(NotImplementedError, match="the cpu device has no kernel for op 'mul'"):
-        lowering.bind("mul", [])
+        binder.bind("mul", [])
 
 
 def test_auto_falls_back_to_the_cpu_with_the_reason(caplog: pytest.LogCaptureFixture):

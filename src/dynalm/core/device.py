@@ -1,9 +1,8 @@
-"""Devices: where weights, activations and KV pages live, and how the IR's ops run.
+"""Devices: where weights, activations and KV pages live, and the kernels that run there.
 
-A ``Device`` is what the executor lowers a DynaIR graph through: it prepares each weight
-for itself, owns the step's buffers and the KV pages' bytes, and binds every op of
-``ir/ops.py`` through its op table (``Lowering.OP_TABLE``); a step runs as one submission
-(``Lowering.submission``). ``CpuDevice`` is the first implementation (``core.cpu_lowering``).
+A ``Device`` prepares each weight for itself, owns the step's buffers and the KV pages'
+bytes, and runs its kernels; it never sees a graph node (``ir.lower`` binds a graph's ops to
+a device's kernels). ``CpuDevice`` is the first implementation.
 
 Which device runs a model is ``select_device``'s choice: the CPU, or per GPU kind
 (``GPU_KINDS``) an entry with a probe (available, or why not), a capacity check against the
@@ -17,7 +16,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -30,10 +29,7 @@ from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.kernel import backends
 
 if TYPE_CHECKING:
-    from dynalm.core.cpu_ops import RopeTable
-    from dynalm.core.kv_storage import AttentionBatch, KVGeometry, KVStorage
-    from dynalm.ir.executor import Executor
-    from dynalm.ir.graph import Node
+    from dynalm.core.kv_storage import KVGeometry, KVStorage
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +37,6 @@ MODES = ("auto", "exact", "safe")
 BACKENDS = ("auto", "cpu", "gpu")
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [T, K], out [T, N])
-Call = Callable[[], None]  # one bound op of a step
 
 # Dequantise this many bytes of fp32 weights at a time in the tiled matmul, so a
 # tile stays in the L2 cache while BLAS multiplies it.
@@ -68,11 +63,11 @@ def available_cpus() -> int:
 
 
 class Device(ABC):
-    """Where a graph runs: the interface the executor lowers every DynaIR op through.
+    """Where a graph runs: weights prepared for it, buffers, KV pages and kernels.
 
-    A new backend is one device class (this interface) plus its lowering (a ``Lowering``
-    subclass with an op table covering ``ir/ops.py``'s ``OPS``) and one ``DEVICE_KINDS``
-    entry; the kernels it binds come from its own kernel-language lowering module.
+    A new backend is one device class (this interface), its binder (``ir.lower``: an op
+    table covering ``ir/ops.py``'s ``OPS``) and one ``GPU_KINDS`` entry; the kernels it runs
+    come from its own kernel-language lowering module.
     """
 
     name: ClassVar[str]
@@ -114,93 +109,6 @@ class Device(ABC):
     def kv_storage(self, geometry: KVGeometry) -> KVStorage:
         """The KV pages' bytes, in the layout this device's attention reads (the runtime's
         ``PagePool`` keeps the accounting: ids, refcounts, recent buffers)."""
-
-    # -- ops
-    @abstractmethod
-    def lowering(self, executor: Executor) -> Lowering:
-        """This device's binding of ``executor``'s graph (its op table, step submission)."""
-
-
-class Lowering(ABC):
-    """One graph's ops bound on one device, made by ``Device.lowering`` per executor.
-
-    The executor plans buffers and views, prepares weights, groups split runs and keeps
-    submissions of small step shapes; the lowering binds each node through ``OP_TABLE``
-    (op name -> a method taking the node, or for ``split`` the run of consecutive splits of
-    one value) and turns a step's bound calls into one submission.
-    """
-
-    OP_TABLE: ClassVar[Mapping[str, Callable[..., Call]]]
-    cached_rows: ClassVar[int] = 0  # submissions of steps up to this many tokens are kept
-
-    def __init__(self, device: Device, executor: Executor) -> None:
-        self.device, self.ex = device, executor
-        # rope's cos/sin tables, computed on the host (and grown on demand) for every device
-        self._rope_tables: dict[tuple, RopeTable] = {}
-        self._rope_positions = 256  # positions the rope tables cover
-
-    def bind(self, op: str, nodes: list[Node]) -> Call:
-        """``nodes[0]`` (a run of ``split`` nodes of one value: all of them) as one call."""
-        impl = self.OP_TABLE.get(op)
-        if impl is None:
-            raise NotImplementedError(f"the {self.device.name} device has no kernel for op '{op}'")
-        return impl(self, nodes if op == "split" else nodes[0])
-
-    def prepare_matmul(
-        self, raw: object, ggml_type: int, shape: tuple[int, int], **how: object
-    ) -> object:
-        """A matmul weight for this graph (the CPU adds its shared activation scratch)."""
-        return self.device.matmul(raw, ggml_type, shape, **how)
-
-    @abstractmethod
-    def reserve(self, rows: int, widest: int) -> None:
-        """Size per-step scratch for ``rows`` tokens of matmul inputs up to ``widest``
-        (before binding)."""
-
-    @abstractmethod
-    def begin_bind(self) -> None:
-        """Binding of every node starts (again)."""
-
-    @abstractmethod
-    def end_bind(self) -> None:
-        """Every node is bound."""
-
-    def rope_table(self, node: Node) -> RopeTable:
-        """The cos/sin table of a rope node's settings, covering the positions bound for."""
-        from dynalm.core.cpu_ops import RopeTable
-
-        a, w = node.attrs, [wt.name for wt in node.weights]
-        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None)
-        if key not in self._rope_tables:
-            factors = self.ex.prepare(w[0], "vector") if w else None
-            self._rope_tables[key] = RopeTable(a["rope_dim"], a["base"], a["scale"], factors)
-        table = self._rope_tables[key]
-        table.ensure(self._rope_positions)
-        return table
-
-    def cover_positions(self, need: int) -> bool:
-        """Positions up to ``need`` come next; True when that needs binding again (the
-        kernels hold the rope tables' addresses)."""
-        if need > self._rope_positions and self._rope_tables:
-            self._rope_positions = max(need, 2 * self._rope_positions)
-            return True
-        return False
-
-    @abstractmethod
-    def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
-        """A step over ``batch`` starts (the attention layout)."""
-
-    @abstractmethod
-    def resize(self, n_tokens: int, n_logits: int) -> None:
-        """The step shape changed (the kernels' row counts)."""
-
-    @abstractmethod
-    def submission(self, calls: list[Call]) -> list[Call]:
-        """The step's calls as few submissions as the device can (kernels lowered first)."""
-
-    def end_step(self) -> None:  # noqa: B027 - nothing to do where the host holds them
-        """The step's calls have run: its logits must be readable on the host when this
-        returns (a GPU copies them back)."""
 
 
 class CpuDevice(Device):
@@ -340,11 +248,6 @@ class CpuDevice(Device):
         from dynalm.core.kv_storage import HostKVStorage
 
         return HostKVStorage(geometry)
-
-    def lowering(self, executor: Executor) -> Lowering:
-        from dynalm.core.cpu_lowering import CpuLowering
-
-        return CpuLowering(self, executor)
 
 
 def _mib(n: int) -> str:

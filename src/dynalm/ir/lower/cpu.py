@@ -1,4 +1,4 @@
-"""How the CPU device runs DynaIR ops: its op table and its step submission.
+"""How a graph's ops bind on the CPU device: its op table and its step submission.
 
 Each op binds to a zero-argument call over the executor's planned buffers: JIT kernels
 (``core.elementwise``, ``core.attention``, ``core.matmul``) bound to the buffers'
@@ -21,17 +21,15 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from dynalm.core import attention, cpu_ops, elementwise, pool
-from dynalm.core.device import Call, Lowering
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
-from dynalm.ir.graph import Node
+from dynalm.ir.graph import Graph, Node
+from dynalm.ir.lower.base import Binder, Buffers, Call, Prepare
 from dynalm.ir.ops import GATES
 from dynalm.kernel import backends
 
 if TYPE_CHECKING:
     from dynalm.core.device import CpuDevice
-    from dynalm.ir.executor import Executor
-
 
 
 class _Matmul:
@@ -58,13 +56,13 @@ class _Matmul:
         return calls + [r for kernel in self._after for r in kernel.records()]
 
 
-class CpuLowering(Lowering):
+class CpuBinder(Binder):
     """One graph's ops bound on a ``CpuDevice`` (see the module docstring)."""
 
     cached_rows = CACHED_ROWS
 
-    def __init__(self, device: CpuDevice, executor: Executor) -> None:
-        super().__init__(device, executor)
+    def __init__(self, device: CpuDevice, graph: Graph, prepare: Prepare) -> None:
+        super().__init__(device, graph, prepare)
         self._native = device.mode != "safe"
         self._backend = device.backend  # lowers the native kernels
         self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
@@ -75,8 +73,9 @@ class CpuLowering(Lowering):
     def reserve(self, rows: int, widest: int) -> None:
         self._scratch.reserve(rows, widest)  # before binding: programs hold its address
 
-    def begin_bind(self) -> None:
-        self._blocks = np.zeros((len(self.ex.graph.nodes), elementwise.MAX_WORDS), np.int64)
+    def begin_bind(self, buffers: Buffers) -> None:
+        super().begin_bind(buffers)
+        self._blocks = np.zeros((len(self.graph.nodes), elementwise.MAX_WORDS), np.int64)
         self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
 
     def end_bind(self) -> None:
@@ -93,29 +92,29 @@ class CpuLowering(Lowering):
         ``_blocks``, so that ``resize`` sets its count."""
         block = self._blocks[len(self._counted)]
         kernel = bind(*args, block=block, backend=self._backend)
-        self._counted.append((int(block[0]) // self.ex.capacity, rows))
+        self._counted.append((int(block[0]) // self.buffers.capacity, rows))
         return kernel
 
     def _add(self, out: int, x: int, y: int, rows: str) -> Call:
         """``out = x + y`` by value id."""
-        ex = self.ex
+        bufs = self.buffers
         if self._native:
-            full = ex.full
+            full = bufs.full
             return self._kernel(elementwise.add, full[out], full[x], full[y], rows=rows)
-        v, o, a, b = ex.views, ex.view_of[out], ex.view_of[x], ex.view_of[y]
+        v, o, a, b = bufs.views, bufs.view_of[out], bufs.view_of[x], bufs.view_of[y]
         return lambda: np.add(v[a], v[b], out=v[o])
 
     def _operands(self, node: Node) -> tuple:
         """views, full buffers, operand view indices, output view index, output buffer,
         operand buffers, row symbol, weight names."""
-        ex = self.ex
-        args = [ex.view_of[x.id] for x in node.args]
-        out, ins = ex.full[node.out.id], [ex.full[x.id] for x in node.args]
+        bufs = self.buffers
+        args = [bufs.view_of[x.id] for x in node.args]
+        out, ins = bufs.full[node.out.id], [bufs.full[x.id] for x in node.args]
         rows = str(node.out.type.shape[0])
         return (
-            ex.views,
+            bufs.views,
             args,
-            ex.view_of[node.out.id],
+            bufs.view_of[node.out.id],
             out,
             ins,
             rows,
@@ -125,16 +124,16 @@ class CpuLowering(Lowering):
     # The op table: each op of ``ir/ops.py`` -> the method that binds it.
     def _embed(self, node: Node) -> Call:
         v, args, o, *_, w = self._operands(node)
-        lookup = self.ex.prepare(w[0], "embedding")
+        lookup = self.prepare(w[0], "embedding")
         return lambda: lookup(v[args[0]], v[o])
 
     def _matmul(self, node: Node) -> Call:
         v, args, o, out, ins, rows, w = self._operands(node)
-        mm = self.ex.prepare(w[0], "matmul")
+        mm = self.prepare(w[0], "matmul")
         x = args[0]
         after = []
         if len(w) > 1:
-            bias = self.ex.prepare(w[1], "vector")
+            bias = self.prepare(w[1], "vector")
             after.append(lambda: np.add(v[o], bias, out=v[o]))
         if node.op == "matmul_add":  # the fused residual: out += x_residual
             after.append(self._add(node.out.id, node.out.id, node.args[1].id, rows))
@@ -153,7 +152,7 @@ class CpuLowering(Lowering):
     def _norm(self, node: Node) -> Call:
         v, args, o, out, ins, rows, w = self._operands(node)
         a = node.attrs
-        weight = self.ex.prepare(w[0], "vector")
+        weight = self.prepare(w[0], "vector")
         if self._native:
             width = a.get("head_dim", out.shape[1])  # a head norm is a norm of head rows
             x, y = ins[0].reshape(-1, width), out.reshape(-1, width)
@@ -175,7 +174,7 @@ class CpuLowering(Lowering):
     def _attention(self, node: Node) -> Call:
         v, (q, k, vv), o, out, ins, *_ = self._operands(node)
         a = node.attrs
-        pos = self.ex.view_of[self.ex.graph.inputs["positions"].id]
+        pos = self.buffers.view_of[self.graph.inputs["positions"].id]
         layer, n_kv, head_dim = a["layer"], a["n_kv_heads"], a["head_dim"]
         if self._native and attention.supported(head_dim, "f32"):
             geometry = (a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
@@ -223,17 +222,15 @@ class CpuLowering(Lowering):
 
     def _gather_cols(self, node: Node) -> Call:
         v, args, o, *_, w = self._operands(node)
-        weights = self.ex.weights
-        index = weights.raw(w[0]).view(np.int32).copy()  # a small index, owned
-        weights.release(w[0])
+        index = self.prepare(w[0], "index")
         return lambda: np.take(v[args[0]], index, axis=1, out=v[o])
 
     def _split(self, nodes: list[Node]) -> Call:
         """Copy column ranges of one value into the planned outputs of ``split`` nodes."""
-        ex = self.ex
-        v, src = ex.views, ex.view_of[nodes[0].args[0].id]
+        bufs = self.buffers
+        v, src = bufs.views, bufs.view_of[nodes[0].args[0].id]
         pieces = tuple(
-            (ex.view_of[n.out.id], n.attrs["start"], n.attrs["start"] + n.out.type.row_width)
+            (bufs.view_of[n.out.id], n.attrs["start"], n.attrs["start"] + n.out.type.row_width)
             for n in nodes
         )
 
