@@ -46,7 +46,7 @@ else:  # revisions that compiled one module at a time, in _Engine.compile
             compiles.append(time.perf_counter() - t0)
         return out
     jit._Engine.compile = timed
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime.generator import Generator
 from dynalm.runtime.sampling import SamplingParams

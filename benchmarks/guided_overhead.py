@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime import engine as engine_module
 from dynalm.runtime.engine import Engine, EngineConfig

@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.generator import Generator

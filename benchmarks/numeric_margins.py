@@ -25,7 +25,7 @@ def measure(model_path: str) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import numpy as np
 
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.cpu_device import CpuDevice
     from dynalm.models.loader import load_model
     from dynalm.runtime.generator import Generator
     from tolerances import forward_bound, logit_scale

@@ -76,7 +76,7 @@ TEXT = (
 
 def real_logits(path: str) -> np.ndarray:
     """The model's logits at every position of ``TEXT``, [positions, vocab]."""
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.cpu_device import CpuDevice
     from dynalm.models.loader import load_model
     from dynalm.runtime.generator import Generator
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
 from dynalm.runtime.sampling import SamplingParams

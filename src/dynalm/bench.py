@@ -419,7 +419,7 @@ def bench_command(
     import importlib.util
     import json
 
-    from dynalm.core.device import select_device
+    from dynalm.core.devices import select_device
     from dynalm.models.loader import load_model
 
     if vs not in (None, "llama.cpp"):

@@ -251,7 +251,7 @@ def _device(
 ) -> Device:
     """The device for --backend/--cpu/--gpu, --mode and --threads: a GPU only if it holds
     ``model`` run with ``config`` (its memory plan)."""
-    from dynalm.core.device import select_device
+    from dynalm.core.devices import select_device
     from dynalm.runtime.memory_plan import plan_memory
 
     need = lambda m: plan_memory(model, config, m).device_bytes  # noqa: E731

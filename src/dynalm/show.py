@@ -5,7 +5,9 @@ from __future__ import annotations
 import platform
 from collections import Counter
 
-from dynalm.core.device import MODES, CpuDevice, describe_devices, physical_cores
+from dynalm.core.cpu_device import CpuDevice, physical_cores
+from dynalm.core.device import MODES
+from dynalm.core.devices import describe_devices
 from dynalm.core.quant import QUANT_FORMATS, tensor_type_name
 from dynalm.ir.ops import OPS
 from dynalm.kernel import backends, jit

@@ -28,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import DynaError
 from dynalm.models.loader import load_model
 from dynalm.runtime.generator import Generator

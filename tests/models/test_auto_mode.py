@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from test_smollm2_fidelity import _dynalm_logits, _log_softmax, prompts  # noqa: F401
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
 
 

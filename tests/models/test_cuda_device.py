@@ -16,10 +16,10 @@ import pytest
 from test_engine import GREEDY, encode, run, tokens
 
 from cuda_emulator import ILLEGAL_ADDRESS, INVALID_PTX, EmulatedLibcuda
-from dynalm.core import cuda_driver
-from dynalm.core import device as devices
+from dynalm.core import cuda_driver, devices
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.cuda_device import CudaDevice, CudaKVStorage
-from dynalm.core.device import CpuDevice, select_device
+from dynalm.core.devices import select_device
 from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.ir.executor import Executor

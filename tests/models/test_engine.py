@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput

@@ -28,7 +28,7 @@ from tiny_models import (
 )
 from transformers import PreTrainedModel
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.generator import Generator
 from tolerances import forward_bound, logit_scale

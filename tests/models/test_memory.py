@@ -19,7 +19,7 @@ import pytest
 from big_vocab import write_big_vocab_gguf
 from test_cli import dynalm
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.sampling import SamplingParams

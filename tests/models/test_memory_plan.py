@@ -12,7 +12,7 @@ import pytest
 from test_cli import assert_one_line_error, dynalm
 from test_memory import resident_bytes_of
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime import memory_plan
 from dynalm.runtime.engine import Engine, EngineConfig
@@ -24,7 +24,7 @@ from dynalm.runtime.memory_plan import Available, NotEnoughMemory, plan_memory
 # libraries' pages (memory_plan.peak_rss).
 CHILD = """
 import json, sys
-from dynalm.core.device import select_device
+from dynalm.core.devices import select_device
 from dynalm.models.loader import load_model
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.memory_plan import peak_rss, plan_memory

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig
 from dynalm.runtime.perplexity import perplexity

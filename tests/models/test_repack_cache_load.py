@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.matmul import QuantMatmul
 from dynalm.models import loader
 from dynalm.models.loader import load_model

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from test_auto_mode import auto_vs_exact
 from test_smollm2_fidelity import CONTINUATION, prompts  # noqa: F401
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.quant import dequantize
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.generator import Generator

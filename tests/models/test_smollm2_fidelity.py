@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.generator import Generator
 from dynalm.runtime.sampling import SamplingParams

@@ -9,7 +9,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.kernel import backends, jit
 from dynalm.models.loader import load_model
 from dynalm.runtime.generator import Generator

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.asgi import MAX_BODY_BYTES
 from dynalm.runtime.engine import Engine, EngineConfig

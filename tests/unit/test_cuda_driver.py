@@ -8,7 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from dynalm.core import cuda_driver
+from dynalm.core import cuda_driver, devices
 from dynalm.kernel import nvptx
 
 ERRORS = {
@@ -53,8 +53,10 @@ class FakeLibcuda:
 def test_probe_without_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_driver, "LIBRARY", "libcuda-not-here.so.1")
     assert cuda_driver.probe() == "libcuda-not-here.so.1 not found (no NVIDIA driver)"
-    # the NVPTX backend reports the same reason as why it cannot run here
-    assert nvptx.NVPTX.missing() == ["libcuda-not-here.so.1 not found (no NVIDIA driver)"]
+    # device discovery reports it as why the CUDA kind is unavailable
+    cuda = next(kind for kind in devices.GPU_KINDS if kind.name == "cuda")
+    assert cuda.unavailable() == "libcuda-not-here.so.1 not found (no NVIDIA driver)"
+    # the NVPTX backend's code never runs on the host (the kernel layer probes no driver)
     assert nvptx.NVPTX.capabilities()["runs_here"] is False
 
 

@@ -9,8 +9,9 @@ import logging
 import numpy as np
 import pytest
 
-from dynalm.core import device as devices
-from dynalm.core.device import CpuDevice, DeviceKind, select_device
+from dynalm.core import devices
+from dynalm.core.cpu_device import CpuDevice
+from dynalm.core.devices import DeviceKind, select_device
 from dynalm.core.kv_storage import HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable
 from dynalm.ir.lower.cpu import CpuBinder
@@ -35,7 +36,7 @@ def test_an_op_missing_from_a_device_table_is_named():
 
 
 def test_auto_falls_back_to_the_cpu_with_the_reason(caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.INFO, logger="dynalm.core.device"):
+    with caplog.at_level(logging.INFO, logger="dynalm.core.devices"):
         device = select_device("auto", "safe", 1)
     assert device.name == "cpu"
     cuda = devices.GPU_KINDS[0]
@@ -75,7 +76,7 @@ def test_auto_leaves_a_gpu_too_small_for_the_model(
 ):
     asked = []
     need = lambda mode: asked.append(mode) or 2048 * MIB  # noqa: E731
-    with caplog.at_level(logging.INFO, logger="dynalm.core.device"):
+    with caplog.at_level(logging.INFO, logger="dynalm.core.devices"):
         assert select_device("auto", "exact", 1, need=need).name == "cpu"
     assert asked == ["exact"]  # the plan of the mode asked for
     assert "needs 2048 MiB of device memory" in caplog.text and "has 1024 MiB" in caplog.text

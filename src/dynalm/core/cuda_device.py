@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynalm.core import cuda_driver, elementwise, quant
+from dynalm.core.cpu_device import CpuDevice, physical_cores
 from dynalm.core.cuda_driver import DeviceArray
-from dynalm.core.device import MODES, CpuDevice, Device, physical_cores
+from dynalm.core.device import MODES, Device
 from dynalm.core.kv_storage import PAGE_ARRAYS, KVGeometry
 from dynalm.core.matmul import QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest

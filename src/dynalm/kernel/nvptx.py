@@ -112,22 +112,12 @@ class NvptxBackend(Backend):
     ptx_features: str = PTX_FEATURES
 
     def capabilities(self) -> dict[str, object]:
-        missing = self.missing()
-        return {
-            "backend": self.name,
-            "fp32_lanes": self.lanes,
-            "int8_dot": self.int8_dot,
-            "target": f"{TRIPLE} {self.sm} {self.ptx_features}",
-            "native": True,
-            "runs_here": not missing,
-            "missing": missing,
-        }
+        return {**super().capabilities(), "target": f"{TRIPLE} {self.sm} {self.ptx_features}"}
 
     def missing(self) -> list[str]:
-        from dynalm.core import cuda_driver  # core binds kernels; kernel needs it only here
-
-        reason = cuda_driver.probe()
-        return [reason] if reason else []
+        """Its code runs on a CUDA device, never on the host's CPU (whether this machine has
+        one is the device layer's probe: ``core.devices``)."""
+        return ["a CUDA device (PTX runs on the GPU, not the host)"]
 
     def twin(self) -> Backend:
         """The CPU program at the same width and int32 sums (``dp4a``'s exact sums)."""

@@ -68,7 +68,7 @@ def weight_bytes(graph: Graph, mode: str) -> int:
     docstring), from the graph's weight types alone: no weight is read."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.cpu_device import CpuDevice
 
     device_kernel = CpuDevice.matmul_kernel_for
     uses: dict[tuple[str, str], tuple[str, tuple[int, ...]]] = {}  # the executor's key

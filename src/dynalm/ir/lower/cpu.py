@@ -29,7 +29,7 @@ from dynalm.ir.ops import GATES
 from dynalm.kernel import backends
 
 if TYPE_CHECKING:
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.cpu_device import CpuDevice
 
 
 class _Matmul:
