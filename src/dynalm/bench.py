@@ -420,6 +420,7 @@ def bench_command(
     import json
 
     from dynalm.core.devices import select_device
+    from dynalm.ir.lower import unsupported
     from dynalm.models.loader import load_model
 
     if vs not in (None, "llama.cpp"):
@@ -436,8 +437,13 @@ def bench_command(
     t0 = time.perf_counter()
     model = load_model(path)
     t1 = time.perf_counter()
-    need = lambda m: plan_memory(model, bench_config(ctx), m).device_bytes  # noqa: E731
-    device = select_device(backend, mode, threads, need)
+    device = select_device(
+        backend,
+        mode,
+        threads,
+        need=lambda device: plan_memory(model, bench_config(ctx), device).device_bytes,
+        unsupported=lambda device: unsupported(device, model.graph),
+    )
     n_vocab = model.hparams.n_vocab
     ours = DynaLMRunner(model, device, ctx)
     load = {  # binding repacks the weights, or maps them from the repack cache

@@ -150,13 +150,13 @@ def _context(ctx: int | None, model: LoadedModel) -> int:
     return ctx
 
 
-def _memory_plan(model: LoadedModel, config: EngineConfig, mode: str, verbose: bool) -> None:
+def _memory_plan(model: LoadedModel, config: EngineConfig, device: Device, verbose: bool) -> None:
     """With --verbose, the memory plan on stderr (the engine checks it either way, before
     anything large is allocated or read)."""
     if verbose:
         from dynalm.runtime.memory_plan import plan_memory
 
-        err.print(f"[dim]{escape(plan_memory(model, config, mode).line())}[/]")
+        err.print(f"[dim]{escape(plan_memory(model, config, device).line())}[/]")
 
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
@@ -252,10 +252,16 @@ def _device(
     """The device for --backend/--cpu/--gpu, --mode and --threads: a GPU only if it holds
     ``model`` run with ``config`` (its memory plan)."""
     from dynalm.core.devices import select_device
+    from dynalm.ir.lower import unsupported
     from dynalm.runtime.memory_plan import plan_memory
 
-    need = lambda m: plan_memory(model, config, m).device_bytes  # noqa: E731
-    return select_device(_backend(backend, cpu, gpu), mode.value, threads, need)
+    return select_device(
+        _backend(backend, cpu, gpu),
+        mode.value,
+        threads,
+        need=lambda device: plan_memory(model, config, device).device_bytes,
+        unsupported=lambda device: unsupported(device, model.graph),
+    )
 
 
 def _backend(backend: Backend, cpu: bool, gpu: bool) -> str:
@@ -339,6 +345,7 @@ def show(
             return
         if model is None:
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
+        from dynalm.core.cpu_device import CpuDevice
         from dynalm.models.loader import load_model
         from dynalm.runtime.engine import EngineConfig
         from dynalm.runtime.memory_plan import plan_memory
@@ -356,7 +363,8 @@ def show(
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=kv_cache_dtype.value,
         )
-        typer.echo(describe_model(loaded, plan_memory(loaded, config, mode.value)))
+        plan = plan_memory(loaded, config, CpuDevice(mode.value, threads=1))
+        typer.echo(describe_model(loaded, plan))
 
 
 @app.command()
@@ -527,7 +535,7 @@ def run(
         ctx = _context(ctx, loaded)
         config = generator_config(ctx, kv_dtype)
         device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        _memory_plan(loaded, config, device.mode, verbose)
+        _memory_plan(loaded, config, device, verbose)
         drafter = _drafter(draft, speculative, num_draft_tokens, loaded, device, ctx, 1)
         generator = Generator(loaded, device, ctx, kv_dtype, drafter, num_draft_tokens)
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
@@ -627,7 +635,7 @@ def serve(
             num_draft_tokens=num_draft_tokens,
         )
         device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        _memory_plan(loaded, config, device.mode, verbose)
+        _memory_plan(loaded, config, device, verbose)
         drafter = _drafter(
             draft, speculative, num_draft_tokens, loaded, device, config.ctx, max_num_seqs
         )

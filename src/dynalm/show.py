@@ -145,10 +145,11 @@ def _bucket_lines() -> list[str]:
 
 
 def _matmul_table() -> str:
-    """Per quant format and mode, the matmul the CPU device picks (as ``CpuDevice`` does)."""
+    """Per quant format and mode, the matmul the CPU device picks for a weight of 256
+    columns (``CpuDevice.matmul_kernel``)."""
     devices = {mode: CpuDevice(mode, threads=1) for mode in MODES}
     lines = [f"  {'matmul':<10}" + "".join(f"{mode:<14}" for mode in MODES)]
     for ggml_type, fmt in QUANT_FORMATS.items():
-        kernels = (devices[mode].matmul_kernel(ggml_type) for mode in MODES)
+        kernels = (devices[mode].matmul_kernel(ggml_type, (1, 256)).kind for mode in MODES)
         lines.append(f"  {fmt.name:<10}" + "".join(f"{k:<14}" for k in kernels))
     return "\n".join(line.rstrip() for line in lines)

@@ -29,10 +29,10 @@ def auto_vs_exact(loaded: LoadedModel, token_ids: list[list[int]]) -> tuple[floa
 
 def test_auto_uses_int8_kernels_only_where_validated() -> None:
     device = CpuDevice("auto")
-    assert device.matmul_kernel(GGMLQuantizationType.Q4_1) == "jit-auto"
-    assert device.matmul_kernel(GGMLQuantizationType.Q8_0) == "jit-auto"
+    assert device.matmul_kernel(GGMLQuantizationType.Q4_1, (576, 576)).kind == "jit-auto"
+    assert device.matmul_kernel(GGMLQuantizationType.Q8_0, (576, 576)).kind == "jit-auto"
     # All-Q4_0 SmolLM2 in int8 agrees with exact on 96 % of top-1 positions: exact.
-    assert device.matmul_kernel(GGMLQuantizationType.Q4_0) == "jit-exact"
+    assert device.matmul_kernel(GGMLQuantizationType.Q4_0, (576, 576)).kind == "jit-exact"
 
 
 def test_auto_close_to_exact(model: LoadedModel, prompts: list[list[int]]) -> None:  # noqa: F811

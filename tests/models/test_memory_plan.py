@@ -34,7 +34,7 @@ path, mode, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = load_model(path)
 device = select_device("cpu", mode, None)
 config = EngineConfig(ctx=ctx, max_num_seqs=1, max_num_batched_tokens=512)
-plan = plan_memory(model, config, device.mode)
+plan = plan_memory(model, config, device)
 engine = Engine(model, device, config)
 ids = [(i * 7919) % (model.hparams.n_vocab - 100) + 100 for i in range(ctx - 8)]
 params = SamplingParams(max_tokens=8, temperature=0).validate()
@@ -76,14 +76,14 @@ def test_kv_figure_is_the_engines_pool(smollm2_gguf: Path) -> None:
 def test_not_enough_memory_is_refused_before_loading(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = load_model(smollm2_gguf.resolve())
+    model, auto = load_model(smollm2_gguf.resolve()), CpuDevice("auto")
     config = EngineConfig(ctx=8192, max_num_seqs=16)
-    plan = plan_memory(model, config, "auto")
+    plan = plan_memory(model, config, auto)
     # room for everything but half the KV pool: fewer sequences, a shorter context or q8_0
     room = plan.need - plan.kv // 2
     monkeypatch.setattr(memory_plan, "available_memory", lambda: Available(room, "test cgroup"))
     with pytest.raises(NotEnoughMemory) as e:
-        Engine(model, CpuDevice("auto"), config)
+        Engine(model, auto, config)
     message = str(e.value)
     assert "\n" not in message and message.startswith("not enough memory: memory plan ")
     assert "(test cgroup)" in message and "short by " in message
@@ -92,17 +92,17 @@ def test_not_enough_memory_is_refused_before_loading(
     advice = message.split("; try ")[1].split(" or ")
     assert [a.split()[0] for a in advice] == ["--ctx", "--max-num-seqs"]
     ctx, seqs = (int(a.split()[1]) for a in advice)  # each the most that fits, alone
-    assert plan_memory(model, EngineConfig(ctx=ctx, max_num_seqs=16), "auto").fits
-    assert not plan_memory(model, EngineConfig(ctx=ctx + 16, max_num_seqs=16), "auto").fits
-    assert plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs), "auto").fits
-    assert not plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs + 1), "auto").fits
+    assert plan_memory(model, EngineConfig(ctx=ctx, max_num_seqs=16), auto).fits
+    assert not plan_memory(model, EngineConfig(ctx=ctx + 16, max_num_seqs=16), auto).fits
+    assert plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs), auto).fits
+    assert not plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs + 1), auto).fits
     # under the cap, q8_0 halves the pool
     config = EngineConfig(ctx=4096, max_num_seqs=8)
-    plan = plan_memory(model, config, "auto")
+    plan = plan_memory(model, config, auto)
     room = plan.need - plan.kv // 3
     monkeypatch.setattr(memory_plan, "available_memory", lambda: Available(room, "test cgroup"))
     with pytest.raises(NotEnoughMemory, match=r"or --kv-cache-dtype q8_0$"):
-        plan_memory(model, config, "auto").check()
+        plan_memory(model, config, auto).check()
     # nothing large was read: the weights were never touched (the metadata's pages, mapped
     # in up to 2 MiB at a time where a freshly written file sits in large folios)
     resident = resident_bytes_of(smollm2_gguf.resolve())
@@ -110,9 +110,9 @@ def test_not_enough_memory_is_refused_before_loading(
 
     monkeypatch.setattr(memory_plan, "available_memory", lambda: Available(1 << 20, "tiny"))
     with pytest.raises(NotEnoughMemory, match="the weights alone do not fit"):
-        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), "auto").check()
+        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), auto).check()
     with pytest.raises(NotEnoughMemory, match=r"try --mode auto"):
-        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), "safe").check()
+        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), CpuDevice("safe")).check()
 
 
 def test_available_memory_reads_this_machine() -> None:

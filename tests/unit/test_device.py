@@ -64,18 +64,18 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> DeviceKind:
 
 
 def test_auto_takes_a_gpu_that_holds_the_model(fake_gpu: DeviceKind):
-    assert select_device("auto", "exact", 1, need=lambda mode: 512 * MIB).name == "fake"
-    assert select_device("gpu", "exact", 1, need=lambda mode: 512 * MIB).name == "fake"
-    assert select_device("cpu", "exact", 1, need=lambda mode: 512 * MIB).name == "cpu"
+    assert select_device("auto", "exact", 1, need=lambda device: 512 * MIB).name == "fake"
+    assert select_device("gpu", "exact", 1, need=lambda device: 512 * MIB).name == "fake"
+    assert select_device("cpu", "exact", 1, need=lambda device: 512 * MIB).name == "cpu"
     # safe is the CPU's fp32 numpy reference: never a GPU's
-    assert select_device("auto", "safe", 1, need=lambda mode: 512 * MIB).name == "cpu"
+    assert select_device("auto", "safe", 1, need=lambda device: 512 * MIB).name == "cpu"
 
 
 def test_auto_leaves_a_gpu_too_small_for_the_model(
     fake_gpu: DeviceKind, caplog: pytest.LogCaptureFixture
 ):
     asked = []
-    need = lambda mode: asked.append(mode) or 2048 * MIB  # noqa: E731
+    need = lambda device: asked.append(device.mode) or 2048 * MIB  # noqa: E731
     with caplog.at_level(logging.INFO, logger="dynalm.core.devices"):
         assert select_device("auto", "exact", 1, need=need).name == "cpu"
     assert asked == ["exact"]  # the plan of the mode asked for

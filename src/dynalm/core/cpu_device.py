@@ -13,13 +13,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from dynalm.core import quant
-from dynalm.core.device import MODES, Device
+from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.matmul import AUTO_VALIDATED, ActivationScratch, QuantMatmul
 from dynalm.errors import InvalidRequest
 from dynalm.kernel import backends
+from dynalm.kernel.formats import QK, UNPACKS
 
 if TYPE_CHECKING:
     from dynalm.core.kv_storage import KVGeometry, KVStorage
@@ -88,20 +89,34 @@ class CpuDevice(Device):
         """A small weight (norm scale, bias) as fp32."""
         return quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
 
-    def matmul_kernel(self, ggml_type: int) -> str:
-        """Which matmul serves a weight type in this mode (see ``matmul_kernel_for``)."""
-        return self.matmul_kernel_for(self.mode, ggml_type)
+    def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:
+        """"numpy" (fp32 weights, dequantised at load), "jit-exact" / "jit-auto"
+        (``QuantMatmul``: repacked into its planes, the format's block bytes per 32 values) or
+        "tiled" (the file's blocks, dequantised per row tile for BLAS: formats without a JIT
+        kernel yet, or rows not a multiple of 32 values)."""
+        n_rows, n_cols = shape
+        n = n_rows * n_cols
+        if self.mode == "safe" or ggml_type == GGMLQuantizationType.F32:
+            return MatmulKernel("numpy", 4 * n)
+        if n_cols % QK == 0:
+            # auto takes the int8 kernels only where tests/models/test_auto_mode.py validated
+            if self.mode == "auto" and ggml_type in AUTO_VALIDATED:
+                return MatmulKernel("jit-auto", n // QK * UNPACKS[ggml_type].block_bytes)
+            if QuantMatmul.supported(ggml_type, "exact"):
+                return MatmulKernel("jit-exact", n // QK * UNPACKS[ggml_type].block_bytes)
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        return MatmulKernel("tiled", n // block * size)  # resident once read
 
-    @staticmethod
-    def matmul_kernel_for(mode: str, ggml_type: int) -> str:
-        """Which matmul serves a weight type in ``mode``: "numpy" (fp32 weights),
-        "jit-exact" / "jit-auto" (``QuantMatmul``) or "tiled" (dequantised row tiles + BLAS)."""
-        if mode == "safe" or ggml_type == GGMLQuantizationType.F32:
-            return "numpy"
-        # auto takes the int8 kernels only where tests/models/test_auto_mode.py validated them.
-        if mode == "auto" and ggml_type in AUTO_VALIDATED:
-            return "jit-auto"
-        return "jit-exact" if QuantMatmul.supported(ggml_type, "exact") else "tiled"
+    def prepared_bytes(self, ggml_type: int, shape: tuple[int, ...], use: str) -> int:
+        n = int(np.prod(shape))
+        if use == "matmul":
+            return self.matmul_kernel(ggml_type, shape).nbytes  # type: ignore[arg-type]
+        if use == "embedding":  # rows read from the file per step (safe: dequantised)
+            return 4 * n if self.mode == "safe" else 0
+        return 4 * n  # a vector in fp32, an index in int32
+
+    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+        return True  # every op has a kernel or its numpy reference, every format its matmul
 
     def matmul(
         self,
@@ -119,13 +134,13 @@ class CpuDevice(Device):
         the bytes lie, see ``kernel.repack_cache``) maps the repack cache's copy; it
         quantises activations in ``scratch`` (see ``QuantMatmul``)."""
         n_rows, n_cols = shape
-        kernel = self.matmul_kernel(ggml_type)
-        if not kernel.startswith("jit-") or n_cols % 32:
+        kernel = self.matmul_kernel(ggml_type, shape).kind
+        if not kernel.startswith("jit-"):
             raw = raw() if callable(raw) else raw
         if kernel == "numpy":
             dense = quant.dequantize(raw, ggml_type, n_cols)
             return lambda x, out: np.matmul(x, dense.T, out=out)
-        if kernel.startswith("jit-") and n_cols % 32 == 0:
+        if kernel.startswith("jit-"):
             t0 = time.perf_counter()
             mm = QuantMatmul(
                 raw,

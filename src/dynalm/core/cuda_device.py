@@ -27,13 +27,13 @@ import numpy as np
 from dynalm.core import cuda_driver, elementwise, quant
 from dynalm.core.cpu_device import CpuDevice, physical_cores
 from dynalm.core.cuda_driver import DeviceArray
-from dynalm.core.device import MODES, Device
+from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.kv_storage import PAGE_ARRAYS, KVGeometry
 from dynalm.core.matmul import QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.kernel import layouts, nvptx
 from dynalm.kernel.backends import Program, Spec
-from dynalm.kernel.formats import QK, UNPACKS
+from dynalm.kernel.formats import UNPACKS
 from dynalm.kernel.matmul import MatmulKernels
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the PTX targets sm_80 (kernel.nvptx.SM)
@@ -79,7 +79,9 @@ class CudaDevice(Device):
         self.mode = mode
         self.threads = threads or physical_cores()  # host threads (repacking weights)
         self.backend = nvptx.NVPTX
-        self._host = CpuDevice("exact", 1)  # looks up embedding rows on the host
+        # the host's view of the same kernels: embedding rows looked up, which matmul a weight
+        # gets and the bytes it takes
+        self._host = CpuDevice(mode, 1)
         self._mirrors: dict[int, tuple[int, DeviceArray]] = {}  # host address -> (bytes, copy)
         self._modules: dict[tuple, cuda_driver.Module] = {}
         self._functions: dict[tuple, tuple[object, nvptx.Entry]] = {}
@@ -144,6 +146,22 @@ class CudaDevice(Device):
         copy, offset = self.device_view(view)
         return copy.ptr + offset
 
+    # -- what it runs and holds ---------------------------------------------------
+    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+        """Whether this device's kernel for ``op`` takes these weights: a matmul needs a JIT
+        kernel of its format (rows of whole 32-value blocks) and no bias. (The ops it has
+        kernels for at all are its binder's table, ``ir.lower.cuda``.)"""
+        if op in ("matmul", "matmul_add"):
+            (ggml_type, shape), *bias = weights
+            return not bias and self.matmul_kernel(ggml_type, shape).kind.startswith("jit-")  # type: ignore[arg-type]
+        return True
+
+    def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:
+        return self._host.matmul_kernel(ggml_type, shape)
+
+    def prepared_bytes(self, ggml_type: int, shape: tuple[int, ...], use: str) -> int:
+        return self._host.prepared_bytes(ggml_type, shape, use)  # embedding rows: on the host
+
     # -- weights -------------------------------------------------------------------
     def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
         dense = quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
@@ -164,8 +182,8 @@ class CudaDevice(Device):
         **_: object,
     ) -> CudaMatmul:
         n_rows, n_cols = shape
-        kernel = CpuDevice.matmul_kernel_for(self.mode, ggml_type)
-        if not kernel.startswith("jit-") or n_cols % QK:
+        kernel = self.matmul_kernel(ggml_type, shape).kind
+        if not kernel.startswith("jit-"):
             raise InvalidRequest(
                 f"the CUDA preview has no matmul kernel for {quant.ggml_type_name(ggml_type)} "
                 f"weights [{n_rows}, {n_cols}]; run this model with --cpu"

@@ -10,6 +10,7 @@ a device's kernels). The devices: ``cpu_device.CpuDevice``, ``cuda_device.CudaDe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -18,6 +19,14 @@ if TYPE_CHECKING:
     from dynalm.core.kv_storage import KVGeometry, KVStorage
 
 MODES = ("auto", "exact", "safe")
+
+
+@dataclass(frozen=True)
+class MatmulKernel:
+    """The matmul a weight gets on a device, and the bytes the device holds for it."""
+
+    kind: str  # the device's name for it, e.g. "jit-auto"
+    nbytes: int
 
 
 class Device(ABC):
@@ -37,6 +46,21 @@ class Device(ABC):
     @abstractmethod
     def describe(self) -> str:
         """One line for --verbose: the device and how it runs kernels."""
+
+    # -- what it can run, and what it holds: asked before any weight is read
+    @abstractmethod
+    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+        """Whether this device has a kernel for ``op`` of the IR (``ir/ops.py``) over weights
+        of these (ggml type, shape)."""
+
+    @abstractmethod
+    def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:
+        """The matmul a weight ``[N, K]`` of ``ggml_type`` gets here, and its bytes."""
+
+    @abstractmethod
+    def prepared_bytes(self, ggml_type: int, shape: tuple[int, ...], use: str) -> int:
+        """Bytes this device holds for a weight prepared for ``use`` (matmul, embedding,
+        vector, index): what the memory plan counts."""
 
     # -- weights: each prepared once, for this device
     @abstractmethod

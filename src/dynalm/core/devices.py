@@ -90,12 +90,15 @@ def select_device(
     backend: str = "auto",
     mode: str = "auto",
     threads: int | None = None,
-    need: Callable[[str], int] | None = None,
+    need: Callable[[Device], int] | None = None,
+    unsupported: Callable[[Device], str | None] | None = None,
 ) -> Device:
-    """The device for ``--backend``: ``cpu``; ``gpu``: the first GPU kind available here that
-    holds the model (``need(mode)``: the bytes of device memory the memory plan asks for),
-    else ``DeviceUnavailable`` with the reasons; ``auto``: that GPU, else the CPU (the
-    reasons logged, shown with --verbose)."""
+    """The device for ``--backend``: ``cpu``; ``gpu``: the first GPU kind available here
+    whose device starts (and passes its self-check), can run the model (``unsupported``:
+    None, or why not: an op or weight its kernels do not take) and holds it (``need``: the
+    bytes of device memory its memory plan asks for), else ``DeviceUnavailable`` with the
+    reasons; ``auto``: that GPU, else the CPU (the reasons logged, shown with --verbose).
+    Both questions are asked before any weight is read."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     if backend == "cpu":
@@ -105,8 +108,6 @@ def select_device(
         reason = kind.unavailable()
         if reason is None and mode == "safe":
             reason = "--mode safe is the CPU's fp32 numpy reference"
-        if reason is None and need is not None:
-            reason = kind.too_small(need(mode))
         if reason is None:
             assert kind.create is not None  # unavailable() says so otherwise
             try:
@@ -114,8 +115,12 @@ def select_device(
             except DeviceUnavailable as e:  # it failed to start or its self-check
                 reasons.append(f"{kind.name}: {e}")
                 continue
-            log.info("backend %s: using %s", backend, kind.label)
-            return device
+            reason = unsupported(device) if unsupported is not None else None
+            if reason is None and need is not None:
+                reason = kind.too_small(need(device))
+            if reason is None:
+                log.info("backend %s: using %s", backend, kind.label)
+                return device
         reasons.append(f"{kind.name}: {reason}")
     why = "; ".join(reasons)
     if backend == "gpu":

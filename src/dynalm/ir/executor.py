@@ -25,6 +25,7 @@ from dynalm.core.kv_storage import AttentionBatch
 from dynalm.ir.graph import Graph
 from dynalm.ir.lower import binder_class
 from dynalm.ir.lower.base import Buffers, Call
+from dynalm.ir.ops import OPS
 from dynalm.ir.planner import Plan, plan_buffers
 
 
@@ -65,7 +66,7 @@ class Executor:
 
     def _reserve(self, rows: int) -> None:
         self.capacity = rows
-        matmuls = (n for n in self.graph.nodes if n.op in ("matmul", "matmul_add"))
+        matmuls = (n for n in self.graph.nodes if OPS[n.op].kernel == "matmul")
         widest = max((n.args[0].type.row_width for n in matmuls), default=0)
         self.binder.reserve(rows, widest)
         self._buffers = [self.device.buffer(rows, w) for w in self.plan.slot_widths]

@@ -204,7 +204,7 @@ class Engine:
             if getattr(config, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(config, name)}")
         # Refused here, before the KV pool or any weight is touched, if it cannot fit.
-        self.memory_plan = plan_memory(model, config, device.mode).check()
+        self.memory_plan = plan_memory(model, config, device).check()
         n_tokens = self.memory_plan.kv_tokens
         self.model = model
         self.config = config

@@ -13,12 +13,10 @@
 
 ``plan_memory`` is the one entry point (``dynalm show``, ``run``/``serve`` with
 ``--verbose``, ``dynalm bench``'s budget, and ``Engine``, which refuses to start when the
-plan does not fit). ``tests/models/test_memory_plan.py`` holds it to within 10 % of the
-measured peak RSS of a run that fills its KV pool and its step buffers.
-
-A loader whose weights are not the graph's tensor types as they stand (e.g. a format
-repacked at load into other blocks) gives its own figure: a model object with a
-``weight_bytes(mode) -> int`` method is asked instead of the graph.
+plan does not fit). What a weight takes is the device's answer (``Device.prepared_bytes``,
+for the use the op table gives each weight slot). ``tests/models/test_memory_plan.py``
+holds it to within 10 % of the measured peak RSS of a run that fills its KV pool and its
+step buffers.
 """
 
 from __future__ import annotations
@@ -26,15 +24,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from dynalm.core.quant import tensor_type
 from dynalm.errors import DynaError
+from dynalm.ir.ops import OPS
 
 if TYPE_CHECKING:
+    from dynalm.core.device import Device
     from dynalm.ir.graph import Graph
     from dynalm.models.hparams import HParams
+    from dynalm.models.loader import LoadedModel
     from dynalm.runtime.engine import EngineConfig
 
 # The interpreter's and libraries' own memory (heap, not their code pages, which are page
@@ -46,62 +46,25 @@ RUNTIME_BYTES = 20 * 2**20
 # built: ~40 MB measured for SmolLM2's 49152 tokens.
 TOKENIZER_BYTES_PER_TOKEN = 800
 
-_MATMUL_OPS = ("matmul", "matmul_add")
-_EMBEDDING_OPS = ("embed",)
 
 
 class NotEnoughMemory(DynaError):
     """The memory plan does not fit the memory available."""
 
 
-class WeightBytes(Protocol):
-    def weight_bytes(self, mode: str) -> int:
-        """Bytes the device will hold for the model's weights in ``mode``."""
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
 
 
-def weight_bytes(graph: Graph, mode: str) -> int:
-    """Bytes of the weights as the CPU device prepares them for ``mode`` (see the module's
-    docstring), from the graph's weight types alone: no weight is read."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from dynalm.core.cpu_device import CpuDevice
-
-    device_kernel = CpuDevice.matmul_kernel_for
-    uses: dict[tuple[str, str], tuple[str, tuple[int, ...]]] = {}  # the executor's key
+def weight_bytes(graph: Graph, device: Device) -> int:
+    """Bytes of the weights as ``device`` prepares them, each for the uses its op table
+    slots give it (a tied table twice: a matmul's blocks and an embedding), from the graph's
+    weight types alone: no weight is read."""
+    uses: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {}  # the executor's key
     for node in graph.nodes:
-        for i, w in enumerate(node.weights):
-            use = (
-                "matmul"
-                if node.op in _MATMUL_OPS and i == 0
-                else "embedding"
-                if node.op in _EMBEDDING_OPS
-                else "vector"
-            )  # a tied table is prepared twice: a matmul's blocks and an embedding
-            uses[w.name, use] = (w.type.dtype, tuple(int(d) for d in w.type.shape))
-    total = 0
-    for (_, use), (dtype, shape) in uses.items():
-        n = int(np.prod(shape))
-        qtype = GGMLQuantizationType[dtype.upper()]
-        if mode == "safe" or use == "vector":
-            total += 4 * n
-        elif use == "embedding":
-            continue  # rows read from the file per step
-        else:
-            kernel = device_kernel(mode, qtype)
-            block, size = GGML_QUANT_SIZES[qtype]
-            if kernel.startswith("jit-") and shape[-1] % 32 == 0:
-                from dynalm.kernel.formats import UNPACKS
-
-                total += n // 32 * UNPACKS[qtype].block_bytes
-            elif kernel == "numpy":
-                total += 4 * n
-            else:  # tiled: the mapped file's blocks, resident once read
-                total += n // block * size
-    return total
+        for slot, w in zip(OPS[node.op].weights, node.weights, strict=False):
+            uses[w.name, slot.use] = (tensor_type(w.type.dtype), tuple(map(int, w.type.shape)))
+    return sum(device.prepared_bytes(t, shape, use) for (_, use), (t, shape) in uses.items())
 
 
 def kv_pool_size(hp: HParams, config: EngineConfig) -> tuple[int, int]:
@@ -139,7 +102,8 @@ def activation_bytes(graph: Graph, max_tokens: int) -> int:
 
     widths = plan_buffers(graph).slot_widths
     widest = max(
-        (n.args[0].type.row_width for n in graph.nodes if n.op in _MATMUL_OPS), default=0
+        (n.args[0].type.row_width for n in graph.nodes if OPS[n.op].kernel == "matmul"),
+        default=0,
     )
     scratch = max_tokens * widest * (1 + 12 / 32)  # int8 quants + 3 fp32 per 32-block
     return int(4 * max_tokens * sum(widths) + scratch)
@@ -350,14 +314,10 @@ def _advice(hp: HParams, config: EngineConfig, kv: int, short: int, mode: str) -
     return "the weights alone do not fit: use a smaller model or quantisation"
 
 
-def plan_memory(model: object, config: EngineConfig, mode: str) -> MemoryPlan:
-    """The memory plan of ``model`` (a ``LoadedModel``, or anything with ``graph`` and
-    ``hparams``, and optionally ``weight_bytes(mode)``) run with ``config`` in ``mode``."""
-    graph, hp = model.graph, model.hparams  # type: ignore[attr-defined]
-    if hasattr(model, "weight_bytes"):
-        weights = model.weight_bytes(mode)
-    else:
-        weights = weight_bytes(graph, mode)
+def plan_memory(model: LoadedModel, config: EngineConfig, device: Device) -> MemoryPlan:
+    """The memory plan of ``model`` run with ``config`` on ``device``."""
+    graph, hp, mode = model.graph, model.hparams, device.mode
+    weights = weight_bytes(graph, device)
     kv_tokens, kv = kv_pool_size(hp, config)
     runtime = RUNTIME_BYTES + TOKENIZER_BYTES_PER_TOKEN * hp.n_vocab
     plan = MemoryPlan(
