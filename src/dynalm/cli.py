@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from dynalm.core.kv_formats import KV_FORMATS
+
 if TYPE_CHECKING:
     from dynalm.core.device import Device
     from dynalm.models.loader import LoadedModel
@@ -178,17 +180,14 @@ CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
 GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
 
 
-class KVCacheDtype(str, Enum):
-    f16 = "f16"
-    f32 = "f32"
-    q8_0 = "q8_0"
+KVCacheDtype = Enum("KVCacheDtype", {name: name for name in KV_FORMATS}, type=str)  # type: ignore[misc]
 
 
 KVDtype = Annotated[
     KVCacheDtype,
     typer.Option(
-        help="KV cache dtype: f16 | f32 | q8_0 (half of f16's bytes per token; each running "
-        "sequence's last 32 tokens also kept in f16, for accuracy)"
+        help=f"KV cache dtype: {' | '.join(KV_FORMATS)} (q8_0: half of f16's bytes per token; "
+        "each running sequence's last 32 tokens also kept in f16, for accuracy)"
     ),
 ]
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from test_engine import chat
 
+from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine import Engine, EngineConfig, RequestOutput
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.kv_cache import kv_bytes_per_token
 from dynalm.runtime.metrics import ServerMetrics
 from dynalm.runtime.sampling import Sampler, SamplingParams
 from dynalm.runtime.speculative import (
@@ -94,7 +94,7 @@ def test_ngram_greedy_is_token_identical_under_preemption(model, device):
     config = {"ctx": 64, "kv_cache_dtype": "f16"}
     plain = Engine(model, device, EngineConfig(enable_prefix_caching=False, **config))
     want = [run(plain, [p], params)[0] for p in batch]
-    memory = 64 * kv_bytes_per_token(30, 3, 64, "f16")
+    memory = 64 * KV_FORMATS["f16"].token_bytes(30, 3, 64)
     # a fixed draft length: what the machine's step times would make the plan draft is not
     # what this test is about (a slow host drafts nothing once the first drafts miss)
     tight_config = EngineConfig(kv_cache_memory=memory, adaptive_draft=False, **config)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dynalm.core.kv_formats import kv_format
+from dynalm.core.kv_storage import hadamard
 from dynalm.errors import InvalidRequest
-from dynalm.runtime.kv_cache import PagePool, hadamard, kv_bytes_per_token
+from dynalm.runtime.kv_cache import PagePool
 from dynalm.runtime.radix_cache import RadixCache
 from dynalm.runtime.scheduler import KVCacheManager, Request
 
@@ -150,7 +152,7 @@ def test_q8_0_pages_round_trip_at_about_half_the_bytes_of_f16():
 def test_unknown_kv_dtype_is_refused_by_name() -> None:
     for make in (
         lambda: PagePool(1, 1, 32, 4, dtype="bogus"),
-        lambda: kv_bytes_per_token(1, 1, 32, "bogus"),
+        lambda: kv_format("bogus"),
     ):
         with pytest.raises(InvalidRequest, match="unknown KV cache dtype 'bogus'"):
             make()

@@ -45,7 +45,6 @@ from dynalm.kernel.attention import (
     FUNCTIONS,
     N_ARGS,
     N_STEP,
-    Q8_BLOCK,
     item_heads,
     supported,
 )
@@ -186,12 +185,12 @@ class PagedAttention:
         layer, (_, n_kv_heads, head_dim) = self._layer, self._geometry
         require(supported(head_dim, kv.dtype), f"no {kv.dtype} attention for heads of {head_dim}")
         require(0 <= layer < len(kv.k), f"layer {layer} of a KV pool of {len(kv.k)} layers")
-        store = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv.dtype]
+        store, block = kv.geometry.store, kv.geometry.format.scale_block
         head = (n_kv_heads, head_dim)
         slots = len(kv.k[layer])
         stores = {A_K: ("k", kv.k, store, head), A_V: ("v", kv.v, store, head)}
-        if kv.dtype == "q8_0":
-            scales = (n_kv_heads, head_dim // Q8_BLOCK)
+        if block:
+            scales = (n_kv_heads, head_dim // block)
             stores |= {A_KS: ("k_scale", kv.k_scale, np.float16, scales)}
             stores |= {A_VS: ("v_scale", kv.v_scale, np.float16, scales)}
         if kv.recent:

@@ -4,9 +4,10 @@ A page holds ``page_size`` tokens of keys and values for every layer. Sequences
 hold lists of page ids (page tables), never contiguous buffers, so pages can be
 shared between sequences (prefix sharing) and returned individually.
 
-Storage dtypes: ``f32``, ``f16``, and ``q8_0`` (int8 values with one f16 scale per
-32 values of a slot's kv head, like GGUF Q8_0: 34 bytes per 32 values, ~53 % of f16).
-Values are quantised on write and dequantised on read, one gather per sequence.
+Storage formats, one row each of ``core.kv_formats.KV_FORMATS``: ``f32``, ``f16``, and
+``q8_0`` (int8 values with one f16 scale per 32 values of a slot's kv head, like GGUF Q8_0:
+34 bytes per 32 values, ~53 % of f16). Values are quantised on write and dequantised on
+read, one gather per sequence.
 
 q8_0 keys are stored rotated, ``k @ H`` per 32-value block (``H`` the 32x32 Walsh-Hadamard
 matrix, QuaRot-style): a few outlier channels would otherwise set every block's scale and
@@ -15,7 +16,7 @@ Attention rotates the query the same way (``q @ H . k @ H = 32 q . k``), so scor
 inverse; ``read`` returns the keys un-rotated. This halves the logit error of q8_0 KV on
 SmolLM2; rotating the values too gained ~3 % more, not worth an inverse per output.
 
-A q8_0 pool also keeps each running sequence's last ``RECENT`` tokens in f16, in a *recent
+A q8_0 pool also keeps each running sequence's last ``RECENT`` (32) tokens in f16, in a *recent
 buffer* of its own (KIVI's full-precision residual): attention reads a query's keys and
 values within ``RECENT`` positions of it from there (or, for the step's own tokens, from the
 step's f32 keys rounded to f16), older ones from the q8_0 pages. Nearby tokens carry most of
@@ -36,42 +37,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynalm.core.kv_storage import Q8_BLOCK, RECENT, HostKVStorage, KVGeometry, hadamard
-from dynalm.errors import InvalidRequest, show
+from dynalm.core.kv_formats import kv_format
+from dynalm.core.kv_storage import HostKVStorage, KVGeometry
+from dynalm.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from dynalm.core.device import Device
     from dynalm.core.kv_storage import KVStorage
 
-__all__ = ["Q8_BLOCK", "RECENT", "hadamard", "PagePool", "OutOfPages"]
-
-KV_DTYPES = ("f32", "f16", "q8_0")
-
 
 class OutOfPages(Exception):
     """The pool has no free page left (the scheduler evicts, preempts or waits)."""
-
-
-def check_dtype(dtype: str) -> str:
-    if dtype not in KV_DTYPES:
-        raise InvalidRequest(
-            f"unknown KV cache dtype {show(dtype)} (choose from {', '.join(KV_DTYPES)})"
-        )
-    return dtype
-
-
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
-    """Bytes of keys + values one token takes in a pool of ``dtype``."""
-    check_dtype(dtype)
-    per_value = {"f32": 4.0, "f16": 2.0, "q8_0": 1.0 + 2.0 / Q8_BLOCK}[dtype]
-    return int(2 * n_layers * n_kv_heads * head_dim * per_value)
-
-
-def recent_bytes_per_seq(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
-    """Bytes of one running sequence's recent buffer (only q8_0 pools have them)."""
-    if dtype != "q8_0":
-        return 0
-    return RECENT * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, "f16")
 
 
 class PagePool:
@@ -92,9 +68,7 @@ class PagePool:
         n_seqs: int = 1,
         device: Device | None = None,
     ):
-        check_dtype(dtype)
-        if dtype == "q8_0" and head_dim % Q8_BLOCK:
-            raise InvalidRequest(f"q8_0 KV needs head_dim divisible by 32, got {head_dim}")
+        kv_format(dtype).check(head_dim)
         if n_pages < 1:
             raise InvalidRequest("the KV cache must hold at least one page")
         self.page_size = page_size

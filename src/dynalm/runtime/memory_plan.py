@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dynalm.core.kv_formats import KV_FORMATS, kv_format
 from dynalm.core.quant import tensor_type
 from dynalm.errors import DynaError
 from dynalm.ir.ops import OPS
@@ -72,12 +73,10 @@ def kv_pool_size(hp: HParams, config: EngineConfig) -> tuple[int, int]:
     ``max_num_seqs`` full contexts, capped at 2 GiB but never below one context; with
     ``kv_cache_memory``, what that budget holds after the recent buffers (q8_0)."""
     from dynalm.errors import InvalidRequest
-    from dynalm.runtime.kv_cache import kv_bytes_per_token, recent_bytes_per_seq
 
-    per_token = kv_bytes_per_token(hp.n_layers, hp.n_kv_heads, hp.head_dim, config.kv_cache_dtype)
-    buffers = config.max_num_seqs * recent_bytes_per_seq(
-        hp.n_layers, hp.n_kv_heads, hp.head_dim, config.kv_cache_dtype
-    )
+    fmt, shape = kv_format(config.kv_cache_dtype), (hp.n_layers, hp.n_kv_heads, hp.head_dim)
+    per_token = fmt.token_bytes(*shape)
+    buffers = config.max_num_seqs * fmt.recent_bytes(*shape)
     if config.kv_cache_memory is None:
         cap = DEFAULT_KV_CAP // per_token
         n_tokens = max(config.ctx, min(config.max_num_seqs * config.ctx, cap))
@@ -305,8 +304,9 @@ def _advice(hp: HParams, config: EngineConfig, kv: int, short: int, mode: str) -
     seqs = next((n for n in range(config.max_num_seqs - 1, 0, -1) if fits(max_num_seqs=n)), 0)
     if seqs:
         options.append(f"--max-num-seqs {seqs}")
-    if config.kv_cache_dtype != "q8_0" and fits(kv_cache_dtype="q8_0"):
-        options.append("--kv-cache-dtype q8_0")
+    smallest = min(KV_FORMATS.values(), key=lambda f: f.value_bytes).name
+    if config.kv_cache_dtype != smallest and fits(kv_cache_dtype=smallest):
+        options.append(f"--kv-cache-dtype {smallest}")
     if options:
         return "try " + " or ".join(options)
     if mode == "safe":
