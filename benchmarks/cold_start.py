@@ -49,7 +49,7 @@ else:  # revisions that compiled one module at a time, in _Engine.compile
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.sampling import SamplingParams
 t0 = time.perf_counter()
 gen = Generator(load_model(sys.argv[1]), CpuDevice(sys.argv[2]), ctx=512)
 list(gen.generate(list(range(1, 40)), SamplingParams(max_tokens=4, temperature=0)))

@@ -21,10 +21,10 @@ import numpy as np
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine import Engine, EngineConfig
+from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.registry import ModelStore
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.store.catalog import ModelStore
 
 PROMPTS = [
     "The Industrial Revolution changed how people",

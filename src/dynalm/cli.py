@@ -27,10 +27,10 @@ from dynalm.core.kv_formats import KV_FORMATS
 if TYPE_CHECKING:
     from dynalm.core.device import Device
     from dynalm.models.loader import LoadedModel
-    from dynalm.runtime.engine import EngineConfig
+    from dynalm.runtime.engine.engine import EngineConfig
+    from dynalm.runtime.engine.guided import Guide
+    from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
-    from dynalm.runtime.guided import Guide
-    from dynalm.runtime.sampling import SamplingParams
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
@@ -156,7 +156,7 @@ def _memory_plan(model: LoadedModel, config: EngineConfig, device: Device, verbo
     """With --verbose, the memory plan on stderr (the engine checks it either way, before
     anything large is allocated or read)."""
     if verbose:
-        from dynalm.runtime.memory_plan import plan_memory
+        from dynalm.runtime.engine.memory_plan import plan_memory
 
         err.print(f"[dim]{escape(plan_memory(model, config, device).line())}[/]")
 
@@ -223,8 +223,8 @@ def _drafter(
 ) -> object:
     """The drafter --draft / --speculative ask for (None: no speculative decoding)."""
     from dynalm.models.loader import load_model
-    from dynalm.runtime.registry import ModelStore
-    from dynalm.runtime.speculative import build_drafter, check_num_draft_tokens
+    from dynalm.runtime.engine.speculative import build_drafter, check_num_draft_tokens
+    from dynalm.store.catalog import ModelStore
 
     check_num_draft_tokens(num_draft_tokens)  # before loading a draft model
     draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
@@ -252,7 +252,7 @@ def _device(
     ``model`` run with ``config`` (its memory plan)."""
     from dynalm.core.devices import select_device
     from dynalm.ir.lower import unsupported
-    from dynalm.runtime.memory_plan import plan_memory
+    from dynalm.runtime.engine.memory_plan import plan_memory
 
     return select_device(
         _backend(backend, cpu, gpu),
@@ -282,7 +282,7 @@ def pull(
 ) -> None:
     """Download a model into the store (idempotent, verified by sha256)."""
     _configure(verbose, None)
-    from dynalm.runtime.store_commands import pull_command
+    from dynalm.store.commands import pull_command
 
     with user_errors(verbose):
         pull_command(model)
@@ -296,7 +296,7 @@ def list_models(
     verbose: Verbose = False,
 ) -> None:
     """List the models in the store (or in the catalog)."""
-    from dynalm.runtime.store_commands import list_command
+    from dynalm.store.commands import list_command
 
     with user_errors(verbose):
         list_command(catalog=catalog)
@@ -305,7 +305,7 @@ def list_models(
 @app.command()
 def rm(model: str, verbose: Verbose = False) -> None:
     """Delete a model from the store."""
-    from dynalm.runtime.store_commands import rm_command
+    from dynalm.store.commands import rm_command
 
     with user_errors(verbose):
         rm_command(model)
@@ -346,10 +346,10 @@ def show(
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
         from dynalm.core.cpu_device import CpuDevice
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine import EngineConfig
-        from dynalm.runtime.memory_plan import plan_memory
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.runtime.engine.engine import EngineConfig
+        from dynalm.runtime.engine.memory_plan import plan_memory
         from dynalm.show import describe_model
+        from dynalm.store.catalog import ModelStore
 
         loaded = load_model(ModelStore().resolve(model))
         if graph:
@@ -417,7 +417,7 @@ def _stream(
 def _schema_guide(generator: Generator, path: Path) -> Guide:
     """The grammar of the JSON schema in file ``path`` (--json-schema)."""
     from dynalm.errors import InvalidRequest
-    from dynalm.runtime.structured import json_grammar
+    from dynalm.runtime.serve.structured import json_grammar
 
     try:
         schema = json.loads(path.read_text())
@@ -508,9 +508,9 @@ def run(
         import time
 
         from dynalm.models.loader import load_model
+        from dynalm.runtime.engine.sampling import SamplingParams
         from dynalm.runtime.generator import Generator, generator_config
-        from dynalm.runtime.registry import ModelStore
-        from dynalm.runtime.sampling import SamplingParams
+        from dynalm.store.catalog import ModelStore
 
         for text, what in [(prompt, "the prompt"), (system, "--system")] + [
             (s, "--stop") for s in stop or []
@@ -614,9 +614,9 @@ def serve(
     with user_errors(verbose):
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
-        from dynalm.runtime import server
-        from dynalm.runtime.engine import Engine, EngineConfig
-        from dynalm.runtime.registry import ModelStore, is_local_path
+        from dynalm.runtime.engine.engine import Engine, EngineConfig
+        from dynalm.runtime.serve import server
+        from dynalm.store.catalog import ModelStore, is_local_path
 
         kv_memory = server.parse_size(kv_cache_memory) if kv_cache_memory else None
         max_body = server.parse_size(max_body_size)
@@ -684,7 +684,7 @@ def bench(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.bench import bench_command, parse_tests
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.store.catalog import ModelStore
 
         tests = parse_tests(n_prompt, n_gen)
         typer.echo(
@@ -729,9 +729,9 @@ def perplexity(
 
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine import Engine, EngineConfig
+        from dynalm.runtime.engine.engine import Engine, EngineConfig
         from dynalm.runtime.perplexity import perplexity as score
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.store.catalog import ModelStore
 
         if text_file == "-":
             text = _read_prompt("-") or ""

@@ -14,7 +14,7 @@ from dynalm.kernel import backends, jit
 from dynalm.kernel import matmul as kernel_matmul
 from dynalm.models.gptq_awq import describe
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.memory_plan import MemoryPlan
+from dynalm.runtime.engine.memory_plan import MemoryPlan
 
 
 def _count(n: int) -> str:

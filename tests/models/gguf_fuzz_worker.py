@@ -31,8 +31,8 @@ from pathlib import Path
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import DynaError
 from dynalm.models.loader import load_model
+from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
 
 
 def run_model(path: str, phase: list[str]) -> None:

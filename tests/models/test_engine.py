@@ -14,8 +14,8 @@ from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
+from dynalm.runtime.engine.sampling import SamplingParams
 from workload import SYSTEM, TEXTS, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0)

@@ -14,9 +14,9 @@ from test_memory import resident_bytes_of
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime import memory_plan
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import Available, NotEnoughMemory, plan_memory
+from dynalm.runtime.engine import memory_plan
+from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.memory_plan import Available, NotEnoughMemory, plan_memory
 
 # A child process: plan, then a run that fills what the plan counts. The prompt fills the
 # KV pool (ctx - 8 tokens, then 8 generated) and, scored with prompt_logprobs, every row of
@@ -26,9 +26,9 @@ CHILD = """
 import json, sys
 from dynalm.core.devices import select_device
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import peak_rss, plan_memory
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.memory_plan import peak_rss, plan_memory
+from dynalm.runtime.engine.sampling import SamplingParams
 
 path, mode, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = load_model(path)

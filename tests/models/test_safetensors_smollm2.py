@@ -27,8 +27,8 @@ from test_smollm2_fidelity import CONTINUATION, prompts  # noqa: F401
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.quant import dequantize
 from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
 
 # GGUF name -> HF name (llama), written out here rather than taken from gguf-py's map
 _LAYER = {

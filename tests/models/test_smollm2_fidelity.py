@@ -13,8 +13,8 @@ import torch
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
+from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
 from tolerances import forward_bound, logit_scale
 
 CHATS = [

@@ -15,11 +15,9 @@ from test_engine import chat
 from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import Engine, EngineConfig, RequestOutput
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.metrics import ServerMetrics
-from dynalm.runtime.sampling import Sampler, SamplingParams
-from dynalm.runtime.speculative import (
+from dynalm.runtime.engine.engine import Engine, EngineConfig, RequestOutput
+from dynalm.runtime.engine.sampling import Sampler, SamplingParams
+from dynalm.runtime.engine.speculative import (
     PROBE_EVERY,
     ModelDrafter,
     NgramDrafter,
@@ -27,6 +25,8 @@ from dynalm.runtime.speculative import (
     StepCost,
     check_vocabularies,
 )
+from dynalm.runtime.generator import Generator
+from dynalm.runtime.serve.metrics import ServerMetrics
 from workload import TEXTS, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, repeat_penalty=1.0)
@@ -165,7 +165,7 @@ def test_nothing_drafted_costs_no_lookups(model, device, monkeypatch):
     the probes that are due every PROBE_EVERY + 1 steps: a sure draft could not pay either;
     only an exploring step, every EXPLORE_EVERY-th, plans, and none is due here); a request
     that joins makes the plan be remade."""
-    import dynalm.runtime.engine as engine_module
+    import dynalm.runtime.engine.engine as engine_module
 
     plans = []
     gate = engine_module.drafts_can_pay
@@ -202,7 +202,7 @@ def test_explorations_thin_out_where_nothing_pays(model, device, monkeypatch):
     """An exploring step plans with the optimistic guess: after EXPLORE_EVERY steps, then
     at twice the gap each time while no other plan drafts (here none can: each token costs
     a whole step), so a full batch that cannot gain stops paying for explorations."""
-    import dynalm.runtime.engine as engine_module
+    import dynalm.runtime.engine.engine as engine_module
 
     explored = []
     gate = engine_module.drafts_can_pay

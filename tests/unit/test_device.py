@@ -16,7 +16,7 @@ from dynalm.core.kv_storage import HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable
 from dynalm.ir.lower.cpu import CpuBinder
 from dynalm.ir.ops import OPS
-from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.engine.kv_cache import PagePool
 from dynalm.show import describe_system
 
 MIB = 2**20

@@ -7,7 +7,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from dynalm.runtime.guided import Guide, MaskWorker, apply_masks
+from dynalm.runtime.engine.guided import Guide, MaskWorker, apply_masks
 
 
 def byte_guide(regex: str) -> tuple[llguidance.LLTokenizer, Guide]:

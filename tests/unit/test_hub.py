@@ -17,8 +17,8 @@ from test_registry import Hub, hub  # noqa: F401 (the fixture)
 
 import dynalm
 from dynalm.errors import InvalidRequest, ModelNotFound, PullError
-from dynalm.runtime import hub as hubmod
-from dynalm.runtime.registry import (
+from dynalm.store import hub as hubmod
+from dynalm.store.catalog import (
     CATALOG,
     CatalogEntry,
     HuggingFaceSource,
@@ -26,7 +26,7 @@ from dynalm.runtime.registry import (
     is_local_path,
     make_catalog,
 )
-from dynalm.runtime.store_commands import list_command, rm_command
+from dynalm.store.commands import list_command, rm_command
 
 ORG_REPO = "acme/tiny-GGUF"
 COMMIT = "a" * 40

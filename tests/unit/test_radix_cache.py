@@ -10,9 +10,9 @@ import pytest
 from dynalm.core.kv_formats import kv_format
 from dynalm.core.kv_storage import hadamard
 from dynalm.errors import InvalidRequest
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.radix_cache import RadixCache
-from dynalm.runtime.scheduler import KVCacheManager, Request
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.radix_cache import RadixCache
+from dynalm.runtime.engine.scheduler import KVCacheManager, Request
 
 PS = 4
 

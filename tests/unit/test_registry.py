@@ -27,7 +27,7 @@ import pytest
 
 import dynalm
 from dynalm.errors import InvalidRequest, ModelNotFound, PullError
-from dynalm.runtime.registry import (
+from dynalm.store.catalog import (
     CatalogEntry,
     HuggingFaceSource,
     ModelStore,
@@ -36,7 +36,7 @@ from dynalm.runtime.registry import (
     make_catalog,
     parse_name,
 )
-from dynalm.runtime.store_commands import list_command, pull_command, rm_command
+from dynalm.store.commands import list_command, pull_command, rm_command
 
 DATA = random.Random(0).randbytes(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -424,7 +424,7 @@ def test_killed_pull_leaves_no_final_file(hub: Hub, tmp_path: Path) -> None:
     hub.stall_after[f"/cdn/{SHA}"] = 150_000
     script = (
         "import sys; from pathlib import Path\n"
-        "from dynalm.runtime.registry import CatalogEntry, HuggingFaceSource, ModelStore\n"
+        "from dynalm.store.catalog import CatalogEntry, HuggingFaceSource, ModelStore\n"
         f"e = CatalogEntry('tiny', 'q4', 'tiny.Q4_1.gguf', {SHA!r}, {len(DATA)},"
         f" (HuggingFaceSource({REPO!r}, 'tiny.Q4_1.gguf'),), '')\n"
         f"ModelStore(Path({str(tmp_path)!r}), catalog={{'tiny:q4': e}}).pull('tiny')\n"

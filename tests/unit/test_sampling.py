@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dynalm.errors import InvalidRequest, NonFiniteLogits
-from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
+from dynalm.runtime.engine.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0, 2.9], np.float32)
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)

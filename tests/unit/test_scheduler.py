@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from dynalm.errors import QueueFull
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.radix_cache import RadixCache
-from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler, SchedulerOutput
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.radix_cache import RadixCache
+from dynalm.runtime.engine.scheduler import KVCacheManager, Request, Scheduler, SchedulerOutput
 
 PS = 4
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from dynalm.errors import InvalidRequest
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.radix_cache import RadixCache
-from dynalm.runtime.sampling import Sampler, SamplingParams
-from dynalm.runtime.scheduler import KVCacheManager, Request, Scheduler
-from dynalm.runtime.speculative import (
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.radix_cache import RadixCache
+from dynalm.runtime.engine.sampling import Sampler, SamplingParams
+from dynalm.runtime.engine.scheduler import KVCacheManager, Request, Scheduler
+from dynalm.runtime.engine.speculative import (
     EWMA,
     MARGIN,
     PRIOR,
@@ -278,7 +278,7 @@ def test_shadow_drafts_teach_the_rate():
     """A free drafter's first token that the step did not verify is checked against the
     token sampled there: one draft token's outcome for its kind's rate; a proposal made for
     another position (the request was preempted and recomputed since) is ignored."""
-    from dynalm.runtime.engine import Engine, _Stream
+    from dynalm.runtime.engine.engine import Engine, _Stream
 
     req = Request("r", [1, 2, 3], 8)
     stream = _Stream(req, Sampler(SamplingParams()), None, None, frozenset(), None)

@@ -10,7 +10,7 @@ import llguidance
 import pytest
 
 from dynalm.models.chat_template import ChatTemplate
-from dynalm.runtime.tools import (
+from dynalm.runtime.serve.tools import (
     FALLBACK_PROMPT,
     FunctionCall,
     Tool,

@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from dynalm.runtime.structured import ConstraintFields
-from dynalm.runtime.tools import ToolCall, ToolFields
+from dynalm.runtime.serve.structured import ConstraintFields
+from dynalm.runtime.serve.tools import ToolCall, ToolFields
 
 # ---------------------------------------------------------------- requests
 

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynalm.errors import DynaError
-from dynalm.runtime import protocol as p
+from dynalm.runtime.serve import protocol as p
 
 log = logging.getLogger(__name__)
 

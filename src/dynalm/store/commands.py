@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dynalm.runtime.registry import ModelStore, format_size
+from dynalm.store.catalog import ModelStore, format_size
 
 
 def _size(path: Path) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynalm.errors import NonFiniteLogits
-from dynalm.runtime.scheduler import Request, ScheduledChunk
+from dynalm.runtime.engine.scheduler import Request, ScheduledChunk
 
 
 @dataclass

@@ -31,7 +31,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from dynalm.runtime.engine import Engine, RequestOutput
+    from dynalm.runtime.engine.engine import Engine, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from dynalm.errors import InvalidRequest, ModelNotFound, PullError
-from dynalm.runtime import hub
+from dynalm.store import hub
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 """A catalog name or tag: lowercase letters, digits, ``.``, ``_``, ``-``; starts alphanumeric."""

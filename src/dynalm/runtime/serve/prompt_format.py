@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dynalm.models.tokenizer import Tokenizer
-from dynalm.runtime import protocol as p
-from dynalm.runtime.engine import TokenLogprob
-from dynalm.runtime.prompt_logprobs import ScoredLogprob
+from dynalm.runtime.engine.engine import TokenLogprob
+from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
+from dynalm.runtime.serve import protocol as p
 
 
 @dataclass

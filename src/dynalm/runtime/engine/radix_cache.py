@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.engine.kv_cache import PagePool
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -48,10 +48,10 @@ from dynalm.ir.executor import Executor
 from dynalm.ir.graph import Graph
 from dynalm.models.hparams import HParams
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.radix_cache import RadixCache
-from dynalm.runtime.sampling import Sampler, _check
-from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.radix_cache import RadixCache
+from dynalm.runtime.engine.sampling import Sampler, _check
+from dynalm.runtime.engine.scheduler import KVCacheManager, Request, ScheduledChunk
 
 MAX_DRAFT_TOKENS = 16
 EWMA = 0.15  # weight of one draft token's outcome in a sequence's acceptance rate
@@ -555,8 +555,8 @@ class ModelDrafter(Drafter):
         max_tokens: int = 512,
         page_size: int = 16,
     ):
-        from dynalm.runtime.engine import EngineConfig
-        from dynalm.runtime.memory_plan import kv_pool_size
+        from dynalm.runtime.engine.engine import EngineConfig
+        from dynalm.runtime.engine.memory_plan import kv_pool_size
 
         self.name, self.cost, self.n_vocab = name, cost, n_vocab
         # sized as the engine sizes its own f16 pool for the same contexts
@@ -659,7 +659,7 @@ class ModelDrafter(Drafter):
                 budget -= n
             if not chunks:
                 break
-            from dynalm.runtime.engine import flat_batch
+            from dynalm.runtime.engine.engine import flat_batch
 
             t0, setup = time.perf_counter(), self.executor.setup_seconds
             tokens, positions, batch = flat_batch(self.pool, chunks)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynalm.errors import QueueFull
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.radix_cache import Node, RadixCache
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.radix_cache import Node, RadixCache
 
 
 @dataclass(eq=False)

@@ -51,9 +51,13 @@ from starlette.types import Receive, Scope, Send
 from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import Tokenizer
-from dynalm.runtime import protocol as p
-from dynalm.runtime import tools
-from dynalm.runtime.asgi import (
+from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
+from dynalm.runtime.engine.guided import Guide
+from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.serve import protocol as p
+from dynalm.runtime.serve import tools
+from dynalm.runtime.serve.asgi import (
     MAX_BODY_BYTES,
     APIError,
     BodyLimit,
@@ -63,13 +67,9 @@ from dynalm.runtime.asgi import (
     install_error_handlers,
     install_openapi,
 )
-from dynalm.runtime.chat_page import install_chat_page
-from dynalm.runtime.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
-from dynalm.runtime.guided import Guide
-from dynalm.runtime.metrics import CONTENT_TYPE, ServerMetrics
-from dynalm.runtime.prompt_format import PromptEcho, joined, legacy_logprobs
-from dynalm.runtime.prompt_logprobs import ScoredLogprob
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.serve.chat_page import install_chat_page
+from dynalm.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
+from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
 
 log = logging.getLogger(__name__)
 

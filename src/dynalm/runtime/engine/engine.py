@@ -36,14 +36,14 @@ from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLon
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
-from dynalm.runtime.guided import GrammarCompiler, Guide, MaskWorker, apply_masks
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.memory_plan import plan_memory
-from dynalm.runtime.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
-from dynalm.runtime.radix_cache import RadixCache
-from dynalm.runtime.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
-from dynalm.runtime.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
-from dynalm.runtime.speculative import (
+from dynalm.runtime.engine.guided import GrammarCompiler, Guide, MaskWorker, apply_masks
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.memory_plan import plan_memory
+from dynalm.runtime.engine.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
+from dynalm.runtime.engine.radix_cache import RadixCache
+from dynalm.runtime.engine.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
+from dynalm.runtime.engine.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
+from dynalm.runtime.engine.speculative import (
     EXPLORE_EVERY,
     PROBE_EVERY,
     STEP_STALE,

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 import llguidance
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dynalm.runtime.structured import ANY_OBJECT, json_schema_with_style
+from dynalm.runtime.serve.structured import ANY_OBJECT, json_schema_with_style
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 MAX_TOOLS = 128
