@@ -31,7 +31,8 @@ import numpy as np
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime.engine import engine as engine_module
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.guided import Guide, MaskWorker, apply_masks
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.serve.structured import json_grammar

@@ -21,7 +21,8 @@ import numpy as np
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.generator import Generator
 from dynalm.store.catalog import ModelStore

@@ -31,10 +31,11 @@ import numpy as np
 from dynalm.core.device import Device
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.memory_plan import MemoryPlan, peak_rss, plan_memory
 from dynalm.runtime.engine.sampling import SamplingParams
-from dynalm.runtime.engine.speculative import Drafter, build_drafter
+from dynalm.runtime.engine.spec_decode.drafters import Drafter, build_drafter
 
 TG_PROMPT = 8  # tokens of context before a tg test's timed decode steps
 INSTALL_HINT = "--vs llama.cpp needs llama-cpp-python: pip install 'dynalm[bench]'"

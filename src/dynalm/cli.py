@@ -27,7 +27,7 @@ from dynalm.core.kv_formats import KV_FORMATS
 if TYPE_CHECKING:
     from dynalm.core.device import Device
     from dynalm.models.loader import LoadedModel
-    from dynalm.runtime.engine.engine import EngineConfig
+    from dynalm.runtime.engine.config import EngineConfig
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
@@ -223,7 +223,8 @@ def _drafter(
 ) -> object:
     """The drafter --draft / --speculative ask for (None: no speculative decoding)."""
     from dynalm.models.loader import load_model
-    from dynalm.runtime.engine.speculative import build_drafter, check_num_draft_tokens
+    from dynalm.runtime.engine.config import check_num_draft_tokens
+    from dynalm.runtime.engine.spec_decode.drafters import build_drafter
     from dynalm.store.catalog import ModelStore
 
     check_num_draft_tokens(num_draft_tokens)  # before loading a draft model
@@ -346,7 +347,7 @@ def show(
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
         from dynalm.core.cpu_device import CpuDevice
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine.engine import EngineConfig
+        from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.engine.memory_plan import plan_memory
         from dynalm.show import describe_model
         from dynalm.store.catalog import ModelStore
@@ -466,7 +467,7 @@ def _chat(
         messages.append({"role": "assistant", "content": answer})
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
-            if generator.engine.drafter is not None:
+            if generator.engine.planner is not None:
                 err.print(f"[dim]{generator.engine.spec_stats.summary()}[/]")
 
 
@@ -614,7 +615,8 @@ def serve(
     with user_errors(verbose):
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine.engine import Engine, EngineConfig
+        from dynalm.runtime.engine.config import EngineConfig
+        from dynalm.runtime.engine.engine import Engine
         from dynalm.runtime.serve import server
         from dynalm.store.catalog import ModelStore, is_local_path
 
@@ -729,7 +731,8 @@ def perplexity(
 
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine.engine import Engine, EngineConfig
+        from dynalm.runtime.engine.config import EngineConfig
+        from dynalm.runtime.engine.engine import Engine
         from dynalm.runtime.perplexity import perplexity as score
         from dynalm.store.catalog import ModelStore
 

@@ -28,9 +28,10 @@ from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
 from dynalm.models.loader import LoadedModel, model_graph
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.kv_cache import PagePool
-from dynalm.runtime.engine.speculative import NgramDrafter
+from dynalm.runtime.engine.spec_decode.drafters import NgramDrafter
 from dynalm.show import describe_system
 from tolerances import forward_bound, logit_scale
 from workload import TEXTS, assert_no_leak

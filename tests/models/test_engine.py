@@ -14,7 +14,8 @@ from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput
 from dynalm.runtime.engine.sampling import SamplingParams
 from workload import SYSTEM, TEXTS, assert_no_leak
 

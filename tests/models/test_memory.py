@@ -21,7 +21,8 @@ from test_cli import dynalm
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.sampling import SamplingParams
 
 

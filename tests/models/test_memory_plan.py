@@ -15,7 +15,8 @@ from test_memory import resident_bytes_of
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
 from dynalm.runtime.engine import memory_plan
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.memory_plan import Available, NotEnoughMemory, plan_memory
 
 # A child process: plan, then a run that fills what the plan counts. The prompt fills the
@@ -26,7 +27,8 @@ CHILD = """
 import json, sys
 from dynalm.core.devices import select_device
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.memory_plan import peak_rss, plan_memory
 from dynalm.runtime.engine.sampling import SamplingParams
 

@@ -15,7 +15,8 @@ import torch
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.perplexity import perplexity
 
 CTX = 128

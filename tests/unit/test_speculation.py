@@ -7,26 +7,25 @@ import numpy as np
 import pytest
 
 from dynalm.errors import InvalidRequest
+from dynalm.runtime.engine.config import EngineConfig, check_num_draft_tokens
 from dynalm.runtime.engine.kv_cache import PagePool
 from dynalm.runtime.engine.radix_cache import RadixCache
+from dynalm.runtime.engine.rejection_sampler import accept_greedy, accept_sampled
 from dynalm.runtime.engine.sampling import Sampler, SamplingParams
 from dynalm.runtime.engine.scheduler import KVCacheManager, Request, Scheduler
-from dynalm.runtime.engine.speculative import (
+from dynalm.runtime.engine.spec_decode.drafters import NgramDrafter
+from dynalm.runtime.engine.spec_decode.metrics import SpecStats
+from dynalm.runtime.engine.spec_decode.planner import (
     EWMA,
     MARGIN,
     PRIOR,
     PROBE_EVERY,
-    STEP_EWMA,
-    STEP_STALE,
     DraftLength,
-    NgramDrafter,
-    StepCost,
-    accept_greedy,
-    accept_sampled,
-    check_num_draft_tokens,
+    DraftPlanner,
     drafts_can_pay,
     plan_drafts,
 )
+from dynalm.runtime.engine.spec_decode.step_cost import STEP_EWMA, STEP_STALE, StepCost
 
 # chi-square critical values at p = 0.001 (5 and 3 degrees of freedom): a correct sampler
 # fails one such test in a thousand; a wrong distribution over 40k draws fails them all.
@@ -278,17 +277,16 @@ def test_shadow_drafts_teach_the_rate():
     """A free drafter's first token that the step did not verify is checked against the
     token sampled there: one draft token's outcome for its kind's rate; a proposal made for
     another position (the request was preempted and recomputed since) is ignored."""
-    from dynalm.runtime.engine.engine import Engine, _Stream
-
+    planner = DraftPlanner(NgramDrafter(), EngineConfig(num_draft_tokens=4), SpecStats())
     req = Request("r", [1, 2, 3], 8)
-    stream = _Stream(req, Sampler(SamplingParams()), None, None, frozenset(), None)
-    stream.draft_length = DraftLength(k_max=4)
-    stream.shadow = (3, 7, 2)
-    Engine._check_shadow(stream, 7)
-    assert stream.shadow is None and stream.draft_length.rates == {2: PRIOR + EWMA * (1 - PRIOR)}
-    stream.shadow = (3, 5, 1)
-    Engine._check_shadow(stream, 7)  # missed
-    assert stream.draft_length.rates[1] == PRIOR * (1 - EWMA)
-    stream.shadow = (2, 7, 3)  # made for position 2
-    Engine._check_shadow(stream, 7)
-    assert 3 not in stream.draft_length.rates and stream.shadow is None
+    planner.add("r")
+    seq = planner._seqs["r"]
+    seq.shadow = (3, 7, 2)
+    planner.sampled(req, 7)
+    assert seq.shadow is None and seq.length.rates == {2: PRIOR + EWMA * (1 - PRIOR)}
+    seq.shadow = (3, 5, 1)
+    planner.sampled(req, 7)  # missed
+    assert seq.length.rates[1] == PRIOR * (1 - EWMA)
+    seq.shadow = (2, 7, 3)  # made for position 2
+    planner.sampled(req, 7)
+    assert 3 not in seq.length.rates and seq.shadow is None

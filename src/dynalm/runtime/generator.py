@@ -16,12 +16,13 @@ import numpy as np
 
 from dynalm.core.device import Device
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine.engine import Engine, EngineConfig, flat_batch
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.engine.kv_cache import PagePool
 from dynalm.runtime.engine.sampling import SamplingParams
-from dynalm.runtime.engine.scheduler import Request, ScheduledChunk
-from dynalm.runtime.engine.speculative import Drafter
+from dynalm.runtime.engine.scheduler import Request, ScheduledChunk, flat_batch
+from dynalm.runtime.engine.spec_decode.drafters import Drafter
 
 
 @dataclass

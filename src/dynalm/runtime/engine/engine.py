@@ -6,7 +6,7 @@ sequence concatenated, with positions and page tables), then samples the next
 token of every sequence whose chunk reached its end: each request has its own
 sampler (and seed), incremental detokeniser and stop-string matcher.
 
-With a drafter (``runtime.speculative``), decoding sequences first get draft tokens,
+With a drafter, decoding sequences first get draft tokens (``spec_decode.DraftPlanner``),
 which the same step computes after their last token; ``_verify`` keeps what the target's
 logits accept (several tokens per step) and rolls the rest back.
 
@@ -18,45 +18,38 @@ background thread and hands outputs to asyncio consumers.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dynalm.core.device import Device
-from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.memory import trim_heap
 from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLong, QueueFull
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
+from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.guided import GrammarCompiler, Guide, MaskWorker, apply_masks
 from dynalm.runtime.engine.kv_cache import PagePool
-from dynalm.runtime.engine.memory_plan import plan_memory
+from dynalm.runtime.engine.memory_plan import MemoryPlan, plan_memory
 from dynalm.runtime.engine.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
 from dynalm.runtime.engine.radix_cache import RadixCache
 from dynalm.runtime.engine.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
-from dynalm.runtime.engine.scheduler import KVCacheManager, Request, ScheduledChunk, Scheduler
-from dynalm.runtime.engine.speculative import (
-    EXPLORE_EVERY,
-    PROBE_EVERY,
-    STEP_STALE,
-    Draft,
-    Drafter,
-    DraftLength,
-    SpecStats,
-    StepCost,
-    check_num_draft_tokens,
-    drafts_can_pay,
-    plan_drafts,
-    verify,
+from dynalm.runtime.engine.scheduler import (
+    KVCacheManager,
+    Request,
+    ScheduledChunk,
+    Scheduler,
+    flat_batch,
 )
+from dynalm.runtime.engine.spec_decode.drafters import Drafter
+from dynalm.runtime.engine.spec_decode.metrics import SpecStats
+from dynalm.runtime.engine.spec_decode.planner import DraftPlanner
 
 if TYPE_CHECKING:
     import asyncio
@@ -64,20 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
-
-
-@dataclass
-class EngineConfig:
-    ctx: int = 4096  # most tokens per sequence (prompt + generated)
-    max_num_batched_tokens: int = 512  # token budget of one step
-    max_num_seqs: int = 16  # most sequences in the running batch
-    max_queue: int = 256  # most waiting requests before QueueFull
-    page_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: max_num_seqs * ctx tokens, capped at 2 GiB
-    kv_cache_dtype: str = "f16"  # f32 | f16 | q8_0
-    enable_prefix_caching: bool = True
-    num_draft_tokens: int = 4  # most draft tokens per sequence and step (with a drafter)
-    adaptive_draft: bool = True  # fewer (or none) where drafts are rejected; else always k
 
 
 @dataclass
@@ -119,24 +98,6 @@ class EngineStats:
     spec: SpecStats  # speculative decoding's counters (zero without a drafter)
 
 
-@dataclass
-class _NoDrafts:
-    """A plan that drafts nothing, standing while the scheduler's batch stays as it was
-    (``changes``) until plan number ``until``: when the sequences' next probe is due, or
-    never where not even sure drafts could pay. Meanwhile no rate moves (nothing is drafted
-    or looked up) and the step times drift slowly, so a step plans nothing: it costs what it
-    would without a drafter. The steps it stood for count as idle for ``counts`` after."""
-
-    changes: int
-    at: int  # the plan that made it
-    until: float
-    counts: list[DraftLength]
-
-    def end(self, plans: int) -> None:
-        for count in self.counts:
-            count.idle += plans - 1 - self.at
-
-
 @dataclass(eq=False)
 class _Stream:
     """Per-request sampling and text state (the scheduler only sees the Request)."""
@@ -150,32 +111,6 @@ class _Stream:
     guide: Guide | None = None  # the grammar its output follows, if constrained
     prompt_logprobs: int | None = None  # alternatives per scored prompt token
     scored: list[ScoredLogprob] | None = None  # until the first output takes them
-    draft_length: DraftLength | None = None  # None: no speculation for this request
-    draft_probs: np.ndarray | None = None  # what the drafter drew this step's draft from
-    draft_kind: int = 0  # and what acceptance rate that draft goes by
-    # a free drafter's proposal this step did not verify: (position, first token, kind), its
-    # first token checked against the one sampled there, so rates are learnt without drafting
-    shadow: tuple[int, int, int] | None = None
-
-
-def flat_batch(
-    pool: PagePool, chunks: Sequence[ScheduledChunk]
-) -> tuple[np.ndarray, np.ndarray, AttentionBatch]:
-    """Tokens, positions and attention layout of one step over ``chunks``."""
-    seqs = [(c.request, c.start, c.start + c.n) for c in chunks]
-    tokens = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
-    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in seqs])
-    recent = pool.recent > 0
-    batch = AttentionBatch(
-        kv=pool.storage,
-        query_start=np.cumsum([0] + [b - a for _, a, b in seqs]),
-        seq_lens=np.array([b for _, _, b in seqs], np.int64),
-        page_tables=[np.asarray(r.pages, np.int64) for r, _, _ in seqs],
-        slots=np.concatenate([pool.slots(r.pages, a, b) for r, a, b in seqs]),
-        recent=np.array([r.recent for r, _, _ in seqs], np.int64) if recent else None,
-        recent_from=np.array([r.recent_from for r, _, _ in seqs], np.int64) if recent else None,
-    )
-    return tokens, positions, batch
 
 
 def _token_logprob(penalized: np.ndarray, token: int, top: int) -> TokenLogprob:
@@ -193,10 +128,13 @@ class Engine:
         device: Device,
         config: EngineConfig | None = None,
         drafter: Drafter | None = None,
+        memory_plan: MemoryPlan | None = None,
     ):
+        """``memory_plan``: this start's plan of ``model`` on ``device`` with ``config``
+        (``build_engine`` made it choosing the device), else planned here."""
         config = config or EngineConfig()
-        if drafter is not None:
-            check_num_draft_tokens(config.num_draft_tokens)
+        self.spec_stats = SpecStats()  # (zero without a drafter)
+        self.planner = None if drafter is None else DraftPlanner(drafter, config, self.spec_stats)
         hp = model.hparams
         if config.ctx < 2:
             raise InvalidRequest(f"--ctx must be at least 2, got {config.ctx}")
@@ -204,16 +142,9 @@ class Engine:
             if getattr(config, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(config, name)}")
         # Refused here, before the KV pool or any weight is touched, if it cannot fit.
-        self.memory_plan = plan_memory(model, config, device).check()
+        self.memory_plan = (memory_plan or plan_memory(model, config, device)).check()
         n_tokens = self.memory_plan.kv_tokens
-        self.model = model
-        self.config = config
-        self.drafter = drafter
-        self.spec_stats = SpecStats()
-        self.step_cost = StepCost()  # decode steps' times by token count (draft planning)
-        self._plans = 0  # steps with a drafter
-        self._explore_at = self._explore_gap = EXPLORE_EVERY  # the next plan that explores
-        self._standing: _NoDrafts | None = None  # a plan to draft nothing, while it stands
+        self.model, self.device, self.config = model, device, config
         self.pool = PagePool(
             hp.n_layers,
             hp.n_kv_heads,
@@ -295,10 +226,6 @@ class Engine:
             guide,
             prompt_logprobs,
             None if prompt_logprobs is None else [],
-            # a grammar's state would have to follow the draft: constrained requests decode
-            None
-            if self.drafter is None or guide is not None or not speculate
-            else DraftLength(self.config.num_draft_tokens),
         )
         with self._lock:
             if request_id in self._streams:
@@ -308,6 +235,9 @@ class Engine:
                 return
             self.scheduler.add(req)
             self._streams[request_id] = stream
+            # a grammar's state would have to follow the draft: constrained requests decode
+            if self.planner is not None and guide is None and speculate:
+                self.planner.add(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step (its pages go back); unknown ids are ignored."""
@@ -333,7 +263,8 @@ class Engine:
                 if rid in self._streams:
                     outputs.append(self._finish(self._streams[rid], "", [], "abort"))
             self._aborts.clear()
-            self._propose()
+            if self.planner is not None:
+                self.planner.plan(self.scheduler)
             t0, setup = time.perf_counter(), self.executor.setup_seconds
             sched = self.scheduler.schedule()
         if not sched.chunks:
@@ -367,137 +298,32 @@ class Engine:
             sampled = dict(zip(plain, zip(rows, tokens.tolist(), strict=True), strict=True))
             for i, stream in enumerate(streams):
                 if i in sampled:
-                    if stream.shadow is not None:
-                        self._check_shadow(stream, sampled[i][1])
+                    if self.planner is not None:
+                        self.planner.sampled(stream.request, sampled[i][1])
                     outputs.append(self._emit(stream, *sampled[i]))
                 else:
                     rid = stream.request.request_id
                     outputs += self._verify(stream, logits[first[i] : first[i + 1]], saved[rid])
-        if self.drafter is not None and all(c.n == 1 + c.n_draft for c in sched.chunks):
+        if self.planner is not None and all(c.n == 1 + c.n_draft for c in sched.chunks):
             # a decode step's time (the drafter's passes came before t0), less what compiling
             # a new shape took
             setup = self.executor.setup_seconds - setup
-            self.step_cost.record(sched.num_tokens, time.perf_counter() - t0 - setup)
+            self.planner.record_step(sched.num_tokens, time.perf_counter() - t0 - setup)
         return outputs
-
-    # -- speculative decoding ---------------------------------------------------------------
-    def _propose(self) -> None:
-        """Drafts for the running sequences that decode (only their last token is left to
-        compute): as many tokens as ``plan_drafts`` finds worth their time in this step,
-        from each one's acceptance rates and the measured step times (``step_cost``)."""
-        if self.drafter is None:
-            return
-        sched, ctx, drafter = self.scheduler, self.config.ctx, self.drafter
-        self._plans += 1
-        explore = self._plans >= self._explore_at
-        if explore:
-            self._explore_gap = min(2 * self._explore_gap, STEP_STALE)
-            self._explore_at = self._plans + self._explore_gap
-        standing = self._standing
-        if standing is not None:
-            if standing.changes == sched.changes and self._plans < standing.until and not explore:
-                return
-            self._standing = None
-            standing.end(self._plans)
-        n_decode, pending, asked, rooms = 0, 0, [], []
-        for req in sched.running:
-            own = req.num_tokens - req.num_computed_tokens
-            if own != 1:  # a prefill chunk
-                pending += own
-                continue
-            n_decode += 1
-            stream = self._streams[req.request_id]
-            room = min(req.max_tokens - req.num_output_tokens, ctx - req.num_tokens) - 1
-            if stream.draft_length is not None and room > 0:
-                asked.append(stream)
-                rooms.append(min(room, stream.draft_length.k_max))
-        if not asked:
-            return
-        seats = sched.max_num_seqs - len(sched.running)
-        pending += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
-        n_other = min(pending, max(0, sched.max_num_batched_tokens - n_decode))
-        # no request waits (for a seat, pages or budget a sequence that finishes would free)
-        closed = not sched.waiting
-        adaptive, cost = self.config.adaptive_draft, self.step_cost
-        # one token past the largest step measured (beyond it the curve is a guess, and a
-        # step of a new size compiles first), but now and then as far as the prior guesses
-        curve = cost.guess if explore else cost
-        most = sum(rooms) if explore else max(cost.largest, n_decode) + 1 - n_decode
-        counts: list[DraftLength] = [s.draft_length for s in asked]  # type: ignore[misc]
-        if adaptive and not drafts_can_pay(n_decode, n_other, curve, min(most, sum(rooms)), closed):
-            return self._plan_none(counts, probes=False)  # (a probe due now: in vain)
-        rates = [c.rate() for c in counts]
-        pass_time = None if drafter.free else lambda n: drafter.pass_time(n, cost)
-
-        def plan(rates: list[float], rooms: list[int]) -> list[int]:
-            if not adaptive:
-                return rooms
-            return plan_drafts(rates, rooms, n_decode, n_other, curve, pass_time, most, closed)
-
-        ks = plan(rates, rooms)
-        if not any(ks):  # (not even at each one's best rate: no drafter need be asked)
-            return self._plan_none(counts, probes=True)
-        if drafter.free:  # drafts first, then how much of each to verify
-            drafts = drafter.propose([s.request for s in asked], rooms)
-            rooms = [len(d.tokens) for d in drafts]
-            # by the rates of their kinds, without a probe's prior: what a free draft's
-            # first token would have been worth is learnt from its shadow (``_check_shadow``)
-            rates = [c.rate(d.kind, probe=False) for c, d in zip(counts, drafts, strict=True)]  # type: ignore[union-attr]
-            ks = plan(rates, rooms)
-        if not drafter.free:
-            want = [i for i, k in enumerate(ks) if k]
-            drafts = [Draft([]) for _ in asked]
-            proposed = drafter.propose([asked[i].request for i in want], [ks[i] for i in want])
-            for i, draft in zip(want, proposed, strict=True):
-                drafts[i] = draft
-        for stream, k, draft in zip(asked, ks, drafts, strict=True):
-            assert stream.draft_length is not None
-            stream.draft_length.planned(k)
-            if drafter.free and not k and draft.tokens:
-                stream.shadow = (stream.request.num_tokens, draft.tokens[0], draft.kind)
-            stream.request.draft = draft.tokens[:k]
-            stream.draft_probs = None if draft.probs is None else draft.probs[:k]
-            stream.draft_kind = draft.kind
-        if not explore and any(ks):  # drafting pays here: explore at the first pace again
-            self._explore_gap = EXPLORE_EVERY
-            self._explore_at = min(self._explore_at, self._plans + EXPLORE_EVERY)
-
-    def _plan_none(self, counts: list[DraftLength], probes: bool) -> None:
-        """Draft nothing this step, and while the batch stays: until a sequence's probe is
-        due (``probes``), else until it changes."""
-        for count in counts:
-            count.planned(0)
-        due = self._plans + PROBE_EVERY + 1 - max(c.idle for c in counts) if probes else math.inf
-        self._standing = _NoDrafts(self.scheduler.changes, self._plans, due, counts)
-
-    @staticmethod
-    def _check_shadow(stream: _Stream, token: int) -> None:
-        """The token sampled after ``stream``'s last one: was it what the free drafter
-        proposed (and this step did not verify)? One draft token's outcome for its rate: the
-        chance a draft token is kept is the chance the target picks it (greedy or
-        sampled), so a sequence that never drafts still learns whether drafts would pay."""
-        (at, proposed, kind), stream.shadow = stream.shadow, None  # type: ignore[misc]
-        if at == stream.request.num_tokens:  # (not a proposal from before a preemption)
-            assert stream.draft_length is not None
-            stream.draft_length.update(kind, 1, int(token == proposed))
 
     def _verify(self, stream: _Stream, logits: np.ndarray, saved: object) -> list[RequestOutput]:
         """A speculative sequence after the step: emit the tokens verification keeps, one
         output each (a stop token, stop string or length ends it inside the run), and
         drop the rejected draft tokens' keys and values."""
         req = stream.request
-        drafted = len(req.draft)
-        kept = verify(stream.sampler, logits, req.draft, stream.draft_probs)
-        accepted = len(kept) - 1
-        self.spec_stats.record(drafted, accepted)
-        assert stream.draft_length is not None
-        stream.draft_length.update(stream.draft_kind, drafted, accepted)
+        assert self.planner is not None  # (only a drafter's sequences verify)
+        kept = self.planner.verify(stream.sampler, req, logits)
         outputs = []
         for row, token in zip(logits, kept, strict=False):
             outputs.append(self._emit(stream, row, token))
             if outputs[-1].finished:  # its pages went back whole
                 return outputs
-        self.scheduler.kv.accept_draft(req, accepted, saved)
+        self.scheduler.kv.accept_draft(req, len(kept) - 1, saved)
         return outputs
 
     def _run(self, chunks: list[ScheduledChunk]) -> tuple[PromptRows, np.ndarray]:
@@ -560,8 +386,8 @@ class Engine:
         lp: TokenLogprob | None = None,
     ) -> RequestOutput:
         self.scheduler.finish(stream.request, reason)
-        if self.drafter is not None:
-            self.drafter.release(stream.request.request_id)
+        if self.planner is not None:
+            self.planner.release(stream.request.request_id)
         del self._streams[stream.request.request_id]
         return self._output(stream, text, tokens, reason, lp)
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dynalm.ir.graph import Graph
     from dynalm.models.hparams import HParams
     from dynalm.models.loader import LoadedModel
-    from dynalm.runtime.engine.engine import EngineConfig
+    from dynalm.runtime.engine.config import EngineConfig
 
 # The interpreter's and libraries' own memory (heap, not their code pages, which are page
 # cache: see library_rss). Measured on x86-64 Linux, Python 3.11, SmolLM2 at ctx 1024 with

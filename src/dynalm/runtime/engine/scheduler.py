@@ -23,10 +23,12 @@ then calls ``advance`` and ``finish``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynalm.core.kv_storage import AttentionBatch
 from dynalm.errors import QueueFull
 from dynalm.runtime.engine.kv_cache import PagePool
 from dynalm.runtime.engine.radix_cache import Node, RadixCache
@@ -199,6 +201,26 @@ class ScheduledChunk:
         if self.n_draft:
             return req.token_ids[self.start :] + req.draft[: self.n_draft]
         return req.token_ids[self.start : end]
+
+
+def flat_batch(
+    pool: PagePool, chunks: Sequence[ScheduledChunk]
+) -> tuple[np.ndarray, np.ndarray, AttentionBatch]:
+    """Tokens, positions and attention layout of one step over ``chunks``."""
+    seqs = [(c.request, c.start, c.start + c.n) for c in chunks]
+    tokens = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
+    positions = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in seqs])
+    recent = pool.recent > 0
+    batch = AttentionBatch(
+        kv=pool.storage,
+        query_start=np.cumsum([0] + [b - a for _, a, b in seqs]),
+        seq_lens=np.array([b for _, _, b in seqs], np.int64),
+        page_tables=[np.asarray(r.pages, np.int64) for r, _, _ in seqs],
+        slots=np.concatenate([pool.slots(r.pages, a, b) for r, a, b in seqs]),
+        recent=np.array([r.recent for r, _, _ in seqs], np.int64) if recent else None,
+        recent_from=np.array([r.recent_from for r, _, _ in seqs], np.int64) if recent else None,
+    )
+    return tokens, positions, batch
 
 
 @dataclass

@@ -62,7 +62,7 @@ class _EngineCollector(Collector):
              stats.prefix_hit_tokens),
         ]  # fmt: skip
         spec = stats.spec
-        if self.engine.drafter is not None:  # speculative decoding
+        if self.engine.planner is not None:  # speculative decoding
             rows += [
                 (CounterMetricFamily, "spec_decode_num_drafts", "Drafts verified.",
                  spec.num_drafts),
@@ -75,7 +75,7 @@ class _EngineCollector(Collector):
             metric = family(f"dynalm:{name}", doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
             yield metric
-        if self.engine.drafter is not None:
+        if self.engine.planner is not None:
             lengths = HistogramMetricFamily(
                 "dynalm:spec_decode_acceptance_length",
                 "Draft tokens accepted per verified draft.",
