@@ -78,11 +78,13 @@ def real_logits(path: str) -> np.ndarray:
     """The model's logits at every position of ``TEXT``, [positions, vocab]."""
     from dynalm.core.cpu_device import CpuDevice
     from dynalm.models.loader import load_model
-    from dynalm.runtime.generator import Generator
+    from dynalm.runtime.engine.engine import Engine
+    from dynalm.runtime.generator import Generator, generator_config
 
     model = load_model(path)
     ids = model.tokenizer.encode(TEXT, add_special=True)
-    return Generator(model, CpuDevice("auto"), ctx=256).forward(ids, all_logits=True)
+    generator = Generator(Engine(model, CpuDevice("auto"), generator_config(256)))
+    return generator.forward(ids, all_logits=True)
 
 
 def load_baseline(rev: str) -> types.ModuleType:

@@ -25,9 +25,9 @@ from typer.core import TyperGroup
 from dynalm.core.kv_formats import KV_FORMATS
 
 if TYPE_CHECKING:
-    from dynalm.core.device import Device
     from dynalm.models.loader import LoadedModel
     from dynalm.runtime.engine.config import EngineConfig
+    from dynalm.runtime.engine.engine import Engine
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
@@ -152,15 +152,6 @@ def _context(ctx: int | None, model: LoadedModel) -> int:
     return ctx
 
 
-def _memory_plan(model: LoadedModel, config: EngineConfig, device: Device, verbose: bool) -> None:
-    """With --verbose, the memory plan on stderr (the engine checks it either way, before
-    anything large is allocated or read)."""
-    if verbose:
-        from dynalm.runtime.engine.memory_plan import plan_memory
-
-        err.print(f"[dim]{escape(plan_memory(model, config, device).line())}[/]")
-
-
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
 Threads = Annotated[
     int | None,
@@ -212,56 +203,31 @@ NumDraftTokens = Annotated[
 ]
 
 
-def _drafter(
-    draft: str | None,
-    speculative: str | None,
-    num_draft_tokens: int,
-    target: LoadedModel,
-    device: Device,
-    ctx: int,
-    max_num_seqs: int,
-) -> object:
-    """The drafter --draft / --speculative ask for (None: no speculative decoding)."""
-    from dynalm.models.loader import load_model
-    from dynalm.runtime.engine.config import check_num_draft_tokens
-    from dynalm.runtime.engine.spec_decode.drafters import build_drafter
-    from dynalm.store.catalog import ModelStore
-
-    check_num_draft_tokens(num_draft_tokens)  # before loading a draft model
-    draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
-    return build_drafter(
-        speculative,
-        draft_model,
-        target,
-        device,
-        ctx=ctx,
-        max_num_seqs=max_num_seqs,
-        num_draft_tokens=num_draft_tokens,
-    )
-
-
-def _device(
+def _engine(
+    model: LoadedModel,
+    config: EngineConfig,
     backend: Backend,
     cpu: bool,
     gpu: bool,
     mode: Mode,
     threads: int | None,
-    model: LoadedModel,
-    config: EngineConfig,
-) -> Device:
-    """The device for --backend/--cpu/--gpu, --mode and --threads: a GPU only if it holds
-    ``model`` run with ``config`` (its memory plan)."""
-    from dynalm.core.devices import select_device
-    from dynalm.ir.lower import unsupported
-    from dynalm.runtime.engine.memory_plan import plan_memory
+    draft: str | None = None,
+    speculative: str | None = None,
+) -> Engine:
+    """The engine of these flags (``build_engine``): on the device --backend/--cpu/--gpu,
+    --mode and --threads choose (a GPU only if it runs and holds ``model`` with ``config``),
+    with the drafter --draft (a model of the store, loaded here) or --speculative asks for.
+    --verbose logs its memory plan."""
+    from dynalm.models.loader import load_model
+    from dynalm.runtime.engine.build import EngineSpec, build_engine
+    from dynalm.runtime.engine.config import check_num_draft_tokens
+    from dynalm.store.catalog import ModelStore
 
-    return select_device(
-        _backend(backend, cpu, gpu),
-        mode.value,
-        threads,
-        need=lambda device: plan_memory(model, config, device).device_bytes,
-        unsupported=lambda device: unsupported(device, model.graph),
-    )
+    check_num_draft_tokens(config.num_draft_tokens)  # before loading a draft model
+    draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
+    backend_name = _backend(backend, cpu, gpu)
+    spec = EngineSpec(model, config, backend_name, mode.value, threads, draft_model, speculative)
+    return build_engine(spec)
 
 
 def _backend(backend: Backend, cpu: bool, gpu: bool) -> str:
@@ -531,13 +497,9 @@ def run(
         t0 = time.perf_counter()
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
-        kv_dtype = kv_cache_dtype.value
-        ctx = _context(ctx, loaded)
-        config = generator_config(ctx, kv_dtype)
-        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        _memory_plan(loaded, config, device, verbose)
-        drafter = _drafter(draft, speculative, num_draft_tokens, loaded, device, ctx, 1)
-        generator = Generator(loaded, device, ctx, kv_dtype, drafter, num_draft_tokens)
+        config = generator_config(_context(ctx, loaded), kv_cache_dtype.value, num_draft_tokens)
+        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+        generator, device = Generator(engine), engine.device
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
                 f"[dim]loaded {loaded.name} on {device.describe()}: file {t1 - t0:.2f} s, "
@@ -565,8 +527,8 @@ def run(
             sys.stdout.write("\n")
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
-            if drafter is not None:
-                err.print(f"[dim]{generator.engine.spec_stats.summary()}[/]")
+            if engine.planner is not None:
+                err.print(f"[dim]{engine.spec_stats.summary()}[/]")
 
 
 @app.command()
@@ -616,7 +578,6 @@ def serve(
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
         from dynalm.runtime.engine.config import EngineConfig
-        from dynalm.runtime.engine.engine import Engine
         from dynalm.runtime.serve import server
         from dynalm.store.catalog import ModelStore, is_local_path
 
@@ -635,12 +596,7 @@ def serve(
             kv_cache_dtype=kv_cache_dtype.value,
             num_draft_tokens=num_draft_tokens,
         )
-        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        _memory_plan(loaded, config, device, verbose)
-        drafter = _drafter(
-            draft, speculative, num_draft_tokens, loaded, device, config.ctx, max_num_seqs
-        )
-        engine = Engine(loaded, device, config, drafter)
+        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
         server.serve(
@@ -732,7 +688,6 @@ def perplexity(
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
         from dynalm.runtime.engine.config import EngineConfig
-        from dynalm.runtime.engine.engine import Engine
         from dynalm.runtime.perplexity import perplexity as score
         from dynalm.store.catalog import ModelStore
 
@@ -750,8 +705,7 @@ def perplexity(
         config = EngineConfig(
             ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
         )
-        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        engine = Engine(loaded, device, config)
+        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads)
         ids = tok.encode(text, add_special=False)
         bos = tok.bos_id if tok.add_bos else None
         columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())

@@ -27,8 +27,9 @@ from test_smollm2_fidelity import CONTINUATION, prompts  # noqa: F401
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.quant import dequantize
 from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.sampling import SamplingParams
-from dynalm.runtime.generator import Generator
+from dynalm.runtime.generator import Generator, generator_config
 
 # GGUF name -> HF name (llama), written out here rather than taken from gguf-py's map
 _LAYER = {
@@ -121,7 +122,7 @@ def hf_model(model, tensors, tmp_path_factory: pytest.TempPathFactory):  # noqa:
 
 def _greedy(loaded: LoadedModel, ids: list[int]) -> list[int]:
     params = SamplingParams(max_tokens=CONTINUATION, temperature=0, repeat_penalty=1.0)
-    gen = Generator(loaded, CpuDevice("exact"), ctx=512)
+    gen = Generator(Engine(loaded, CpuDevice("exact"), generator_config(512)))
     return [e.token for e in gen.generate(ids, params, stop_ids=frozenset()) if e.token]
 
 

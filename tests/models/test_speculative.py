@@ -26,7 +26,7 @@ from dynalm.runtime.engine.spec_decode.drafters import (
 from dynalm.runtime.engine.spec_decode.metrics import SpecStats
 from dynalm.runtime.engine.spec_decode.planner import PROBE_EVERY
 from dynalm.runtime.engine.spec_decode.step_cost import StepCost
-from dynalm.runtime.generator import Generator
+from dynalm.runtime.generator import Generator, generator_config
 from dynalm.runtime.serve.metrics import ServerMetrics
 from workload import TEXTS, assert_no_leak
 
@@ -269,7 +269,7 @@ def test_seeded_sampling_keeps_the_target_distribution(model, device):
         < spec.num_accepted_tokens - before.num_accepted_tokens
         < spec.num_drafts - before.num_drafts
     )
-    target = Generator(model, device, ctx=64, kv_dtype="f16").forward(prompt + [first])
+    target = Generator(Engine(model, device, generator_config(64, "f16"))).forward(prompt + [first])
     p = Sampler(params).probabilities(target)
     support = np.flatnonzero(p)
     counts = np.array([seconds.count(int(t)) for t in support])
