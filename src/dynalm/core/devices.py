@@ -17,7 +17,8 @@ from dynalm.core import cuda_driver
 from dynalm.core.cpu_device import CpuDevice, physical_cores
 from dynalm.core.device import Device
 from dynalm.errors import DeviceUnavailable, InvalidRequest
-from dynalm.kernel import backends
+from dynalm.kernel import backends, jit
+from dynalm.kernel import matmul as matmul_programs
 
 log = logging.getLogger(__name__)
 
@@ -129,17 +130,57 @@ def select_device(
     return CpuDevice(mode, threads)
 
 
+def _cpu_backend() -> str:
+    """The CPU kernels' backend, or why there is none."""
+    try:
+        return backends.select().name
+    except backends.BackendUnavailable as e:
+        return f"none ({e})"
+
+
 def describe_devices() -> list[str]:
     """``dynalm show --system``'s devices: the CPU with its kernel backend, and each GPU
     kind with whether it is available here or why not."""
-    try:
-        kernels = backends.select().name
-    except backends.BackendUnavailable as e:
-        kernels = f"none ({e})"
-    lines = [f"  {'cpu':<8}available: kernels {kernels} ({physical_cores()} cores)"]
+    lines = [f"  {'cpu':<8}available: kernels {_cpu_backend()} ({physical_cores()} cores)"]
     for kind in GPU_KINDS:
         reason = kind.unavailable()
         lines.append(
             f"  {kind.name:<8}{'available' if reason is None else 'unavailable: ' + reason}"
         )
+    return lines
+
+
+def describe_kernels() -> list[str]:
+    """``dynalm show --system``'s kernels: the JIT's target and features; the backend the
+    CPU's kernels are built for (``$DYNALM_ISA`` overrides the host's best); each backend,
+    whether this host runs it natively, its width and int8 dot."""
+    host = jit.host_features()
+    lines = [
+        f"  jit target          {host['cpu']} ({host['triple']}, llvmlite {host['llvmlite']})",
+        f"  jit features        {' '.join(host['features']) or 'none'}",
+        f"  kernel backend      {_cpu_backend()}",
+    ]
+    for b in backends.BACKENDS:
+        caps = b.capabilities()
+        where = "native" if caps["runs_here"] else f"twin only (lacks {', '.join(caps['missing'])})"
+        width, dot = caps["fp32_lanes"], caps["int8_dot"]
+        lines.append(f"    {b.name:<16}  {width} fp32 lanes, int8 dot {dot}: {where}")
+    return lines
+
+
+def describe_matmul_buckets() -> list[str]:
+    """Per mode, which kernel of the chosen backend serves which batch size T."""
+    try:
+        backend = backends.select()
+    except backends.BackendUnavailable:
+        return []
+    lines = [f"  matmul kernel by batch size T ({backend.name}; attention, norms: vector code)"]
+    for mode in ("exact", "auto"):
+        shapes = matmul_programs.buckets(mode, backend)
+        ranges = []
+        for shape, after in zip(shapes, [*shapes[1:], None], strict=True):
+            last = f"-{after.mr - 1}" if after and after.mr - 1 > shape.mr else ""
+            span = f"{shape.mr}{last}" if after else f">={shape.mr}"
+            ranges.append(f"T {span}: {shape.describe()}")
+        lines.append(f"    jit-{mode:<6}        {'; '.join(ranges)}")
     return lines
