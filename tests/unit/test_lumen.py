@@ -20,7 +20,7 @@ from dynalm.ir.graph import TensorType
 from dynalm.ir.lumen import Elaborator, LumenError, load_file, load_program
 from dynalm.ir.lumen.syntax import GRAMMAR, TABLES, _build, _grammar_hash, _parser
 from dynalm.ir.passes import verify
-from dynalm.models.arch import ARCH_DIR, family_files
+from dynalm.models.arch import ARCH_DIR, GIVEN, family_files
 
 D, F, V = 8, 16, 20
 WEIGHTS = {
@@ -217,7 +217,7 @@ def test_every_family_file_checks_and_loads_fast():
     assert {"llama", "mistral", "qwen2", "gemma3"} <= set(family_files())
     for path in set(family_files().values()):
         start = time.perf_counter()
-        program = load_program(path.read_text(), str(path))
+        program = load_program(path.read_text(), str(path), given=GIVEN)
         assert program.forward is not None
         assert time.perf_counter() - start < 1.0  # parsing; the figure is in the README
 
@@ -245,12 +245,12 @@ def test_parsed_trees_are_cached_so_model_load_needs_no_lark(
 ):
     monkeypatch.setenv("DYNALM_CACHE", str(tmp_path))
     path = ARCH_DIR / "llama.lum"
-    parsed = load_program(path.read_text(), str(path))
-    first = load_file(path)  # parses, then writes the cache
+    parsed = load_program(path.read_text(), str(path), given=GIVEN)
+    first = load_file(path, GIVEN)  # parses, then writes the cache
     (entry,) = (tmp_path / "lumen").iterdir()
-    assert load_file(path).params == first.params == parsed.params  # read back from it
+    assert load_file(path, GIVEN).params == first.params == parsed.params  # read back from it
     entry.write_text("[not json")  # a damaged entry is parsed again and rewritten
-    assert load_file(path).fns.keys() == parsed.fns.keys()
+    assert load_file(path, GIVEN).fns.keys() == parsed.fns.keys()
     assert json.loads(entry.read_text())
     child = (
         "import sys\nfrom dynalm.models.arch import family_file, family_program\n"

@@ -165,8 +165,8 @@ def skipped_layers_graph(model: LoadedModel, keep: Sequence[int]) -> tuple[Graph
             types[name] = t
         elif int(m[1]) in keep:
             types[f"blk.{keep.index(int(m[1]))}.{m[2]}"] = t
-    graph = optimize(build_graph(hp.arch, meta, types))
-    return graph, dataclasses.replace(hp, n_layers=len(keep))
+    hp = dataclasses.replace(hp, n_layers=len(keep))
+    return optimize(build_graph(hp, meta, types)), hp
 
 
 class ModelDrafter(Drafter):
