@@ -111,6 +111,7 @@ def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> No
         check(mm(x), raw, ggml_type, x, mode)
 
 
+@pytest.mark.slow  # every backend of every format compiled
 @pytest.mark.parametrize(
     "ggml_type",
     [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K],

@@ -48,6 +48,8 @@ from dynalm.kernel import matmul as programs
 from dynalm.kernel.cross import Arena, Harness, Ptr
 from dynalm.kernel.formats import QK, UNPACKS
 
+pytestmark = pytest.mark.slow  # cross-compiled, linked and run under qemu
+
 K = 256  # every format's blocks fit (K-quants: 256 per super-block)
 T_ROWS = (1, 5)  # the GEMV and the GEMM bucket (a ragged 4-row tile)
 QEMU_CPU = {"aarch64-neon-dotprod": "neoverse-n1", "aarch64-neon": "cortex-a72"}

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_registry import Hub, hub  # noqa: F401 (the fixture)
+from test_catalog import Hub, hub  # noqa: F401 (the fixture)
 
 import dynalm
 from dynalm.errors import InvalidRequest, ModelNotFound, PullError
@@ -440,6 +440,7 @@ def test_default_catalog(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in out
 
 
+@pytest.mark.slow  # pulls and runs a model
 def test_run_a_transformers_repo_end_to_end(hub: Hub, tmp_path: Path) -> None:  # noqa: F811
     """`dynalm run ORG/REPO`: the repo's SafeTensors set is pulled into the store and the
     directory runs (a tiny random llama written by transformers' save_pretrained)."""

@@ -45,6 +45,7 @@ def distributions(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return p, q
 
 
+@pytest.mark.slow  # many draws
 @pytest.mark.parametrize("with_q", [True, False])
 def test_rejection_sampling_keeps_the_target_distribution(with_q):
     """Each emitted token follows the target's row at its position, whatever the drafter

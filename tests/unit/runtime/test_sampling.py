@@ -186,6 +186,7 @@ PEAKED = np.random.default_rng(1).standard_normal(V).astype(np.float32) * 3
 FLAT = np.random.default_rng(2).standard_normal(V).astype(np.float32) * 0.3
 
 
+@pytest.mark.slow  # many draws
 @pytest.mark.parametrize(
     ("logits", "params"),
     [
