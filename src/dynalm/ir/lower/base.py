@@ -3,10 +3,11 @@
 The executor plans buffers and views, prepares weights, groups split runs and keeps the
 submissions of small step shapes; a ``Binder`` turns each node into a zero-argument call
 over those buffers through its op table (``OP_TABLE``: op name -> a method taking the node,
-or for ``split`` the run of consecutive splits of one value) and a step's calls into one
-submission. What it reads of the executor is small and explicit: the graph, ``prepare`` (a
-weight prepared for one use, once) and, while it binds, the ``Buffers``. The device it binds
-for knows buffers, kernels and memory, never graph nodes.
+or for ``split`` the run of consecutive splits of one value; the methods of
+``BIND_METHODS`` the binder defines) and a step's calls into one submission. What it reads
+of the executor is small and explicit: the graph, ``prepare`` (a weight prepared for one
+use, once) and, while it binds, the ``Buffers``. The device it binds for knows buffers,
+kernels and memory, never graph nodes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from dynalm.core.cpu_ops import RopeTable
+from dynalm.ir.ops import GATES, OPS
 
 if TYPE_CHECKING:
     from dynalm.core.device import Device
@@ -26,6 +28,14 @@ if TYPE_CHECKING:
     from dynalm.ir.graph import Graph, Node
 
 Call = Callable[[], None]  # one bound op of a step
+# Each op of the IR -> the name of the binder method that binds it (ops of one kind share
+# one); a device's binder binds the ops whose methods it defines.
+BIND_METHODS: dict[str, str] = {op: f"_{op}" for op in OPS} | {
+    "matmul_add": "_matmul",
+    "rms_norm": "_norm",
+    "head_rms_norm": "_norm",
+    **dict.fromkeys(GATES, "_gated"),
+}
 Prepare = Callable[[str, str], object]  # (weight name, use) -> the weight as the device keeps it
 
 
@@ -44,6 +54,12 @@ class Binder(ABC):
 
     OP_TABLE: ClassVar[Mapping[str, Callable[..., Call]]]
     cached_rows: ClassVar[int] = 0  # submissions of steps up to this many tokens are kept
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "OP_TABLE" not in cls.__dict__:
+            methods = BIND_METHODS.items()
+            cls.OP_TABLE = {op: getattr(cls, m) for op, m in methods if hasattr(cls, m)}
 
     def __init__(self, device: Device, graph: Graph, prepare: Prepare) -> None:
         self.device, self.graph, self.prepare = device, graph, prepare

@@ -16,7 +16,7 @@ once per kernel; the kernels a step calls are lowered first, the pending ones to
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class CpuBinder(Binder):
         self._counted.append((int(block[0]) // self.buffers.capacity, rows))
         return kernel
 
-    def _add(self, out: int, x: int, y: int, rows: str) -> Call:
+    def _add_ids(self, out: int, x: int, y: int, rows: str) -> Call:
         """``out = x + y`` by value id."""
         bufs = self.buffers
         if self._native:
@@ -121,7 +121,7 @@ class CpuBinder(Binder):
             [w.name for w in node.weights],
         )
 
-    # The op table: each op of ``ir/ops.py`` -> the method that binds it.
+    # The op table (``base.BIND_METHODS``): each op of ``ir/ops.py``'s method.
     def _embed(self, node: Node) -> Call:
         v, args, o, *_, w = self._operands(node)
         lookup = self.prepare(w[0], "embedding")
@@ -136,7 +136,7 @@ class CpuBinder(Binder):
             bias = self.prepare(w[1], "vector")
             after.append(lambda: np.add(v[o], bias, out=v[o]))
         if node.op == "matmul_add":  # the fused residual: out += x_residual
-            after.append(self._add(node.out.id, node.out.id, node.args[1].id, rows))
+            after.append(self._add_ids(node.out.id, node.out.id, node.args[1].id, rows))
         if isinstance(mm, QuantMatmul) and all(hasattr(f, "records") for f in after):
             return _Matmul(mm, v, x, o, tuple(after))
         if not after:
@@ -190,8 +190,10 @@ class CpuBinder(Binder):
         attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
         return lambda: cpu_ops.attention(v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs)
 
-    def _add_op(self, node: Node) -> Call:
-        return self._add(node.out.id, node.args[0].id, node.args[1].id, str(node.out.type.shape[0]))
+    def _add(self, node: Node) -> Call:
+        return self._add_ids(
+            node.out.id, node.args[0].id, node.args[1].id, str(node.out.type.shape[0])
+        )
 
     def _gated(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
@@ -240,25 +242,6 @@ class CpuBinder(Binder):
                 v[o][...] = x[:, start:end]
 
         return split
-
-    OP_TABLE: ClassVar[dict[str, Callable[..., Call]]] = {
-        "embed": _embed,
-        "matmul": _matmul,
-        "matmul_add": _matmul,
-        "rms_norm": _norm,
-        "head_rms_norm": _norm,
-        "rope": _rope,
-        "attention": _attention,
-        "add": _add_op,
-        **dict.fromkeys(GATES, _gated),
-        "mul": _mul,
-        "scale": _scale,
-        "silu": _silu,
-        "gelu_tanh": _gelu_tanh,
-        "select_rows": _select_rows,
-        "gather_cols": _gather_cols,
-        "split": _split,
-    }
 
     # -- running -------------------------------------------------------------------
     def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:

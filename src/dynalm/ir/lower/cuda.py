@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable
-from typing import ClassVar
 
 import numpy as np
 
@@ -123,7 +122,7 @@ class CudaBinder(Binder):
         full = self.buffers.full
         return full[node.out.id], [full[x.id] for x in node.args], str(node.out.type.shape[0])
 
-    # The op table: each op this device has kernels for -> the method that binds it.
+    # The op table (``base.BIND_METHODS``): each op this device has kernels for.
     def _embed(self, node: Node) -> Call:
         bufs = self.buffers
         lookup = self.prepare(node.weights[0].name, "embedding")
@@ -257,19 +256,6 @@ class CudaBinder(Binder):
                 self._context.copy_within(dst, dst_at + i * n, src, src_at + row * n, n)
 
         return select_rows
-
-    OP_TABLE: ClassVar[dict[str, Callable[..., Call]]] = {
-        "embed": _embed,
-        "matmul": _matmul,
-        "matmul_add": _matmul,
-        "rms_norm": _norm,
-        "head_rms_norm": _norm,
-        "rope": _rope,
-        "attention": _attention,
-        "add": _add,
-        **dict.fromkeys(GATES, _gated),
-        "select_rows": _select_rows,
-    }
 
     # -- running -------------------------------------------------------------------
     def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
