@@ -22,7 +22,7 @@ from test_matmul import activations, check, weights
 from dynalm.core import cpu_ops, elementwise
 from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import backends, jit
-from dynalm.kernel import matmul as mm_programs
+from dynalm.kernel import matmul_programs as mm_programs
 
 
 def fresh_backend() -> backends.Backend:

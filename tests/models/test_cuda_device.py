@@ -213,7 +213,7 @@ def test_auto_runs_on_the_cpu_what_the_gpu_cannot(model, gpu, monkeypatch, caplo
 def test_the_emulator_refuses_host_memory_in_a_launch(gpu):
     """What makes the tests above mean something: a host address reaching a kernel fails."""
     device = cuda(gpu)
-    from dynalm.kernel import elementwise as programs
+    from dynalm.kernel import elementwise_programs as programs
 
     out = device.buffer(4, 8)
     host = np.ones((4, 8), np.float32)  # not mirrored: no device copy

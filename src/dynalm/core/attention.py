@@ -1,6 +1,6 @@
 """Paged attention bound to a layer's buffers: the page tables of a step, checks, threads.
 
-The kernel is the DynaKernel program ``kernel.attention`` (blockwise online softmax over
+The kernel is the DynaKernel program ``kernel.attention_program`` (blockwise online softmax over
 keys read through page tables, in f32, f16 or q8_0 storage, with q8_0's recent f16
 window), lowered by the backend ``kernel.backends`` selects (or one passed in) and
 specialised per (kv dtype, heads, kv heads, head dim, page size, recent window).
@@ -24,7 +24,7 @@ import numpy as np
 from dynalm.core import pool
 from dynalm.core.buffers import check, require
 from dynalm.kernel import backends
-from dynalm.kernel.attention import (
+from dynalm.kernel.attention_program import (
     A_K,
     A_K_NEW,
     A_K_STRIDE,

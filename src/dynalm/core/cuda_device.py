@@ -34,7 +34,7 @@ from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.kernel import layouts, nvptx
 from dynalm.kernel.backends import Program, Spec
 from dynalm.kernel.formats import UNPACKS
-from dynalm.kernel.matmul import MatmulKernels
+from dynalm.kernel.matmul_programs import MatmulKernels
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the PTX targets sm_80 (kernel.nvptx.SM)
 

@@ -17,8 +17,7 @@ from dynalm.core import cuda_driver
 from dynalm.core.cpu_device import CpuDevice, physical_cores
 from dynalm.core.device import Device
 from dynalm.errors import DeviceUnavailable, InvalidRequest
-from dynalm.kernel import backends, jit
-from dynalm.kernel import matmul as matmul_programs
+from dynalm.kernel import backends, jit, matmul_programs
 
 log = logging.getLogger(__name__)
 

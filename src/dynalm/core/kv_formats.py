@@ -6,7 +6,7 @@ share an f16 scale: then the keys are also stored Hadamard-rotated per block, se
 many of each running sequence's last tokens a pool also keeps in f16, where attention reads
 the keys and values near a query. The page storage (``kv_storage``), the attention kernels'
 binding (``attention``), the runtime's page pool and memory plan and the CLI's choices read
-it; a new format is one row here and its kernels (``kernel.attention``'s load and store of
+it; a new format is one row here and its kernels (``kernel.attention_program``'s load and store of
 the element type). It imports nothing heavy: the CLI reads it to list the choices.
 """
 

@@ -4,11 +4,11 @@ submission.
 The programs are the CPU's, at 8 lanes: the element-wise kernels are bound with
 ``core.elementwise``'s binders (their checks and specialisation), then their arrays'
 addresses replaced by the device copies' (``CudaDevice.address``); matmul and attention
-blocks are written here from the programs' argument layouts (``kernel.matmul.A_*``,
-``kernel.attention.A_*``). The blocks are rows of one table in device memory, uploaded when a
-step shape or the KV storage changes. The executor writes a step's inputs on the host:
-positions are uploaded by ``begin_step``, the embedding rows are looked up on the host and
-copied in.
+blocks are written here from the programs' argument layouts (``kernel.matmul_programs.A_*``,
+``kernel.attention_program.A_*``). The blocks are rows of one table in device memory,
+uploaded when a step shape or the KV storage changes. The executor writes a step's inputs on
+the host: positions are uploaded by ``begin_step``, the embedding rows are looked up on the
+host and copied in.
 
 A step is one submission: its launches in graph order on the default stream, each over the
 grid ``nvptx.Entry.grid`` gives its rows, then the logits copied back (which waits for them).
@@ -32,11 +32,11 @@ from dynalm.errors import InvalidRequest
 from dynalm.ir.graph import Graph, Node
 from dynalm.ir.lower.base import Binder, Buffers, Call, Prepare
 from dynalm.ir.ops import GATES
-from dynalm.kernel import attention as attention_program
+from dynalm.kernel import attention_program
 from dynalm.kernel.backends import Program, Spec
 from dynalm.kernel.formats import QK
-from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XS, A_Y, MATMUL
-from dynalm.kernel.matmul import N_ARGS as MATMUL_ARGS
+from dynalm.kernel.matmul_programs import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XS, A_Y, MATMUL
+from dynalm.kernel.matmul_programs import N_ARGS as MATMUL_ARGS
 
 WORDS = max(MATMUL_ARGS, attention_program.N_ARGS, elementwise.MAX_WORDS)  # per block
 # One launch of a step: (program, spec, entry, argument block's device address, rows).
