@@ -18,13 +18,13 @@ from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine, RequestOutput
 from dynalm.runtime.engine.sampling import Sampler, SamplingParams
+from dynalm.runtime.engine.spec_decode.draft_planner import PROBE_EVERY
 from dynalm.runtime.engine.spec_decode.drafters import (
     ModelDrafter,
     NgramDrafter,
     check_vocabularies,
 )
-from dynalm.runtime.engine.spec_decode.metrics import SpecStats
-from dynalm.runtime.engine.spec_decode.planner import PROBE_EVERY
+from dynalm.runtime.engine.spec_decode.stats import SpecStats
 from dynalm.runtime.engine.spec_decode.step_cost import StepCost
 from dynalm.runtime.generator import Generator, generator_config
 from dynalm.runtime.serve.metrics import ServerMetrics
@@ -166,7 +166,7 @@ def test_nothing_drafted_costs_no_lookups(model, device, monkeypatch):
     the probes that are due every PROBE_EVERY + 1 steps: a sure draft could not pay either;
     only an exploring step, every EXPLORE_EVERY-th, plans, and none is due here); a request
     that joins makes the plan be remade."""
-    import dynalm.runtime.engine.spec_decode.planner as planner_module
+    import dynalm.runtime.engine.spec_decode.draft_planner as planner_module
 
     plans = []
     gate = planner_module.drafts_can_pay
@@ -203,7 +203,7 @@ def test_explorations_thin_out_where_nothing_pays(model, device, monkeypatch):
     """An exploring step plans with the optimistic guess: after EXPLORE_EVERY steps, then
     at twice the gap each time while no other plan drafts (here none can: each token costs
     a whole step), so a full batch that cannot gain stops paying for explorations."""
-    import dynalm.runtime.engine.spec_decode.planner as planner_module
+    import dynalm.runtime.engine.spec_decode.draft_planner as planner_module
 
     explored = []
     gate = planner_module.drafts_can_pay

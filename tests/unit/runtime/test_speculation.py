@@ -13,9 +13,7 @@ from dynalm.runtime.engine.radix_cache import RadixCache
 from dynalm.runtime.engine.rejection_sampler import accept_greedy, accept_sampled
 from dynalm.runtime.engine.sampling import Sampler, SamplingParams
 from dynalm.runtime.engine.scheduler import KVCacheManager, Request, Scheduler
-from dynalm.runtime.engine.spec_decode.drafters import NgramDrafter
-from dynalm.runtime.engine.spec_decode.metrics import SpecStats
-from dynalm.runtime.engine.spec_decode.planner import (
+from dynalm.runtime.engine.spec_decode.draft_planner import (
     EWMA,
     MARGIN,
     PRIOR,
@@ -25,6 +23,8 @@ from dynalm.runtime.engine.spec_decode.planner import (
     drafts_can_pay,
     plan_drafts,
 )
+from dynalm.runtime.engine.spec_decode.drafters import NgramDrafter
+from dynalm.runtime.engine.spec_decode.stats import SpecStats
 from dynalm.runtime.engine.spec_decode.step_cost import STEP_EWMA, STEP_STALE, StepCost
 
 # chi-square critical values at p = 0.001 (5 and 3 degrees of freedom): a correct sampler

@@ -47,9 +47,9 @@ from dynalm.runtime.engine.scheduler import (
     Scheduler,
     flat_batch,
 )
+from dynalm.runtime.engine.spec_decode.draft_planner import DraftPlanner
 from dynalm.runtime.engine.spec_decode.drafters import Drafter
-from dynalm.runtime.engine.spec_decode.metrics import SpecStats
-from dynalm.runtime.engine.spec_decode.planner import DraftPlanner
+from dynalm.runtime.engine.spec_decode.stats import SpecStats
 
 if TYPE_CHECKING:
     import asyncio

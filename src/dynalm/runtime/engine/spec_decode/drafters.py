@@ -8,7 +8,7 @@ A drafter is ``propose`` and ``release`` (a new one is one class):
   the target's accepted tokens; ``layer_skip`` makes the target itself, with some layers
   skipped, its draft.
 
-How many tokens each sequence drafts is the planner's (``planner.DraftPlanner``); what is
+How many tokens each sequence drafts is the planner's (``draft_planner.DraftPlanner``); what is
 kept of a draft, the rejection sampler's (``engine.rejection_sampler``).
 """
 

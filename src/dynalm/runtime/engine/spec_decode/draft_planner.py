@@ -32,7 +32,7 @@ from dynalm.runtime.engine.rejection_sampler import verify
 from dynalm.runtime.engine.sampling import Sampler
 from dynalm.runtime.engine.scheduler import Request, Scheduler
 from dynalm.runtime.engine.spec_decode.drafters import Draft, Drafter
-from dynalm.runtime.engine.spec_decode.metrics import SpecStats
+from dynalm.runtime.engine.spec_decode.stats import SpecStats
 from dynalm.runtime.engine.spec_decode.step_cost import STEP_STALE, StepCost
 
 EWMA = 0.15  # weight of one draft token's outcome in a sequence's acceptance rate

@@ -1,4 +1,4 @@
-"""What speculative decoding did: the verified drafts, counted."""
+"""What speculative decoding did: the verified drafts, counted (vLLM's spec_decode metrics)."""
 
 from __future__ import annotations
 
