@@ -130,3 +130,13 @@ def test_the_rules_see_every_layer() -> None:
     """A new top-level package needs a rule (else it would pass as 'app')."""
     packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
     assert packages == set(ALLOWED) - {"app"}
+
+
+def test_module_names_are_unique() -> None:
+    """A name means one thing: no two modules share one (core's bound kernels and kernel's
+    programs were both attention, matmul, ...)."""
+    seen: dict[str, list[str]] = {}
+    for path in SRC.rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(str(path.relative_to(SRC)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
