@@ -6,7 +6,7 @@ sequence concatenated, with positions and page tables), then samples the next
 token of every sequence whose chunk reached its end: each request has its own
 sampler (and seed), incremental detokeniser and stop-string matcher.
 
-With a drafter, decoding sequences first get draft tokens (``spec_decode.DraftPlanner``),
+With a drafter, decoding sequences first get draft tokens (``spec_decode.draft_planner``),
 which the same step computes after their last token; ``_verify`` keeps what the target's
 logits accept (several tokens per step) and rolls the rest back.
 
