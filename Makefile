@@ -1,6 +1,7 @@
 # Two entry points on a fresh machine:
 #   make demo  - venv + install + pull smollm2:135m + answer one prompt, streamed
 #   make test  - venv + install test extras + the test model + the whole suite
+# and while working: make test-fast - the unit and kernel tests but the slow ones (< 2 min)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ export DYNALM_CACHE ?= $(CURDIR)/.cache/dynalm
 TEST_MODEL := $(DYNALM_HOME)/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Why is the sky blue? Answer in two sentences.
 
-.PHONY: install install-test demo test lint clean browser cross
+.PHONY: install install-test demo test test-fast lint clean browser cross
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +57,9 @@ cross:
 
 test: install-test $(TEST_MODEL) lint browser cross
 	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests
+
+test-fast: install-test
+	$(BIN)/pytest tests/unit tests/kernels -m "not slow"
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

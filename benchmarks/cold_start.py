@@ -46,12 +46,13 @@ else:  # revisions that compiled one module at a time, in _Engine.compile
             compiles.append(time.perf_counter() - t0)
         return out
     jit._Engine.compile = timed
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.generator import Generator, generator_config
+from dynalm.runtime.engine.sampling import SamplingParams
 t0 = time.perf_counter()
-gen = Generator(load_model(sys.argv[1]), CpuDevice(sys.argv[2]), ctx=512)
+gen = Generator(Engine(load_model(sys.argv[1]), CpuDevice(sys.argv[2]), generator_config(512)))
 list(gen.generate(list(range(1, 40)), SamplingParams(max_tokens=4, temperature=0)))
 print(json.dumps({"seconds": time.perf_counter() - t0, "compiles": compiles}))
 """

@@ -38,11 +38,12 @@ from pathlib import Path
 import numpy as np
 
 from dynalm.core import cuda_driver, elementwise
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.cuda_device import CudaDevice
-from dynalm.core.device import CpuDevice
 from dynalm.core.matmul import QuantMatmul
-from dynalm.kernel import backends, nvptx, sampling
-from dynalm.kernel.matmul import MATMUL, N_ARGS
+from dynalm.kernel import backends, nvptx
+from dynalm.kernel import sampling_program as sampling
+from dynalm.kernel.matmul_programs import MATMUL, N_ARGS
 
 Q4_1 = 3
 

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime import engine as engine_module
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.guided import Guide, MaskWorker, apply_masks
-from dynalm.runtime.sampling import SamplingParams
-from dynalm.runtime.structured import json_grammar
+from dynalm.runtime.engine import engine as engine_module
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.guided import Guide, MaskWorker, apply_masks
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.serve.structured import json_grammar
 
 # A schema whose answer is long: free text in a string of 1,000 characters at least, so the
 # grammar stays open for every step measured.

@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("bench_args", nargs="*", help="after --: arguments for dynalm bench")
     args = parser.parse_args()
     if args.source is None:
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.store.catalog import ModelStore
 
         args.source = ModelStore().resolve("smollm2:135m")
     formats = [f.strip() for f in args.formats.split(",")]

@@ -19,12 +19,13 @@ import argparse
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.registry import ModelStore
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.generator import Generator, generator_config
+from dynalm.store.catalog import ModelStore
 
 PROMPTS = [
     "The Industrial Revolution changed how people",
@@ -104,7 +105,7 @@ def main() -> None:
         ids = prompt + cont
         logits = {}
         for kv in ("f16", args.kv_dtype):
-            scorer = Generator(model, device, ctx=len(ids) + 1, kv_dtype=kv)
+            scorer = Generator(Engine(model, device, generator_config(len(ids) + 1, kv)))
             logits[kv] = scorer.forward(ids, all_logits=True)[len(prompt) - 1 : len(ids) - 1]
         a, b = logits["f16"], logits[args.kv_dtype]
         worst.append(np.abs(b - a).max(-1))

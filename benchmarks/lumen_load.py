@@ -26,13 +26,14 @@ import dynalm.ir.builder, dynalm.ir.passes, dynalm.models.chat_template, dynalm.
 import dynalm.models.tokenizer
 gguf = GGUFFile(sys.argv[1])
 clocks = (time.process_time, time.perf_counter)
+shapes = {n: t.shape for n, t in gguf.tensors.items()}
+hp = dynalm.models.hparams.read_hparams(gguf.metadata, shapes)
 t0 = [c() for c in clocks]
-from dynalm.ir.lumen import Elaborator
-from dynalm.models.arch import family_file, family_program, tensor_types
+from dynalm.models.arch import build_graph, family_file, family_program, tensor_types
 t1 = [c() for c in clocks]
 program = family_program(family_file(gguf.architecture))
 t2 = [c() for c in clocks]
-graph = Elaborator(program, gguf.architecture, gguf.metadata, tensor_types(gguf)).run()
+graph = build_graph(hp, gguf.metadata, tensor_types(gguf))
 t3 = [c() for c in clocks]
 steps = {"import": (t0, t1), "parse": (t1, t2), "elaborate": (t2, t3)}
 print(json.dumps({

@@ -25,9 +25,10 @@ def measure(model_path: str) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import numpy as np
 
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.cpu_device import CpuDevice
     from dynalm.models.loader import load_model
-    from dynalm.runtime.generator import Generator
+    from dynalm.runtime.engine.engine import Engine
+    from dynalm.runtime.generator import Generator, generator_config
     from tolerances import forward_bound, logit_scale
 
     model = load_model(model_path)
@@ -37,7 +38,9 @@ def measure(model_path: str) -> dict[str, float]:
         messages = [{"role": "user", "content": text}]
         ids = model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
         safe, exact = (
-            Generator(model, CpuDevice(mode), ctx=512).forward(ids, all_logits=True)
+            Generator(Engine(model, CpuDevice(mode), generator_config(512))).forward(
+                ids, all_logits=True
+            )
             for mode in ("safe", "exact")
         )
         gap = np.abs(safe - exact)

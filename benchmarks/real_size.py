@@ -179,7 +179,7 @@ def main() -> None:
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
     if unknown := set(formats) - FTYPES.keys():
         parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(FTYPES)}")
-    from dynalm.runtime.registry import ModelStore
+    from dynalm.store.catalog import ModelStore
 
     source = ModelStore().resolve("smollm2:135m")
     for path in model_files(names, formats, args.cache, source):

@@ -8,7 +8,7 @@ defaults (temperature 1, top_p 1, top_k 0: the plain softmax); llama.cpp's defau
 (top-k 40, top-p 0.95, min-p 0.05, T 0.8, repeat penalty 1.1); top-p 0.9 alone; min-p
 0.05 alone. Vocabularies: SmolLM2's 49,152 and Gemma 3's 262,144.
 
-``--baseline REV`` also times the sampler of ``src/dynalm/runtime/sampling.py`` at git
+``--baseline REV`` also times the sampler of ``src/dynalm/runtime/engine/sampling.py`` at git
 revision REV (its per-sequence ``Sampler.sample``), alternated with the current one.
 
     python benchmarks/sampler_bench.py [--batch 1,8] [--baseline REV] [--model GGUF]
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynalm.runtime.sampling import Sampler, SamplingParams, sample_rows
+from dynalm.runtime.engine.sampling import Sampler, SamplingParams, sample_rows
 
 SETTINGS = {
     "greedy": dict(temperature=0.0, top_k=0, top_p=1.0, repeat_penalty=1.0),
@@ -76,21 +76,27 @@ TEXT = (
 
 def real_logits(path: str) -> np.ndarray:
     """The model's logits at every position of ``TEXT``, [positions, vocab]."""
-    from dynalm.core.device import CpuDevice
+    from dynalm.core.cpu_device import CpuDevice
     from dynalm.models.loader import load_model
-    from dynalm.runtime.generator import Generator
+    from dynalm.runtime.engine.engine import Engine
+    from dynalm.runtime.generator import Generator, generator_config
 
     model = load_model(path)
     ids = model.tokenizer.encode(TEXT, add_special=True)
-    return Generator(model, CpuDevice("auto"), ctx=256).forward(ids, all_logits=True)
+    generator = Generator(Engine(model, CpuDevice("auto"), generator_config(256)))
+    return generator.forward(ids, all_logits=True)
 
 
 def load_baseline(rev: str) -> types.ModuleType:
-    path = "src/dynalm/runtime/sampling.py"
     root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout
+    for path in ("src/dynalm/runtime/engine/sampling.py", "src/dynalm/runtime/sampling.py"):
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True
+        )  # (before the engine/ package the sampler was runtime/sampling.py)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     module = types.ModuleType(f"sampling_{rev}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)

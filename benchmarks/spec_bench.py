@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel, load_model
-from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
-from dynalm.runtime.sampling import SamplingParams
-from dynalm.runtime.scheduler import Request, ScheduledChunk
-from dynalm.runtime.speculative import Drafter, ModelDrafter, NgramDrafter
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.engine.scheduler import Request, ScheduledChunk, flat_batch
+from dynalm.runtime.engine.spec_decode.drafters import Drafter, ModelDrafter, NgramDrafter
 
 DEFAULT_MODEL = ".models/models/smollm2/135m/SmolLM2-135M-Instruct.Q4_1.gguf"
 

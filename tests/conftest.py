@@ -32,6 +32,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop("DYNALM_REPACK_CACHE", None)
 
 
+# Every test under these folders runs the real model or a real server: slow (make test-fast
+# runs tests/unit and tests/kernels without them; make test runs everything).
+SLOW_FOLDERS = ("models", "serve")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = [Path(__file__).parent / folder for folder in SLOW_FOLDERS]
+    for item in items:
+        if any(folder in item.path.parents for folder in slow):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Print the machine the numbers are measured on (even under -q): numeric budgets must
     hold on every CPU (AVX2, AVX-512 and AMX hosts sum in other orders), so a failure

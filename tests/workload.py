@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dynalm.runtime.engine import Engine
+from dynalm.runtime.engine.engine import Engine
 
 TEXTS = [
     "The history of the Roman Empire begins with",

@@ -28,13 +28,12 @@ from typing import Protocol
 
 import numpy as np
 
-from dynalm.core.device import Device
 from dynalm.errors import InvalidRequest
-from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import MemoryPlan, peak_rss, plan_memory
-from dynalm.runtime.sampling import SamplingParams
-from dynalm.runtime.speculative import Drafter, build_drafter
+from dynalm.runtime.engine.build import EngineSpec, build_engine
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.memory_plan import MemoryPlan, peak_rss
+from dynalm.runtime.engine.sampling import SamplingParams
 
 TG_PROMPT = 8  # tokens of context before a tg test's timed decode steps
 INSTALL_HINT = "--vs llama.cpp needs llama-cpp-python: pip install 'dynalm[bench]'"
@@ -73,17 +72,10 @@ class DynaLMRunner:
 
     name = "dynalm"
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        device: Device,
-        ctx: int,
-        drafter: Drafter | None = None,
-        num_draft_tokens: int = 4,
-    ):
-        self.engine = Engine(model, device, bench_config(ctx, num_draft_tokens), drafter)
-        if drafter is not None:
-            self.name = f"dynalm+{drafter.name}"
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        if engine.planner is not None:
+            self.name = f"dynalm+{engine.planner.drafter.name}"
         self._n = 0
 
     def _request(self, prompt: list[int], max_tokens: int) -> list[float]:
@@ -445,7 +437,6 @@ def bench_command(
     import importlib.util
     import json
 
-    from dynalm.core.device import select_device
     from dynalm.models.loader import load_model
 
     if vs not in (None, "llama.cpp"):
@@ -462,10 +453,8 @@ def bench_command(
     t0 = time.perf_counter()
     model = load_model(path)
     t1 = time.perf_counter()
-    need = lambda m: plan_memory(model, bench_config(ctx), m).device_bytes  # noqa: E731
-    device = select_device(backend, mode, threads, need)
-    n_vocab = model.hparams.n_vocab
-    ours = DynaLMRunner(model, device, ctx)
+    ours = DynaLMRunner(build_engine(EngineSpec(model, bench_config(ctx), backend, mode, threads)))
+    device, n_vocab = ours.engine.device, model.hparams.n_vocab
     load = {  # binding repacks the weights, or maps them from the repack cache
         "file_s": round(t1 - t0, 3),
         "bind_s": round(time.perf_counter() - t1, 3),
@@ -489,11 +478,9 @@ def bench_command(
     memory = Memory(peak_rss(), path.stat().st_size, ours.engine.memory_plan)
     runners: list[Runner] = [ours]
     if speculative:  # first, so that the ratio column is the speed-up
-        drafter = build_drafter(
-            speculative, None, model, device, ctx=ctx, max_num_seqs=1,
-            num_draft_tokens=num_draft_tokens,
-        )  # fmt: skip
-        runners.insert(0, DynaLMRunner(model, device, ctx, drafter, num_draft_tokens))
+        config = bench_config(ctx, num_draft_tokens)
+        spec = EngineSpec(model, config, speculative=speculative, device=device)
+        runners.insert(0, DynaLMRunner(build_engine(spec)))
         work.warm_up(runners[0])
         runners[0].engine.spec_stats.__init__()  # count the timed runs only
     if vs:

@@ -22,13 +22,15 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from dynalm.core.kv_formats import KV_FORMATS
+
 if TYPE_CHECKING:
-    from dynalm.core.device import Device
     from dynalm.models.loader import LoadedModel
-    from dynalm.runtime.engine import EngineConfig
+    from dynalm.runtime.engine.config import EngineConfig
+    from dynalm.runtime.engine.engine import Engine
+    from dynalm.runtime.engine.guided import Guide
+    from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
-    from dynalm.runtime.guided import Guide
-    from dynalm.runtime.sampling import SamplingParams
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
@@ -150,15 +152,6 @@ def _context(ctx: int | None, model: LoadedModel) -> int:
     return ctx
 
 
-def _memory_plan(model: LoadedModel, config: EngineConfig, mode: str, verbose: bool) -> None:
-    """With --verbose, the memory plan on stderr (the engine checks it either way, before
-    anything large is allocated or read)."""
-    if verbose:
-        from dynalm.runtime.memory_plan import plan_memory
-
-        err.print(f"[dim]{escape(plan_memory(model, config, mode).line())}[/]")
-
-
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
 Threads = Annotated[
     int | None,
@@ -178,17 +171,14 @@ CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
 GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
 
 
-class KVCacheDtype(str, Enum):
-    f16 = "f16"
-    f32 = "f32"
-    q8_0 = "q8_0"
+KVCacheDtype = Enum("KVCacheDtype", {name: name for name in KV_FORMATS}, type=str)  # type: ignore[misc]
 
 
 KVDtype = Annotated[
     KVCacheDtype,
     typer.Option(
-        help="KV cache dtype: f16 | f32 | q8_0 (half of f16's bytes per token; each running "
-        "sequence's last 32 tokens also kept in f16, for accuracy)"
+        help=f"KV cache dtype: {' | '.join(KV_FORMATS)} (q8_0: half of f16's bytes per token; "
+        "each running sequence's last 32 tokens also kept in f16, for accuracy)"
     ),
 ]
 
@@ -213,49 +203,31 @@ NumDraftTokens = Annotated[
 ]
 
 
-def _drafter(
-    draft: str | None,
-    speculative: str | None,
-    num_draft_tokens: int,
-    target: LoadedModel,
-    device: Device,
-    ctx: int,
-    max_num_seqs: int,
-) -> object:
-    """The drafter --draft / --speculative ask for (None: no speculative decoding)."""
-    from dynalm.models.loader import load_model
-    from dynalm.runtime.registry import ModelStore
-    from dynalm.runtime.speculative import build_drafter, check_num_draft_tokens
-
-    check_num_draft_tokens(num_draft_tokens)  # before loading a draft model
-    draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
-    return build_drafter(
-        speculative,
-        draft_model,
-        target,
-        device,
-        ctx=ctx,
-        max_num_seqs=max_num_seqs,
-        num_draft_tokens=num_draft_tokens,
-    )
-
-
-def _device(
+def _engine(
+    model: LoadedModel,
+    config: EngineConfig,
     backend: Backend,
     cpu: bool,
     gpu: bool,
     mode: Mode,
     threads: int | None,
-    model: LoadedModel,
-    config: EngineConfig,
-) -> Device:
-    """The device for --backend/--cpu/--gpu, --mode and --threads: a GPU only if it holds
-    ``model`` run with ``config`` (its memory plan)."""
-    from dynalm.core.device import select_device
-    from dynalm.runtime.memory_plan import plan_memory
+    draft: str | None = None,
+    speculative: str | None = None,
+) -> Engine:
+    """The engine of these flags (``build_engine``): on the device --backend/--cpu/--gpu,
+    --mode and --threads choose (a GPU only if it runs and holds ``model`` with ``config``),
+    with the drafter --draft (a model of the store, loaded here) or --speculative asks for.
+    --verbose logs its memory plan."""
+    from dynalm.models.loader import load_model
+    from dynalm.runtime.engine.build import EngineSpec, build_engine
+    from dynalm.runtime.engine.config import check_num_draft_tokens
+    from dynalm.store.catalog import ModelStore
 
-    need = lambda m: plan_memory(model, config, m).device_bytes  # noqa: E731
-    return select_device(_backend(backend, cpu, gpu), mode.value, threads, need)
+    check_num_draft_tokens(config.num_draft_tokens)  # before loading a draft model
+    draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
+    backend_name = _backend(backend, cpu, gpu)
+    spec = EngineSpec(model, config, backend_name, mode.value, threads, draft_model, speculative)
+    return build_engine(spec)
 
 
 def _backend(backend: Backend, cpu: bool, gpu: bool) -> str:
@@ -277,7 +249,7 @@ def pull(
 ) -> None:
     """Download a model into the store (idempotent, verified by sha256)."""
     _configure(verbose, None)
-    from dynalm.runtime.store_commands import pull_command
+    from dynalm.store.commands import pull_command
 
     with user_errors(verbose):
         pull_command(model)
@@ -291,7 +263,7 @@ def list_models(
     verbose: Verbose = False,
 ) -> None:
     """List the models in the store (or in the catalog)."""
-    from dynalm.runtime.store_commands import list_command
+    from dynalm.store.commands import list_command
 
     with user_errors(verbose):
         list_command(catalog=catalog)
@@ -300,7 +272,7 @@ def list_models(
 @app.command()
 def rm(model: str, verbose: Verbose = False) -> None:
     """Delete a model from the store."""
-    from dynalm.runtime.store_commands import rm_command
+    from dynalm.store.commands import rm_command
 
     with user_errors(verbose):
         rm_command(model)
@@ -339,22 +311,26 @@ def show(
             return
         if model is None:
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
+        from dynalm.core.cpu_device import CpuDevice
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine import EngineConfig
-        from dynalm.runtime.memory_plan import plan_memory
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.runtime.engine.config import EngineConfig
+        from dynalm.runtime.engine.memory_plan import plan_memory
         from dynalm.show import describe_model
+        from dynalm.store.catalog import ModelStore
 
         loaded = load_model(ModelStore().resolve(model))
         if graph:
-            typer.echo(str(loaded.graph))
+            from dynalm.ir.text import print_graph
+
+            typer.echo(print_graph(loaded.graph))
             return
         config = EngineConfig(
             ctx=_context(ctx, loaded),
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=kv_cache_dtype.value,
         )
-        typer.echo(describe_model(loaded, plan_memory(loaded, config, mode.value)))
+        plan = plan_memory(loaded, config, CpuDevice(mode.value, threads=1))
+        typer.echo(describe_model(loaded, plan))
 
 
 @app.command()
@@ -408,7 +384,7 @@ def _stream(
 def _schema_guide(generator: Generator, path: Path) -> Guide:
     """The grammar of the JSON schema in file ``path`` (--json-schema)."""
     from dynalm.errors import InvalidRequest
-    from dynalm.runtime.structured import json_grammar
+    from dynalm.runtime.serve.structured import json_grammar
 
     try:
         schema = json.loads(path.read_text())
@@ -457,7 +433,7 @@ def _chat(
         messages.append({"role": "assistant", "content": answer})
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
-            if generator.engine.drafter is not None:
+            if generator.engine.planner is not None:
                 err.print(f"[dim]{generator.engine.spec_stats.summary()}[/]")
 
 
@@ -499,9 +475,9 @@ def run(
         import time
 
         from dynalm.models.loader import load_model
+        from dynalm.runtime.engine.sampling import SamplingParams
         from dynalm.runtime.generator import Generator, generator_config
-        from dynalm.runtime.registry import ModelStore
-        from dynalm.runtime.sampling import SamplingParams
+        from dynalm.store.catalog import ModelStore
 
         for text, what in [(prompt, "the prompt"), (system, "--system")] + [
             (s, "--stop") for s in stop or []
@@ -521,13 +497,9 @@ def run(
         t0 = time.perf_counter()
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
-        kv_dtype = kv_cache_dtype.value
-        ctx = _context(ctx, loaded)
-        config = generator_config(ctx, kv_dtype)
-        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        _memory_plan(loaded, config, device.mode, verbose)
-        drafter = _drafter(draft, speculative, num_draft_tokens, loaded, device, ctx, 1)
-        generator = Generator(loaded, device, ctx, kv_dtype, drafter, num_draft_tokens)
+        config = generator_config(_context(ctx, loaded), kv_cache_dtype.value, num_draft_tokens)
+        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+        generator, device = Generator(engine), engine.device
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
                 f"[dim]loaded {loaded.name} on {device.describe()}: file {t1 - t0:.2f} s, "
@@ -555,8 +527,8 @@ def run(
             sys.stdout.write("\n")
         if verbose:
             err.print(f"[dim]{generator.stats.summary()}[/]")
-            if drafter is not None:
-                err.print(f"[dim]{generator.engine.spec_stats.summary()}[/]")
+            if engine.planner is not None:
+                err.print(f"[dim]{engine.spec_stats.summary()}[/]")
 
 
 @app.command()
@@ -605,9 +577,9 @@ def serve(
     with user_errors(verbose):
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
-        from dynalm.runtime import server
-        from dynalm.runtime.engine import Engine, EngineConfig
-        from dynalm.runtime.registry import ModelStore, is_local_path
+        from dynalm.runtime.engine.config import EngineConfig
+        from dynalm.runtime.serve import server
+        from dynalm.store.catalog import ModelStore, is_local_path
 
         kv_memory = server.parse_size(kv_cache_memory) if kv_cache_memory else None
         max_body = server.parse_size(max_body_size)
@@ -624,12 +596,7 @@ def serve(
             kv_cache_dtype=kv_cache_dtype.value,
             num_draft_tokens=num_draft_tokens,
         )
-        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        _memory_plan(loaded, config, device.mode, verbose)
-        drafter = _drafter(
-            draft, speculative, num_draft_tokens, loaded, device, config.ctx, max_num_seqs
-        )
-        engine = Engine(loaded, device, config, drafter)
+        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
         server.serve(
@@ -675,7 +642,7 @@ def bench(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.bench import bench_command, parse_tests
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.store.catalog import ModelStore
 
         tests = parse_tests(n_prompt, n_gen)
         typer.echo(
@@ -720,9 +687,9 @@ def perplexity(
 
         from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
-        from dynalm.runtime.engine import Engine, EngineConfig
+        from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.perplexity import perplexity as score
-        from dynalm.runtime.registry import ModelStore
+        from dynalm.store.catalog import ModelStore
 
         if text_file == "-":
             text = _read_prompt("-") or ""
@@ -738,8 +705,7 @@ def perplexity(
         config = EngineConfig(
             ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
         )
-        device = _device(backend, cpu, gpu, mode, threads, loaded, config)
-        engine = Engine(loaded, device, config)
+        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads)
         ids = tok.encode(text, add_special=False)
         bos = tok.bos_id if tok.add_bos else None
         columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())

@@ -5,14 +5,14 @@ from __future__ import annotations
 import platform
 from collections import Counter
 
-from dynalm.core.device import MODES, CpuDevice, describe_devices, physical_cores
+from dynalm.core.cpu_device import CpuDevice, physical_cores
+from dynalm.core.device import MODES
+from dynalm.core.devices import describe_devices, describe_kernels, describe_matmul_buckets
 from dynalm.core.quant import QUANT_FORMATS, tensor_type_name
 from dynalm.ir.ops import OPS
-from dynalm.kernel import backends, jit
-from dynalm.kernel import matmul as kernel_matmul
 from dynalm.models.gptq_awq import describe
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.memory_plan import MemoryPlan
+from dynalm.runtime.engine.memory_plan import MemoryPlan
 
 
 def _count(n: int) -> str:
@@ -84,7 +84,6 @@ _VECTOR_FEATURES = (
 def describe_system() -> str:
     name, simd = cpu_description()
     jit_ops = [op.name for op in OPS.values() if op.kernel == "jit"]
-    host = jit.host_features()
     return "\n".join(
         [
             "System",
@@ -97,56 +96,21 @@ def describe_system() -> str:
             *describe_devices(),
             "",
             "Kernels",
-            f"  jit target          {host['cpu']} ({host['triple']}, llvmlite {host['llvmlite']})",
-            f"  jit features        {' '.join(host['features']) or 'none'}",
-            *_backend_lines(),
+            *describe_kernels(),
             f"  element-wise        jit: {' '.join(jit_ops)} (safe: numpy)",
             "",
             _matmul_table(),
-            *_bucket_lines(),
+            *describe_matmul_buckets(),
         ]
     )
 
 
-def _backend_lines() -> list[str]:
-    """Each kernel backend: whether this host runs it, its width and int8 dot; the one
-    kernels are built for (``$DYNALM_ISA`` overrides the host's best)."""
-    try:
-        chosen = backends.select().name
-    except backends.BackendUnavailable as e:
-        chosen = f"none ({e})"
-    lines = [f"  kernel backend      {chosen}"]
-    for b in backends.BACKENDS:
-        caps = b.capabilities()
-        where = "native" if caps["runs_here"] else f"twin only (lacks {', '.join(caps['missing'])})"
-        width, dot = caps["fp32_lanes"], caps["int8_dot"]
-        lines.append(f"    {b.name:<16}  {width} fp32 lanes, int8 dot {dot}: {where}")
-    return lines
-
-
-def _bucket_lines() -> list[str]:
-    """Per mode, which kernel of the chosen backend serves which batch size T."""
-    try:
-        backend = backends.select()
-    except backends.BackendUnavailable:
-        return []
-    lines = [f"  matmul kernel by batch size T ({backend.name}; attention, norms: vector code)"]
-    for mode in ("exact", "auto"):
-        shapes = kernel_matmul.buckets(mode, backend)
-        ranges = []
-        for shape, after in zip(shapes, [*shapes[1:], None], strict=True):
-            last = f"-{after.mr - 1}" if after and after.mr - 1 > shape.mr else ""
-            span = f"{shape.mr}{last}" if after else f">={shape.mr}"
-            ranges.append(f"T {span}: {shape.describe()}")
-        lines.append(f"    jit-{mode:<6}        {'; '.join(ranges)}")
-    return lines
-
-
 def _matmul_table() -> str:
-    """Per quant format and mode, the matmul the CPU device picks (as ``CpuDevice`` does)."""
+    """Per quant format and mode, the matmul the CPU device picks for a weight of 256
+    columns (``CpuDevice.matmul_kernel``)."""
     devices = {mode: CpuDevice(mode, threads=1) for mode in MODES}
     lines = [f"  {'matmul':<10}" + "".join(f"{mode:<14}" for mode in MODES)]
     for ggml_type, fmt in QUANT_FORMATS.items():
-        kernels = (devices[mode].matmul_kernel(ggml_type) for mode in MODES)
+        kernels = (devices[mode].matmul_kernel(ggml_type, (1, 256)).kind for mode in MODES)
         lines.append(f"  {fmt.name:<10}" + "".join(f"{k:<14}" for k in kernels))
     return "\n".join(line.rstrip() for line in lines)

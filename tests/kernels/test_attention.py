@@ -11,7 +11,7 @@ from dynalm.core import cpu_ops
 from dynalm.core.attention import PagedAttention, StepLayout
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.kernel import backends
-from dynalm.runtime.kv_cache import PagePool
+from dynalm.runtime.engine.kv_cache import PagePool
 from tolerances import U, sum_bound
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16

@@ -22,7 +22,7 @@ from test_matmul import activations, check, weights
 from dynalm.core import cpu_ops, elementwise
 from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import backends, jit
-from dynalm.kernel import matmul as mm_programs
+from dynalm.kernel import matmul_programs as mm_programs
 
 
 def fresh_backend() -> backends.Backend:
@@ -46,6 +46,7 @@ def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "jit"
 
 
+@pytest.mark.slow  # compiles from an empty cache, twice
 def test_concurrent_compile_is_serial_compile(empty_cache, monkeypatch):
     """Two threads compile at once (a barrier that only two concurrent compiles pass),
     none is left afterwards, and every object is byte for byte what one thread makes."""

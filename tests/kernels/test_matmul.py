@@ -106,11 +106,12 @@ def runnable(backend: backends.Backend) -> backends.Backend:
 def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> None:
     raw = weights(ggml_type, N, 768)
     mm = QuantMatmul(raw, ggml_type, 768, mode=mode, backend=runnable(backend))
-    for t_rows in (1, 5, 8, 21):  # each batch bucket's tile (kernel.matmul.buckets)
+    for t_rows in (1, 5, 8, 21):  # each batch bucket's tile (kernel.matmul_programs.buckets)
         x = activations(t_rows, 768)
         check(mm(x), raw, ggml_type, x, mode)
 
 
+@pytest.mark.slow  # every backend of every format compiled
 @pytest.mark.parametrize(
     "ggml_type",
     [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K],
@@ -214,7 +215,7 @@ def test_a_ragged_batch_runs_its_rest_on_the_rest_s_own_tile() -> None:
     rest the smaller tile would not do in fewer rows (15 = 8 + 7: 8 rows of 4-tiles)
     stays on the batch's tile. (Every row's result is the same whichever tile computes it:
     ``test_rows_do_not_depend_on_the_batch``.)"""
-    from dynalm.kernel.matmul import MatmulKernels
+    from dynalm.kernel.matmul_programs import MatmulKernels
 
     def cover(backend: backends.Backend, mode: str, t_rows: int) -> list[tuple[int, int, int]]:
         kernels = MatmulKernels(T.Q4_1, mode, backend, 256)
@@ -279,7 +280,7 @@ def test_amx_lowers_to_tile_instructions() -> None:
     only): tiles configured once, per block one A load and a zeroed C, B load, tdpbsud and
     C store per key, tiles released. Its arithmetic is tested above through its twin."""
     from dynalm.kernel import jit
-    from dynalm.kernel.matmul import MATMUL
+    from dynalm.kernel.matmul_programs import MATMUL
 
     features = ",".join(f"+{f}" for f in backends.AMX.requires)
     for ggml_type, keys in ((T.Q4_1, 2), (T.Q6_K, 4)):  # 1 and 2 scales per 32-block

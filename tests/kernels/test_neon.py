@@ -43,10 +43,14 @@ from test_matmul import K_QUANTS, LEGACY, N, activations, check, weights
 from dynalm.core import cpu_ops
 from dynalm.core.attention import PagedAttention, StepLayout
 from dynalm.core.matmul import QuantMatmul
-from dynalm.kernel import attention, backends, cross, jit, layouts, pool
-from dynalm.kernel import matmul as programs
+from dynalm.kernel import attention_program as attention
+from dynalm.kernel import backends, cross, jit, layouts
+from dynalm.kernel import matmul_programs as programs
+from dynalm.kernel import pool_program as pool
 from dynalm.kernel.cross import Arena, Harness, Ptr
 from dynalm.kernel.formats import QK, UNPACKS
+
+pytestmark = pytest.mark.slow  # cross-compiled, linked and run under qemu
 
 K = 256  # every format's blocks fit (K-quants: 256 per super-block)
 T_ROWS = (1, 5)  # the GEMV and the GEMM bucket (a ragged 4-row tile)

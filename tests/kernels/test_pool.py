@@ -19,7 +19,7 @@ import pytest
 
 from dynalm.core import pool
 from dynalm.kernel import backends, probes
-from dynalm.kernel.pool import BACKOFF, SOLO, SOLO_FIRST, SOLO_MAX
+from dynalm.kernel.pool_program import BACKOFF, SOLO, SOLO_FIRST, SOLO_MAX
 
 pytestmark = pytest.mark.skipif(not pool.available(), reason="no native pool here")
 

@@ -18,10 +18,11 @@ from test_matmul import activations, weights
 
 from dynalm.core import elementwise
 from dynalm.core.matmul import QuantMatmul
-from dynalm.kernel import backends, nvptx, ptx_check, sampling, spirv
-from dynalm.kernel import elementwise as ew_programs
-from dynalm.kernel.matmul import MATMUL, PAIR, UNPACKS, effective_mode
-from dynalm.kernel.pool import POOL
+from dynalm.kernel import backends, nvptx, ptx_check, spirv
+from dynalm.kernel import elementwise_programs as ew_programs
+from dynalm.kernel import sampling_program as sampling
+from dynalm.kernel.matmul_programs import MATMUL, PAIR, UNPACKS, effective_mode
+from dynalm.kernel.pool_program import POOL
 from tolerances import U, sum_bound
 
 KERNELS = nvptx.device_kernels()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel, load_model
 
 

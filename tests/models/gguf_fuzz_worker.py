@@ -28,11 +28,12 @@ import time
 import traceback
 from pathlib import Path
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import DynaError
 from dynalm.models.loader import load_model
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.generator import Generator, generator_config
 
 
 def run_model(path: str, phase: list[str]) -> None:
@@ -40,7 +41,7 @@ def run_model(path: str, phase: list[str]) -> None:
     phase[0] = "load"
     model = load_model(path)
     phase[0] = "run"
-    generator = Generator(model, CpuDevice("auto", threads=1), ctx=64, kv_dtype="f16")
+    generator = Generator(Engine(model, CpuDevice("auto", threads=1), generator_config(64, "f16")))
     prompt = model.chat_template.render([{"role": "user", "content": "hi"}])
     ids = model.tokenizer.encode(prompt, add_special=False)
     for _ in generator.generate(ids, SamplingParams(max_tokens=2, temperature=0.0)):

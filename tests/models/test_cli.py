@@ -285,15 +285,15 @@ def test_check_a_family_file_alone_and_against_a_model(smollm2_gguf: Path) -> No
 @pytest.mark.parametrize(
     ("old", "new", "where", "what"),
     [
-        ("let h = norm(x,", "let h = norm(x,,", ":39:20: ", "expected"),
-        ("silu(matmul", "swish(matmul", ":50:16: ", "unknown function or op 'swish'"),
-        ('w"blk.{i}.ffn_up.weight"', 'w"blk.{i}.ffn_upp.weight"', ":51:24: ",
+        ("let h = norm(x,", "let h = norm(x,,", ":27:20: ", "expected"),
+        ("silu(matmul", "swish(matmul", ":38:16: ", "unknown function or op 'swish'"),
+        ('w"blk.{i}.ffn_up.weight"', 'w"blk.{i}.ffn_upp.weight"', ":39:24: ",
          "the model has no tensor 'blk.0.ffn_upp.weight'"),
-        ('"{arch}.feed_forward_length")', '"{arch}.ffn_length")', ":12:19: ",
-         "the model's metadata has no llama.ffn_length and gguf() has no default"),
-        ('gate.weight": [d_ff, d_model]', 'gate.weight": [d_model, d_ff]', ":50:31: ",
+        ('gguf("dynalm.rope.neox", default = arch == "qwen2")', 'gguf("{arch}.rope.neox")',
+         ":11:25: ", "the model's metadata has no llama.rope.neox and gguf() has no default"),
+        ('gate.weight": [d_ff, d_model]', 'gate.weight": [d_model, d_ff]', ":38:31: ",
          "tensor 'blk.0.ffn_gate.weight' has shape [1536, 576], expected [576, 1536]"),
-        ("return matmul(gate * up,", "return matmul(gate * h,", ":52:19: ",
+        ("return matmul(gate * up,", "return matmul(gate * h,", ":40:19: ",
          "operands of different shapes [T, 1536], [T, 576]"),
     ],
 )  # fmt: skip

@@ -11,22 +11,27 @@ comparison on the real device.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 from test_engine import GREEDY, encode, run, tokens
 
 from cuda_emulator import ILLEGAL_ADDRESS, INVALID_PTX, EmulatedLibcuda
-from dynalm.core import cuda_driver
-from dynalm.core import device as devices
+from dynalm.core import cuda_driver, devices
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.cuda_device import CudaDevice, CudaKVStorage
-from dynalm.core.device import CpuDevice, select_device
+from dynalm.core.devices import select_device
 from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.ir.executor import Executor
-from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.speculative import NgramDrafter
+from dynalm.ir.lower import unsupported
+from dynalm.models.loader import LoadedModel, model_graph
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.spec_decode.drafters import NgramDrafter
 from dynalm.show import describe_system
 from tolerances import forward_bound, logit_scale
 from workload import TEXTS, assert_no_leak
@@ -158,9 +163,9 @@ def test_backend_auto_and_gpu_choose_the_cuda_device(gpu, monkeypatch):
     assert isinstance(select_device("gpu", "exact"), CudaDevice)
     assert isinstance(select_device("cpu", "auto"), CpuDevice)
     assert isinstance(select_device("auto", "safe"), CpuDevice)  # the CPU's reference
-    assert isinstance(select_device("auto", "auto", need=lambda mode: 9 << 30), CpuDevice)
+    assert isinstance(select_device("auto", "auto", need=lambda device: 9 << 30), CpuDevice)
     with pytest.raises(DeviceUnavailable, match=r"cuda: the model needs 9216 MiB .* has 8192"):
-        select_device("gpu", "auto", need=lambda mode: 9 << 30)
+        select_device("gpu", "auto", need=lambda device: 9 << 30)
     assert "  cuda    available" in describe_system()
     ptx_load = gpu.cuModuleLoadDataEx
     gpu.cuModuleLoadDataEx = lambda *args: INVALID_PTX  # a driver too old for the PTX
@@ -177,18 +182,38 @@ def test_backend_auto_and_gpu_choose_the_cuda_device(gpu, monkeypatch):
 
 def test_what_the_preview_cannot_run_is_named(model, gpu):
     device = cuda(gpu)
-    lowering = device.lowering(Executor(model.graph, device, model.weights, max_tokens=4))
+    binder = Executor(model.graph, device, model.weights, max_tokens=4).binder
     with pytest.raises(NotImplementedError, match="the cuda device has no kernel for op 'mul'"):
-        lowering.bind("mul", [])
+        binder.bind("mul", [])
     with pytest.raises(InvalidRequest, match="no matmul kernel for IQ2_XXS .* --cpu"):
         device.matmul(np.zeros((4, 66), np.uint8), 16, (4, 256))
     assert "cuda" in [kind.name for kind in devices.GPU_KINDS]
 
 
+def test_auto_runs_on_the_cpu_what_the_gpu_cannot(model, gpu, monkeypatch, caplog):
+    """``--backend auto`` asks the device before any weight is read: a graph with an op the
+    preview has no kernel for (here the unfused one: silu and mul, not swiglu) runs on the
+    CPU, the reason logged; ``--gpu`` fails with it."""
+    monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
+    assert unsupported(cuda(gpu), model.graph) is None
+    unfused = model_graph(model.gguf, model.hparams)
+    why = lambda device: unsupported(device, unfused)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="dynalm.core.devices"):
+        assert isinstance(select_device("auto", "auto", unsupported=why), CpuDevice)
+    assert "using the CPU (cuda: no kernel for op 'silu'" in caplog.text
+    with pytest.raises(DeviceUnavailable, match="cuda: no kernel for op 'silu'"):
+        select_device("gpu", "auto", unsupported=why)
+    device = cuda(gpu)  # weights its kernels do not take: a format, a bias
+    assert not device.supports("matmul", ((16, (4, 256)),))
+    q4_1 = int(GGMLQuantizationType.Q4_1)
+    assert not device.supports("matmul", ((q4_1, (4, 256)), (0, (4,))))
+    assert device.supports("matmul_add", ((q4_1, (4, 256)),))
+
+
 def test_the_emulator_refuses_host_memory_in_a_launch(gpu):
     """What makes the tests above mean something: a host address reaching a kernel fails."""
     device = cuda(gpu)
-    from dynalm.kernel import elementwise as programs
+    from dynalm.kernel import elementwise_programs as programs
 
     out = device.buffer(4, 8)
     host = np.ones((4, 8), np.float32)  # not mirrored: no device copy

@@ -10,12 +10,13 @@ import itertools
 import numpy as np
 import pytest
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
+from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.errors import InvalidRequest, PromptTooLong
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import AsyncEngine, Engine, EngineConfig, RequestOutput
-from dynalm.runtime.kv_cache import kv_bytes_per_token, recent_bytes_per_seq
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput
+from dynalm.runtime.engine.sampling import SamplingParams
 from workload import SYSTEM, TEXTS, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0)
@@ -117,8 +118,8 @@ def test_preemption_resumes_with_identical_tokens(model, device, kv_dtype):
     config = {"ctx": 64, "kv_cache_dtype": kv_dtype}
     plain = Engine(model, device, EngineConfig(enable_prefix_caching=False, **config))
     alone = [tokens(run(plain, [p], params)[0]) for p in prompts]
-    per_token = kv_bytes_per_token(30, 3, 64, kv_dtype)
-    buffers = 16 * recent_bytes_per_seq(30, 3, 64, kv_dtype)  # --kv-cache-memory counts them
+    per_token = KV_FORMATS[kv_dtype].token_bytes(30, 3, 64)
+    buffers = 16 * KV_FORMATS[kv_dtype].recent_bytes(30, 3, 64)  # --kv-cache-memory counts them
     tight = Engine(model, device, EngineConfig(kv_cache_memory=64 * per_token + buffers, **config))
     assert tight.pool.n_pages == 4  # each request needs 2 pages: they cannot all run
     squeezed = [tokens(o) for o in run(tight, prompts, params)]
@@ -171,13 +172,11 @@ def test_q8_0_kv_agrees_with_f16_at_half_the_bytes(model):
     assert q8.pool.n_pages == f16.pool.n_pages
     assert q8.pool.page_nbytes / f16.pool.page_nbytes == 34 / 64  # bytes per 32 values
     hp = model.hparams
-    buffer = recent_bytes_per_seq(hp.n_layers, hp.n_kv_heads, hp.head_dim, "q8_0")
+    shape = (hp.n_layers, hp.n_kv_heads, hp.head_dim)
+    buffer = KV_FORMATS["q8_0"].recent_bytes(*shape)
     assert q8.pool.nbytes == q8.pool.page_nbytes + len(prompts) * buffer
     # a default server pool (16 sequences of 4096 tokens), recent buffers included
-    per_token = {
-        dt: kv_bytes_per_token(hp.n_layers, hp.n_kv_heads, hp.head_dim, dt)
-        for dt in ("f16", "q8_0")
-    }
+    per_token = {dt: KV_FORMATS[dt].token_bytes(*shape) for dt in ("f16", "q8_0")}
     assert (16 * 4096 * per_token["q8_0"] + 16 * buffer) / (16 * 4096 * per_token["f16"]) < 0.54
     refs, gots = run(f16, prompts, params, logprobs=2), run(q8, prompts, params)
     agree = []

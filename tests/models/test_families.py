@@ -28,9 +28,10 @@ from tiny_models import (
 )
 from transformers import PreTrainedModel
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel, load_model
-from dynalm.runtime.generator import Generator
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.generator import Generator, generator_config
 from tolerances import forward_bound, logit_scale
 
 FAMILIES = sorted(SPECS)
@@ -87,13 +88,13 @@ def _max_diff(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def _all_positions(model: LoadedModel, mode: str) -> np.ndarray:
-    gen = Generator(model, CpuDevice(mode), ctx=64)
+    gen = Generator(Engine(model, CpuDevice(mode), generator_config(64)))
     return gen.forward(IDS, all_logits=True)
 
 
 def _continued(model: LoadedModel, mode: str) -> np.ndarray:
     """Prefill the first N_PREFILL tokens, then feed the rest one at a time over the cache."""
-    gen = Generator(model, CpuDevice(mode), ctx=64)
+    gen = Generator(Engine(model, CpuDevice(mode), generator_config(64)))
     rows = [gen.forward(IDS[:N_PREFILL], all_logits=True)]
     rows += [gen.forward([tok])[None] for tok in IDS[N_PREFILL:]]
     return np.concatenate(rows)

@@ -18,7 +18,7 @@ from dynalm.ir.text import parse_graph, print_graph
 from dynalm.models.arch import build_graph
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hparams import read_hparams
-from dynalm.models.loader import model_graph
+from dynalm.models.loader import _check_kv_geometry, model_graph
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,8 @@ def test_gemma3_at_a_real_layout_builds_the_pinned_graph() -> None:
     """Gemma 3 270M's shapes (18 layers: 15 local, 3 global) from its metadata and tensor
     directory alone; its text was pinned from the Python builder like the others."""
     metadata, layout = gemma3_270m_layout()
-    graph = build_graph("gemma3", metadata, {n: TensorType(d, s) for n, (d, s) in layout.items()})
+    hp = read_hparams(metadata, {n: s for n, (_, s) in layout.items()})
+    graph = build_graph(hp, metadata, {n: TensorType(d, s) for n, (d, s) in layout.items()})
     assert print_graph(graph) + "\n" == (GRAPHS / "gemma3-270m-layout.dynair").read_text()
     optimized = optimize(graph)
     assert parse_graph(print_graph(optimized)) == optimized
@@ -73,8 +74,10 @@ def test_attention_must_fit_the_kv_cache_of_the_checked_hyper_parameters(
     smollm2_gguf: Path,
 ) -> None:
     """The KV cache is sized from read_hparams; a family file whose attention disagreed
-    with it (here: hyper-parameters that say 2 kv heads) is refused at load."""
+    with them (here: the file's graph checked against hyper-parameters that say 2 kv heads)
+    is refused at load."""
     with GGUFFile(smollm2_gguf) as gguf:
         hp = read_hparams(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
-        with pytest.raises(ModelFormatError, match="does not fit the KV cache of 30 layers, 2"):
-            model_graph(gguf, dataclasses.replace(hp, n_kv_heads=2))
+        graph = model_graph(gguf, hp)
+    with pytest.raises(ModelFormatError, match="does not fit the KV cache of 30 layers, 2"):
+        _check_kv_geometry(graph, dataclasses.replace(hp, n_kv_heads=2))

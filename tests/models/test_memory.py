@@ -19,10 +19,11 @@ import pytest
 from big_vocab import write_big_vocab_gguf
 from test_cli import dynalm
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
 
 
 def resident_bytes_of(path: Path) -> int:

@@ -12,11 +12,12 @@ import pytest
 from test_cli import assert_one_line_error, dynalm
 from test_memory import resident_bytes_of
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
-from dynalm.runtime import memory_plan
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import Available, NotEnoughMemory, plan_memory
+from dynalm.runtime.engine import memory_plan
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.memory_plan import Available, NotEnoughMemory, plan_memory
 
 # A child process: plan, then a run that fills what the plan counts. The prompt fills the
 # KV pool (ctx - 8 tokens, then 8 generated) and, scored with prompt_logprobs, every row of
@@ -24,17 +25,18 @@ from dynalm.runtime.memory_plan import Available, NotEnoughMemory, plan_memory
 # libraries' pages (memory_plan.peak_rss).
 CHILD = """
 import json, sys
-from dynalm.core.device import select_device
+from dynalm.core.devices import select_device
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.memory_plan import peak_rss, plan_memory
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.memory_plan import peak_rss, plan_memory
+from dynalm.runtime.engine.sampling import SamplingParams
 
 path, mode, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = load_model(path)
 device = select_device("cpu", mode, None)
 config = EngineConfig(ctx=ctx, max_num_seqs=1, max_num_batched_tokens=512)
-plan = plan_memory(model, config, device.mode)
+plan = plan_memory(model, config, device)
 engine = Engine(model, device, config)
 ids = [(i * 7919) % (model.hparams.n_vocab - 100) + 100 for i in range(ctx - 8)]
 params = SamplingParams(max_tokens=8, temperature=0).validate()
@@ -76,14 +78,14 @@ def test_kv_figure_is_the_engines_pool(smollm2_gguf: Path) -> None:
 def test_not_enough_memory_is_refused_before_loading(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = load_model(smollm2_gguf.resolve())
+    model, auto = load_model(smollm2_gguf.resolve()), CpuDevice("auto")
     config = EngineConfig(ctx=8192, max_num_seqs=16)
-    plan = plan_memory(model, config, "auto")
+    plan = plan_memory(model, config, auto)
     # room for everything but half the KV pool: fewer sequences, a shorter context or q8_0
     room = plan.need - plan.kv // 2
     monkeypatch.setattr(memory_plan, "available_memory", lambda: Available(room, "test cgroup"))
     with pytest.raises(NotEnoughMemory) as e:
-        Engine(model, CpuDevice("auto"), config)
+        Engine(model, auto, config)
     message = str(e.value)
     assert "\n" not in message and message.startswith("not enough memory: memory plan ")
     assert "(test cgroup)" in message and "short by " in message
@@ -92,17 +94,17 @@ def test_not_enough_memory_is_refused_before_loading(
     advice = message.split("; try ")[1].split(" or ")
     assert [a.split()[0] for a in advice] == ["--ctx", "--max-num-seqs"]
     ctx, seqs = (int(a.split()[1]) for a in advice)  # each the most that fits, alone
-    assert plan_memory(model, EngineConfig(ctx=ctx, max_num_seqs=16), "auto").fits
-    assert not plan_memory(model, EngineConfig(ctx=ctx + 16, max_num_seqs=16), "auto").fits
-    assert plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs), "auto").fits
-    assert not plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs + 1), "auto").fits
+    assert plan_memory(model, EngineConfig(ctx=ctx, max_num_seqs=16), auto).fits
+    assert not plan_memory(model, EngineConfig(ctx=ctx + 16, max_num_seqs=16), auto).fits
+    assert plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs), auto).fits
+    assert not plan_memory(model, EngineConfig(ctx=8192, max_num_seqs=seqs + 1), auto).fits
     # under the cap, q8_0 halves the pool
     config = EngineConfig(ctx=4096, max_num_seqs=8)
-    plan = plan_memory(model, config, "auto")
+    plan = plan_memory(model, config, auto)
     room = plan.need - plan.kv // 3
     monkeypatch.setattr(memory_plan, "available_memory", lambda: Available(room, "test cgroup"))
     with pytest.raises(NotEnoughMemory, match=r"or --kv-cache-dtype q8_0$"):
-        plan_memory(model, config, "auto").check()
+        plan_memory(model, config, auto).check()
     # nothing large was read: the weights were never touched (the metadata's pages, mapped
     # in up to 2 MiB at a time where a freshly written file sits in large folios)
     resident = resident_bytes_of(smollm2_gguf.resolve())
@@ -110,9 +112,9 @@ def test_not_enough_memory_is_refused_before_loading(
 
     monkeypatch.setattr(memory_plan, "available_memory", lambda: Available(1 << 20, "tiny"))
     with pytest.raises(NotEnoughMemory, match="the weights alone do not fit"):
-        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), "auto").check()
+        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), auto).check()
     with pytest.raises(NotEnoughMemory, match=r"try --mode auto"):
-        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), "safe").check()
+        plan_memory(model, EngineConfig(ctx=16, max_num_seqs=1), CpuDevice("safe")).check()
 
 
 def test_available_memory_reads_this_machine() -> None:

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import Engine, EngineConfig
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.perplexity import perplexity
 
 CTX = 128

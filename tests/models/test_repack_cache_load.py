@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.matmul import QuantMatmul
 from dynalm.models import loader
 from dynalm.models.loader import load_model
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, repeat_penalty=1.0)
 

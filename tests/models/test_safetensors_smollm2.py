@@ -24,11 +24,12 @@ from safetensors.numpy import save_file
 from test_auto_mode import auto_vs_exact
 from test_smollm2_fidelity import CONTINUATION, prompts  # noqa: F401
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.quant import dequantize
 from dynalm.models.loader import LoadedModel, load_model
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.generator import Generator, generator_config
 
 # GGUF name -> HF name (llama), written out here rather than taken from gguf-py's map
 _LAYER = {
@@ -121,7 +122,7 @@ def hf_model(model, tensors, tmp_path_factory: pytest.TempPathFactory):  # noqa:
 
 def _greedy(loaded: LoadedModel, ids: list[int]) -> list[int]:
     params = SamplingParams(max_tokens=CONTINUATION, temperature=0, repeat_penalty=1.0)
-    gen = Generator(loaded, CpuDevice("exact"), ctx=512)
+    gen = Generator(Engine(loaded, CpuDevice("exact"), generator_config(512)))
     return [e.token for e in gen.generate(ids, params, stop_ids=frozenset()) if e.token]
 
 
@@ -152,8 +153,8 @@ def test_gptq_act_order_auto_close_to_exact(model, tensors, prompts, tmp_path) -
     loaded = load_model(path)
     try:
         assert any(n.endswith(".input_perm") for n in loaded.gguf.tensors)
-        up = loaded.gguf.tensors["blk.0.ffn_up.weight"].ggml_type  # Q5_0: int8 kernels
-        assert CpuDevice("auto").matmul_kernel(up) == "jit-auto"
+        up = loaded.gguf.tensors["blk.0.ffn_up.weight"]  # Q5_0: int8 kernels
+        assert CpuDevice("auto").matmul_kernel(up.ggml_type, up.shape).kind == "jit-auto"
         top1, kl = auto_vs_exact(loaded, prompts)
         assert top1 >= 0.98, f"top-1 agreement {top1:.4f}"
         assert kl <= 0.005, f"mean KL {kl:.5f}"

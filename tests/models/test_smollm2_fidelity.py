@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.generator import Generator, generator_config
 from tolerances import forward_bound, logit_scale
 
 CHATS = [
@@ -51,7 +52,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _dynalm_logits(model: LoadedModel, mode: str, ids: list[int]) -> np.ndarray:
-    return Generator(model, CpuDevice(mode), ctx=512).forward(ids, all_logits=True)
+    generator = Generator(Engine(model, CpuDevice(mode), generator_config(512)))
+    return generator.forward(ids, all_logits=True)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ def test_exact_matches_reference_logits(model, prompts, reference_runs):
 def test_exact_greedy_continuations_identical(model, prompts, reference_runs):
     greedy = SamplingParams(max_tokens=CONTINUATION, temperature=0, repeat_penalty=1.0)
     for ids, (_, ref_tokens) in zip(prompts, reference_runs, strict=True):
-        gen = Generator(model, CpuDevice("exact"), ctx=512)
+        gen = Generator(Engine(model, CpuDevice("exact"), generator_config(512)))
         ours = [
             e.token for e in gen.generate(ids, greedy, stop_ids=frozenset()) if e.token is not None
         ]

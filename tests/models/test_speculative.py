@@ -12,21 +12,22 @@ import numpy as np
 import pytest
 from test_engine import chat
 
+from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.errors import InvalidRequest
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import Engine, EngineConfig, RequestOutput
-from dynalm.runtime.generator import Generator
-from dynalm.runtime.kv_cache import kv_bytes_per_token
-from dynalm.runtime.metrics import ServerMetrics
-from dynalm.runtime.sampling import Sampler, SamplingParams
-from dynalm.runtime.speculative import (
-    PROBE_EVERY,
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine, RequestOutput
+from dynalm.runtime.engine.sampling import Sampler, SamplingParams
+from dynalm.runtime.engine.spec_decode.draft_planner import PROBE_EVERY
+from dynalm.runtime.engine.spec_decode.drafters import (
     ModelDrafter,
     NgramDrafter,
-    SpecStats,
-    StepCost,
     check_vocabularies,
 )
+from dynalm.runtime.engine.spec_decode.stats import SpecStats
+from dynalm.runtime.engine.spec_decode.step_cost import StepCost
+from dynalm.runtime.generator import Generator, generator_config
+from dynalm.runtime.serve.metrics import ServerMetrics
 from workload import TEXTS, assert_no_leak
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, repeat_penalty=1.0)
@@ -94,7 +95,7 @@ def test_ngram_greedy_is_token_identical_under_preemption(model, device):
     config = {"ctx": 64, "kv_cache_dtype": "f16"}
     plain = Engine(model, device, EngineConfig(enable_prefix_caching=False, **config))
     want = [run(plain, [p], params)[0] for p in batch]
-    memory = 64 * kv_bytes_per_token(30, 3, 64, "f16")
+    memory = 64 * KV_FORMATS["f16"].token_bytes(30, 3, 64)
     # a fixed draft length: what the machine's step times would make the plan draft is not
     # what this test is about (a slow host drafts nothing once the first drafts miss)
     tight_config = EngineConfig(kv_cache_memory=memory, adaptive_draft=False, **config)
@@ -103,7 +104,7 @@ def test_ngram_greedy_is_token_identical_under_preemption(model, device):
     assert run(tight, batch, params) == want
     spec = tight.stats.spec
     assert tight.stats.num_preemptions > 0 and spec.num_accepted_tokens > 0
-    assert tight.step_cost.measured  # decode steps were timed for the draft planning
+    assert tight.planner.step_cost.measured  # decode steps were timed for the draft planning
     assert_no_leak(tight)
     metrics = ServerMetrics(tight, "m").render().decode()
     for name, value in (("draft", spec.num_draft_tokens), ("accepted", spec.num_accepted_tokens)):
@@ -143,7 +144,7 @@ def test_draft_lengths_follow_the_step_cost(model, device):
     assert run(fixed, batch) == want
     for curve, drafted in ((float, SpecStats()), (lambda t: 1.0, fixed.stats.spec)):
         engine = Engine(model, device, EngineConfig(ctx=128), NgramDrafter())
-        engine.step_cost = FixedCost(curve)
+        engine.planner.step_cost = FixedCost(curve)
         assert run(engine, batch) == want
         assert engine.stats.spec == drafted
     assert drafted.num_draft_tokens > drafted.num_drafts > 0
@@ -165,17 +166,17 @@ def test_nothing_drafted_costs_no_lookups(model, device, monkeypatch):
     the probes that are due every PROBE_EVERY + 1 steps: a sure draft could not pay either;
     only an exploring step, every EXPLORE_EVERY-th, plans, and none is due here); a request
     that joins makes the plan be remade."""
-    import dynalm.runtime.engine as engine_module
+    import dynalm.runtime.engine.spec_decode.draft_planner as planner_module
 
     plans = []
-    gate = engine_module.drafts_can_pay
-    monkeypatch.setattr(engine_module, "drafts_can_pay", lambda *a: plans.append(a) or gate(*a))
-    monkeypatch.setattr(engine_module, "EXPLORE_EVERY", 10**6)
+    gate = planner_module.drafts_can_pay
+    monkeypatch.setattr(planner_module, "drafts_can_pay", lambda *a: plans.append(a) or gate(*a))
+    monkeypatch.setattr(planner_module, "EXPLORE_EVERY", 10**6)
     batch = [model.tokenizer.encode(t) for t in COPY]
     params = dataclasses.replace(GREEDY, max_tokens=3 * PROBE_EVERY)
     drafter = CountingNgram()
     engine = Engine(model, device, EngineConfig(ctx=128), drafter)
-    engine.step_cost = FixedCost(float)  # each token costs a whole step
+    engine.planner.step_cost = FixedCost(float)  # each token costs a whole step
     plain = Engine(model, device, EngineConfig(ctx=128))
     assert run(engine, batch, params) == run(plain, batch, params)
     assert drafter.calls == 0 and engine.stats.spec == SpecStats()
@@ -202,18 +203,18 @@ def test_explorations_thin_out_where_nothing_pays(model, device, monkeypatch):
     """An exploring step plans with the optimistic guess: after EXPLORE_EVERY steps, then
     at twice the gap each time while no other plan drafts (here none can: each token costs
     a whole step), so a full batch that cannot gain stops paying for explorations."""
-    import dynalm.runtime.engine as engine_module
+    import dynalm.runtime.engine.spec_decode.draft_planner as planner_module
 
     explored = []
-    gate = engine_module.drafts_can_pay
+    gate = planner_module.drafts_can_pay
 
     def counted(n_decode, n_other, curve, most, closed):
         explored.append(not isinstance(curve, StepCost))  # (StepCost.guess: exploring)
         return gate(n_decode, n_other, curve, most, closed)
 
-    monkeypatch.setattr(engine_module, "drafts_can_pay", counted)
+    monkeypatch.setattr(planner_module, "drafts_can_pay", counted)
     engine = Engine(model, device, EngineConfig(ctx=320), NgramDrafter())
-    engine.step_cost = FixedCost(float)
+    engine.planner.step_cost = FixedCost(float)
     params = dataclasses.replace(GREEDY, max_tokens=240)
     run(engine, [model.tokenizer.encode(COPY[0])], params)
     # plans 32, 96 and 224 of the 241 explored (every 32nd would have been 7)
@@ -268,7 +269,7 @@ def test_seeded_sampling_keeps_the_target_distribution(model, device):
         < spec.num_accepted_tokens - before.num_accepted_tokens
         < spec.num_drafts - before.num_drafts
     )
-    target = Generator(model, device, ctx=64, kv_dtype="f16").forward(prompt + [first])
+    target = Generator(Engine(model, device, generator_config(64, "f16"))).forward(prompt + [first])
     p = Sampler(params).probabilities(target)
     support = np.flatnonzero(p)
     counts = np.array([seconds.count(int(t)) for t in support])
@@ -285,7 +286,7 @@ def test_aborts_mid_draft_leak_nothing(model, device):
         engine.add_request(f"a{i}", model.tokenizer.encode(text), params)
     while not any(r.draft for r in engine.scheduler.running):
         engine.step()
-        engine._propose()  # see drafts before the step that verifies them
+        engine.planner.plan(engine.scheduler)  # see drafts before the step that verifies them
     for rid in ("a0", "a2"):
         engine.abort(rid)
     while engine.has_unfinished():

@@ -9,10 +9,11 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.kernel import backends, jit
 from dynalm.models.loader import load_model
-from dynalm.runtime.generator import Generator
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.generator import Generator, generator_config
 
 
 def test_each_step_lowers_its_kernels_together(smollm2_gguf: Path, monkeypatch):
@@ -32,7 +33,7 @@ def test_each_step_lowers_its_kernels_together(smollm2_gguf: Path, monkeypatch):
     )
     device = CpuDevice("auto")
     device.backend = dataclasses.replace(device.backend, _lowered={})  # nothing lowered yet
-    gen = Generator(load_model(smollm2_gguf), device, ctx=64)
+    gen = Generator(Engine(load_model(smollm2_gguf), device, generator_config(64)))
     assert batches == []  # binding lowers nothing
     gen.forward(list(range(1, 17)))  # prefill: T = 16, whole groups of every tile (no rest)
     gen.forward([20])  # decode: T = 1

@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import openai
 
-from dynalm.core.device import CpuDevice
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.asgi import MAX_BODY_BYTES
-from dynalm.runtime.engine import Engine, EngineConfig
-from dynalm.runtime.server import OpenAIServer, bind_socket, make_server, url_of
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.serve.asgi import MAX_BODY_BYTES
+from dynalm.runtime.serve.server import OpenAIServer, bind_socket, make_server, url_of
 
 MODEL = "smollm2:135m"
 

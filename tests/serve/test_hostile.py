@@ -15,7 +15,7 @@ from serving import MODEL, LiveServer, live_server
 
 from dynalm.errors import EngineFailure
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.asgi import APIError
+from dynalm.runtime.serve.asgi import APIError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -14,7 +14,7 @@ import pytest
 from serving import LiveServer, live_server
 
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime.asgi import MAX_BODY_BYTES
+from dynalm.runtime.serve.asgi import MAX_BODY_BYTES
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 from serving import MODEL, LiveServer, live_server
 
 from dynalm.models.loader import LoadedModel
-from dynalm.runtime import protocol as p
-from dynalm.runtime import tools
-from dynalm.runtime.tools import FALLBACK_PROMPT
+from dynalm.runtime.serve import protocol as p
+from dynalm.runtime.serve import tools
+from dynalm.runtime.serve.tools import FALLBACK_PROMPT
 
 CITY = {"type": "string", "minLength": 1, "maxLength": 20}
 WEATHER = {

@@ -1,6 +1,6 @@
 """Paged attention bound to a layer's buffers: the page tables of a step, checks, threads.
 
-The kernel is the DynaKernel program ``kernel.attention`` (blockwise online softmax over
+The kernel is the DynaKernel program ``kernel.attention_program`` (blockwise online softmax over
 keys read through page tables, in f32, f16 or q8_0 storage, with q8_0's recent f16
 window), lowered by the backend ``kernel.backends`` selects (or one passed in) and
 specialised per (kv dtype, heads, kv heads, head dim, page size, recent window).
@@ -24,7 +24,7 @@ import numpy as np
 from dynalm.core import pool
 from dynalm.core.buffers import check, require
 from dynalm.kernel import backends
-from dynalm.kernel.attention import (
+from dynalm.kernel.attention_program import (
     A_K,
     A_K_NEW,
     A_K_STRIDE,
@@ -45,7 +45,6 @@ from dynalm.kernel.attention import (
     FUNCTIONS,
     N_ARGS,
     N_STEP,
-    Q8_BLOCK,
     item_heads,
     supported,
 )
@@ -186,12 +185,12 @@ class PagedAttention:
         layer, (_, n_kv_heads, head_dim) = self._layer, self._geometry
         require(supported(head_dim, kv.dtype), f"no {kv.dtype} attention for heads of {head_dim}")
         require(0 <= layer < len(kv.k), f"layer {layer} of a KV pool of {len(kv.k)} layers")
-        store = {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[kv.dtype]
+        store, block = kv.geometry.store, kv.geometry.format.scale_block
         head = (n_kv_heads, head_dim)
         slots = len(kv.k[layer])
         stores = {A_K: ("k", kv.k, store, head), A_V: ("v", kv.v, store, head)}
-        if kv.dtype == "q8_0":
-            scales = (n_kv_heads, head_dim // Q8_BLOCK)
+        if block:
+            scales = (n_kv_heads, head_dim // block)
             stores |= {A_KS: ("k_scale", kv.k_scale, np.float16, scales)}
             stores |= {A_VS: ("v_scale", kv.v_scale, np.float16, scales)}
         if kv.recent:

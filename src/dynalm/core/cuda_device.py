@@ -1,79 +1,42 @@
-"""The CUDA device (preview): DynaIR graphs run as the NVPTX lowering of the CPU's kernel
-programs (``kernel.nvptx``), loaded and launched through the CUDA driver API
-(``core.cuda_driver``).
+"""The CUDA device (preview): the NVPTX lowering of the CPU's kernel programs
+(``kernel.nvptx``), loaded and launched through the CUDA driver API (``core.cuda_driver``).
 
 Memory. The weights (repacked into the 8-lane kernels' layouts), the KV pages
 (``CudaKVStorage``) and the step's activations live in device memory. The executor plans its
 buffers as host arrays; here each is a *mirror*: a host array with a device copy of the same
-size (``CudaDevice.mirror``). Binding an op writes the device addresses of its operands into
-the kernel's argument block (``CudaDevice.address`` maps a view of a mirror to the same
-bytes of its copy), so kernels only ever see device memory. The host side is where the
-executor writes a step's inputs (positions are uploaded by ``begin_step``, the embedding rows
-are looked up on the host and copied in) and reads its logits (copied back at the end of
-the step). Norm weights and rope tables are mirrors too, uploaded once.
-
-Binding. The programs are the CPU's, at 8 lanes: the element-wise kernels are bound with
-``core.elementwise``'s binders (their checks and specialisation), then their arrays'
-addresses replaced by the device copies'; matmul and attention blocks are written here from
-the programs' argument layouts (``kernel.matmul.A_*``, ``kernel.attention.A_*``). The blocks
-are rows of one table in device memory, uploaded when a step shape or the KV storage changes.
-
-A step is one submission: its launches in graph order on the default stream, each over the
-grid ``nvptx.Entry.grid`` gives its rows, then the logits copied back (which waits for them).
+size (``CudaDevice.mirror``). Binding an op (``ir.lower.cuda``) writes the device addresses
+of its operands into the kernel's argument block (``CudaDevice.address`` maps a view of a
+mirror to the same bytes of its copy), so kernels only ever see device memory. The host side
+is where the executor writes a step's inputs and reads its logits. Norm weights and rope
+tables are mirrors too, uploaded once.
 
 Not in the preview: ops without a kernel (``mul``, ``scale``, ``silu``, ``gelu_tanh``,
-``gather_cols``, copied splits) and matmul biases refuse with their name; ``--mode safe`` is
-the CPU's oracle; the repack cache; a launch is a driver call from Python (no CUDA graphs);
-attention stores the step's keys on one GPU thread per layer.
+``gather_cols``, copied splits) and matmul biases (``supports`` says so before a model
+loads); ``--mode safe`` is the CPU's oracle; the repack cache; a launch is a driver call from
+Python (no CUDA graphs); attention stores the step's keys on one GPU thread per layer.
 """
 
 from __future__ import annotations
 
-import functools
-import struct
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from dynalm.core import cuda_driver, elementwise, quant
-from dynalm.core.attention import check_layout, row_stride
+from dynalm.core.cpu_device import CpuDevice, physical_cores
 from dynalm.core.cuda_driver import DeviceArray
-from dynalm.core.device import MODES, Call, CpuDevice, Device, Lowering, physical_cores
+from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.kv_storage import PAGE_ARRAYS, KVGeometry
-from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
+from dynalm.core.matmul import QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
-from dynalm.ir.ops import GATES
-from dynalm.kernel import attention as attention_program
 from dynalm.kernel import layouts, nvptx
 from dynalm.kernel.backends import Program, Spec
-from dynalm.kernel.formats import QK, UNPACKS
-from dynalm.kernel.matmul import (
-    A_LDY,
-    A_NB,
-    A_T,
-    A_W,
-    A_X,
-    A_XD,
-    A_XK,
-    A_XS,
-    A_Y,
-    MATMUL,
-    MatmulKernels,  # noqa: I001 - grouped by meaning
-)
-from dynalm.kernel.matmul import N_ARGS as MATMUL_ARGS
-
-if TYPE_CHECKING:
-    from dynalm.core.kv_storage import AttentionBatch
-    from dynalm.ir.executor import Executor
-    from dynalm.ir.graph import Node
+from dynalm.kernel.formats import UNPACKS
+from dynalm.kernel.matmul_programs import MatmulKernels
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the PTX targets sm_80 (kernel.nvptx.SM)
-WORDS = max(MATMUL_ARGS, attention_program.N_ARGS, elementwise.MAX_WORDS)  # per block
-# One launch of a step: (program, spec, entry, argument block's device address, rows).
-Launch = tuple[Program, Spec, str, int, int]
 
 
 @dataclass(frozen=True)
@@ -116,7 +79,9 @@ class CudaDevice(Device):
         self.mode = mode
         self.threads = threads or physical_cores()  # host threads (repacking weights)
         self.backend = nvptx.NVPTX
-        self._host = CpuDevice("exact", 1)  # looks up embedding rows on the host
+        # the host's view of the same kernels: embedding rows looked up, which matmul a weight
+        # gets and the bytes it takes
+        self._host = CpuDevice(mode, 1)
         self._mirrors: dict[int, tuple[int, DeviceArray]] = {}  # host address -> (bytes, copy)
         self._modules: dict[tuple, cuda_driver.Module] = {}
         self._functions: dict[tuple, tuple[object, nvptx.Entry]] = {}
@@ -181,6 +146,22 @@ class CudaDevice(Device):
         copy, offset = self.device_view(view)
         return copy.ptr + offset
 
+    # -- what it runs and holds ---------------------------------------------------
+    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+        """Whether this device's kernel for ``op`` takes these weights: a matmul needs a JIT
+        kernel of its format (rows of whole 32-value blocks) and no bias. (The ops it has
+        kernels for at all are its binder's table, ``ir.lower.cuda``.)"""
+        if op in ("matmul", "matmul_add"):
+            (ggml_type, shape), *bias = weights
+            return not bias and self.matmul_kernel(ggml_type, shape).kind.startswith("jit-")  # type: ignore[arg-type]
+        return True
+
+    def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:
+        return self._host.matmul_kernel(ggml_type, shape)
+
+    def prepared_bytes(self, ggml_type: int, shape: tuple[int, ...], use: str) -> int:
+        return self._host.prepared_bytes(ggml_type, shape, use)  # embedding rows: on the host
+
     # -- weights -------------------------------------------------------------------
     def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
         dense = quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
@@ -201,8 +182,8 @@ class CudaDevice(Device):
         **_: object,
     ) -> CudaMatmul:
         n_rows, n_cols = shape
-        kernel = CpuDevice.matmul_kernel_for(self.mode, ggml_type)
-        if not kernel.startswith("jit-") or n_cols % QK:
+        kernel = self.matmul_kernel(ggml_type, shape).kind
+        if not kernel.startswith("jit-"):
             raise InvalidRequest(
                 f"the CUDA preview has no matmul kernel for {quant.ggml_type_name(ggml_type)} "
                 f"weights [{n_rows}, {n_cols}]; run this model with --cpu"
@@ -225,9 +206,6 @@ class CudaDevice(Device):
 
     def kv_storage(self, geometry: KVGeometry) -> CudaKVStorage:
         return CudaKVStorage(self, geometry)
-
-    def lowering(self, executor: Executor) -> Lowering:
-        return CudaLowering(self, executor)
 
     # -- kernels -------------------------------------------------------------------
     def self_check(self) -> None:
@@ -313,281 +291,3 @@ class CudaKVStorage:
             for which, array in enumerate(pair):
                 for i, row in enumerate(rows):
                     self._context.copy_in(array, old[which, i], int(row) * n)
-
-
-class _Kernels:
-    """A bound op's launches for the current step shape (``plan()``); calling it launches
-    them (a step's submission launches them without planning again)."""
-
-    def __init__(self, device: CudaDevice, plan: Callable[[], list[Launch]]) -> None:
-        self._device, self.plan = device, plan
-
-    def launches(self) -> list[Call]:
-        calls = []
-        for program, spec, entry, args, rows in self.plan():
-            fn, where = self._device.function(program, spec, entry)
-            launch = self._device.context.launch
-            calls.append(functools.partial(launch, fn, where.grid(rows), (args, rows)))
-        return calls
-
-    def __call__(self) -> None:
-        for launch in self.launches():
-            launch()
-
-
-class CudaLowering(Lowering):
-    """One graph's ops bound on a ``CudaDevice`` (see the module docstring)."""
-
-    cached_rows = CACHED_ROWS
-
-    def __init__(self, device: CudaDevice, executor: Executor) -> None:
-        super().__init__(device, executor)
-        self.device: CudaDevice = device
-        self._context = device.context
-        self._scratch: DeviceArray | None = None  # auto matmuls' quantised activations
-        self._scratch_at = (0, 0, 0, 0)  # offsets of the quants, scales, sums, key sums
-        self._step = device.alloc(8 * attention_program.N_STEP, owner=self)  # layout block
-        self._arena: DeviceArray | None = None  # the step layout's arrays
-        self._kv: object = None
-        self._shape = (0, 0)
-
-    # -- binding ---------------------------------------------------------------------
-    def reserve(self, rows: int, widest: int) -> None:
-        sizes = ActivationScratch.sizes(rows, widest) if widest else (0, 0, 0, 0)
-        if self._scratch is None or sum(sizes) > self._scratch.nbytes:
-            if self._scratch is not None:
-                self.device.free(self._scratch)
-            self._scratch = self.device.alloc(sum(sizes))
-        self._scratch_at = tuple(int(at) for at in np.cumsum((0, *sizes[:-1])))
-
-    def begin_bind(self) -> None:
-        self._table = np.zeros((2 * len(self.ex.graph.nodes) + 1, WORDS), np.int64)
-        self._table_copy = self.device.alloc(self._table.nbytes, owner=self._table)
-        self._used = 0
-        self._on_resize: list[Callable[[int, int], None]] = []
-
-    def end_bind(self) -> None:
-        pass
-
-    def _block(self) -> tuple[np.ndarray, int]:
-        """A fresh argument block: its host row and its device address."""
-        i, self._used = self._used, self._used + 1
-        return self._table[i], self._table_copy.ptr + i * WORDS * 8
-
-    def _rows(self, symbol: str) -> int:
-        return self._shape[0] if symbol == "T" else self._shape[1]
-
-    def _elementwise(
-        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
-    ) -> _Kernels:
-        """A kernel bound with ``core.elementwise``'s binder over full buffers, its array
-        addresses then replaced by their device copies'; its count follows the step."""
-        block, at = self._block()
-        bound = bind(*args, block=block, backend=self.device.backend)
-        _, program, spec = bound.request
-        block[1 : 1 + len(bound.arrays)] = [self.device.address(a) for a in bound.arrays]
-        per_row = int(block[0]) // self.ex.capacity
-        self._on_resize.append(lambda t, s: block.__setitem__(0, per_row * (t, s)[rows == "S"]))
-        kind = program.name.removeprefix("ew_")
-        return _Kernels(self.device, lambda: [(program, spec, kind, at, int(block[0]))])
-
-    def _values(self, node: Node) -> tuple[np.ndarray, list[np.ndarray], str]:
-        """The output's full buffer, the operands', and the output's row symbol."""
-        full = self.ex.full
-        return full[node.out.id], [full[x.id] for x in node.args], str(node.out.type.shape[0])
-
-    # The op table: each op this device has kernels for -> the method that binds it.
-    def _embed(self, node: Node) -> Call:
-        ex = self.ex
-        lookup = ex.prepare(node.weights[0].name, "embedding")
-        ids, out = ex.view_of[node.args[0].id], ex.view_of[node.out.id]
-        copy, offset = self.device.device_view(ex.full[node.out.id])
-
-        def embed() -> None:  # rows looked up on the host, copied in
-            rows = ex.views[out]
-            lookup(ex.views[ids], rows)
-            self._context.copy_in(copy, rows, offset)
-
-        return embed
-
-    def _matmul(self, node: Node) -> _Kernels:
-        out, (x, *rest), _ = self._values(node)
-        weights = [w.name for w in node.weights]
-        if len(weights) > 1:
-            raise InvalidRequest(f"{weights[1]}: the CUDA preview has no matmul bias kernel")
-        mm: CudaMatmul = self.ex.prepare(weights[0], "matmul")
-        kernels, address = mm.kernels, self.device.address
-        args, args_at = self._block()
-        args[A_W], args[A_NB], args[A_LDY], args[A_Y] = (
-            mm.weights.ptr, mm.n_cols // QK, mm.n_rows, address(out)
-        )  # fmt: skip
-        x_rows = str(node.args[0].type.shape[0])
-        blocks = [args]
-        if kernels.mode == "exact":
-            args[A_X] = address(x)
-        else:  # quantise x into the scratch first
-            qargs, qargs_at = self._block()
-            for slot, at in zip((A_X, A_XD, A_XS, A_XK), self._scratch_at, strict=True):
-                args[slot] = qargs[slot] = self._scratch.ptr + at  # type: ignore[union-attr]
-            qargs[A_NB], qargs[A_Y] = mm.n_cols // QK, address(x)
-            blocks.append(qargs)
-
-        def resize(t: int, s: int) -> None:
-            for block in blocks:
-                block[A_T] = (t, s)[x_rows == "S"]
-
-        self._on_resize.append(resize)
-        after = None
-        if node.op == "matmul_add":  # the fused residual: out += x_residual
-            after = self._elementwise(elementwise.add, out, out, rest[0], rows=x_rows)
-
-        def plan() -> list[Launch]:
-            t = self._rows(x_rows)
-            which = kernels.tile_for(t)
-            launches = [(MATMUL, kernels.specs[which], "", args_at, mm.n_rows)]
-            if kernels.mode == "auto":
-                launches.insert(0, (MATMUL, kernels.specs[kernels.quantize], "", qargs_at, t))
-            return launches + (after.plan() if after else [])
-
-        return _Kernels(self.device, plan)
-
-    def _norm(self, node: Node) -> _Kernels:
-        out, (x,), rows = self._values(node)
-        a = node.attrs
-        weight = self.ex.prepare(node.weights[0].name, "vector")
-        width = a.get("head_dim", out.shape[1])  # a head norm is a norm of head rows
-        x, y = x.reshape(-1, width), out.reshape(-1, width)
-        return self._elementwise(elementwise.rms_norm, y, x, weight, a["eps"], rows=rows)
-
-    def _rope(self, node: Node) -> _Kernels:
-        out, ins, rows = self._values(node)
-        a = node.attrs
-        table = self.rope_table(node)
-        tables = (self.device.mirror(table.cos), self.device.mirror(table.sin))
-        shape = (a["head_dim"], a["rope_dim"], a["neox"])
-        return self._elementwise(elementwise.rope, out, *ins, *tables, *shape, rows=rows)
-
-    def _add(self, node: Node) -> _Kernels:
-        out, (x, y), rows = self._values(node)
-        return self._elementwise(elementwise.add, out, x, y, rows=rows)
-
-    def _gated(self, node: Node) -> _Kernels:
-        out, ins, rows = self._values(node)
-        return self._elementwise(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
-
-    def _attention(self, node: Node) -> _Kernels:
-        out, (q, k, v), _ = self._values(node)
-        a = node.attrs
-        n_heads, n_kv, head_dim, layer = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["layer"]
-        if not (n_heads % n_kv == 0 and attention_program.supported(head_dim, "f32")):
-            raise InvalidRequest(f"no attention kernel for {n_heads} heads of {head_dim}")
-        P = attention_program  # noqa: N806 - the program's argument layout
-        block, at = self._block()
-        rows = len(out)
-        for name, x, where, stride, heads in (
-            ("q", q, P.A_Q, P.A_Q_STRIDE, n_heads),
-            ("k", k, P.A_K_NEW, P.A_K_STRIDE, n_kv),
-            ("v", v, P.A_V_NEW, P.A_V_STRIDE, n_kv),
-        ):
-            block[where] = self.device.address(x)
-            block[stride] = row_stride(name, x, rows, heads * head_dim)
-        block[P.A_OUT], block[P.A_WINDOW], block[P.A_STEP] = (
-            self.device.address(out), a["window"], self._step.ptr
-        )  # fmt: skip
-        block[P.A_SCALE] = struct.unpack("<q", struct.pack("<d", a["scale"]))[0]
-        per_token = n_heads // P.item_heads(n_heads // n_kv)
-        stores = {P.A_K: "k", P.A_V: "v", P.A_KS: "k_scale", P.A_VS: "v_scale"}
-        stores |= {P.A_KR: "k_recent", P.A_VR: "v_recent"}
-
-        def plan() -> list[Launch]:
-            kv = self._kv
-            if not attention_program.supported(head_dim, kv.dtype):
-                raise InvalidRequest(f"no {kv.dtype} attention kernel for heads of {head_dim}")
-            for where, name in stores.items():  # this layer's pages of the step's storage
-                arrays = getattr(kv, name)
-                block[where] = arrays[layer].ptr if arrays else 0
-            geometry = (n_heads, n_kv, head_dim, kv.page_size, kv.recent)
-            names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
-            spec = {"dtype": kv.dtype, **dict(zip(names, geometry, strict=True))}
-            tokens = self._shape[0]
-            launches = [(P.ATTENTION, spec, "write", at, 1)]
-            launches.append((P.ATTENTION, spec, "items", at, tokens * per_token))
-            if kv.recent:
-                launches.append((P.ATTENTION, spec, "write_recent", at, 1))
-            return launches
-
-        return _Kernels(self.device, plan)
-
-    def _select_rows(self, node: Node) -> Call:
-        ex = self.ex
-        out, (x, _), _ = self._values(node)
-        rows = ex.view_of[node.args[1].id]
-        (dst, dst_at), (src, src_at) = map(self.device.device_view, (out, x))
-        n = x.strides[0]
-
-        def select_rows() -> None:  # a device copy per row
-            for i, row in enumerate(ex.views[rows].tolist()):
-                self._context.copy_within(dst, dst_at + i * n, src, src_at + row * n, n)
-
-        return select_rows
-
-    OP_TABLE: ClassVar[dict[str, Callable[..., Call]]] = {
-        "embed": _embed,
-        "matmul": _matmul,
-        "matmul_add": _matmul,
-        "rms_norm": _norm,
-        "head_rms_norm": _norm,
-        "rope": _rope,
-        "attention": _attention,
-        "add": _add,
-        **dict.fromkeys(GATES, _gated),
-        "select_rows": _select_rows,
-    }
-
-    # -- running -------------------------------------------------------------------
-    def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
-        """Upload the step's positions and its attention layout."""
-        P = attention_program  # noqa: N806
-        n = len(batch.slots)
-        check_layout(batch, n)
-        copy, offset = self.device.device_view(positions)
-        self._context.copy_in(copy, positions[:n], offset)
-        pages, seq_of, *per_seq = batch.kernel_tables
-        arrays = [pages, seq_of, np.ascontiguousarray(batch.slots, np.int64), *per_seq]
-        packed = np.concatenate([a.ravel() for a in arrays]).astype(np.int64, copy=False)
-        if self._arena is None or packed.nbytes > self._arena.nbytes:
-            if self._arena is not None:
-                self.device.free(self._arena)
-            self._arena = self.device.alloc(max(packed.nbytes, 4096))
-        self._context.copy_in(self._arena, packed)
-        starts = np.cumsum([0] + [a.size for a in arrays]) * 8 + self._arena.ptr
-        words = np.zeros(P.N_STEP, np.int64)
-        words[[P.S_TOKENS, P.S_PAGES, P.S_MAX_PAGES, P.S_SEQ_OF]] = (
-            n, starts[0], pages.shape[1], starts[1]
-        )  # fmt: skip
-        words[P.S_POS], words[P.S_SLOTS] = copy.ptr + offset, starts[2]
-        words[[P.S_FIRST_ROW, P.S_RECENT_ROW, P.S_RECENT_FROM]] = starts[3:6]
-        self._context.copy_in(self._step, words)
-        self._kv = batch.kv
-
-    def resize(self, n_tokens: int, n_logits: int) -> None:
-        self._shape = (n_tokens, n_logits)
-        for resize in self._on_resize:
-            resize(n_tokens, n_logits)
-        self._context.copy_in(self._table_copy, self._table[: self._used])
-
-    def submission(self, calls: list[Call]) -> list[Call]:
-        """The step's launches in order (their PTX lowered and loaded first) and the host
-        parts between them."""
-        steps: list[Call] = []
-        for call in calls:
-            steps += call.launches() if isinstance(call, _Kernels) else [call]
-        # the blocks as this shape and KV storage bind them
-        self._context.copy_in(self._table_copy, self._table[: self._used])
-        return steps
-
-    def end_step(self) -> None:
-        """Copy the step's logits back (the copy waits for the launches)."""
-        logits = self.ex.graph.outputs["logits"].id
-        copy, offset = self.device.device_view(self.ex.full[logits])
-        self._context.copy_out(copy, self.ex.views[self.ex.view_of[logits]], offset)

@@ -1,6 +1,6 @@
 """Fused element-wise kernels (RMSNorm, RoPE, SwiGLU / GeGLU, add), bound to their arrays.
 
-The kernels are DynaKernel programs (``kernel.elementwise``), specialised on their
+The kernels are DynaKernel programs (``kernel.elementwise_programs``), specialised on their
 constant shapes and lowered by the backend ``kernel.backends`` selects for this host (or
 ``$DYNALM_ISA``, or one passed in), so their vectors are the backend's width.
 
@@ -25,7 +25,7 @@ import numpy as np
 from dynalm.core import pool
 from dynalm.core.buffers import check, require
 from dynalm.kernel import backends
-from dynalm.kernel import elementwise as programs
+from dynalm.kernel import elementwise_programs as programs
 
 
 @functools.cache

@@ -3,8 +3,8 @@ step's view of them.
 
 The runtime's ``PagePool`` keeps the page accounting (ids, refcounts, free lists, the radix
 tree above it); the device keeps the bytes (``Device.kv_storage``), shaped by ``KVGeometry``
-in the formats ``runtime.kv_cache`` describes (f32, f16, q8_0 with Hadamard-rotated keys and
-f16 recent buffers). ``KVStorage`` is what the runtime asks of any device's storage;
+in a format of the table ``kv_formats.KV_FORMATS`` (f32, f16, q8_0 with Hadamard-rotated
+keys and f16 recent buffers). ``KVStorage`` is what the runtime asks of any device's storage;
 ``HostKVStorage`` is the CPU's (numpy arrays the numpy attention op ``cpu_ops.attention``
 and the JIT attention kernels ``core.attention`` read). ``AttentionBatch`` is a step's
 layout: which sequence each token belongs to and where its keys go.
@@ -18,8 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-Q8_BLOCK = 32  # values per q8_0 scale
-RECENT = 32  # tokens of each running sequence a q8_0 pool also keeps in f16
+from dynalm.core.kv_formats import KV_FORMATS, KVFormat
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -36,9 +35,9 @@ def hadamard(x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class KVGeometry:
     """The shape of a paged KV cache, as every device stores it: per layer, ``n_pages *
-    page_size`` slots of ``n_kv_heads x head_dim`` values in ``dtype`` (int8 for q8_0, with
-    an f16 scale per 32 values), and for q8_0 ``n_seqs`` recent buffers of ``RECENT`` f16
-    rows each."""
+    page_size`` slots of ``n_kv_heads x head_dim`` values in the format ``dtype`` (q8_0:
+    int8, with an f16 scale per 32 values), and where the format keeps recent rows (q8_0),
+    ``n_seqs`` recent buffers of that many f16 rows each."""
 
     n_layers: int
     n_kv_heads: int
@@ -54,17 +53,21 @@ class KVGeometry:
         return (self.n_pages * self.page_size, self.n_kv_heads, self.head_dim)
 
     @property
-    def store(self) -> type:
-        return {"f32": np.float32, "f16": np.float16, "q8_0": np.int8}[self.dtype]
+    def format(self) -> KVFormat:
+        return KV_FORMATS[self.dtype]
+
+    @property
+    def store(self) -> np.dtype:
+        return np.dtype(self.format.store)
 
     @property
     def scale_shape(self) -> tuple[int, int, int]:
-        return (*self.slot_shape[:2], self.head_dim // Q8_BLOCK)
+        return (*self.slot_shape[:2], self.head_dim // (self.format.scale_block or 1))
 
     @property
     def recent(self) -> int:
-        """Tokens per recent buffer (0: none, unless q8_0)."""
-        return RECENT if self.dtype == "q8_0" else 0
+        """Tokens per recent buffer (0: none)."""
+        return self.format.recent
 
     @property
     def recent_shape(self) -> tuple[int, int, int]:
@@ -72,7 +75,7 @@ class KVGeometry:
 
     def arrays(self) -> dict[str, tuple[int, tuple[int, ...], type]]:
         """Each per-layer array a storage holds: name -> (layers, shape, dtype)."""
-        scaled = self.n_layers if self.dtype == "q8_0" else 0
+        scaled = self.n_layers if self.format.scale_block else 0
         recent = self.n_layers if self.recent else 0
         return {
             "k": (self.n_layers, self.slot_shape, self.store),
@@ -95,7 +98,7 @@ class KVStorage(Protocol):
 
     geometry: KVGeometry
     page_size: int
-    dtype: str  # "f32" | "f16" | "q8_0"
+    dtype: str  # a row of kv_formats.KV_FORMATS
     recent: int  # tokens per recent buffer (q8_0: keys/values near a query, in f16); 0: none
     nbytes: int  # pages and recent buffers
     page_nbytes: int
@@ -159,15 +162,16 @@ class HostKVStorage:
 
     ``k[layer]``/``v[layer]`` are ``[n_pages * page_size, n_kv_heads, head_dim]`` arrays
     (int8 for q8_0, with ``k_scale``/``v_scale`` ``[..., head_dim / 32]`` in f16). A q8_0
-    storage also has ``n_seqs`` recent buffers: ``k_recent``/``v_recent`` per layer, f16
-    ``[n_seqs * RECENT, n_kv_heads, head_dim]``, position ``p`` of buffer ``b`` at row
-    ``b * RECENT + p % RECENT``. With ``n_layers=0`` it holds nothing (bookkeeping only).
+    storage also has ``n_seqs`` recent buffers of ``R = recent`` rows: ``k_recent`` /
+    ``v_recent`` per layer, f16 ``[n_seqs * R, n_kv_heads, head_dim]``, position ``p`` of
+    buffer ``b`` at row ``b * R + p % R``. With ``n_layers=0`` it holds nothing.
     """
 
     def __init__(self, geometry: KVGeometry):
         self.geometry = geometry
         self.page_size, self.dtype = geometry.page_size, geometry.dtype
         self.recent = geometry.recent
+        self._block = geometry.format.scale_block  # values per scale (0: stored as they are)
         for name, (layers, shape, dtype) in geometry.arrays().items():
             setattr(self, name, [np.zeros(shape, dtype) for _ in range(layers)])
 
@@ -190,12 +194,13 @@ class HostKVStorage:
     # -- what the attention ops call --------------------------------------------
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k``/``v`` ``[T, n_kv_heads, head_dim]`` (fp32) at ``slots``."""
-        if self.dtype != "q8_0":
+        n = self._block
+        if not n:
             self.k[layer][slots] = k
             self.v[layer][slots] = v
             return
         for x, store, scales in ((hadamard(k), self.k, self.k_scale), (v, self.v, self.v_scale)):
-            blocks = x.reshape(*x.shape[:2], x.shape[2] // Q8_BLOCK, Q8_BLOCK)
+            blocks = x.reshape(*x.shape[:2], x.shape[2] // n, n)
             d = np.abs(blocks).max(axis=-1) / 127.0
             inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
             store[layer][slots] = np.rint(blocks * inv[..., None]).reshape(x.shape)
@@ -203,16 +208,17 @@ class HostKVStorage:
 
     def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
-        if self.dtype != "q8_0":
+        n = self._block
+        if not n:
             k, v = self.k[layer][slots], self.v[layer][slots]
             return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
         out = []
         for store, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
             q = store[layer][slots].astype(np.float32)
-            blocks = q.reshape(*q.shape[:2], q.shape[2] // Q8_BLOCK, Q8_BLOCK)
+            blocks = q.reshape(*q.shape[:2], q.shape[2] // n, n)
             blocks *= scales[layer][slots].astype(np.float32)[..., None]
             out.append(q)
-        return hadamard(out[0]) / np.float32(Q8_BLOCK), out[1]  # H @ H / 32 = I
+        return hadamard(out[0]) / np.float32(n), out[1]  # H @ H / 32 = I
 
     def write_recent(self, layer: int, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store f32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at recent-buffer ``rows``

@@ -1,5 +1,5 @@
 """Quantised matmul ``y[T, N] = x[T, K] @ W[N, K]^T``: a weight repacked once into its
-kernels' layout, bound to the JIT kernels of ``kernel.matmul`` and run over the native
+kernels' layout, bound to the JIT kernels of ``kernel.matmul_programs`` and run over the native
 thread pool.
 
 The kernels themselves (exact fp32 and int8 ``auto``, one pattern per mode over the
@@ -20,9 +20,21 @@ from gguf import GGMLQuantizationType as _T
 
 from dynalm.core import pool
 from dynalm.kernel import backends, layouts, repack_cache
-from dynalm.kernel import matmul as programs
+from dynalm.kernel import matmul_programs as programs
 from dynalm.kernel.formats import QK, UNPACKS, Unpack
-from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XK, A_XS, A_Y, KEY_SUMS, N_ARGS
+from dynalm.kernel.matmul_programs import (
+    A_LDY,
+    A_NB,
+    A_T,
+    A_W,
+    A_X,
+    A_XD,
+    A_XK,
+    A_XS,
+    A_Y,
+    KEY_SUMS,
+    N_ARGS,
+)
 
 # Formats whose ``auto`` (int8) kernels met the model-level budget of
 # tests/models/test_auto_mode.py (mean KL(exact || auto) <= 0.005, top-1 agreement with exact
@@ -35,7 +47,7 @@ from dynalm.kernel.matmul import A_LDY, A_NB, A_T, A_W, A_X, A_XD, A_XK, A_XS, A
 # all-Q8_0 100 % / 0.0023 (97.1 % / 0.0021 on the corpus). Not admitted: Q5_1 (97.5 % /
 # 0.0040 on the prompts, 96.2 % / 0.0025 on the corpus: too near the bar). Q3_K and Q5_K
 # have no model to measure on yet. Every backend's auto kernel computes bitwise the same
-# products (``kernel.matmul``), so the figures hold for each.
+# products (``kernel.matmul_programs``), so the figures hold for each.
 AUTO_VALIDATED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q8_0, _T.Q4_K, _T.Q6_K})
 
 

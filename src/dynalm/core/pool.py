@@ -14,7 +14,7 @@ wait; when that happens (the machine is oversubscribed) the caller runs the next
 alone for a while instead of collapsing (libgomp's long spin-wait did, see DESIGN.md).
 
 The native code (the workers' loop, a job's publication, the program runner) is the
-DynaKernel program ``kernel.pool``; this module owns the threads, the state buffer and
+DynaKernel program ``kernel.pool_program``; this module owns the threads, the state buffer and
 the records of native programs.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from dynalm.core.buffers import require
 from dynalm.kernel import backends, jit
-from dynalm.kernel.pool import (
+from dynalm.kernel.pool_program import (
     FUNCTIONS,
     JOB_PARTS,
     PLAIN,

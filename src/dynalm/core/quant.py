@@ -192,6 +192,11 @@ def tensor_type_name(ggml_type: int) -> str:
     return quant_format(ggml_type).name
 
 
+def tensor_type(name: str) -> int:
+    """The GGUF tensor type of a DynaIR dtype (``tensor_type_name``'s inverse)."""
+    return int(GGMLQuantizationType[name.upper()])
+
+
 def ggml_type_name(ggml_type: int) -> str:
     """The GGUF name of a tensor type (``"IQ2_XXS"``), or its number if unknown."""
     try:

@@ -1,7 +1,7 @@
 """The executor: binds a planned graph to a device and its weights once, then runs steps.
 
-Binding turns every node into a zero-argument call through the device's op table
-(``Device.lowering``: ``core.cpu_lowering`` on the CPU): weights prepared by the device
+Binding turns every node into a zero-argument call through the op table of the device's
+binder (``ir.lower``: ``ir.lower.cpu`` on the CPU): weights prepared by the device
 (dequantised, repacked or memory-mapped, as the mode wants) and calls bound to the planned
 buffers, which the device allocates. A step copies its inputs into planned input buffers
 and runs the device's submission of the calls (on the CPU, runs of native calls folded into
@@ -20,9 +20,12 @@ from typing import Protocol
 
 import numpy as np
 
-from dynalm.core.device import Call, Device
+from dynalm.core.device import Device
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.ir.graph import Graph
+from dynalm.ir.lower import binder_class
+from dynalm.ir.lower.base import Buffers, Call
+from dynalm.ir.ops import OPS
 from dynalm.ir.planner import Plan, plan_buffers
 
 
@@ -49,7 +52,7 @@ class Executor:
         self.weights = weights
         self._prepared: dict[tuple[str, str], object] = {}
         self._kv: object = None  # the KV storage of the current step
-        self.lowering = device.lowering(self)
+        self.binder = binder_class(device)(device, graph, self.prepare)
         # Merged weights (pass merge-matmuls): name -> the model tensors stacked by rows.
         self._parts: dict[str, tuple[str, ...]] = {}
         for node in graph.nodes:
@@ -63,9 +66,9 @@ class Executor:
 
     def _reserve(self, rows: int) -> None:
         self.capacity = rows
-        matmuls = (n for n in self.graph.nodes if n.op in ("matmul", "matmul_add"))
+        matmuls = (n for n in self.graph.nodes if OPS[n.op].kernel == "matmul")
         widest = max((n.args[0].type.row_width for n in matmuls), default=0)
-        self.lowering.reserve(rows, widest)
+        self.binder.reserve(rows, widest)
         self._buffers = [self.device.buffer(rows, w) for w in self.plan.slot_widths]
         self._inputs = {
             name: self.device.buffer(rows, 1, np.int64)[:, 0] for name in self.graph.inputs
@@ -91,30 +94,29 @@ class Executor:
 
     def _bind_nodes(self) -> None:
         graph, slot_of = self.graph, self.plan.slot_of
-        self.full: dict[int, np.ndarray] = {v.id: self._inputs[n] for n, v in graph.inputs.items()}
+        full: dict[int, np.ndarray] = {v.id: self._inputs[n] for n, v in graph.inputs.items()}
         rows_of = {v.id: str(v.type.shape[0]) for v in graph.inputs.values()}
         for node in graph.nodes:
             if node.out.id in slot_of:
-                self.full[node.out.id] = self._buffers[slot_of[node.out.id]]
+                full[node.out.id] = self._buffers[slot_of[node.out.id]]
             else:  # a view split
-                start = node.attrs["start"]
-                source = self.full[node.args[0].id]
-                self.full[node.out.id] = source[:, start : start + node.out.type.row_width]
+                start, width = node.attrs["start"], node.out.type.row_width
+                full[node.out.id] = full[node.args[0].id][:, start : start + width]
             rows_of[node.out.id] = str(node.out.type.shape[0])
         # One view per (buffer, row symbol): values sharing a slot share its view.
         self._sliced: list[tuple[np.ndarray, str]] = []
-        self.view_of: dict[int, int] = {}
+        view_of: dict[int, int] = {}
         where: dict[tuple[int, str], int] = {}
-        for vid, array in self.full.items():
+        for vid, array in full.items():
             key = (id(array), rows_of[vid])
             if key not in where:
                 where[key] = len(self._sliced)
                 self._sliced.append((array, rows_of[vid]))
-            self.view_of[vid] = where[key]
-        self.views: list[np.ndarray] = [a for a, _ in self._sliced]
-        # Every node through the device's op table; consecutive splits of one value
+            view_of[vid] = where[key]
+        self.buffers = Buffers(self.capacity, full, [a for a, _ in self._sliced], view_of)
+        # Every node through the binder's op table; consecutive splits of one value
         # (merge-matmuls) as one call.
-        self.lowering.begin_bind()
+        self.binder.begin_bind(self.buffers)
         self._calls: list[Call] = []
         self.ops: list[str] = []
         nodes = [n for n in graph.nodes if n.out.id in slot_of]  # views need no call
@@ -124,11 +126,11 @@ class Executor:
             if nodes[i].op == "split":
                 while j < len(nodes) and nodes[j].op == "split" and nodes[j].args == nodes[i].args:
                     j += 1
-            self._calls.append(self.lowering.bind(nodes[i].op, nodes[i:j]))
+            self._calls.append(self.binder.bind(nodes[i].op, nodes[i:j]))
             self.ops.append(nodes[i].op)
             i = j
-        self.lowering.end_bind()
-        self._logits = self.view_of[graph.outputs["logits"].id]
+        self.binder.end_bind()
+        self._logits = view_of[graph.outputs["logits"].id]
         self._shape: tuple[int, int] | None = None  # (T, S) the views are sliced for
         self._compiled_kv: object = None  # the KV storage the programs were built for
         # Compiled steps of small shapes, kept: decode steps alternate between shapes (a
@@ -138,8 +140,8 @@ class Executor:
 
     def _resize(self, n_tokens: int, n_logits: int) -> None:
         rows = {"T": n_tokens, "S": n_logits}
-        self.views[:] = [a[: rows[sym]] for a, sym in self._sliced]
-        self.lowering.resize(n_tokens, n_logits)
+        self.buffers.views[:] = [a[: rows[sym]] for a, sym in self._sliced]
+        self.binder.resize(n_tokens, n_logits)
         self._shape = (n_tokens, n_logits)
         if self._shape in self._compiled and self._kv is self._compiled_kv:
             self._steps = self._compiled[self._shape]
@@ -159,14 +161,14 @@ class Executor:
         if self._kv is not self._compiled_kv:
             self._compiled.clear()  # their submissions hold the old storage's addresses
         self._compiled_kv = self._kv
-        self._steps = self.lowering.submission(self._calls)
-        if self._shape is not None and self._shape[0] <= self.lowering.cached_rows:
+        self._steps = self.binder.submission(self._calls)
+        if self._shape is not None and self._shape[0] <= self.binder.cached_rows:
             self._compiled[self._shape] = self._steps
 
     def prepare(self, name: str, use: str) -> object:
-        """A weight prepared for one use (matmul, embedding, vector); done once. Mapped
-        bytes a kernel has copied (repacked) are released as it goes, and embedding rows
-        are read on demand, so the file's pages do not stay in memory beside the copy."""
+        """A weight prepared for one use (matmul, embedding, vector, index); done once.
+        Mapped bytes a kernel has copied (repacked) are released as it goes, and embedding
+        rows are read on demand, so the file's pages do not stay in memory beside the copy."""
         key = (name, use)
         if key not in self._prepared:
             raw, qtype, shape = self._raw(name, lazy=use == "matmul")
@@ -174,7 +176,7 @@ class Executor:
             if use == "matmul":
                 release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
                 source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
-                prepared = self.lowering.prepare_matmul(
+                prepared = self.binder.prepare_matmul(
                     raw,
                     qtype,
                     shape,
@@ -187,6 +189,9 @@ class Executor:
             elif use == "embedding":
                 rows = None if parts else lambda ids: w.read_rows(name, ids)
                 prepared = self.device.embedding(raw, qtype, shape, read_rows=rows)
+            elif use == "index":  # a small host array of int32 ids, owned
+                prepared = raw.view(np.int32).copy()
+                w.release(name)
             else:
                 prepared = self.device.vector(raw, qtype, shape)
             self._prepared[key] = prepared
@@ -218,14 +223,14 @@ class Executor:
         n_tokens, n_logits = len(tokens), len(logit_rows)
         if n_tokens > self.capacity:
             self._reserve(n_tokens)
-        if self.lowering.cover_positions(int(positions.max()) + 1 if n_tokens else 0):
+        if self.binder.cover_positions(int(positions.max()) + 1 if n_tokens else 0):
             self._bind_all()
         ins = self._inputs
         ins["tokens"][:n_tokens] = tokens
         ins["positions"][:n_tokens] = positions
         ins["logit_rows"][:n_logits] = logit_rows
         self._kv = batch.kv
-        self.lowering.begin_step(batch, ins["positions"])
+        self.binder.begin_step(batch, ins["positions"])
         if self._shape != (n_tokens, n_logits):
             self._resize(n_tokens, n_logits)
         elif batch.kv is not self._compiled_kv:  # programs hold the KV pages' addresses
@@ -235,8 +240,8 @@ class Executor:
                 call()
         else:
             self._run_profiled(self.profile)
-        self.lowering.end_step()
-        return self.views[self._logits]
+        self.binder.end_step()
+        return self.buffers.views[self._logits]
 
     def _run_profiled(self, profile: dict[str, float]) -> None:
         clock = time.perf_counter

@@ -74,11 +74,6 @@ class Node:
     weights: tuple[Weight, ...] = ()
     attrs: dict[str, Any] = field(default_factory=dict)
 
-    def __str__(self) -> str:
-        from dynalm.ir.text import print_node
-
-        return print_node(self)
-
 
 @dataclass
 class Graph:
@@ -96,8 +91,3 @@ class Graph:
                 if w.name not in seen:
                     seen.add(w.name)
                     yield w
-
-    def __str__(self) -> str:
-        from dynalm.ir.text import print_graph
-
-        return print_graph(self)

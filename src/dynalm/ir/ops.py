@@ -38,6 +38,7 @@ class WeightSlot:
     name: str
     optional: bool = False
     dtype: str | None = None  # an index tensor's dtype; None: any quant-format table row
+    use: str = "vector"  # how a device prepares it: matmul | embedding | vector | index
 
 
 @dataclass(frozen=True)
@@ -176,19 +177,20 @@ def _split(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
 
 X = Operand("x")
 _EPS = Attr("eps", float)
+_MATMUL_WEIGHT = WeightSlot("weight", use="matmul")
 _BIAS = WeightSlot("bias", optional=True)
 _MERGED = (Attr("parts", Names, ABSENT), Attr("bias_parts", Names, ABSENT))
 
 _TABLE = (
-    OpDef("embed", (Operand("ids", "i32"),), _embed, (WeightSlot("table"),),
+    OpDef("embed", (Operand("ids", "i32"),), _embed, (WeightSlot("table", use="embedding"),),
           kernel="embedding", doc="rows of the table by token id"),
     OpDef("rms_norm", (X,), _norm, (WeightSlot("weight"),), (_EPS,), kernel="jit",
           doc="x / rms(x) * weight, per row"),
     OpDef("head_rms_norm", (X,), _head_norm, (WeightSlot("weight"),),
           (_EPS, Attr("head_dim", int)), kernel="jit", doc="RMSNorm of each head's slice"),
-    OpDef("matmul", (X,), _matmul, (WeightSlot("weight"), _BIAS), _MERGED, kernel="matmul",
+    OpDef("matmul", (X,), _matmul, (_MATMUL_WEIGHT, _BIAS), _MERGED, kernel="matmul",
           doc="x @ weight^T (+ bias)"),
-    OpDef("matmul_add", (X, Operand("residual")), _matmul, (WeightSlot("weight"), _BIAS),
+    OpDef("matmul_add", (X, Operand("residual")), _matmul, (_MATMUL_WEIGHT, _BIAS),
           _MERGED, kernel="matmul", doc="x @ weight^T (+ bias) + residual"),
     OpDef("rope", (Operand("x", strided=True), Operand("positions", "i32")), _rope,
           (WeightSlot("freq_factors", optional=True),),
@@ -212,7 +214,7 @@ _TABLE = (
           doc="gelu_tanh(gate) * up"),
     OpDef("select_rows", (X, Operand("rows", "i32")), _select_rows,
           doc="the rows listed (each sequence's last token)"),
-    OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32"),),
+    OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32", use="index"),),
           doc="x[:, index]: columns in the order a weight's input was permuted at load"),
     OpDef("split", (X,), _split, attrs=(Attr("start", int), Attr("width", int),
                                         Attr("view", bool, ABSENT)),

@@ -1,11 +1,12 @@
 """The NVPTX backend (preview): kernel programs lowered to PTX for NVIDIA GPUs.
 
-The same programs the CPU backends lower (``kernel.matmul``'s MATMUL for every format of
-the table in ``exact`` and ``auto``, ``kernel.attention``'s paged attention,
-``kernel.elementwise``'s kernels, ``kernel.sampling``'s row reductions) are built for the
-``nvptx64-nvidia-cuda`` triple at the generic backend's width (8 fp32 lanes, so the
-weight layouts and every program's float order are those of the CPU's 8-lane backends)
-and compiled by LLVM's NVPTX target to PTX text, which ``core.cuda_driver`` loads.
+The same programs the CPU backends lower (``kernel.matmul_programs``' MATMUL for every
+format of the table in ``exact`` and ``auto``, ``kernel.attention_program``'s paged
+attention, ``kernel.elementwise_programs``' kernels, ``kernel.sampling_program``'s row
+reductions) are built for the ``nvptx64-nvidia-cuda`` triple at the generic backend's width
+(8 fp32 lanes, so the weight layouts and every program's float order are those of the CPU's
+8-lane backends) and compiled by LLVM's NVPTX target to PTX text, which ``core.cuda_driver``
+loads.
 
 The grid: each function a program exports with the row-range signature
 ``void f(i64 *args, i64 lo, i64 hi)`` gets an entry kernel ``f_grid(i64 *args, i64 rows)``
@@ -112,22 +113,12 @@ class NvptxBackend(Backend):
     ptx_features: str = PTX_FEATURES
 
     def capabilities(self) -> dict[str, object]:
-        missing = self.missing()
-        return {
-            "backend": self.name,
-            "fp32_lanes": self.lanes,
-            "int8_dot": self.int8_dot,
-            "target": f"{TRIPLE} {self.sm} {self.ptx_features}",
-            "native": True,
-            "runs_here": not missing,
-            "missing": missing,
-        }
+        return {**super().capabilities(), "target": f"{TRIPLE} {self.sm} {self.ptx_features}"}
 
     def missing(self) -> list[str]:
-        from dynalm.core import cuda_driver  # core binds kernels; kernel needs it only here
-
-        reason = cuda_driver.probe()
-        return [reason] if reason else []
+        """Its code runs on a CUDA device, never on the host's CPU (whether this machine has
+        one is the device layer's probe: ``core.devices``)."""
+        return ["a CUDA device (PTX runs on the GPU, not the host)"]
 
     def twin(self) -> Backend:
         """The CPU program at the same width and int32 sums (``dp4a``'s exact sums)."""
@@ -357,9 +348,15 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
     matmuls of every format of the table in both modes (each batch bucket's tile and the
     activations' quantiser; K = 32 * ``k_blocks``, a multiple of the K-quants' 256), paged
     attention per KV storage, the element-wise kernels and the sampling reductions."""
-    from dynalm.kernel import attention, elementwise, matmul, sampling
+    from dynalm.kernel import (
+        attention_program,
+        elementwise_programs,
+        matmul_programs,
+        sampling_program,
+    )
 
     out: list[tuple[Program, dict[str, object]]] = []
+    matmul = matmul_programs
     for ggml_type in matmul.UNPACKS:
         for mode in ("exact", "auto"):
             if matmul.effective_mode(ggml_type, mode) != mode:
@@ -370,8 +367,8 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
     out.append((matmul.MATMUL, {"k_blocks": k_blocks}))
     geometry = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "page": 16}
     for dtype, recent in (("f32", 0), ("f16", 0), ("q8_0", 0), ("q8_0", 32)):
-        out.append((attention.ATTENTION, {"dtype": dtype, **geometry, "recent": recent}))
-    ew = elementwise.PROGRAMS
+        out.append((attention_program.ATTENTION, {"dtype": dtype, **geometry, "recent": recent}))
+    ew = elementwise_programs.PROGRAMS
     out += [
         (ew["add"], {}),
         (ew["gated"], {"activation": "silu"}),
@@ -379,6 +376,6 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
         (ew["rms_norm"], {"width": 576, "eps": 1e-5}),
         (ew["rope"], {"n_heads": 9, "head_dim": 64, "rope_dim": 64, "neox": False, "stride": 576}),
         (ew["rope"], {"n_heads": 4, "head_dim": 64, "rope_dim": 32, "neox": True, "stride": 320}),
-        (sampling.ROW_REDUCE, {"vocab": 49152}),
+        (sampling_program.ROW_REDUCE, {"vocab": 49152}),
     ]
     return out

@@ -1,15 +1,15 @@
 """SPIR-V, compile-only preview: the element-wise programs lowered by LLVM's SPIR-V target.
 
-The element-wise programs (``kernel.elementwise``) are built for ``spirv64-unknown-unknown``
-at the NVPTX backend's width and get the same entry kernels as on the GPU
-(``nvptx.add_entries``: rows split over threads, a per-thread argument block), in the
-``spir_kernel`` calling convention with the thread index from OpenCL's
+The element-wise programs (``kernel.elementwise_programs``) are built for
+``spirv64-unknown-unknown`` at the NVPTX backend's width and get the same entry kernels as
+on the GPU (``nvptx.add_entries``: rows split over threads, a per-thread argument block), in
+the ``spir_kernel`` calling convention with the thread index from OpenCL's
 ``get_global_id(0)``. LLVM emits a SPIR-V binary with ``Kernel`` execution-model entry
 points (physical 64-bit addressing, as OpenCL drivers take it). Nothing loads or runs it
-here: there is no Vulkan/OpenCL runtime binding, and Vulkan itself takes only the
-``Shader`` model with logical addressing, which these pointer-arithmetic programs do not
-fit yet. CI checks the binary's header (magic number 0x07230203) and that it has an entry
-point per kernel (``entry_points``).
+here: there is no Vulkan/OpenCL runtime binding, and Vulkan itself takes only the ``Shader``
+model with logical addressing, which these pointer-arithmetic programs do not fit yet. CI
+checks the binary's header (magic number 0x07230203) and that it has an entry point per
+kernel (``entry_points``).
 """
 
 from __future__ import annotations

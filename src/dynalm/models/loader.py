@@ -105,7 +105,7 @@ def model_graph(gguf: GGUFFile | HFDirectory, hp: HParams) -> Graph:
     """The forward pass of a model file as its family builds it (before any fusing pass;
     act-order inputs gathered)."""
     types = tensor_types(gguf)
-    graph = gather_permuted_inputs(build_graph(hp.arch, gguf.metadata, types), types)
+    graph = gather_permuted_inputs(build_graph(hp, gguf.metadata, types), types)
     _check_kv_geometry(graph, hp)
     return graph
 

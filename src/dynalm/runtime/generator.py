@@ -14,14 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynalm.core.device import Device
-from dynalm.models.loader import LoadedModel
-from dynalm.runtime.engine import Engine, EngineConfig, flat_batch
-from dynalm.runtime.guided import Guide
-from dynalm.runtime.kv_cache import PagePool
-from dynalm.runtime.sampling import SamplingParams
-from dynalm.runtime.scheduler import Request, ScheduledChunk
-from dynalm.runtime.speculative import Drafter
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.guided import Guide
+from dynalm.runtime.engine.kv_cache import PagePool
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.engine.scheduler import Request, ScheduledChunk, flat_batch
 
 
 @dataclass
@@ -61,19 +59,10 @@ def generator_config(
 
 
 class Generator:
-    def __init__(
-        self,
-        model: LoadedModel,
-        device: Device,
-        ctx: int = 4096,
-        kv_dtype: str = "f32",
-        drafter: Drafter | None = None,
-        num_draft_tokens: int = 4,
-    ):
-        self.model = model
-        self.engine = Engine(
-            model, device, generator_config(ctx, kv_dtype, num_draft_tokens), drafter
-        )
+    """Requests one at a time through ``engine`` (configured by ``generator_config``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.model = engine, engine.model
         self.stats = GenerationStats()
         self._ids = itertools.count()
         # What ``forward`` has run, as one sequence in a pool of its own (it never starves
@@ -129,7 +118,7 @@ class Generator:
                 n_pages=-(-config.ctx // config.page_size),
                 page_size=config.page_size,
                 dtype=config.kv_cache_dtype,
-                device=self.engine.executor.device,
+                device=self.engine.device,
             )
             if self._scoring_pool.recent:
                 self._scored.recent = self._scoring_pool.open_recent()

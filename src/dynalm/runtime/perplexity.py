@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynalm.errors import InvalidRequest
-from dynalm.runtime.engine import Engine
-from dynalm.runtime.sampling import SamplingParams
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
 
 _ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, repeat_penalty=1.0)
 

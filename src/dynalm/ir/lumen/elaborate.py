@@ -63,11 +63,18 @@ class Elaborator:
         arch: str,
         metadata: dict[str, Any],
         weight_types: dict[str, TensorType],
+        given: dict[str, Any] | None = None,
     ):
+        """``given``: the values of the names the program was checked to read beside its
+        own (``Program.given``)."""
+        given = given or {}
+        missing = sorted(program.given - set(given))
+        if missing:
+            raise LumenError(f"{program.where}: {', '.join(missing)} not given")
         self.p = program
         self.metadata = metadata
         self.builder = GraphBuilder(arch, weight_types)
-        self.globals: dict[str, Any] = {"arch": arch}
+        self.globals: dict[str, Any] = {**given, "arch": arch}
         self.depth = 0
 
     # -- the program ------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """A parsed ``.lum`` file split into its declarations, with the checks that need no model:
 each name declared once, one ``forward`` block, ``return`` only in functions and
 ``output`` only in ``forward``, every called function or op known and given the operands,
-weights and attributes it takes, every variable bound somewhere before it is read."""
+weights and attributes it takes, every variable bound somewhere before it is read.
+
+Besides ``arch``, a program may read names it is *given*: values the elaborator receives
+rather than the file declaring them (a family file's: the model's hyper-parameters, read
+once by ``models.hparams``; RFC 005)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ BUILTINS: dict[str, tuple[int, int, tuple[str, ...]]] = {
 class Program:
     where: str
     text: str
+    given: frozenset[str] = frozenset()  # names the elaborator gives (beside arch)
     families: list[str] = field(default_factory=list)
     params: list[Node] = field(default_factory=list)
     inputs: list[Node] = field(default_factory=list)
@@ -40,11 +45,13 @@ class Program:
         return text if len(text) <= 80 else text[:77] + "..."
 
 
-def load_program(text: str, where: str, cached: bool = False) -> Program:
-    """Parse (``cached``: through the tree cache) and check ``text``; a ``LumenError`` names
-    the first fault's line and column."""
-    program = Program(where, text)
-    names: set[str] = {"arch"}
+def load_program(
+    text: str, where: str, cached: bool = False, given: frozenset[str] = frozenset()
+) -> Program:
+    """Parse (``cached``: through the tree cache) and check ``text``, which may read the
+    ``given`` names; a ``LumenError`` names the first fault's line and column."""
+    program = Program(where, text, frozenset(given))
+    names: set[str] = {"arch", *given}
     tree = parse_cached(text, where) if cached else parse(text, where)
     for item in tree.children:
         if item.data == "family":
@@ -70,8 +77,8 @@ def load_program(text: str, where: str, cached: bool = False) -> Program:
     return program
 
 
-def load_file(path: Path) -> Program:
-    return load_program(path.read_text(), str(path), cached=True)
+def load_file(path: Path, given: frozenset[str] = frozenset()) -> Program:
+    return load_program(path.read_text(), str(path), cached=True, given=given)
 
 
 class _Checker:
@@ -79,7 +86,7 @@ class _Checker:
 
     def __init__(self, program: Program):
         self.p = program
-        self.globals = {"arch"}
+        self.globals = {"arch", *program.given}
 
     def run(self) -> None:
         for param in self.p.params:

@@ -1,12 +1,15 @@
 """Architectures: one ``.lum`` file per family in this folder (see ``docs/lumen.md``).
 
-A file's first ``family`` line names the GGUF architectures it serves. To add a family,
-write its ``.lum`` file here (and a test against transformers); if it needs an op DynaIR
-lacks, add the op to ``dynalm.ir.ops`` and its kernels first.
+A file's first ``family`` line names the GGUF architectures it serves. The model's
+hyper-parameters (``models.hparams.HParams``: ``n_layers``, ``n_kv_heads``, ``norm_eps``, ...)
+are read once, checked, and given to every file (RFC 005); a file declares only its own. To
+add a family, write its ``.lum`` file here (and a test against transformers); if it needs an
+op DynaIR lacks, add the op to ``dynalm.ir.ops`` and its kernels first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import cache
 from pathlib import Path
@@ -18,8 +21,10 @@ from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.lumen import Elaborator, Program, load_file
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hf_dir import HFDirectory
+from dynalm.models.hparams import HParams, read_hparams
 
 ARCH_DIR = Path(__file__).parent
+GIVEN = frozenset(f.name for f in dataclasses.fields(HParams))  # what every file may read
 _FAMILY = re.compile(r"^family\s+(.+)$", re.MULTILINE)
 
 
@@ -46,7 +51,7 @@ def family_file(arch: str) -> Path:
 
 @cache
 def family_program(path: Path) -> Program:
-    return load_file(path)
+    return load_file(path, GIVEN)
 
 
 def tensor_types(gguf: GGUFFile | HFDirectory) -> dict[str, TensorType]:
@@ -54,9 +59,18 @@ def tensor_types(gguf: GGUFFile | HFDirectory) -> dict[str, TensorType]:
     return {n: TensorType(tensor_type_name(t.ggml_type), t.shape) for n, t in gguf.tensors.items()}
 
 
-def build_graph(arch: str, metadata: dict[str, Any], weight_types: dict[str, TensorType]) -> Graph:
-    """The forward pass of a model of architecture ``arch``, from its family's ``.lum``."""
-    return Elaborator(family_program(family_file(arch)), arch, metadata, weight_types).run()
+def build_graph(
+    hp: HParams, metadata: dict[str, Any], weight_types: dict[str, TensorType]
+) -> Graph:
+    """The forward pass of a model of hyper-parameters ``hp``, from its family's ``.lum``."""
+    return _elaborate(family_program(family_file(hp.arch)), hp, metadata, weight_types)
+
+
+def _elaborate(
+    program: Program, hp: HParams, metadata: dict[str, Any], weight_types: dict[str, TensorType]
+) -> Graph:
+    given = dataclasses.asdict(hp)
+    return Elaborator(program, hp.arch, metadata, weight_types, given).run()
 
 
 def check_file(path: Path, model: Path | None = None) -> str:
@@ -65,7 +79,7 @@ def check_file(path: Path, model: Path | None = None) -> str:
     summary line; a fault raises a one-line error naming ``file:line:col``."""
     from dynalm.ir.passes import verify
 
-    program = load_file(path)
+    program = load_file(path, GIVEN)
     summary = (
         f"{path}: ok (family {', '.join(program.families)}; {len(program.params)} parameters, "
         f"{len(program.fns)} functions)"
@@ -78,6 +92,7 @@ def check_file(path: Path, model: Path | None = None) -> str:
             raise UnsupportedModel(
                 f"{model} is a {show(arch)} model; {path} builds {', '.join(program.families)}"
             )
-        graph = Elaborator(program, arch, gguf.metadata, tensor_types(gguf)).run()
+        hp = read_hparams(gguf.metadata, {n: t.shape for n, t in gguf.tensors.items()})
+        graph = _elaborate(program, hp, gguf.metadata, tensor_types(gguf))
     verify(graph)
     return f"{summary}; {model}: a graph of {len(graph.nodes)} nodes"

@@ -1,0 +1,281 @@
+"""How a graph's ops bind on the CPU device: its op table and its step submission.
+
+Each op binds to a zero-argument call over the executor's planned buffers: JIT kernels
+(``core.elementwise``, ``core.attention``, ``core.matmul``) bound to the buffers'
+addresses, or numpy calls reading their operands from the executor's table of views
+(``--mode safe`` binds the numpy references of ``core.cpu_ops``: the oracle the fast path
+is tested against). The JIT kernels' argument blocks are rows of one array, so a new step
+shape rewrites every kernel's row count in one assignment. The attention kernels read the
+step's layout (page tables, slots) from one ``StepLayout`` block filled once per step.
+
+A step is one submission: each run of consecutive native calls is folded into one
+``pool.Program``, so a step crosses from Python into native code once per run instead of
+once per kernel; the kernels a step calls are lowered first, the pending ones together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dynalm.core import attention, cpu_ops, elementwise, pool
+from dynalm.core.kv_storage import AttentionBatch
+from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
+from dynalm.ir.graph import Graph, Node
+from dynalm.ir.lower.base import Binder, Buffers, Call, Prepare
+from dynalm.ir.ops import GATES
+from dynalm.kernel import backends
+
+if TYPE_CHECKING:
+    from dynalm.core.cpu_device import CpuDevice
+
+
+class _Matmul:
+    """``out = x @ W^T`` with a JIT matmul, then native epilogues (the fused residual add)."""
+
+    def __init__(
+        self, mm: QuantMatmul, views: list[np.ndarray], x: int, o: int, after: tuple
+    ) -> None:
+        self._mm, self._views, self._x, self._o, self._after = mm, views, x, o, after
+
+    def __call__(self) -> None:
+        self._mm(self._views[self._x], self._views[self._o])
+        for kernel in self._after:
+            kernel()
+
+    def pending(self) -> list[backends.Request]:
+        """The kernels this step calls that are not lowered yet."""
+        calls = self._mm.pending(len(self._views[self._x]))
+        return calls + [r for kernel in self._after for r in kernel.pending()]
+
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        """The native calls, as ``pool.Program`` records."""
+        calls = self._mm.records(self._views[self._x], self._views[self._o])
+        return calls + [r for kernel in self._after for r in kernel.records()]
+
+
+class CpuBinder(Binder):
+    """One graph's ops bound on a ``CpuDevice`` (see the module docstring)."""
+
+    cached_rows = CACHED_ROWS
+
+    def __init__(self, device: CpuDevice, graph: Graph, prepare: Prepare) -> None:
+        super().__init__(device, graph, prepare)
+        self._native = device.mode != "safe"
+        self._backend = device.backend  # lowers the native kernels
+        self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
+        self._batch: AttentionBatch | None = None
+        self._layout = attention.StepLayout()  # what the native attention kernels read
+
+    # -- binding -------------------------------------------------------------------
+    def reserve(self, rows: int, widest: int) -> None:
+        self._scratch.reserve(rows, widest)  # before binding: programs hold its address
+
+    def begin_bind(self, buffers: Buffers) -> None:
+        super().begin_bind(buffers)
+        self._blocks = np.zeros((len(self.graph.nodes), elementwise.MAX_WORDS), np.int64)
+        self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
+
+    def end_bind(self) -> None:
+        self._per_row = np.array([per_row for per_row, _ in self._counted], np.int64)
+        self._on_tokens = np.array([rows == "T" for _, rows in self._counted], bool)
+
+    def prepare_matmul(self, *args: object, **kwargs: object) -> object:
+        return self.device.matmul(*args, scratch=self._scratch, **kwargs)  # type: ignore[arg-type]
+
+    def _kernel(
+        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
+    ) -> elementwise.BoundKernel:
+        """``bind(*args)`` a JIT kernel over full buffers, its argument block a row of
+        ``_blocks``, so that ``resize`` sets its count."""
+        block = self._blocks[len(self._counted)]
+        kernel = bind(*args, block=block, backend=self._backend)
+        self._counted.append((int(block[0]) // self.buffers.capacity, rows))
+        return kernel
+
+    def _add_ids(self, out: int, x: int, y: int, rows: str) -> Call:
+        """``out = x + y`` by value id."""
+        bufs = self.buffers
+        if self._native:
+            full = bufs.full
+            return self._kernel(elementwise.add, full[out], full[x], full[y], rows=rows)
+        v, o, a, b = bufs.views, bufs.view_of[out], bufs.view_of[x], bufs.view_of[y]
+        return lambda: np.add(v[a], v[b], out=v[o])
+
+    def _operands(self, node: Node) -> tuple:
+        """views, full buffers, operand view indices, output view index, output buffer,
+        operand buffers, row symbol, weight names."""
+        bufs = self.buffers
+        args = [bufs.view_of[x.id] for x in node.args]
+        out, ins = bufs.full[node.out.id], [bufs.full[x.id] for x in node.args]
+        rows = str(node.out.type.shape[0])
+        return (
+            bufs.views,
+            args,
+            bufs.view_of[node.out.id],
+            out,
+            ins,
+            rows,
+            [w.name for w in node.weights],
+        )
+
+    # The op table (``base.BIND_METHODS``): each op of ``ir/ops.py``'s method.
+    def _embed(self, node: Node) -> Call:
+        v, args, o, *_, w = self._operands(node)
+        lookup = self.prepare(w[0], "embedding")
+        return lambda: lookup(v[args[0]], v[o])
+
+    def _matmul(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, w = self._operands(node)
+        mm = self.prepare(w[0], "matmul")
+        x = args[0]
+        after = []
+        if len(w) > 1:
+            bias = self.prepare(w[1], "vector")
+            after.append(lambda: np.add(v[o], bias, out=v[o]))
+        if node.op == "matmul_add":  # the fused residual: out += x_residual
+            after.append(self._add_ids(node.out.id, node.out.id, node.args[1].id, rows))
+        if isinstance(mm, QuantMatmul) and all(hasattr(f, "records") for f in after):
+            return _Matmul(mm, v, x, o, tuple(after))
+        if not after:
+            return lambda: mm(v[x], v[o])
+
+        def matmul_then(mm=mm, x=x, after=tuple(after)) -> None:
+            mm(v[x], v[o])
+            for f in after:
+                f()
+
+        return matmul_then
+
+    def _norm(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, w = self._operands(node)
+        a = node.attrs
+        weight = self.prepare(w[0], "vector")
+        if self._native:
+            width = a.get("head_dim", out.shape[1])  # a head norm is a norm of head rows
+            x, y = ins[0].reshape(-1, width), out.reshape(-1, width)
+            return self._kernel(elementwise.rms_norm, y, x, weight, a["eps"], rows=rows)
+        if node.op == "rms_norm":
+            return lambda: cpu_ops.rms_norm(v[o], v[args[0]], weight, a["eps"])
+        return lambda: cpu_ops.head_rms_norm(v[o], v[args[0]], weight, a["eps"], a["head_dim"])
+
+    def _rope(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        a = node.attrs
+        table = self.rope_table(node)
+        shape = (a["head_dim"], a["rope_dim"], a["neox"])
+        if self._native:
+            tables = (table.cos, table.sin)
+            return self._kernel(elementwise.rope, out, *ins, *tables, *shape, rows=rows)
+        return lambda: cpu_ops.rope(v[o], v[args[0]], v[args[1]], table, *shape)
+
+    def _attention(self, node: Node) -> Call:
+        v, (q, k, vv), o, out, ins, *_ = self._operands(node)
+        a = node.attrs
+        pos = self.buffers.view_of[self.graph.inputs["positions"].id]
+        layer, n_kv, head_dim = a["layer"], a["n_kv_heads"], a["head_dim"]
+        if self._native and attention.supported(head_dim, "f32"):
+            geometry = (a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
+            return attention.PagedAttention(
+                self._layout,
+                layer,
+                *geometry,
+                self.device.threads,
+                out,
+                *ins,
+                backend=self._backend,
+            )
+        attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
+        return lambda: cpu_ops.attention(v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs)
+
+    def _add(self, node: Node) -> Call:
+        return self._add_ids(
+            node.out.id, node.args[0].id, node.args[1].id, str(node.out.type.shape[0])
+        )
+
+    def _gated(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        if self._native:
+            return self._kernel(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
+        return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], GATES[node.op])
+
+    def _mul(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        return lambda: np.multiply(v[args[0]], v[args[1]], out=v[o])
+
+    def _scale(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        factor = np.float32(node.attrs["factor"])
+        return lambda: np.multiply(v[args[0]], factor, out=v[o])
+
+    def _silu(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        return lambda: cpu_ops.silu(v[o], v[args[0]])
+
+    def _gelu_tanh(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        return lambda: cpu_ops.gelu_tanh(v[o], v[args[0]])
+
+    def _select_rows(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
+
+    def _gather_cols(self, node: Node) -> Call:
+        v, args, o, *_, w = self._operands(node)
+        index = self.prepare(w[0], "index")
+        return lambda: np.take(v[args[0]], index, axis=1, out=v[o])
+
+    def _split(self, nodes: list[Node]) -> Call:
+        """Copy column ranges of one value into the planned outputs of ``split`` nodes."""
+        bufs = self.buffers
+        v, src = bufs.views, bufs.view_of[nodes[0].args[0].id]
+        pieces = tuple(
+            (bufs.view_of[n.out.id], n.attrs["start"], n.attrs["start"] + n.out.type.row_width)
+            for n in nodes
+        )
+
+        def split() -> None:
+            x = v[src]
+            for o, start, end in pieces:
+                v[o][...] = x[:, start:end]
+
+        return split
+
+    # -- running -------------------------------------------------------------------
+    def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
+        self._batch = batch
+        if self._native:
+            self._layout.set(batch, positions)
+
+    def resize(self, n_tokens: int, n_logits: int) -> None:
+        counts = np.where(self._on_tokens, n_tokens, n_logits) * self._per_row
+        self._blocks[: len(counts), 0] = counts
+
+    def submission(self, calls: list[Call]) -> list[Call]:
+        """Lower the kernels the step calls that are not compiled yet (together:
+        ``backends.lower_all`` runs them concurrently, on threads joined before it
+        returns), then fold each run of consecutive native calls into one ``pool.Program``
+        (a SmolLM2 decode step: 4 calls, the layers with their attention one of them,
+        instead of ~480)."""
+        if self._native:
+            pending = pool.pending() if pool.available() else []
+            pending += [r for call in calls for r in getattr(call, "pending", list)()]
+            if pending:
+                backends.lower_all(pending)
+        if not (self._native and pool.available()):
+            return list(calls)
+        steps: list[Call] = []
+        run: list[tuple[int, int, int, int, int]] = []
+        for call in [*calls, None]:
+            records = getattr(call, "records", None)
+            if records is not None:
+                run += records()
+                continue
+            if run:
+                steps.append(pool.Program(run, self.device.threads))
+                run = []
+            if call is not None:
+                steps.append(call)
+        return steps

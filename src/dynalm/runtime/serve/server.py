@@ -1,0 +1,903 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine.
+
+Chat and completions share one path: an HTTP request becomes ``n`` engine requests per
+prompt (`_Generation`), merged into one stream of outputs; the two endpoints differ
+only in how outputs are written (`_ChatFormat`, `_CompletionFormat`), either as
+server-sent events or collected into one response.
+
+A request is answered only once the engine has queued each of its engine requests, so
+what the engine refuses at admission (prompt over the context, queue full) is the right
+HTTP status instead of a broken stream; a stream's status and headers go out at that
+moment, before the request waits for a slot or its prompt is prefilled. A client that
+disconnects at any point cancels its engine requests; `AsyncEngine` then aborts them and
+frees their pages.
+SIGTERM / SIGINT: new requests get 503 with Retry-After (the port stays open while
+draining), in-flight ones get ``SHUTDOWN_GRACE_S`` to finish; then they are aborted, so each
+answer still ends properly (``finish_reason: "abort"``, ``data: [DONE]``), and the process
+exits 0.
+
+Hostile input is answered with 4xx, never 500 (`asgi`); tokenising and chat-template rendering
+run off the event loop, and text that could not fit the context is refused before it is
+tokenised, so a huge prompt never stalls other clients or ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from dynalm.errors import InvalidRequest, PromptTooLong
+from dynalm.models.loader import LoadedModel
+from dynalm.models.tokenizer import Tokenizer
+from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
+from dynalm.runtime.engine.guided import Guide
+from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.serve import protocol as p
+from dynalm.runtime.serve import tools
+from dynalm.runtime.serve.asgi import (
+    MAX_BODY_BYTES,
+    APIError,
+    BodyLimit,
+    ClientGone,
+    Route,
+    error_responses,
+    install_error_handlers,
+    install_openapi,
+)
+from dynalm.runtime.serve.chat_page import install_chat_page
+from dynalm.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
+from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 30  # after SIGTERM, in-flight requests get this long before being aborted
+_FLUSH_S = 5  # then this long to send their last chunks
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- one HTTP request
+
+
+@dataclass
+class _Choice:
+    """What one engine request produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    chars: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_logprobs: list[ScoredLogprob] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.text.append(out.text)
+        self.chars += len(out.text)
+        self.logprobs.extend(out.logprobs or ())
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.completion_tokens = out.completion_tokens
+        self.finish_reason = out.finish_reason
+
+
+_QUEUED = object()  # on a `_Generation`'s queue: the engine has taken that engine request
+
+
+class _Generation:
+    """The engine requests behind one HTTP request (``n`` per prompt), merged into one stream.
+
+    Each engine request is pumped by its own task into one queue; `close` cancels the
+    tasks, which makes `AsyncEngine.generate` abort whatever has not finished.
+    """
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        request_id: str,
+        jobs: Sequence[tuple[list[int], SamplingParams]],
+        n: int,
+        options: dict[str, Any],
+    ) -> None:
+        """``options``: what `Engine.add_request` takes beyond prompt and parameters."""
+        self.n = n
+        self.choices = [_Choice(i) for i in range(len(jobs))]
+        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        self._ready: deque[tuple[int, object]] = deque()
+        self._live = len(jobs)
+        self._tasks = [
+            asyncio.create_task(
+                self._pump(server, i, f"{request_id}-{i}", prompt, params, options)
+            )
+            for i, (prompt, params) in enumerate(jobs)
+        ]
+
+    async def _pump(
+        self,
+        server: OpenAIServer,
+        index: int,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        options: dict[str, Any],
+    ) -> None:
+        tracker = server.metrics.track()
+        if (guide := options.get("guide")) is not None:  # each sequence follows its own copy
+            options = {**options, "guide": guide.copy()}
+        queued = functools.partial(self._queue.put_nowait, (index, _QUEUED))
+        try:
+            stream = server.async_engine.generate(
+                request_id, prompt, params, queued=queued, **options
+            )
+            async for out in stream:
+                tracker.observe(out)
+                self._queue.put_nowait((index, out))
+            self._queue.put_nowait((index, None))
+        except asyncio.CancelledError:
+            tracker.aborted()
+            raise
+        except Exception as e:  # handed to the consumer, which turns it into a response
+            self._queue.put_nowait((index, e))
+
+    async def admitted(self) -> None:
+        """Wait until the engine has queued every engine request; raise the first refusal."""
+        waiting = set(range(len(self.choices)))
+        while waiting:
+            index, out = item = await self._queue.get()
+            if isinstance(out, Exception):
+                raise out
+            if out is _QUEUED:
+                waiting.discard(index)
+            else:  # an output that overtook its engine request's own marker
+                self._ready.append(item)
+
+    async def outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Every output in arrival order, with the choice it updated, until all finish."""
+        while self._live:
+            index, out = self._ready.popleft() if self._ready else await self._queue.get()
+            if out is _QUEUED:
+                continue
+            if out is None:
+                self._live -= 1
+                continue
+            if isinstance(out, Exception):
+                raise out
+            choice = self.choices[index]
+            choice.add(out)
+            yield choice, out
+
+    async def collect(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    def close(self) -> None:
+        """Cancel whatever still runs (synchronous: it may run inside a cancelled scope)."""
+        for task in self._tasks:
+            task.cancel()
+
+    def usage(self) -> p.Usage:
+        # n copies of a prompt count it once, as OpenAI does; the first copy's numbers stand
+        firsts = self.choices[:: self.n]
+        prompt = sum(c.prompt_tokens for c in firsts)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return p.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=p.PromptTokensDetails(
+                cached_tokens=sum(c.cached_tokens for c in firsts)
+            ),
+        )
+
+
+# ---------------------------------------------------------------- response formats
+
+
+class _Format:
+    """How one endpoint writes outputs: streamed chunks and the collected response."""
+
+    id_prefix = ""
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer, logprobs: bool) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_name
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
+
+    def _common(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        data = self.tokenizer.token_bytes(token_id)
+        return data.decode("utf-8", errors="replace"), list(data)
+
+    def opening(self, index: int) -> BaseModel | None:
+        """The chunk that opens a choice's stream, if the format has one."""
+        return None
+
+    def chunk(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        finish_reason: str | None = None,
+    ) -> BaseModel | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self, gen: _Generation) -> BaseModel:
+        raise NotImplementedError
+
+
+class _ChatFormat(_Format):
+    id_prefix = "chatcmpl"
+
+    def __init__(
+        self, model_name: str, tokenizer: Tokenizer, logprobs: bool, plan: tools.ToolPlan | None
+    ) -> None:
+        super().__init__(model_name, tokenizer, logprobs)
+        self.plan = plan  # with tools: calls are read out of the text
+        self._tool_streams: dict[int, tools.ToolStream] = {}
+
+    def _delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A streamed chunk's delta and finish reason (calls go out whole at the end)."""
+        if self.plan is None:
+            return ({"content": text} if finish_reason is None else {}), finish_reason
+        stream = self._tool_streams.setdefault(index, self.plan.stream())
+        if finish_reason is None:
+            content = stream.push(text)
+            return ({"content": content} if content else {}), None
+        rest, calls = stream.finish()
+        delta: dict[str, Any] = {"content": rest} if rest else {}
+        if calls:
+            delta["tool_calls"] = tools.call_deltas(calls)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return delta, finish_reason
+
+    def _message(self, choice: _Choice) -> tuple[p.AssistantMessage, str | None]:
+        text, reason = "".join(choice.text), choice.finish_reason
+        if self.plan is None:
+            return p.AssistantMessage(content=text), reason
+        content, calls = self.plan.parse(text)
+        if not calls:
+            return p.AssistantMessage(content=text), reason
+        reason = "tool_calls" if reason == "stop" else reason
+        return p.AssistantMessage(content=content, tool_calls=calls), reason
+
+    def _logprobs(self, lps: Sequence[TokenLogprob] | None) -> p.ChatLogprobs | None:
+        if not self.logprobs or lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token, data = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": data}
+
+        return p.ChatLogprobs(
+            content=[
+                p.ChatTokenLogprob(
+                    **entry(lp.token_id, lp.logprob),
+                    top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in lp.top_logprobs],
+                )
+                for lp in lps
+            ]
+        )
+
+    def opening(self, index: int) -> BaseModel:
+        delta = {"role": "assistant", "content": ""}
+        return p.ChatCompletionChunk(
+            **self._common(), choices=[p.ChatStreamChoice(index=index, delta=delta)]
+        )
+
+    def chunk(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        finish_reason: str | None = None,
+    ) -> BaseModel | None:
+        delta, finish_reason = self._delta(choice.index, text, finish_reason)
+        if not delta and finish_reason is None and not logprobs:
+            return None
+        streamed = p.ChatStreamChoice(
+            index=choice.index,
+            delta=delta,
+            logprobs=self._logprobs(logprobs),
+            finish_reason=finish_reason,
+        )
+        return p.ChatCompletionChunk(**self._common(), choices=[streamed])
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.ChatCompletionChunk(**self._common(), choices=[], usage=usage)
+
+    def response(self, gen: _Generation) -> BaseModel:
+        choices = [
+            p.ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=self._logprobs(c.logprobs),
+                finish_reason=reason,
+            )
+            for c in gen.choices
+            for message, reason in [self._message(c)]
+        ]
+        return p.ChatCompletion(**self._common(), choices=choices, usage=gen.usage())
+
+
+class _CompletionFormat(_Format):
+    id_prefix = "cmpl"
+
+    def __init__(
+        self,
+        model_name: str,
+        tokenizer: Tokenizer,
+        logprobs: bool,
+        echo: PromptEcho,
+        prompts: list[list[int]],
+        n: int,
+    ) -> None:
+        super().__init__(model_name, tokenizer, logprobs)
+        self.echo, self.prompts, self.n = echo, prompts, n
+        self._opened: set[int] = set()  # the choices whose first chunk went out
+
+    def _choice(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        offset: int,
+        finish_reason: str | None,
+        first: bool,
+    ) -> p.CompletionChoice:
+        """A choice's text from ``offset`` on; its first also carries what the request asked
+        to see of the prompt (echo, prompt_logprobs)."""
+        prompt = choice.index // self.n
+        echoed = self.echo.text(prompt)
+        out = p.CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=self._logprobs(logprobs, len(echoed) + offset),
+            finish_reason=finish_reason,
+        )
+        if first:
+            scored = choice.prompt_logprobs or []
+            out.text = echoed + text
+            echo_logprobs = self.echo.logprobs(self.tokenizer, self.prompts[prompt], scored)
+            out.logprobs = joined(echo_logprobs, out.logprobs)
+            out.prompt_logprobs = self.echo.vllm(self.tokenizer, scored)
+        return out
+
+    def _logprobs(
+        self, lps: Sequence[TokenLogprob] | None, offset: int
+    ) -> p.CompletionLogprobs | None:
+        """The legacy format; ``offset`` is where the first token's text starts."""
+        if not self.logprobs or lps is None:
+            return None
+        return legacy_logprobs(self.tokenizer, lps, offset)
+
+    def chunk(
+        self,
+        choice: _Choice,
+        text: str,
+        logprobs: Sequence[TokenLogprob] | None,
+        finish_reason: str | None = None,
+    ) -> BaseModel:
+        first = choice.index not in self._opened
+        self._opened.add(choice.index)
+        offset = choice.chars - len(text)
+        streamed = self._choice(choice, text, logprobs, offset, finish_reason, first)
+        return p.Completion(**self._common(), choices=[streamed])
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.Completion(**self._common(), choices=[], usage=usage)
+
+    def response(self, gen: _Generation) -> BaseModel:
+        choices = [
+            self._choice(c, "".join(c.text), c.logprobs, 0, c.finish_reason, first=True)
+            for c in gen.choices
+        ]
+        return p.Completion(**self._common(), choices=choices, usage=gen.usage())
+
+
+def _event(data: BaseModel | dict[str, Any]) -> str:
+    body = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)
+    return f"data: {body}\n\n"
+
+
+async def _sse(gen: _Generation, fmt: _Format, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI's event stream: an opening chunk per choice, content, a finishing chunk per
+    choice, the usage chunk if asked, ``[DONE]``. A failure after the headers went out
+    can only be reported in the stream."""
+    try:
+        for choice in gen.choices:
+            if (opening := fmt.opening(choice.index)) is not None:
+                yield _event(opening)
+        async for choice, out in gen.outputs():
+            if out.text or out.logprobs:
+                chunk = fmt.chunk(choice, out.text, out.logprobs)
+                if chunk is not None:  # None: the text is held back (a tool call may begin)
+                    yield _event(chunk)
+            if out.finished:
+                yield _event(fmt.chunk(choice, "", None, out.finish_reason or "stop"))
+        if include_usage:
+            yield _event(fmt.usage_chunk(gen.usage()))
+    except Exception as e:
+        yield _event(APIError.of(e).body())
+    yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that cancels its engine requests however the response ends."""
+
+    def __init__(self, gen: _Generation, content: AsyncIterator[str]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise `ClientGone`."""
+
+    async def disconnected() -> None:
+        # the body is read by now, so the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    finished = False
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finished = task.done()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not finished:
+        raise ClientGone
+    return task.result()
+
+
+# ---------------------------------------------------------------- the application
+
+
+class OpenAIServer:
+    """The endpoints over one model and one engine; `app` is the ASGI application."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: LoadedModel,
+        names: Sequence[str],
+        *,
+        api_key: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.names = list(dict.fromkeys(names))  # the first is the name /v1/models shows
+        self.ctx = engine.config.ctx
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        # Each character is at least one byte, so text of more characters than the context's
+        # tokens can stand for cannot fit: it is refused before the tokenizer spends time on it.
+        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
+        self.max_text_chars = self.ctx * longest
+        self.metrics = ServerMetrics(engine, self.names[0])
+        self.draining = False  # set on SIGTERM: refuse new work while in-flight requests end
+        self.async_engine: AsyncEngine  # created in the event loop, at startup
+        self.app = self._build_app()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.async_engine = AsyncEngine(self.engine)
+        try:
+            yield
+        finally:
+            self.draining = True
+            # uvicorn has let in-flight responses finish (or cancelled them): abort leftovers
+            await asyncio.to_thread(self.async_engine.shutdown, drain=False)
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="DynaLM", lifespan=self._lifespan)
+        app.router.route_class = Route
+        app.add_middleware(BodyLimit, limit=self.max_body_bytes)
+        install_error_handlers(app)
+        install_openapi(app)
+        guarded = [Depends(self._authorize)]
+        generation = error_responses(400, 401, 404, 413, 500, 503)
+        lookup = error_responses(400, 401, 404, 413)
+
+        def answer(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+            sse = {"schema": {"type": "string"}}  # with "stream": true, server-sent events
+            return {200: {"model": model, "content": {"text/event-stream": sse}}}
+
+        app.post(
+            "/v1/chat/completions",
+            dependencies=guarded,
+            response_model=None,
+            responses={**answer(p.ChatCompletion), **generation},
+        )(self.chat_completions)
+        app.post(
+            "/v1/completions",
+            dependencies=guarded,
+            response_model=None,
+            responses={**answer(p.Completion), **generation},
+        )(self.completions)
+        app.get("/v1/models", dependencies=guarded, responses=error_responses(401))(
+            self.list_models
+        )
+        app.post("/tokenize", dependencies=guarded, responses=lookup)(self.tokenize)
+        app.post("/detokenize", dependencies=guarded, responses=lookup)(self.detokenize)
+        app.get("/health", responses=error_responses(503))(self.health)
+        app.get(
+            "/metrics",
+            response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        )(self.prometheus)
+        install_chat_page(app)
+        return app
+
+    # --- checks
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer KEY)",
+                code="invalid_api_key",
+            )
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(
+                404,
+                f"the model '{p.clip(name, 100)}' does not exist "
+                f"(this server has {', '.join(self.names)})",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        if bad := [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]:
+            raise InvalidRequest(
+                f"{what}: token id {bad[0]} is outside the vocabulary "
+                f"(0..{self.tokenizer.vocab_size - 1})"
+            )
+
+    # --- tokenising (blocking: called through asyncio.to_thread)
+
+    def _encode(self, text: str, add_special: bool) -> list[int]:
+        if len(text) > self.max_text_chars:
+            raise PromptTooLong(
+                f"the prompt has {len(text)} characters, more than a context of {self.ctx} "
+                f"tokens can hold (at most {self.max_text_chars})"
+            )
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def _chat_ids(
+        self,
+        messages: Sequence[p.ChatMessage],
+        add_generation_prompt: bool,
+        plan: tools.ToolPlan | None = None,
+    ) -> list[int]:
+        template = self.model.chat_template
+        shown, extra = tools.template_messages(
+            [
+                # "developer" is OpenAI's new name for "system"; templates know only the old one
+                {
+                    "role": "system" if m.role == "developer" else m.role,
+                    "content": m.text(),
+                    "tool_calls": m.tool_calls,
+                    "tool_call_id": m.tool_call_id,
+                    "name": m.name if m.role == "tool" else None,
+                }
+                for m in messages
+            ],
+            plan,
+            template.source,
+        )
+        rendered = template.render(shown, add_generation_prompt=add_generation_prompt, **extra)
+        return self._encode(rendered, add_special=False)
+
+    def _guide(self, req: p.SamplingRequest, plan: tools.ToolPlan | None = None) -> Guide | None:
+        """The grammar the answer must follow (a tool call, or the requested format)."""
+        if plan is not None and (grammar := plan.grammar()) is not None:
+            return self.engine.grammars.compile(grammar, "the tools' parameters")
+        if (constraint := req.constraint()) is None:
+            return None
+        return self.engine.grammars.compile(constraint.grammar(), constraint.field)
+
+    def _prompt_ids(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        out = []
+        for item in prompts:
+            if isinstance(item, str):
+                out.append(self._encode(item, add_special=True))
+            else:
+                self._check_ids(item, "prompt")
+                out.append(list(item))
+        return out
+
+    # --- generation
+
+    def _params(self, req: p.SamplingRequest, prompt: list[int], copy: int) -> SamplingParams:
+        bias = req.token_bias
+        self._check_ids(list(bias), "logit_bias")
+        room = self.ctx - len(prompt)  # a prompt that leaves none is the engine's 400
+        if req.max_tokens is not None and 0 < room < req.max_tokens:
+            raise APIError(
+                400,
+                f"max_tokens is {req.max_tokens}, but the context of {self.ctx} tokens leaves "
+                f"{room} after the prompt's {len(prompt)}; lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            # OpenAI's default: as much as the context leaves
+            max_tokens=req.max_tokens or max(1, room),
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            repeat_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            # n copies with one seed must still differ from each other
+            seed=None if req.seed is None else req.seed + copy,
+            stop=list(req.stop),
+            logit_bias=bias,
+        ).validate()
+
+    async def _generate(
+        self,
+        request: Request,
+        req: p.SamplingRequest,
+        prompts: list[list[int]],
+        fmt: _Format,
+        guide: Guide | None = None,
+    ) -> Response:
+        count, most = len(prompts) * req.n, self.engine.config.max_queue
+        if count > most:  # more than could ever wait at once: retrying would not help
+            raise InvalidRequest(
+                f"{len(prompts)} prompt(s) x n={req.n} ask for {count} completions; "
+                f"this server takes at most {most} in one request"
+            )
+        jobs = [(prompt, self._params(req, prompt, j)) for prompt in prompts for j in range(req.n)]
+        options = {
+            "logprobs": req.top_logprob_count,
+            "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
+            "guide": guide,
+            "prompt_logprobs": req.prompt_logprob_count,
+        }
+        gen = _Generation(self, fmt.id, jobs, req.n, options)
+        try:
+            await _until_disconnect(request, gen.admitted())
+            if req.stream:
+                return _EventStream(gen, _sse(gen, fmt, req.include_usage))
+            await _until_disconnect(request, gen.collect())
+        except BaseException:
+            gen.close()
+            raise
+        return JSONResponse(fmt.response(gen).model_dump(mode="json"))
+
+    def _admit(self, model: str | None) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        self._check_model(model)
+
+    # --- endpoints
+
+    async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI's chat completions: the model's chat template renders the messages."""
+        self._admit(body.model)
+        plan = tools.plan(body, self.model.chat_template.source)
+        ids = await asyncio.to_thread(self._chat_ids, body.messages, True, plan)
+        guide = await asyncio.to_thread(self._guide, body, plan)
+        fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs, plan)
+        return await self._generate(request, body, [ids], fmt, guide)
+
+    async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
+        """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
+        self._admit(body.model)
+        prompts = await asyncio.to_thread(self._prompt_ids, body.prompts)
+        guide = await asyncio.to_thread(self._guide, body)
+        texts = None
+        if body.echo:  # the prompt as given; token ids as their text
+            decode = self.tokenizer.decode
+            texts = await asyncio.to_thread(
+                lambda: [x if isinstance(x, str) else decode(x) for x in body.prompts]
+            )
+        echo = PromptEcho(
+            texts=texts,
+            echo_top=body.logprobs,
+            vllm_top=body.prompt_logprobs,
+        )
+        fmt = _CompletionFormat(
+            self.names[0], self.tokenizer, body.logprobs is not None, echo, prompts, body.n
+        )
+        return await self._generate(request, body, prompts, fmt, guide)
+
+    async def list_models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.names[0], max_model_len=self.ctx)])
+
+    async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
+        """Token ids of a prompt, or of messages rendered with the chat template."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            work = self._chat_ids, body.messages, body.add_generation_prompt
+        else:
+            work = self._encode, body.prompt or "", body.add_special_tokens
+        ids = await asyncio.to_thread(*work)
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.ctx, tokens=ids)
+
+    async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        self._check_model(body.model)
+        self._check_ids(body.tokens, "tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, body.tokens)
+        return p.DetokenizeResponse(prompt=text)
+
+    async def health(self) -> p.Health:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return p.Health()
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------- running it
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn that drains on a signal: the port stays open and new requests get 503 while
+    in-flight ones finish, for at most ``shutdown_grace_s``; then what still runs is aborted
+    (each answer ends with ``finish_reason: "abort"``), and the process exits normally (plain
+    uvicorn stops listening at once, cancels late responses mid-body, and re-raises the
+    signal, so SIGTERM would end the process with status 143)."""
+
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_grace_s: float) -> None:
+        super().__init__(config)
+        self.api = api
+        self.grace = shutdown_grace_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.api.draining = True
+        super().handle_exit(sig, frame)
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread (tests run servers in threads)
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def _requests_end(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every request in progress to end; False if some still run."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.server_state.tasks and not self.force_exit:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.api.draining = True
+        if not await self._requests_end(self.grace) and not self.force_exit:
+            log.warning("aborting the requests still running after %s s", self.grace)
+            self.api.async_engine.abort_all()
+            await self._requests_end(_FLUSH_S)
+        await super().shutdown(sockets)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it each keep-alive response (and stream chunk) waited ~40 ms for a delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        # Listening before the URL is printed: a client that connects while the server still
+        # starts (the lifespan can take seconds on a cold kernel cache) waits in the backlog
+        # instead of being refused.
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(
+    api: OpenAIServer, *, verbose: bool = False, shutdown_grace_s: float = SHUTDOWN_GRACE_S
+) -> UvicornServer:
+    config = uvicorn.Config(
+        api.app,
+        log_level="info" if verbose else "warning",
+        access_log=verbose,
+        lifespan="on",
+        timeout_graceful_shutdown=_FLUSH_S,  # after our own drain (`UvicornServer.shutdown`)
+    )
+    return UvicornServer(config, api, shutdown_grace_s)
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def serve(
+    engine: Engine,
+    model: LoadedModel,
+    names: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    verbose: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+) -> None:
+    """Serve until SIGTERM / SIGINT; the URL goes to stderr once the port is bound."""
+    api = OpenAIServer(engine, model, names, api_key=api_key, max_body_bytes=max_body_bytes)
+    sock = bind_socket(host, port)
+    print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
+    make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``512MiB``, ``1.5GB`` or ``1000000``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
+    if not m:
+        raise InvalidRequest(f"cannot read '{text}' as a size (e.g. 512MiB, 2GB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
