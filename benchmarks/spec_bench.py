@@ -3,7 +3,9 @@
 1. Step time for T = 1..16 tokens of one sequence (what decides the draft length).
 2. Single stream, greedy decode speed (tg: generated tokens after the first / time),
    without a drafter and with n-gram drafting, runs alternating: copy-heavy prompts
-   (edit this code, repeat with changes, extract quotes) and open-ended chat.
+   (edit this code, repeat with changes, extract quotes, repeat a paragraph or a list) and
+   open-ended chat; with ``--answers`` each request ends where the model ends its answer
+   (at most ``--tokens``), as a user's short request does.
 3. 8 concurrent streams (copy-heavy and chat mixed): aggregate tokens/s, started together
    (a closed batch: it ends with its slowest stream), and 8 seats with 21 requests queued
    behind them (a server's steady state: every token over the whole run's time); and the
@@ -89,6 +91,13 @@ COPY_PROMPTS = {
     "red window frames before winter.",
     "extract quotes": f"Extract every sentence in quotation marks from this text, one per "
     f"line, with who said it:\n\n{STORY}",
+    "repeat paragraph": "Repeat the following paragraph exactly, word for word:\n\nThe "
+    "history of the Roman Empire begins with the founding of the city of Rome in 753 BC. Over "
+    "the following centuries, Rome grew from a small town on the Tiber into a republic that "
+    "ruled the whole of Italy, and then into an empire that stretched from Britain to Egypt.",
+    # issue 23's 45-token answer (the 135M model capitalises the items: few exact copies)
+    "repeat list": "Repeat this list exactly, one item per line: apples, pears, plums, "
+    "cherries, grapes, lemons, limes, mangoes, peaches, apricots",
 }
 CHAT_PROMPTS = {
     "chat: weekend": "What are some fun things to do on a rainy weekend?",
@@ -124,15 +133,21 @@ def step_times(model: LoadedModel, device: CpuDevice, runs: int) -> list[tuple[i
 
 
 def generate(
-    engine: Engine, prompts: list[list[int]], n: int, whole: bool = False
+    engine: Engine,
+    prompts: list[list[int]],
+    n: int,
+    whole: bool = False,
+    stop: frozenset[int] = frozenset(),
+    repeat_penalty: float = 1.0,
 ) -> tuple[list[list[int]], float]:
-    """Greedy answers of ``n`` tokens to all prompts at once; the decode time (from the
-    step that gave every request its first token to the last), or with ``whole`` the time
-    of the whole run (requests queued behind the seats: prefills and decodes interleave)."""
-    params = SamplingParams(max_tokens=n, temperature=0, repeat_penalty=1.0)
+    """Greedy answers of ``n`` tokens (or up to a token of ``stop``) to all prompts at once;
+    the decode time (from the step that gave every request its first token to the last), or
+    with ``whole`` the time of the whole run (requests queued behind the seats: prefills and
+    decodes interleave)."""
+    params = SamplingParams(max_tokens=n, temperature=0, repeat_penalty=repeat_penalty)
     ids = [f"b{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params, stop_ids=frozenset())
+        engine.add_request(rid, prompt, params, stop_ids=stop)
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     start = time.perf_counter() if whole else None
     while engine.has_unfinished():
@@ -166,6 +181,8 @@ def compare(
     split: dict[str, float] | None = None,
     raw: dict[str, list[float]] | None = None,
     seats: int | None = None,
+    stop: frozenset[int] = frozenset(),
+    repeat_penalty: float = 1.0,
     **config: object,
 ) -> tuple[float, float, float, bool]:
     """(plain tokens/s, speculative tokens/s, acceptance, identical): medians over ``runs``
@@ -174,7 +191,8 @@ def compare(
     with the seconds the speculative runs spent in all, in the target's model steps and in
     a draft model's passes; ``raw``: with each run's tokens/s (``plain``, ``spec``);
     ``seats``: the most sequences running at once (default: all prompts), the rest queued:
-    then the rate is every generated token over the whole run's time."""
+    then the rate is every generated token over the whole run's time; ``stop``: the tokens
+    that end an answer; ``repeat_penalty``: the sampler's (``dynalm run``'s default is 1.1)."""
     whole = seats is not None and seats < len(prompts)
     seats = seats or max(8, len(prompts))
     base = {"ctx": 1024, "max_num_seqs": seats, "enable_prefix_caching": False}
@@ -193,12 +211,12 @@ def compare(
     for i in range(runs):
         if i % 2:
             t0 = time.perf_counter()
-            got, t_spec = generate(spec, prompts, n, whole)
+            got, t_spec = generate(spec, prompts, n, whole, stop, repeat_penalty)
             split["total"] += time.perf_counter() - t0
-        want, t_plain = generate(plain, prompts, n, whole)
+        want, t_plain = generate(plain, prompts, n, whole, stop, repeat_penalty)
         if not i % 2:
             t0 = time.perf_counter()
-            got, t_spec = generate(spec, prompts, n, whole)
+            got, t_spec = generate(spec, prompts, n, whole, stop, repeat_penalty)
             split["total"] += time.perf_counter() - t0
         same &= got == want
         decoded = sum(len(t) - (not whole) for t in want)
@@ -228,6 +246,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="run the rows whose name contains this text")
+    ap.add_argument(
+        "--answers", action="store_true", help="each answer ends at the model's end token"
+    )
+    ap.add_argument("--repeat-penalty", type=float, default=1.0, help="dynalm run's: 1.1")
     args = ap.parse_args()
     os.environ.setdefault("DYNALM_THREADS", str(args.threads))
     device = CpuDevice("auto", threads=args.threads)
@@ -243,8 +265,11 @@ def main() -> None:
         for t, s in table:
             print(f"| {t} | {s * 1e3:.2f} | {s / table[0][1]:.2f} |")
 
+    stop = model.stop_token_ids if args.answers else frozenset()
+    what = f"answers (<= {args.tokens})" if args.answers else f"tg{args.tokens}"
+    what += f", rp {args.repeat_penalty:g}" if args.repeat_penalty != 1 else ""
     head = (
-        f"\n| {'greedy, tg' + str(args.tokens):<28} | plain t/s | spec t/s | ratio | "
+        f"\n| {'greedy, ' + what:<28} | plain t/s | spec t/s | ratio | "
         "accepted | same tokens |\n|---|---|---|---|---|---|"
     )
     print(head)
@@ -265,7 +290,10 @@ def main() -> None:
             raws[name] = {}
             seats = 8 if "queued" in name else None
             drafter = None if "A/A" in name else NgramDrafter()
-            result = compare(model, device, drafter, prompts, n, runs, raw=raws[name], seats=seats)
+            result = compare(
+                model, device, drafter, prompts, n, runs, raw=raws[name], seats=seats, stop=stop,
+                repeat_penalty=args.repeat_penalty,
+            )  # fmt: skip
             print(row(name, *result))
     config = {"ctx": 1024, "max_num_seqs": 8}
     copy = [encode(model, COPY_PROMPTS["edit code"])]

@@ -291,3 +291,23 @@ def test_shadow_drafts_teach_the_rate():
     seq.shadow = (2, 7, 3)  # made for position 2
     planner.sampled(req, 7)
     assert 3 not in seq.length.rates and seq.shadow is None
+
+
+def test_a_lone_stream_drafts_a_longer_match_after_short_ones_missed():
+    """Issue 23's short answer: after 1-token n-gram matches missed, a 3-token match is
+    drafted at once (an unseen kind is planned with the prior, and a free drafter is asked
+    every step), not after ``PROBE_EVERY`` idle steps."""
+    pool = PagePool(0, 1, 32, n_pages=16, page_size=4)
+    sched = Scheduler(KVCacheManager(pool, RadixCache(pool)), max_num_batched_tokens=64)
+    planner = DraftPlanner(NgramDrafter(), EngineConfig(num_draft_tokens=4), SpecStats())
+    for t in (1, 2, 3, 4, 5):  # a lone stream's curve: a draft token costs 10 %
+        for _ in range(2):  # (the first step of a size is not timed)
+            planner.record_step(t, 1.0 + 0.1 * (t - 1))
+    req = Request("r", [5, 6, 7, 8, 1, 2, 3, 9, 4, 4, 1, 2, 3], 20)
+    sched.add(req)
+    planner.add("r")
+    sched.advance(sched.schedule())
+    req.append(9)  # ... 1 2 3 9 (computed but this last one): "2 3 9" followed by 4 4
+    planner._seqs["r"].length.rates[1] = 0.2  # 1-token matches missed
+    planner.plan(sched)
+    assert req.draft[:2] == [4, 4]

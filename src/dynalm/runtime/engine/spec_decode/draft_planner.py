@@ -15,7 +15,11 @@ time by token count, learnt online) and decides the draft lengths of the whole s
 (``plan_drafts``): the draft tokens with the most expected accepted tokens (from each
 sequence's acceptance rate, ``DraftLength``) as long as they raise the tokens made per second
 of step time. A lone stream drafts eagerly, a full batch only where the curve is flat
-enough; where drafting does not pay it stops, trying again now and then.
+enough; where drafting does not pay it stops, trying again now and then. A free drafter
+(n-gram lookups) is still asked every step while drafts could pay at all: each proposal is
+planned by the rate of its kind (a 3-token match after 1-token misses) and, when not
+drafted, its first token is checked against the sampled one, so a short answer that turns
+to copying is drafted again within a token or two, not after ``PROBE_EVERY`` steps.
 """
 
 from __future__ import annotations
@@ -167,9 +171,9 @@ class DraftLength:
     drafter has one kind). How many tokens it drafts is decided for the whole step
     (``plan_drafts``) from these rates and the measured step times. After ``PROBE_EVERY``
     steps in a row without a draft the rates it gets planned with are the prior again, once:
-    the text may have changed. (A free drafter is then only asked: its proposal is planned
-    with the learnt rates, and its first token, if not verified, checked against the
-    target's, which moves them: ``DraftPlanner.sampled``.)"""
+    the text may have changed. (A free drafter is asked every step: its proposal is planned
+    with the learnt rate of its kind, and its first token, if not verified, checked against
+    the target's, which moves them: ``DraftPlanner.sampled``.)"""
 
     k_max: int
     rates: dict[int, float] = field(default_factory=dict)  # acceptance per token, by kind
@@ -177,11 +181,13 @@ class DraftLength:
 
     def rate(self, kind: int | None = None, probe: bool = True) -> float:
         """The acceptance rate to plan a draft of ``kind`` with (None: its best kind's; an
-        unseen kind is tried as the best one); ``probe``: the prior's, when due."""
+        unseen kind is tried as the best one, or the prior where that is below it: a longer
+        n-gram match than the ones that missed may well hit); ``probe``: the prior's, when
+        due."""
         if probe and self.idle >= PROBE_EVERY:
             return max([PRIOR, *self.rates.values()])
         best = max(self.rates.values(), default=PRIOR)
-        return best if kind is None else self.rates.get(kind, best)
+        return best if kind is None else self.rates.get(kind, max(best, PRIOR))
 
     def planned(self, k: int) -> None:
         """The step drafts ``k`` tokens for it."""
@@ -194,9 +200,6 @@ class DraftLength:
         for hit in [1.0] * accepted + [0.0] * (accepted < drafted):
             rate += EWMA * (hit - rate)
         self.rates[kind] = rate
-
-
-@dataclass
 
 
 @dataclass
@@ -243,6 +246,7 @@ class DraftPlanner:
         self._explore_at = self._explore_gap = EXPLORE_EVERY  # the next plan that explores
         self._standing: _NoDrafts | None = None  # a plan to draft nothing, while it stands
         self._seqs: dict[str, _Drafting] = {}  # the requests that speculate
+        self._warm: set[int] = set()  # step sizes run once (the first run is not timed)
 
     def add(self, request_id: str) -> None:
         """Draft for this request."""
@@ -305,7 +309,7 @@ class DraftPlanner:
             return plan_drafts(rates, rooms, n_decode, n_other, curve, pass_time, most, closed)
 
         ks = plan(rates, rooms)
-        if not any(ks):  # (not even at each one's best rate: no drafter need be asked)
+        if not any(ks) and not drafter.free:  # (not even at each one's best rate)
             return self._plan_none(sched, counts, probes=True)
         if drafter.free:  # drafts first, then how much of each to verify
             drafts = drafter.propose([req for req, _ in asked], rooms)
@@ -362,5 +366,11 @@ class DraftPlanner:
         return kept
 
     def record_step(self, n_tokens: int, seconds: float) -> None:
-        """A decode step of ``n_tokens`` took ``seconds`` (what compiling took left out)."""
+        """A decode step of ``n_tokens`` took ``seconds`` (what compiling took left out).
+        The first step of each size is not timed: it also binds argument blocks, grows
+        buffers and meets cold caches, and one dear first sample of T = 2 would stop a
+        short answer from ever drafting again."""
+        if n_tokens not in self._warm:
+            self._warm.add(n_tokens)
+            return
         self.step_cost.record(n_tokens, seconds)
