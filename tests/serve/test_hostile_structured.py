@@ -129,7 +129,7 @@ def test_health_answers_while_a_tool_call_of_spaces_is_generated(server: LiveSer
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] is None
     assert choice["message"]["content"].startswith("<tool_call>   ")
-    assert waits and max(waits) < 2, waits
+    assert waits and max(waits) < 5, waits  # (once minutes: the parse held the event loop)
 
 
 # ---------------------------------------------------------------- log-probs under constraints
