@@ -7,7 +7,6 @@ one line, ``error: ...``, and a non-zero exit; ``--verbose`` adds the traceback.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -384,15 +383,17 @@ def _stream(
 def _schema_guide(generator: Generator, path: Path) -> Guide:
     """The grammar of the JSON schema in file ``path`` (--json-schema)."""
     from dynalm.errors import InvalidRequest
-    from dynalm.runtime.serve.structured import json_grammar
+    from dynalm.runtime.serve.structured import json_grammar, load_schema
 
+    what = f"--json-schema {path}"
     try:
-        schema = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidRequest(f"--json-schema {path}: cannot read a JSON schema: {e}") from None
+        text = path.read_bytes()
+    except OSError as e:
+        raise InvalidRequest(f"{what}: cannot read a JSON schema: {e}") from None
+    schema = load_schema(text, what)
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"--json-schema {path}: a JSON schema is an object")
-    return generator.engine.grammars.compile(json_grammar(schema), f"--json-schema {path}")
+        raise InvalidRequest(f"{what}: a JSON schema is an object")
+    return generator.engine.grammars.compile(json_grammar(schema, what), what)
 
 
 def _chat(

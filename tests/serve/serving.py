@@ -23,7 +23,7 @@ from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
-from dynalm.runtime.serve.asgi import MAX_BODY_BYTES
+from dynalm.runtime.serve.asgi import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from dynalm.runtime.serve.server import OpenAIServer, bind_socket, make_server, url_of
 
 MODEL = "smollm2:135m"
@@ -63,11 +63,17 @@ def live_server(
     *,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
     api = OpenAIServer(
-        engine, model, [MODEL, model.path.stem], api_key=api_key, max_body_bytes=max_body_bytes
+        engine,
+        model,
+        [MODEL, model.path.stem],
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
     )
     sock = bind_socket("127.0.0.1", 0)
     server = make_server(api)

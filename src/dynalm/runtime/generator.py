@@ -100,6 +100,8 @@ class Generator:
                     if out.finish_reason == "stop" and token in stop_ids:
                         token = None
                     finished = out.finished
+                    if out.error is not None:  # its grammar gave up: no answer to show
+                        raise out.error
                     yield GenerationEvent(out.text, token, out.finish_reason)
         finally:
             if not finished:  # Ctrl-C or the consumer stopped: give the pages back

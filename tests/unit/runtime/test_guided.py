@@ -3,6 +3,8 @@ logits exactly as llguidance's own reference applies them, and a guide that ends
 
 from __future__ import annotations
 
+import json
+
 import llguidance
 import llguidance.numpy
 import numpy as np
@@ -47,3 +49,23 @@ def test_a_refused_token_stops_the_guide_instead_of_failing_the_step() -> None:
     tokenizer, guide = byte_guide("ab")
     guide.consume(tokenizer.tokenize_str("x")[0])
     assert guide.done
+    assert "gave up" in str(guide.failure(ending=True))  # never an answer that "stopped"
+
+
+def test_failure_names_the_grammar_and_why() -> None:
+    tokenizer = llguidance.LLTokenizer("byte")
+    options = json.dumps([f"opt{i}" for i in range(10_000)])  # over the parser's row limit
+    grammar = llguidance.grammar_from("choice", options)
+    guide = Guide(llguidance.LLMatcher(tokenizer, grammar, log_level=0), "guided_choice")
+    assert guide.failure(ending=False) is None
+    guide.consume(tokenizer.tokenize_str("o")[0])
+    failed = guide.failure(ending=False)
+    assert str(failed).startswith("guided_choice: the grammar engine gave up on it (Parser Error")
+    assert "\n" not in str(failed)
+    tokenizer, guide = byte_guide("abc")
+    guide.consume(tokenizer.tokenize_str("a")[0])
+    assert guide.failure(ending=False) is None  # on its way
+    assert "ended before it matched" in str(guide.failure(ending=True))  # cut short
+    for token in tokenizer.tokenize_str("bc"):
+        guide.consume(token)
+    assert guide.failure(ending=True) is None

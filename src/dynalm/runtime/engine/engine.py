@@ -75,13 +75,16 @@ class RequestOutput:
     text: str  # new text since the previous output
     token_ids: list[int]  # new tokens (a stop token is included, its text is not)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
     prompt_tokens: int
     cached_tokens: int  # prompt tokens reused from the prefix cache
     completion_tokens: int  # generated so far
     logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
     # with the first output, when asked: one per prompt token from the first one scored
     prompt_logprobs: list[ScoredLogprob] | None = None
+    # finish_reason "error": why the request failed (its grammar gave up), never "stop"
+    # with text that does not match
+    error: DynaError | None = None
 
 
 @dataclass
@@ -114,9 +117,13 @@ class _Stream:
 
 
 def _token_logprob(penalized: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """Of a constrained row, the distribution over the tokens its grammar allows: the banned
+    ones (-inf) are never among the top, so every number reported is finite."""
     shifted = penalized.astype(np.float64) - penalized.max()
     lp = shifted - np.log(np.exp(shifted).sum())
+    top = min(top, len(lp))
     best = np.argpartition(-lp, top - 1)[:top] if top else np.zeros(0, np.int64)
+    best = best[np.isfinite(lp[best])]
     best = best[np.argsort(-lp[best], kind="stable")]
     return TokenLogprob(token, float(lp[token]), [(int(t), float(lp[t])) for t in best])
 
@@ -360,17 +367,20 @@ class Engine:
         req = stream.request
         req.append(token)
         lp = None if stream.logprobs is None else _token_logprob(penalized, token, stream.logprobs)
-        text, matched, reason = "", False, None
+        text, matched, reason, guide = "", False, None, stream.guide
         if token in stream.stop_ids:
             reason = "stop"
         else:
             text, matched = stream.stops.push(stream.decoder.push(token))
-            if stream.guide is not None:
-                stream.guide.consume(token)
-            if matched or (stream.guide is not None and stream.guide.done):
+            if guide is not None:
+                guide.consume(token)
+            if matched or (guide is not None and guide.done):
                 reason = "stop"
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.ctx:
                 reason = "length"
+        # (a stop string the client chose may still cut the grammar's text short)
+        if guide is not None and (failed := guide.failure(reason == "stop" and not matched)):
+            return self._finish(stream, "", [token], "error", lp, failed)
         if reason is None:
             return self._output(stream, text, [token], None, lp)
         if not matched:  # text held back for a possible stop string or UTF-8 character
@@ -384,12 +394,13 @@ class Engine:
         tokens: list[int],
         reason: str,
         lp: TokenLogprob | None = None,
+        error: DynaError | None = None,
     ) -> RequestOutput:
         self.scheduler.finish(stream.request, reason)
         if self.planner is not None:
             self.planner.release(stream.request.request_id)
         del self._streams[stream.request.request_id]
-        return self._output(stream, text, tokens, reason, lp)
+        return self._output(stream, text, tokens, reason, lp, error)
 
     @staticmethod
     def _output(
@@ -398,6 +409,7 @@ class Engine:
         tokens: list[int],
         reason: str | None,
         lp: TokenLogprob | None = None,
+        error: DynaError | None = None,
     ) -> RequestOutput:
         req = stream.request
         scored, stream.scored = stream.scored, None
@@ -412,6 +424,7 @@ class Engine:
             completion_tokens=req.num_output_tokens,
             logprobs=None if stream.logprobs is None else [lp] if lp else [],
             prompt_logprobs=scored,
+            error=error,
         )
 
     # -- state ----------------------------------------------------------------------
@@ -524,6 +537,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
+                if out.error is not None:
+                    raise out.error
                 yield out
         finally:
             self._consumers.pop(request_id, None)

@@ -61,24 +61,37 @@ class _VocabularyView:
 
 
 class Guide:
-    """One sequence's place in its grammar: which tokens may come next, and when it is done."""
+    """One sequence's place in its grammar: which tokens may come next, and when it is done.
+    ``what`` names the grammar's source (a request field, a flag) for error messages."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, what: str = "the grammar") -> None:
         self.matcher = matcher
+        self.what = what
 
     def copy(self) -> Guide:
-        return Guide(self.matcher.deep_copy())
+        return Guide(self.matcher.deep_copy(), self.what)
 
     def consume(self, token: int) -> None:
         """Advance past a sampled token (one the mask allowed). A matcher that fails (over
-        llguidance's limits) is stopped: its request ends, the others of the step go on."""
+        llguidance's limits) stops: `failure` then says why."""
         if not self.matcher.consume_token(token):
-            log.warning("grammar stopped at token %d: %s", token, self.matcher.get_error())
+            log.info("grammar stopped at token %d: %s", token, self.matcher.get_error())
 
     @property
     def done(self) -> bool:
         """Whether the grammar is complete: nothing may follow (an end token was taken)."""
         return self.matcher.is_stopped()
+
+    def failure(self, ending: bool) -> InvalidRequest | None:
+        """Why the output so far cannot be answered as matching its grammar: llguidance gave
+        up (a limit hit; its mask then allows only end tokens, and the model would stop with
+        invalid text), or the answer ``ending`` here is incomplete. None if it is fine."""
+        if self.matcher.is_error():
+            why = _one_line(self.matcher.get_error())
+            return InvalidRequest(f"{self.what}: the grammar engine gave up on it ({why})")
+        if ending and not (self.matcher.is_accepting() or self.matcher.is_stopped()):
+            return InvalidRequest(f"{self.what}: the answer ended before it matched the grammar")
+        return None
 
 
 class GrammarCompiler:
@@ -107,12 +120,18 @@ class GrammarCompiler:
     def compile(self, grammar: str, what: str = "the grammar") -> Guide:
         """A guide at the start of ``grammar``; `InvalidRequest` if llguidance rejects it."""
         import llguidance
+        import llguidance.numpy
 
         limits = llguidance.LLParserLimits(**_LIMITS)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
+        if not matcher.is_error():
+            # the first mask: grammars that can never produce a token (a $ref loop) fail
+            # here, before generation, instead of ending the answer empty
+            mask = llguidance.numpy.allocate_token_bitmask(1, self._n_vocab)
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error():
             raise InvalidRequest(f"{what} cannot be used: {_one_line(matcher.get_error())}")
-        return Guide(matcher)
+        return Guide(matcher, what)
 
 
 _SOURCE_ECHO = re.compile(r"\s*(\d+\s*\|.*|[\^~]+|\|)\s*")  # llguidance's quote of the source

@@ -10,9 +10,11 @@ and error messages are bounded in length because they may quote the input.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 import pydantic_core
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 asks clients to wait, unless the error says otherwise
 MAX_BODY_BYTES = 8 << 20  # the default limit on a request body
+BODY_TIMEOUT_S = 30.0  # the default time a request body may take to arrive, from its start
 _MAX_MESSAGE = 1000  # characters of an error message
 _MAX_PARAM = 100
 
@@ -152,6 +155,9 @@ class StrictJSONRequest(Request):
                 elif "surrogate" in reason or "end of hex escape" in reason:
                     # what the parser says of "\ud800" alone: name the real problem
                     reason = f"a lone UTF-16 surrogate escape is not text ({reason})"
+                elif "number out of range" in reason:  # an integer of 5,000 digits
+                    limit = sys.get_int_max_str_digits()
+                    reason = f"{reason} (an integer may have at most {limit} digits)"
                 # FastAPI turns this one into a validation error (and so a 400)
                 raise json.JSONDecodeError(reason, "", 0) from None
         return self._json
@@ -192,10 +198,13 @@ class Route(APIRoute):
 
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is refused with 413 as soon as
-    that is known (from Content-Length, else while the body arrives), never buffered whole."""
+    that is known (from Content-Length, else while the body arrives), never buffered whole;
+    one that has not arrived whole ``timeout_s`` after the request began is refused with 408
+    (a client that sends half a body would otherwise hold its connection, and a task, open
+    forever)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     def _too_large(self) -> HTTPException:
         return HTTPException(
@@ -209,11 +218,21 @@ class BodyLimit:
         if declared.isascii() and declared.isdigit() and int(declared[:20]) > self.limit:
             e = self._too_large()
             return await APIError(413, e.detail).response()(scope, receive, send)
-        seen = 0
+        seen, whole = 0, False
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
 
         async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, whole
+            if whole:  # the body is in: what follows is the disconnect, however late
+                return await receive()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0))
+            except TimeoutError:
+                raise HTTPException(  # (passed on like the 413)
+                    408, f"the request body did not arrive within {self.timeout_s:g} s"
+                ) from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise self._too_large()  # FastAPI passes it on to the HTTPException handler
@@ -229,6 +248,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         "or a prompt over the context; the message names it.",
         401: "Missing or wrong API key.",
         404: "No such model.",
+        408: "The request body did not arrive in time.",
         413: "The request body is over the server's limit.",
         500: "Internal error (a bug: the server log has the details).",
         503: "The waiting queue is full or the server is shutting down: retry after "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dynalm.models.tokenizer import Tokenizer
+from dynalm.models.tokenizer import StreamDecoder, Tokenizer
 from dynalm.runtime.engine.engine import TokenLogprob
 from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
 from dynalm.runtime.serve import protocol as p
@@ -25,16 +25,27 @@ class PromptEcho:
         return self.texts[prompt] if self.texts is not None else ""
 
     def logprobs(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], scored: Sequence[ScoredLogprob]
+        self,
+        tokenizer: Tokenizer,
+        prompt: int,
+        prompt_ids: Sequence[int],
+        scored: Sequence[ScoredLogprob],
     ) -> p.CompletionLogprobs | None:
         """The prompt's part of OpenAI's ``logprobs`` (echo with logprobs), else None."""
         if self.texts is None or self.echo_top is None:
             return None
-        first = _text(tokenizer, prompt_ids[0])
+        echoed = self.text(prompt)
+        decoder = StreamDecoder(tokenizer)  # one over the whole prompt, its first token too
+        first = decoder.push(prompt_ids[0])
         head = p.CompletionLogprobs(
-            tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
+            tokens=[_text(tokenizer, prompt_ids[0])],
+            token_logprobs=[None],
+            top_logprobs=[None],
+            text_offset=[0],
         )
-        return joined(head, legacy_logprobs(tokenizer, scored, len(first), self.echo_top))
+        start = min(len(first), len(echoed))
+        rest = legacy_logprobs(tokenizer, scored, start, len(echoed), self.echo_top, decoder)
+        return joined(head, rest)
 
     def vllm(
         self, tokenizer: Tokenizer, scored: Sequence[ScoredLogprob]
@@ -64,18 +75,27 @@ def legacy_logprobs(
     tokenizer: Tokenizer,
     lps: Sequence[TokenLogprob | ScoredLogprob],
     offset: int,
+    end: int,
     top: int | None = None,
+    decoder: StreamDecoder | None = None,
 ) -> p.CompletionLogprobs:
-    """OpenAI's legacy ``logprobs`` of tokens whose text starts at ``offset`` in the choice's
-    text, with at most ``top`` alternatives each."""
+    """OpenAI's legacy ``logprobs`` of tokens whose text is the choice's text from ``offset``
+    to ``end``, with at most ``top`` alternatives each.
+
+    Each token's ``text_offset`` is where its characters start in that text, counted as the
+    text is decoded (a token of part of a UTF-8 character adds none, a special token none),
+    not by the length of its own piece (one U+FFFD per partial byte, a control token's
+    name): so the offsets never go backwards, and stay within ``offset..end``. ``decoder``:
+    one that has decoded the tokens before these."""
     out = p.CompletionLogprobs()
+    decoder = decoder or StreamDecoder(tokenizer)
+    at = offset
     for lp in lps:
-        token = _text(tokenizer, lp.token_id)
-        out.tokens.append(token)
+        out.tokens.append(_text(tokenizer, lp.token_id))
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append({_text(tokenizer, t): v for t, v in lp.top_logprobs[:top]})
-        out.text_offset.append(offset)
-        offset += len(token)
+        out.text_offset.append(min(at, end))
+        at += len(decoder.push(lp.token_id))
     return out
 
 

@@ -35,6 +35,9 @@ from dynalm.runtime.serve.tools import ToolCall, ToolFields
 MAX_SEED = 2**64 - 1
 MAX_TOKEN_ID = 10**9 - 1  # far above any vocabulary; the server checks its own
 MAX_LOGIT_BIAS = 1024  # entries
+# characters of one stop string: each is matched against every token's text, and the
+# decoder holds back as much text as the longest could need
+MAX_STOP_CHARS = 1000
 
 
 def clip(text: str, limit: int = 40) -> str:
@@ -121,7 +124,9 @@ class SamplingRequest(_Request, ConstraintFields):
     # beyond these, logits overflow (below) or every repeated token is simply banned (above)
     repetition_penalty: Annotated[float, Field(ge=0.01, le=10)] = 1.0
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] = []
+    stop: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=4)
+    ] = []
     n: Annotated[int, Field(ge=1, le=16)] = 1
     # bounded: the sampler applies every entry to every token of the answer
     logit_bias: (

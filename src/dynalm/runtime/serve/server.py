@@ -16,14 +16,17 @@ draining), in-flight ones get ``SHUTDOWN_GRACE_S`` to finish; then they are abor
 answer still ends properly (``finish_reason: "abort"``, ``data: [DONE]``), and the process
 exits 0.
 
-Hostile input is answered with 4xx, never 500 (`asgi`); tokenising and chat-template rendering
-run off the event loop, and text that could not fit the context is refused before it is
-tokenised, so a huge prompt never stalls other clients or ``/health``.
+Hostile input is answered with 4xx, never 500 (`asgi`); tokenising, chat-template rendering,
+grammar compiling and reading tool calls out of an answer run off the event loop, and text
+that could not fit the context is refused before it is tokenised, so a huge prompt or answer
+never stalls other clients or ``/health``. An answer whose grammar gave up fails (an error,
+never ``finish_reason: "stop"`` with text that does not match).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -36,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -58,6 +61,7 @@ from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.serve import protocol as p
 from dynalm.runtime.serve import tools
 from dynalm.runtime.serve.asgi import (
+    BODY_TIMEOUT_S,
     MAX_BODY_BYTES,
     APIError,
     BodyLimit,
@@ -124,13 +128,18 @@ class _Generation:
         jobs: Sequence[tuple[list[int], SamplingParams]],
         n: int,
         options: dict[str, Any],
+        complete: Callable[[_Choice, RequestOutput], bool] | None = None,
     ) -> None:
-        """``options``: what `Engine.add_request` takes beyond prompt and parameters."""
+        """``options``: what `Engine.add_request` takes beyond prompt and parameters;
+        ``complete``: whether a choice's answer is whole already (the rest would be a loop),
+        so its engine request ends there with finish_reason "stop"."""
         self.n = n
         self.choices = [_Choice(i) for i in range(len(jobs))]
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._ready: deque[tuple[int, object]] = deque()
         self._live = len(jobs)
+        self._complete = complete
+        self._cut: set[int] = set()  # choices ended by `complete`: their late outputs are dropped
         self._tasks = [
             asyncio.create_task(
                 self._pump(server, i, f"{request_id}-{i}", prompt, params, options)
@@ -181,7 +190,7 @@ class _Generation:
         """Every output in arrival order, with the choice it updated, until all finish."""
         while self._live:
             index, out = self._ready.popleft() if self._ready else await self._queue.get()
-            if out is _QUEUED:
+            if out is _QUEUED or index in self._cut:
                 continue
             if out is None:
                 self._live -= 1
@@ -191,6 +200,21 @@ class _Generation:
             choice = self.choices[index]
             choice.add(out)
             yield choice, out
+            if not out.finished and self._complete is not None and self._complete(choice, out):
+                self._tasks[index].cancel()  # aborts its engine request
+                self._cut.add(index)
+                self._live -= 1
+                end = dataclasses.replace(
+                    out,
+                    text="",
+                    token_ids=[],
+                    finished=True,
+                    finish_reason="stop",
+                    logprobs=None if out.logprobs is None else [],
+                    prompt_logprobs=None,
+                )
+                choice.add(end)
+                yield choice, end
 
     async def collect(self) -> None:
         async for _ in self.outputs():
@@ -242,6 +266,10 @@ class _Format:
         """The chunk that opens a choice's stream, if the format has one."""
         return None
 
+    def complete(self, choice: _Choice, out: RequestOutput) -> bool:
+        """Whether ``choice``'s answer is whole after ``out`` (see `_Generation`)."""
+        return False
+
     def chunk(
         self,
         choice: _Choice,
@@ -267,6 +295,14 @@ class _ChatFormat(_Format):
         super().__init__(model_name, tokenizer, logprobs)
         self.plan = plan  # with tools: calls are read out of the text
         self._tool_streams: dict[int, tools.ToolStream] = {}
+
+    def complete(self, choice: _Choice, out: RequestOutput) -> bool:
+        # a repeated call is a loop: looked for only when a token may have closed a call
+        return (
+            self.plan is not None
+            and out.text.rstrip().endswith(">")
+            and self.plan.looping("".join(choice.text))
+        )
 
     def _delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A streamed chunk's delta and finish reason (calls go out whole at the end)."""
@@ -384,24 +420,26 @@ class _CompletionFormat(_Format):
         out = p.CompletionChoice(
             index=choice.index,
             text=text,
-            logprobs=self._logprobs(logprobs, len(echoed) + offset),
+            logprobs=self._logprobs(logprobs, len(echoed) + offset, len(text)),
             finish_reason=finish_reason,
         )
         if first:
             scored = choice.prompt_logprobs or []
             out.text = echoed + text
-            echo_logprobs = self.echo.logprobs(self.tokenizer, self.prompts[prompt], scored)
+            echo_logprobs = self.echo.logprobs(
+                self.tokenizer, prompt, self.prompts[prompt], scored
+            )
             out.logprobs = joined(echo_logprobs, out.logprobs)
             out.prompt_logprobs = self.echo.vllm(self.tokenizer, scored)
         return out
 
     def _logprobs(
-        self, lps: Sequence[TokenLogprob] | None, offset: int
+        self, lps: Sequence[TokenLogprob] | None, offset: int, chars: int
     ) -> p.CompletionLogprobs | None:
-        """The legacy format; ``offset`` is where the first token's text starts."""
+        """The legacy format of tokens whose text is ``chars`` characters from ``offset``."""
         if not self.logprobs or lps is None:
             return None
-        return legacy_logprobs(self.tokenizer, lps, offset)
+        return legacy_logprobs(self.tokenizer, lps, offset, offset + chars)
 
     def chunk(
         self,
@@ -445,8 +483,9 @@ async def _sse(gen: _Generation, fmt: _Format, include_usage: bool) -> AsyncIter
                 chunk = fmt.chunk(choice, out.text, out.logprobs)
                 if chunk is not None:  # None: the text is held back (a tool call may begin)
                     yield _event(chunk)
-            if out.finished:
-                yield _event(fmt.chunk(choice, "", None, out.finish_reason or "stop"))
+            if out.finished:  # (tool calls are read here: off the event loop)
+                reason = out.finish_reason or "stop"
+                yield _event(await asyncio.to_thread(fmt.chunk, choice, "", None, reason))
         if include_usage:
             yield _event(fmt.usage_chunk(gen.usage()))
     except Exception as e:
@@ -507,6 +546,7 @@ class OpenAIServer:
         *,
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -515,6 +555,7 @@ class OpenAIServer:
         self.ctx = engine.config.ctx
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         # Each character is at least one byte, so text of more characters than the context's
         # tokens can stand for cannot fit: it is refused before the tokenizer spends time on it.
         longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
@@ -537,12 +578,12 @@ class OpenAIServer:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="DynaLM", lifespan=self._lifespan)
         app.router.route_class = Route
-        app.add_middleware(BodyLimit, limit=self.max_body_bytes)
+        app.add_middleware(BodyLimit, limit=self.max_body_bytes, timeout_s=self.body_timeout_s)
         install_error_handlers(app)
         install_openapi(app)
         guarded = [Depends(self._authorize)]
-        generation = error_responses(400, 401, 404, 413, 500, 503)
-        lookup = error_responses(400, 401, 404, 413)
+        generation = error_responses(400, 401, 404, 408, 413, 500, 503)
+        lookup = error_responses(400, 401, 404, 408, 413)
 
         def answer(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
             sse = {"schema": {"type": "string"}}  # with "stream": true, server-sent events
@@ -683,8 +724,9 @@ class OpenAIServer:
             repeat_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            # n copies with one seed must still differ from each other
-            seed=None if req.seed is None else req.seed + copy,
+            # n copies with one seed must still differ from each other (the largest seed's
+            # copies wrap around to 0, 1, ...)
+            seed=None if req.seed is None else (req.seed + copy) % (p.MAX_SEED + 1),
             stop=list(req.stop),
             logit_bias=bias,
         ).validate()
@@ -710,7 +752,7 @@ class OpenAIServer:
             "guide": guide,
             "prompt_logprobs": req.prompt_logprob_count,
         }
-        gen = _Generation(self, fmt.id, jobs, req.n, options)
+        gen = _Generation(self, fmt.id, jobs, req.n, options, fmt.complete)
         try:
             await _until_disconnect(request, gen.admitted())
             if req.stream:
@@ -719,7 +761,9 @@ class OpenAIServer:
         except BaseException:
             gen.close()
             raise
-        return JSONResponse(fmt.response(gen).model_dump(mode="json"))
+        # reading tool calls out of the text is off the event loop, however long the answer
+        body = await asyncio.to_thread(lambda: fmt.response(gen).model_dump(mode="json"))
+        return JSONResponse(body)
 
     def _admit(self, model: str | None) -> None:
         if self.draining:
@@ -731,7 +775,7 @@ class OpenAIServer:
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: the model's chat template renders the messages."""
         self._admit(body.model)
-        plan = tools.plan(body, self.model.chat_template.source)
+        plan = await asyncio.to_thread(tools.plan, body, self.model.chat_template.source)
         ids = await asyncio.to_thread(self._chat_ids, body.messages, True, plan)
         guide = await asyncio.to_thread(self._guide, body, plan)
         fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs, plan)

@@ -15,19 +15,27 @@ write newlines forever instead of the value.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import llguidance
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dynalm.errors import InvalidRequest
+from dynalm.errors import InvalidRequest, show
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 # llguidance's JSON options, set inside each schema ("x-guidance")
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# llguidance's parser holds at most 2,000 items in a row: more choices than that fail at the
+# first token, so the limit is stated up front
+MAX_CHOICES = 1000
+MAX_SCHEMA_DEPTH = 100  # nesting of a schema's objects and arrays
+# a schema's numbers reach llguidance as 64-bit integers or finite doubles
+_MAX_SCHEMA_INT = 2**63
 
 
 class JsonSchemaSpec(BaseModel):
@@ -59,7 +67,7 @@ class StructuredOutputs(BaseModel):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -76,7 +84,7 @@ class Constraint:
     def grammar(self) -> str:
         """The llguidance grammar (still to be checked against the vocabulary)."""
         if self.kind == "json":
-            return json_grammar(_schema(self.value, self.field))
+            return json_grammar(_schema(self.value, self.field), self.field)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
@@ -89,13 +97,80 @@ class Constraint:
 
 def _schema(value: dict[str, Any] | str, field: str) -> dict[str, Any]:
     if isinstance(value, str):  # vLLM takes a schema written as a JSON string too
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"{field} is not valid JSON: {e}") from None
+        value = load_schema(value, field)
     if not isinstance(value, dict):
         raise InvalidRequest(f"{field} must be a JSON schema (an object)")
     return value
+
+
+def load_schema(text: str | bytes, what: str) -> Any:
+    """JSON text of a schema, parsed as the HTTP bodies are (big integers kept, nesting
+    bounded: Python's `json` recurses until RecursionError); `check_schema` comes later."""
+    try:
+        return pydantic_core.from_json(text)
+    except ValueError as e:
+        raise InvalidRequest(f"{what}: cannot read a JSON schema: {e}") from None
+
+
+def check_schema(schema: dict[str, Any], field: str) -> None:
+    """What llguidance cannot take, as a 400 naming the place in ``schema``: nesting over
+    `MAX_SCHEMA_DEPTH`, numbers out of range (5,000-digit bounds), and ``$ref`` chains that
+    lead back to themselves (a root ``{"$ref": "#"}``: no token could ever start it)."""
+    stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
+    refs: list[tuple[dict[str, Any], str]] = []
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequest(f"{field}: nested deeper than {MAX_SCHEMA_DEPTH} at {path}")
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append((node, path))
+            stack += [(v, f"{path}/{k}", depth + 1) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, f"{path}/{i}", depth + 1) for i, v in enumerate(node)]
+        elif isinstance(node, int) and not isinstance(node, bool):
+            if not -_MAX_SCHEMA_INT < node < _MAX_SCHEMA_INT:
+                raise InvalidRequest(
+                    f"{field}: the number at {path or '/'} ({_digits(node)} digits) is out of "
+                    "range: a schema's integers must be within +-2**63"
+                )
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise InvalidRequest(f"{field}: the number at {path or '/'} is not finite")
+    for node, path in refs:
+        seen = [id(node)]
+        chain = [node["$ref"]]
+        while isinstance(target := _resolve(schema, chain[-1]), dict) and isinstance(
+            target.get("$ref"), str
+        ):
+            if id(target) in seen:
+                raise InvalidRequest(
+                    f"{field}: the $ref at {path or '/'} leads back to itself "
+                    f"({' -> '.join(show(r, 60) for r in chain)}): nothing could match it"
+                )
+            seen.append(id(target))
+            chain.append(target["$ref"])
+
+
+def _digits(n: int) -> int:
+    """Decimal digits of ``n`` (``str`` refuses integers of over 4,300)."""
+    estimate = int(abs(n).bit_length() * math.log10(2)) + 1
+    return estimate - 1 if abs(n) < 10 ** (estimate - 1) else estimate
+
+
+def _resolve(schema: dict[str, Any], ref: str) -> Any:
+    """The node a local ``$ref`` (a JSON pointer after ``#``) names; None if none."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = schema
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def json_schema_with_style(schema: dict[str, Any]) -> dict[str, Any]:
@@ -103,8 +178,13 @@ def json_schema_with_style(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_STYLE}
 
 
-def json_grammar(schema: dict[str, Any]) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(json_schema_with_style(schema))
+def json_grammar(schema: dict[str, Any], field: str) -> str:
+    """The grammar of JSON matching ``schema`` (``field``: where it came from)."""
+    check_schema(schema, field)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json_schema_with_style(schema))
+    except ValueError as e:  # what the checks above do not foresee: still the client's
+        raise InvalidRequest(f"{field}: {show(str(e).splitlines()[0])}") from None
 
 
 class ConstraintFields(BaseModel):
@@ -113,7 +193,7 @@ class ConstraintFields(BaseModel):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 

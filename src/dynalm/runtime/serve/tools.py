@@ -13,13 +13,14 @@ Reading: Hermes / Qwen ``<tool_call>`` blocks, or Llama 3's bare JSON ``{"name":
 "parameters": {...}}`` (after an optional ``<|python_tag|>``); a call of a function that was
 not offered stays text. With ``tool_choice`` ``required`` or a named function the answer is
 generated under a grammar of exactly that form, so it always parses; ``auto`` lets the model
-choose and parses what it wrote; ``none`` shows no tools.
+choose and parses what it wrote; ``none`` shows no tools. A call the model repeats word for
+word is a loop, not a second request: the answer ends at the repeat (`ToolPlan.looping`) and
+each distinct call is kept once. Text is read by linear scans, never a backtracking regex.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -27,7 +28,8 @@ from typing import Annotated, Any, Literal
 import llguidance
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dynalm.runtime.serve.structured import ANY_OBJECT, json_schema_with_style
+from dynalm.errors import InvalidRequest, show
+from dynalm.runtime.serve.structured import ANY_OBJECT, check_schema, json_schema_with_style
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 MAX_TOOLS = 128
@@ -104,7 +106,6 @@ class ToolFields(BaseModel):
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 _CALL_MARKERS = (_HERMES_OPEN, _PYTHON_TAG)  # text from one on is a call, never content
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
 FALLBACK_PROMPT = (
     "You may call functions to answer. To call one, answer with only this, one block per "
@@ -173,21 +174,26 @@ class ToolPlan:
         ]
         schema = json.dumps(json_schema_with_style({"anyOf": calls}))
         if self.llama3:  # one bare JSON call
-            return llguidance.LLMatcher.grammar_from_lark(f"start: %json {schema}")
-        repeat = ' ("\\n" call)*' if self.parallel else ""
-        lark = (
-            f'start: call{repeat}\ncall: "{_HERMES_OPEN}\\n" %json {schema} "\\n{_HERMES_CLOSE}"\n'
-        )
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+            lark = f"start: %json {schema}"
+        else:
+            repeat = ' ("\\n" call)*' if self.parallel else ""
+            call = f'"{_HERMES_OPEN}\\n" %json {schema} "\\n{_HERMES_CLOSE}"'
+            lark = f"start: call{repeat}\ncall: {call}\n"
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        except ValueError as e:  # a parameters schema llguidance cannot take
+            raise InvalidRequest(f"tools: {show(str(e).splitlines()[0])}") from None
 
     # -- reading
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The answer's text before any call (None if empty) and its calls."""
+        """The answer's text before any call (None if empty) and its calls, each distinct
+        call once (a model that repeats a call is looping, not asking twice)."""
         found: list[tuple[str, Any]] = []
         start = text.find(_HERMES_OPEN)
         if start >= 0:
-            for body in _HERMES_BLOCK.findall(text, start):
+            for body, _ in _hermes_blocks(text, start):
                 found.extend(_calls_in_json(body))
+            found = list(dict.fromkeys(found))
             content = text[:start]
         else:
             stripped = text.lstrip()
@@ -208,6 +214,31 @@ class ToolPlan:
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
+
+    def looping(self, text: str) -> bool:
+        """Whether the last whole call block of ``text`` repeats an earlier one: the model is
+        in a loop (SmolLM2 under ``required`` writes the same call until max_tokens), so the
+        answer is complete. Cheap unless ``text`` just closed a block."""
+        if self.llama3 or not text.rstrip().endswith(_HERMES_CLOSE):
+            return False
+        start = text.find(_HERMES_OPEN)
+        bodies = [b for b, closed in _hermes_blocks(text, max(start, 0)) if closed]
+        return len(bodies) > 1 and bodies[-1] in bodies[:-1]
+
+
+def _hermes_blocks(text: str, at: int) -> list[tuple[str, bool]]:
+    """The stripped bodies of the ``<tool_call>`` blocks of ``text`` from ``at`` on, each with
+    whether it was closed (the last may run to the end). A linear scan: a regex with a lazy
+    body and optional close backtracked quadratically on ``<tool_call>`` and 10k spaces."""
+    blocks = []
+    while (at := text.find(_HERMES_OPEN, at)) >= 0:
+        body_at = at + len(_HERMES_OPEN)
+        end = text.find(_HERMES_CLOSE, body_at)
+        closed = end >= 0
+        end = end if closed else len(text)
+        blocks.append((text[body_at:end].strip(), closed))
+        at = end + len(_HERMES_CLOSE) if closed else end
+    return blocks
 
 
 def _calls_in_json(text: str) -> list[tuple[str, str]]:
@@ -242,6 +273,9 @@ def plan(fields: ToolFields, template_source: str) -> ToolPlan | None:
     choice = fields.tool_choice or "auto"
     if not fields.tools or choice == "none":
         return None
+    for i, tool in enumerate(fields.tools):  # before any is shown or turned into a grammar
+        if tool.function.parameters is not None:
+            check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
     in_template = template_takes_tools(template_source)
     return ToolPlan(
         fields.tools,
