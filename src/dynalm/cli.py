@@ -305,9 +305,11 @@ def show(
             typer.echo(describe_system())
             return
         if graph_file is not None:
-            from dynalm.ir.text import print_graph, read_graph
+            from dynalm.ir.source import read_source
+            from dynalm.ir.text import MAX_FILE_BYTES, print_graph, read_graph
 
-            typer.echo(print_graph(read_graph(graph_file.read_text(), str(graph_file))))
+            text = read_source(graph_file, MAX_FILE_BYTES)
+            typer.echo(print_graph(read_graph(text, str(graph_file))))
             return
         if model is None:
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
