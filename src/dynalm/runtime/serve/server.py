@@ -28,7 +28,6 @@ import functools
 import hmac
 import json
 import logging
-import re
 import signal
 import socket
 import sys
@@ -890,14 +889,3 @@ def serve(
     sock = bind_socket(host, port)
     print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
     make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
-
-
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``512MiB``, ``1.5GB`` or ``1000000``."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
-    if not m:
-        raise InvalidRequest(f"cannot read '{text}' as a size (e.g. 512MiB, 2GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
