@@ -63,13 +63,14 @@ def live_server(
     *,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    host: str = "127.0.0.1",
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
     api = OpenAIServer(
         engine, model, [MODEL, model.path.stem], api_key=api_key, max_body_bytes=max_body_bytes
     )
-    sock = bind_socket("127.0.0.1", 0)
+    sock = bind_socket(host, 0)
     server = make_server(api)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -104,7 +105,7 @@ def server_process(args: list[str], log: Path) -> Iterator[ServerProcess]:
         )
     try:
         deadline = time.monotonic() + 120
-        while not (m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+        while not (m := re.search(r"on (http://\S+:\d+)/v1", log.read_text())):
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "no URL on stderr"
             time.sleep(0.1)

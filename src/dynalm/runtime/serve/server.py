@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from dynalm.errors import InvalidRequest, PromptTooLong
+from dynalm.errors import InvalidRequest, PromptTooLong, show
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
@@ -131,9 +131,7 @@ class _Generation:
         self._ready: deque[tuple[int, object]] = deque()
         self._live = len(jobs)
         self._tasks = [
-            asyncio.create_task(
-                self._pump(server, i, f"{request_id}-{i}", prompt, params, options)
-            )
+            asyncio.create_task(self._pump(server, i, f"{request_id}-{i}", prompt, params, options))
             for i, (prompt, params) in enumerate(jobs)
         ]
 
@@ -836,7 +834,11 @@ class UvicornServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
+    """A listening-ready TCP socket (port 0 picks a free one); fails early if taken. ``host``
+    is an IPv4 address or name, or an IPv6 address, bare (``::1``, ``::``) or in the brackets
+    of a URL (``[::1]``)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
     # without it each keep-alive response (and stream chunk) waited ~40 ms for a delayed ACK
@@ -848,6 +850,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         # starts (the lifespan can take seconds on a cold kernel cache) waits in the backlog
         # instead of being refused.
         sock.listen(2048)
+    except socket.gaierror as e:  # not an address, and no name resolves to one
+        sock.close()
+        raise InvalidRequest(f"--host {show(host, 100)}: {e.strerror}") from None
     except OSError:
         sock.close()
         raise
