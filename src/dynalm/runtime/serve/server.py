@@ -131,7 +131,9 @@ class _Generation:
         self._ready: deque[tuple[int, object]] = deque()
         self._live = len(jobs)
         self._tasks = [
-            asyncio.create_task(self._pump(server, i, f"{request_id}-{i}", prompt, params, options))
+            asyncio.create_task(
+                self._pump(server, i, f"{request_id}-{i}", prompt, params, options)
+            )
             for i, (prompt, params) in enumerate(jobs)
         ]
 
