@@ -320,3 +320,10 @@ def test_show_graph_text_reads_back(smollm2_gguf: Path, tmp_path: Path) -> None:
     assert again.returncode == 0 and again.stdout == printed.stdout
     path.write_text(printed.stdout.replace("= swiglu", "= swiglo", 1))
     assert_one_line_error(dynalm("show", "--graph-file", str(path)), f"{path}:", "unknown op")
+
+
+def test_serve_checks_kv_cache_memory_against_the_memory_plan(smollm2_gguf: Path):
+    # within the flag's range (at most 1TiB), beyond this machine: the plan refuses it
+    # before the pool is allocated
+    result = dynalm("serve", str(smollm2_gguf), "--kv-cache-memory", "1TiB", "--port", "0")
+    assert_one_line_error(result, "not enough memory", "KV 1024.0 GiB")
