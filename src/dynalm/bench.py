@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from dynalm.errors import InvalidRequest
+from dynalm.flags import MAX_TOKENS, parse_int
 from dynalm.runtime.engine.build import EngineSpec, build_engine
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
@@ -406,14 +407,11 @@ def profile_test(runner: DynaLMRunner, test: Test, n_vocab: int) -> StepProfile:
 def parse_tests(n_prompt: str, n_gen: str) -> list[Test]:
     """``-p 128,512 -n 128`` -> pp128, pp512, tg128 (0 skips a kind, as in llama-bench)."""
     tests = []
-    for kind, spec in (("pp", n_prompt), ("tg", n_gen)):
+    for kind, flag, spec in (("pp", "-p", n_prompt), ("tg", "-n", n_gen)):
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            if not part.isdigit():
-                raise InvalidRequest(
-                    f"-{kind[0]}: expected comma-separated token counts, got {spec!r}"
-                )
-            if int(part):
-                tests.append(Test(kind, int(part)))
+            count = parse_int(part, f"each token count of {flag}", 0, MAX_TOKENS)
+            if count:
+                tests.append(Test(kind, count))
     if not tests:
         raise InvalidRequest("nothing to run: give -p and/or -n token counts")
     return tests

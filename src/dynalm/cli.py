@@ -22,6 +22,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from dynalm.core.kv_formats import KV_FORMATS
+from dynalm.flags import MAX_TOKENS, Float, Int, Size
+from dynalm.runtime.engine.config import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from dynalm.models.loader import LoadedModel
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
 DEFAULT_CTX = 4096
+# The ranges of the numeric flags (each also parsed by dynalm.flags: ASCII digits only).
+MAX_NUM_SEQS = 4096  # seats of the running batch (each holds buffers of its own)
+MAX_QUEUE = 1_000_000
+KIB, GIB, TIB = 1 << 10, 1 << 30, 1 << 40
 
 
 def print_error(message: str) -> None:
@@ -154,12 +160,14 @@ def _context(ctx: int | None, model: LoadedModel) -> int:
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Timings and tracebacks on stderr.")]
 Threads = Annotated[
     int | None,
-    typer.Option("-t", "--threads", min=1, help="CPU threads (default: physical cores)."),
+    typer.Option(
+        "-t", "--threads", parser=Int(1, 1024), help="CPU threads (default: physical cores)."
+    ),
 ]
 Ctx = Annotated[
     int | None,
     typer.Option(
-        min=2,
+        parser=Int(2, MAX_TOKENS),
         help="Context window per request, in tokens (default: 4096, at most "
         "the model's trained context).",
     ),
@@ -198,8 +206,13 @@ Speculative = Annotated[
     ),
 ]
 NumDraftTokens = Annotated[
-    int, typer.Option(help="Most draft tokens per step (1-16; fewer where drafts miss).")
+    int,
+    typer.Option(
+        parser=Int(1, MAX_DRAFT_TOKENS),
+        help="Most draft tokens per step (1-16; fewer where drafts miss).",
+    ),
 ]
+MaxNumSeqs = Int(1, MAX_NUM_SEQS)
 
 
 def _engine(
@@ -288,7 +301,7 @@ def show(
     system: Annotated[bool, typer.Option("--system", help="Describe this machine.")] = False,
     ctx: Ctx = None,
     max_num_seqs: Annotated[
-        int, typer.Option(min=1, help="Sequences the memory plan holds KV for.")
+        int, typer.Option(parser=MaxNumSeqs, help="Sequences the memory plan holds KV for.")
     ] = 16,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     mode: ModeOption = Mode.auto,
@@ -304,9 +317,11 @@ def show(
             typer.echo(describe_system())
             return
         if graph_file is not None:
-            from dynalm.ir.text import print_graph, read_graph
+            from dynalm.ir.source import read_source
+            from dynalm.ir.text import MAX_FILE_BYTES, print_graph, read_graph
 
-            typer.echo(print_graph(read_graph(graph_file.read_text(), str(graph_file))))
+            text = read_source(graph_file, MAX_FILE_BYTES)
+            typer.echo(print_graph(read_graph(text, str(graph_file))))
             return
         if model is None:
             raise typer.BadParameter("give a MODEL, --graph-file or --system")
@@ -447,13 +462,17 @@ def run(
     ] = None,
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, no template.")] = False,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="0 = off.")] = 40,
-    top_p: Annotated[float, typer.Option(help="1 = off.")] = 0.9,
-    min_p: Annotated[float, typer.Option(help="0 = off.")] = 0.0,
-    repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = 1.1,
-    seed: Annotated[int | None, typer.Option(help="Same seed, same output.")] = None,
+    max_tokens: Annotated[
+        int, typer.Option(parser=Int(0, MAX_TOKENS), help="Most tokens to generate.")
+    ] = 512,
+    temperature: Annotated[float, typer.Option(parser=Float(0, 100), help="0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(parser=Int(0, 2**31 - 1), help="0 = off.")] = 40,
+    top_p: Annotated[float, typer.Option(parser=Float(0, 1), help="1 = off.")] = 0.9,
+    min_p: Annotated[float, typer.Option(parser=Float(0, 1), help="0 = off.")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option(parser=Float(0, 100), help="1 = off.")] = 1.1,
+    seed: Annotated[
+        int | None, typer.Option(parser=Int(0, 2**64 - 1), help="Same seed, same output.")
+    ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     json_schema: Annotated[
         Path | None, typer.Option(help="Answer as JSON valid against this JSON schema file.")
@@ -537,34 +556,45 @@ def serve(
     model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[
-        int, typer.Option(min=0, max=65535, help="TCP port (0 picks a free one).")
+        int, typer.Option(parser=Int(0, 65535), help="TCP port (0 picks a free one).")
     ] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="DYNALM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
     ] = None,
     ctx: Ctx = None,
-    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests in one batch.")] = 16,
+    max_num_seqs: Annotated[
+        int, typer.Option(parser=MaxNumSeqs, help="Most requests in one batch.")
+    ] = 16,
     max_num_batched_tokens: Annotated[
-        int, typer.Option(min=1, help="Token budget of a step.")
+        int, typer.Option(parser=Int(1, MAX_TOKENS), help="Token budget of a step.")
     ] = 512,
     max_queue: Annotated[
-        int, typer.Option(min=1, help="Waiting requests beyond which: 503.")
+        int,
+        typer.Option(parser=Int(1, MAX_QUEUE), help="Waiting requests beyond which: 503."),
     ] = 256,
     kv_cache_memory: Annotated[
-        str | None,
-        typer.Option(help="KV pool size, e.g. 512MiB (default: the engine's)."),
+        int | None,
+        typer.Option(
+            parser=Size(KIB, TIB),
+            help="KV pool size, e.g. 512MiB (default: the engine's); the memory plan checks "
+            "that it fits.",
+        ),
     ] = None,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     draft: Draft = None,
     speculative: Speculative = None,
     num_draft_tokens: NumDraftTokens = 4,
     max_body_size: Annotated[
-        str, typer.Option(help="Largest request body, e.g. 8MiB (beyond: 413).")
-    ] = "8MiB",
+        int,
+        typer.Option(parser=Size(KIB, GIB), help="Largest request body, e.g. 8MiB (beyond: 413)."),
+    ] = "8MiB",  # type: ignore[assignment]  # click parses the default as it parses a flag
     shutdown_grace: Annotated[
         float,
-        typer.Option(min=0, help="Seconds in-flight requests get after SIGTERM, then aborted."),
+        typer.Option(
+            parser=Float(0, 3600),
+            help="Seconds in-flight requests get after SIGTERM, then aborted.",
+        ),
     ] = 30.0,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
@@ -576,16 +606,11 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C."""
     _configure(verbose, threads)
     with user_errors(verbose):
-        from dynalm.errors import InvalidRequest
         from dynalm.models.loader import load_model
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.serve import server
         from dynalm.store.catalog import ModelStore, is_local_path
 
-        kv_memory = server.parse_size(kv_cache_memory) if kv_cache_memory else None
-        max_body = server.parse_size(max_body_size)
-        if max_body < 1024:
-            raise InvalidRequest(f"--max-body-size {max_body_size} is under 1 KiB")
         path = ModelStore().resolve(model)
         loaded = load_model(path)
         config = EngineConfig(
@@ -593,7 +618,7 @@ def serve(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_queue=max_queue,
-            kv_cache_memory=kv_memory,
+            kv_cache_memory=kv_cache_memory,
             kv_cache_dtype=kv_cache_dtype.value,
             num_draft_tokens=num_draft_tokens,
         )
@@ -608,7 +633,7 @@ def serve(
             port=port,
             api_key=api_key,
             verbose=verbose,
-            max_body_bytes=max_body,
+            max_body_bytes=max_body_size,
             shutdown_grace_s=shutdown_grace,
         )
 
@@ -619,7 +644,9 @@ def bench(
     n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt sizes (pp).")] = "512",
     n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Decode lengths (tg).")] = "128",
     threads: Threads = None,
-    repetitions: Annotated[int, typer.Option("-r", "--repetitions", help="Timed runs.")] = 5,
+    repetitions: Annotated[
+        int, typer.Option("-r", "--repetitions", parser=Int(1, 1000), help="Timed runs.")
+    ] = 5,
     mode: ModeOption = Mode.auto,
     vs: Annotated[
         str | None,
@@ -668,7 +695,11 @@ def perplexity(
     model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
     text_file: Annotated[str, typer.Argument(help="UTF-8 text file to score ('-': stdin)")],
     ctx: Annotated[
-        int, typer.Option(min=4, help="Window in tokens; the second half of each is scored.")
+        int,
+        typer.Option(
+            parser=Int(4, MAX_TOKENS),
+            help="Window in tokens; the second half of each is scored.",
+        ),
     ] = 512,
     kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     threads: Threads = None,

@@ -64,6 +64,7 @@ def live_server(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    host: str = "127.0.0.1",
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
@@ -75,7 +76,7 @@ def live_server(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
     )
-    sock = bind_socket("127.0.0.1", 0)
+    sock = bind_socket(host, 0)
     server = make_server(api)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -110,7 +111,7 @@ def server_process(args: list[str], log: Path) -> Iterator[ServerProcess]:
         )
     try:
         deadline = time.monotonic() + 120
-        while not (m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+        while not (m := re.search(r"on (http://\S+:\d+)/v1", log.read_text())):
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "no URL on stderr"
             time.sleep(0.1)

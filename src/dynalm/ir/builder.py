@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from dynalm.errors import ModelFormatError
-from dynalm.ir.graph import Dim, Graph, Node, TensorType, Value, Weight
+from dynalm.errors import ModelFormatError, show
+from dynalm.ir.graph import Dim, Graph, GraphError, Node, TensorType, Value, Weight
 from dynalm.ir.ops import check_attrs, infer, op_def
 
 
@@ -21,6 +22,30 @@ def check_weight_shape(w: Weight, shape: tuple[Dim | None, ...]) -> None:
         )
 
 
+MAX_DIM = 2**31 - 1  # kernels index rows and columns with int32
+MAX_NAME = 256
+
+
+def check_weight_name(name: str) -> None:
+    """A tensor name is dot-separated parts, none empty, of printable characters without
+    spaces or path separators: "blk..weight", ".x" or "../x" is a program's mistake."""
+    parts = name.split(".")
+    if len(name) > MAX_NAME or not all(p.isprintable() and _NAME_PART.fullmatch(p) for p in parts):
+        raise GraphError(
+            f"{show(name)} is not a tensor name (dot-separated parts, none empty, no spaces, "
+            f"'/' or '\\', at most {MAX_NAME} characters)"
+        )
+
+
+_NAME_PART = re.compile(r"[^\s./\\]+")
+
+
+def check_input_shape(name: str, shape: tuple[Dim, ...]) -> None:
+    for d in shape:
+        if isinstance(d, int) and not 1 <= d <= MAX_DIM:
+            raise GraphError(f"input {name} has a dimension {d}, not in [1, {MAX_DIM}]")
+
+
 class GraphBuilder:
     """Appends nodes whose result types the op table infers from their operands, so a
     wrong operand, attribute or weight is refused where the node is built."""
@@ -33,6 +58,7 @@ class GraphBuilder:
         self.nodes: list[Node] = []
 
     def input(self, name: str, dtype: str, shape: tuple[Dim, ...]) -> Value:
+        check_input_shape(name, shape)
         value = Value(self._next_id, TensorType(dtype, shape))
         self._next_id += 1
         self.inputs[name] = value
@@ -40,6 +66,7 @@ class GraphBuilder:
 
     def weight(self, name: str, *shape: Dim | None) -> Weight:
         """The model's tensor ``name``; with ``shape``, checked to have it."""
+        check_weight_name(name)
         if name not in self._weight_types:
             raise ModelFormatError(f"the model has no tensor '{name}'")
         w = Weight(name, self._weight_types[name])

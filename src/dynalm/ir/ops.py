@@ -12,6 +12,7 @@ kernels (and a line in the executor's binding).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +42,15 @@ class WeightSlot:
     use: str = "vector"  # how a device prepares it: matmul | embedding | vector | index
 
 
+MAX_ATTR_INT = 2**31 - 1  # an int attribute is a count, size or index: kernels take int32
+
+
 @dataclass(frozen=True)
 class Attr:
     name: str
     type: type
     default: Any = REQUIRED
+    min: float | None = None  # the least value of a number (a float is also always finite)
 
 
 Shapes = list[tuple[Dim, ...]]
@@ -176,7 +181,8 @@ def _split(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
 
 
 X = Operand("x")
-_EPS = Attr("eps", float)
+_EPS = Attr("eps", float, min=0.0)
+_HEAD_DIM = Attr("head_dim", int, min=1)
 _MATMUL_WEIGHT = WeightSlot("weight", use="matmul")
 _BIAS = WeightSlot("bias", optional=True)
 _MERGED = (Attr("parts", Names, ABSENT), Attr("bias_parts", Names, ABSENT))
@@ -187,21 +193,22 @@ _TABLE = (
     OpDef("rms_norm", (X,), _norm, (WeightSlot("weight"),), (_EPS,), kernel="jit",
           doc="x / rms(x) * weight, per row"),
     OpDef("head_rms_norm", (X,), _head_norm, (WeightSlot("weight"),),
-          (_EPS, Attr("head_dim", int)), kernel="jit", doc="RMSNorm of each head's slice"),
+          (_EPS, _HEAD_DIM), kernel="jit", doc="RMSNorm of each head's slice"),
     OpDef("matmul", (X,), _matmul, (_MATMUL_WEIGHT, _BIAS), _MERGED, kernel="matmul",
           doc="x @ weight^T (+ bias)"),
     OpDef("matmul_add", (X, Operand("residual")), _matmul, (_MATMUL_WEIGHT, _BIAS),
           _MERGED, kernel="matmul", doc="x @ weight^T (+ bias) + residual"),
     OpDef("rope", (Operand("x", strided=True), Operand("positions", "i32")), _rope,
           (WeightSlot("freq_factors", optional=True),),
-          (Attr("head_dim", int), Attr("rope_dim", int), Attr("base", float),
+          (_HEAD_DIM, Attr("rope_dim", int, min=2), Attr("base", float, min=0.0),
            Attr("neox", bool), Attr("scale", float, 1.0)),
           kernel="jit", doc="rotary position embedding of each head's first rope_dim dims"),
     OpDef("attention",
           (Operand("q", strided=True), Operand("k", strided=True), Operand("v", strided=True)),
           _attention,
-          attrs=(Attr("layer", int), Attr("n_heads", int), Attr("n_kv_heads", int),
-                 Attr("head_dim", int), Attr("scale", float), Attr("window", int, 0)),
+          attrs=(Attr("layer", int, min=0), Attr("n_heads", int, min=1),
+                 Attr("n_kv_heads", int, min=1), _HEAD_DIM, Attr("scale", float),
+                 Attr("window", int, 0, min=0)),
           kernel="attention", doc="writes k/v into the layer's KV pages, attends causally"),
     OpDef("add", (Operand("a"), Operand("b")), _same, kernel="jit", doc="a + b"),
     OpDef("mul", (Operand("a"), Operand("b")), _same, doc="a * b"),
@@ -216,7 +223,7 @@ _TABLE = (
           doc="the rows listed (each sequence's last token)"),
     OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32", use="index"),),
           doc="x[:, index]: columns in the order a weight's input was permuted at load"),
-    OpDef("split", (X,), _split, attrs=(Attr("start", int), Attr("width", int),
+    OpDef("split", (X,), _split, attrs=(Attr("start", int, min=0), Attr("width", int, min=1),
                                         Attr("view", bool, ABSENT)),
           kernel="copy", view=True, doc="columns start..start+width (a view when marked)"),
 )  # fmt: skip
@@ -231,7 +238,8 @@ def op_def(name: str) -> OpDef:
 
 
 def check_attrs(op: OpDef, attrs: dict[str, Any]) -> dict[str, Any]:
-    """``attrs`` with defaults filled in, each of its declared type (an int is a float)."""
+    """``attrs`` with defaults filled in, each of its declared type (an int is a float), a
+    float finite, an int within int32, a number at least the attribute's ``min``."""
     unknown = sorted(set(attrs) - {a.name for a in op.attrs})
     if unknown:
         raise GraphError(f"{op.name} has no attribute '{unknown[0]}'")
@@ -251,8 +259,23 @@ def check_attrs(op: OpDef, attrs: dict[str, Any]) -> dict[str, Any]:
             raise GraphError(
                 f"{op.name}'s attribute {a.name} is {ATTR_TYPES[a.type]}, found {value!r}"
             )
+        if a.type in (int, float):
+            _check_number(op, a, value)
         out[a.name] = value
     return out
+
+
+def _check_number(op: OpDef, a: Attr, value: float) -> None:
+    if a.type is int:
+        lo, hi = -MAX_ATTR_INT if a.min is None else int(a.min), MAX_ATTR_INT
+        if not lo <= value <= hi:
+            found = f"about 2**{value.bit_length() - 1}" if abs(value) > 2**64 else value
+            raise GraphError(
+                f"{op.name}'s attribute {a.name} must be in [{lo}, {hi}], found {found}"
+            )
+    elif not math.isfinite(value) or (a.min is not None and value < a.min):
+        want = "finite" if a.min is None else f"finite and at least {a.min:g}"
+        raise GraphError(f"{op.name}'s attribute {a.name} must be {want}, found {value!r}")
 
 
 def infer(

@@ -31,6 +31,7 @@ from dynalm.ir.ops import OPS, Names, check_attrs
 from dynalm.ir.passes import verify
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+MAX_FILE_BYTES = 64 << 20  # a printed graph: ~150 bytes a node
 
 
 class IRSyntaxError(DynaError):

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from typing import Any
 
 import numpy as np
 
-from dynalm.errors import DynaError
-from dynalm.ir.builder import GraphBuilder, check_weight_shape
+from dynalm.errors import DynaError, show
+from dynalm.ir.builder import GraphBuilder, check_weight_name, check_weight_shape
 from dynalm.ir.graph import Graph, GraphError, TensorType, Value, Weight
 from dynalm.ir.lumen.program import Program
 from dynalm.ir.lumen.tree import LumenError, Node, Tok
@@ -26,6 +27,15 @@ from dynalm.ir.ops import OPS, WEIGHT_DTYPES, op_def
 
 DTYPES = WEIGHT_DTYPES | {"f32", "i32"}
 MAX_CALL_DEPTH = 64
+# Elaboration's budget. A family file is a loop over the layers calling a few functions (a
+# 128-layer llama: ~16k steps, ~2k nodes); a runaway program (a loop to 10**9, an exponential
+# recursion) is stopped with an error at the expression where the budget ran out.
+MAX_STEPS = 250_000  # expressions and blocks evaluated
+MAX_ITERATIONS = 100_000  # loop iterations, all loops together
+MAX_NODES = 100_000  # graph nodes built
+MAX_SECONDS = 20.0
+MAX_EVAL_DEPTH = 200  # nested evaluations (expressions, blocks, calls): ~3 frames each
+MAX_INT = 2**63 - 1  # Lumen's ints are int64s, as GGUF's metadata integers
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -75,7 +85,10 @@ class Elaborator:
         self.metadata = metadata
         self.builder = GraphBuilder(arch, weight_types)
         self.globals: dict[str, Any] = {**given, "arch": arch}
-        self.depth = 0
+        self.depth = 0  # calls
+        self.nesting = 0  # evaluations
+        self.steps = self.iterations = 0
+        self.deadline = time.monotonic() + MAX_SECONDS
 
     # -- the program ------------------------------------------------------------------
     def run(self) -> Graph:
@@ -85,7 +98,10 @@ class Elaborator:
         for decl in self.p.inputs:
             name, t = decl.children
             dtype, shape = self.input_type(t)
-            self.globals[str(name)] = self.builder.input(str(name), dtype, shape)
+            try:
+                self.globals[str(name)] = self.builder.input(str(name), dtype, shape)
+            except GraphError as err:
+                raise self.p.error(t, str(err)) from None
         outputs: dict[str, Value] = {}
         self.block(self.p.forward.children[0], {}, outputs)
         if not outputs:
@@ -98,7 +114,7 @@ class Elaborator:
         if want is float and type(value) is int:
             return float(value)
         if type(value) is not want:
-            raise self.p.error(node, f"expected {kind}, found {describe(value)} ({value!r})")
+            raise self.p.error(node, f"expected {kind}, found {describe(value)} ({show(value)})")
         return value
 
     def input_type(self, t: Node) -> tuple[str, tuple]:
@@ -148,8 +164,27 @@ class Elaborator:
 
     # -- statements -------------------------------------------------------------------
     def block(self, block: Node, env: dict, outputs: dict | None) -> None:
-        for s in block.children:
-            self.statement(s, env, outputs)
+        self.enter(block)
+        try:
+            for s in block.children:
+                self.statement(s, env, outputs)
+        finally:
+            self.nesting -= 1
+
+    def enter(self, node: Node) -> None:
+        """Count an evaluation against the budget (steps, nesting, time)."""
+        self.steps += 1
+        self.nesting += 1
+        if self.nesting > MAX_EVAL_DEPTH:
+            self.nesting -= 1
+            raise self.p.error(node, f"evaluation nested deeper than {MAX_EVAL_DEPTH} levels")
+        if self.steps > MAX_STEPS or (self.steps % 4096 == 0 and time.monotonic() > self.deadline):
+            self.nesting -= 1
+            raise self.p.error(
+                node,
+                f"elaboration ran past its budget ({MAX_STEPS} steps, {MAX_SECONDS:g} s): "
+                "a runaway loop or recursion?",
+            )
 
     def statement(self, s: Node, env: dict, outputs: dict | None) -> None:
         kind = s.data
@@ -162,7 +197,15 @@ class Elaborator:
             env[str(name)] = value
         elif kind == "for_":
             name, lo, hi, body = s.children
-            for i in range(self.int(self.eval(lo, env), lo), self.int(self.eval(hi, env), hi)):
+            start, stop = self.int(self.eval(lo, env), lo), self.int(self.eval(hi, env), hi)
+            self.iterations += max(0, stop - start)
+            if self.iterations > MAX_ITERATIONS:  # counted before the loop runs
+                raise self.p.error(
+                    s,
+                    f"a loop of {stop - start} iterations: elaboration runs at most "
+                    f"{MAX_ITERATIONS} loop iterations in all",
+                )
+            for i in range(start, stop):
                 env[str(name)] = i
                 self.block(body, env, outputs)
         elif kind == "if_":
@@ -212,11 +255,30 @@ class Elaborator:
             raise self.p.error(node, f"a condition is a bool, found {describe(value)}")
         return value
 
+    def number(self, value: Any, node: Node) -> Any:
+        """``value``, refused when a number leaves Lumen's range (int64, finite floats)."""
+        if type(value) is int and not -MAX_INT <= value <= MAX_INT:
+            raise self.p.error(node, f"an integer beyond the int64 range ({_digits(value)})")
+        if type(value) is float and not math.isfinite(value):
+            raise self.p.error(node, f"a float that is not finite ({value})")
+        return value
+
     def eval(self, e: Node, env: dict) -> Any:
+        self.enter(e)
+        try:
+            return self.evaluate(e, env)
+        finally:
+            self.nesting -= 1
+
+    def evaluate(self, e: Node, env: dict) -> Any:
         kind = e.data
         if kind == "number":
             text = str(e.children[0])
-            return float(text) if any(c in text for c in ".eE") else int(text)
+            if any(c in text for c in ".eE"):
+                return self.number(float(text), e)
+            if len(text) > len(str(MAX_INT)):  # before int(): Python refuses 4,300 digits
+                raise self.p.error(e, f"an integer beyond the int64 range ({len(text)} digits)")
+            return self.number(int(text), e)
         if kind == "string":
             return self.format(str(e.children[0])[1:-1], env, e)
         if kind in ("true", "false"):
@@ -241,22 +303,25 @@ class Elaborator:
             value = self.eval(e.children[0], env)
             if type(value) not in (int, float):
                 raise self.p.error(e, f"cannot negate {describe(value)}")
-            return -value
+            return self.number(-value, e)
         return self.binop(e, env)
 
     def weight(self, e: Node, env: dict) -> Weight | None:
         token, *dims = e.children
         optional = token.startswith("w?")
         name = self.format(str(token)[3 if optional else 2 : -1], env, e)
-        if optional and not self.builder.has_weight(name):
-            return None
         try:
+            check_weight_name(name)
+            if optional and not self.builder.has_weight(name):
+                return None
             w = self.builder.weight(name)
             if e.data == "shaped_weight":
                 shape = [
                     None if isinstance(d, Tok) else self.int(self.eval(d, env), d) for d in dims
                 ]
                 check_weight_shape(w, tuple(shape))
+        except GraphError as err:
+            raise self.p.error(e, str(err)) from None
         except DynaError as err:
             raise type(err)(f"{self.p.where}:{e.meta.line}:{e.meta.column}: {err}") from None
         return w
@@ -272,9 +337,11 @@ class Elaborator:
             if op in ("==", "!=") and (numbers or same):
                 return (a == b) == (op == "==")
             if numbers:
-                return _ARITHMETIC[str(op)](a, b)
+                return self.number(_ARITHMETIC[str(op)](a, b), e)
         except ZeroDivisionError:
             raise self.p.error(e, f"{self.p.source(e)}: division by zero") from None
+        except OverflowError:  # a float too large for the operation (1e308 * 1e308 is inf)
+            raise self.p.error(e, f"{self.p.source(e)}: a float overflow") from None
         raise self.p.error(e, f"cannot apply '{op}' to {describe(a)} and {describe(b)}")
 
     def tensor_binop(self, e: Node, op: str, a: Any, b: Any) -> Value:
@@ -353,6 +420,8 @@ class Elaborator:
         return self.emit(e, name, values, weights, attrs)
 
     def emit(self, e: Node, name: str, values: list, weights: list, attrs: dict) -> Value:
+        if len(self.builder.nodes) >= MAX_NODES:
+            raise self.p.error(e, f"a graph of more than {MAX_NODES} nodes")
         try:
             return self.builder.op(name, *values, weights=tuple(weights), **attrs)
         except GraphError as err:
@@ -364,11 +433,15 @@ class Elaborator:
         (arg,) = args
         if name == "sqrt":
             if type(arg) not in (int, float) or arg < 0:
-                raise self.p.error(e, f"sqrt of {describe(arg)} {arg!r}")
+                raise self.p.error(e, f"sqrt of {describe(arg)} {show(arg)}")
             return math.sqrt(arg)
         if name == "has":
             if type(arg) is not str:
                 raise self.p.error(e, f"has takes a tensor name, found {describe(arg)}")
+            try:
+                check_weight_name(arg)
+            except GraphError as err:
+                raise self.p.error(e, str(err)) from None
             return self.builder.has_weight(arg)
         if name == "rows":
             if not isinstance(arg, Weight):
@@ -379,12 +452,18 @@ class Elaborator:
             raise self.p.error(e, f"gguf takes a metadata key, found {describe(arg)}")
         if arg in self.metadata:
             try:
-                return _metadata_scalar(arg, self.metadata[arg])
+                value = _metadata_scalar(arg, self.metadata[arg])
             except DynaError as err:
                 raise self.p.error(e, str(err)) from None
+            return self.number(value, e)
         if "default" in keywords:
             return self.eval(keywords["default"], env)
         raise self.p.error(e, f"the model's metadata has no {arg} and gguf() has no default")
+
+
+def _digits(value: int) -> str:
+    """A huge int's size, for a message (``str`` refuses more than 4,300 digits)."""
+    return f"about 2**{value.bit_length() - 1}" if abs(value) > MAX_INT else str(value)
 
 
 _ARITHMETIC = {

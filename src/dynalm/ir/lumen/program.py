@@ -15,6 +15,7 @@ from pathlib import Path
 from dynalm.ir.lumen.syntax import parse, parse_cached
 from dynalm.ir.lumen.tree import LumenError, Node, Tok, at
 from dynalm.ir.ops import OPS, REQUIRED
+from dynalm.ir.source import read_source
 
 # Built-in functions: name -> (fewest, most positional arguments, keyword arguments).
 BUILTINS: dict[str, tuple[int, int, tuple[str, ...]]] = {
@@ -77,8 +78,11 @@ def load_program(
     return program
 
 
+MAX_FILE_BYTES = 1 << 20  # a family file is a few KiB
+
+
 def load_file(path: Path, given: frozenset[str] = frozenset()) -> Program:
-    return load_program(path.read_text(), str(path), cached=True, given=given)
+    return load_program(read_source(path, MAX_FILE_BYTES), str(path), cached=True, given=given)
 
 
 class _Checker:

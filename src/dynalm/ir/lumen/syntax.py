@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dynalm.ir.lumen.tree import LumenError, Meta, Node, Tok, cached_tree
+from dynalm.ir.lumen.tree import MAX_NESTING, LumenError, Meta, Node, Tok, at, cached_tree
 
 if TYPE_CHECKING:
     from lark import Lark
@@ -66,7 +66,7 @@ ANY: "?"
 !_add: "+" | "-"
 !_mul: "*" | "/" | "//" | "%"
 NAME: /[A-Za-z_][A-Za-z0-9_]*/
-NUMBER: /\d+\.\d+([eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+/
+NUMBER: /[0-9]+\.[0-9]+([eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+|[0-9]+/
 STRING: /"[^"\\\n]*"/
 WEIGHT.2: /w\??"[^"\\\n]*"/
 COMMENT: /#[^\n]*/
@@ -128,7 +128,7 @@ def parse(text: str, where: str) -> Node:
     from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
     try:
-        return _convert(_parser().parse(text))
+        tree = _parser().parse(text)
     except UnexpectedToken as e:
         expected = sorted(_pretty(t) for t in e.accepts or e.expected)
         found = "end of file" if e.token.type == "$END" else repr(str(e.token))
@@ -138,6 +138,7 @@ def parse(text: str, where: str) -> Node:
         raise LumenError(f"{where}:{e.line}:{e.column}: unexpected character {e.char!r}") from None
     except UnexpectedInput as e:
         raise LumenError(f"{where}:{e.line}:{e.column}: {e}") from None
+    return _convert(tree, where)
 
 
 def parse_cached(text: str, where: str) -> Node:
@@ -145,16 +146,32 @@ def parse_cached(text: str, where: str) -> Node:
     return cached_tree(text, _grammar_hash(), lambda: parse(text, where))
 
 
-def _convert(x: Any) -> Node | Tok | None:
+def _convert(tree: Any, where: str) -> Node:
+    """lark's tree as ``Node``s, iteratively (a file may nest thousands deep: `- - - 1`, a
+    20,000-term sum), refused at the first node nested deeper than ``MAX_NESTING``."""
     from lark import Token, Tree
 
-    if isinstance(x, Tree):
-        m = x.meta
+    def node(t: Tree) -> Node:
+        m = t.meta
         position = [getattr(m, k, 0) for k in ("line", "column", "start_pos", "end_pos")]
-        return Node(str(x.data), [_convert(c) for c in x.children], Meta(*position))
-    if isinstance(x, Token):
-        return Tok(x.type, str(x), x.line, x.column)
-    return None
+        return Node(str(t.data), [], Meta(*position))
+
+    root = node(tree)
+    # pre-order, children pushed in reverse: each is appended to its parent in source order
+    stack = [(c, root.children, 2) for c in reversed(tree.children)]
+    while stack:
+        x, siblings, depth = stack.pop()
+        if isinstance(x, Tree):
+            child = node(x)
+            if depth > MAX_NESTING:
+                raise at(where, child, f"nested deeper than {MAX_NESTING} levels")
+            siblings.append(child)
+            stack.extend((c, child.children, depth + 1) for c in reversed(x.children))
+        elif isinstance(x, Token):
+            siblings.append(Tok(x.type, str(x), x.line, x.column))
+        else:
+            siblings.append(None)
+    return root
 
 
 def _pretty(terminal: str) -> str:

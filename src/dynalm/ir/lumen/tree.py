@@ -22,6 +22,9 @@ from typing import Any
 from dynalm.errors import DynaError
 
 CACHE_FORMAT = 1
+# Deepest nesting of rules a file may have (an expression's operators, blocks, calls): the
+# checker and the elaborator recurse over trees, ~3 Python frames a level.
+MAX_NESTING = 100
 
 
 class LumenError(DynaError):
@@ -90,13 +93,24 @@ def _encode(x: Node | Tok | None) -> Any:
     return None
 
 
-def _decode(x: Any) -> Node | Tok | None:
-    if isinstance(x, list):
+def _decode(x: Any, depth: int = 1) -> Node | Tok | None:
+    """A cached tree, every field checked: a corrupt or foreign entry raises ValueError."""
+    if depth > MAX_NESTING:
+        raise ValueError("nested too deep")
+    if type(x) is list and len(x) == 3:
         data, meta, children = x
-        return Node(data, [_decode(c) for c in children], Meta(*meta))
-    if isinstance(x, dict):
-        return Tok(x["t"], x["v"], *x["p"])
-    return None
+        if type(data) is str and _ints(meta, 4) and type(children) is list:
+            return Node(data, [_decode(c, depth + 1) for c in children], Meta(*meta))
+    elif type(x) is dict and set(x) == {"t", "v", "p"}:
+        if type(x["t"]) is str and type(x["v"]) is str and _ints(x["p"], 2):
+            return Tok(x["t"], x["v"], *x["p"])
+    elif x is None:
+        return None
+    raise ValueError(f"not a cached tree: {type(x).__name__}")
+
+
+def _ints(x: Any, n: int) -> bool:
+    return type(x) is list and len(x) == n and all(type(i) is int for i in x)
 
 
 def cache_dir() -> Path:
@@ -105,12 +119,16 @@ def cache_dir() -> Path:
 
 
 def cached_tree(text: str, grammar: str, parse: Callable[[], Node]) -> Node:
-    """The tree of ``text``: read from the cache, or ``parse()`` d and then cached."""
+    """The tree of ``text``: read from the cache, or ``parse()`` d and then cached. An entry
+    that does not decode to a tree (corrupt, foreign, truncated) is parsed again and
+    rewritten; only a tree that parsed is written."""
     key = hashlib.sha256(f"{CACHE_FORMAT}\0{grammar}\0{text}".encode()).hexdigest()[:32]
     path = cache_dir() / f"{key}.json"
     try:
-        return _decode(json.loads(path.read_text()))  # type: ignore[return-value]
-    except (OSError, ValueError, TypeError, KeyError):
+        tree = _decode(json.loads(path.read_text()))
+        if isinstance(tree, Node):
+            return tree
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         pass
     tree = parse()
     try:

@@ -31,7 +31,6 @@ import functools
 import hmac
 import json
 import logging
-import re
 import signal
 import socket
 import sys
@@ -51,7 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from dynalm.errors import InvalidRequest, PromptTooLong
+from dynalm.errors import InvalidRequest, PromptTooLong, show
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
@@ -881,7 +880,11 @@ class UvicornServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket (port 0 picks a free one); fails early if taken."""
+    """A listening-ready TCP socket (port 0 picks a free one); fails early if taken. ``host``
+    is an IPv4 address or name, or an IPv6 address, bare (``::1``, ``::``) or in the brackets
+    of a URL (``[::1]``)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
     # without it each keep-alive response (and stream chunk) waited ~40 ms for a delayed ACK
@@ -893,6 +896,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         # starts (the lifespan can take seconds on a cold kernel cache) waits in the backlog
         # instead of being refused.
         sock.listen(2048)
+    except socket.gaierror as e:  # not an address, and no name resolves to one
+        sock.close()
+        raise InvalidRequest(f"--host {show(host, 100)}: {e.strerror}") from None
     except OSError:
         sock.close()
         raise
@@ -934,14 +940,3 @@ def serve(
     sock = bind_socket(host, port)
     print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
     make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
-
-
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``512MiB``, ``1.5GB`` or ``1000000``."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
-    if not m:
-        raise InvalidRequest(f"cannot read '{text}' as a size (e.g. 512MiB, 2GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
