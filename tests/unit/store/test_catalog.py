@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -69,7 +70,7 @@ class Hub:
     drop_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent, then close
     stall_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent, then wait
     ranges: bool = True
-    api: dict[str, object] = field(default_factory=dict)  # /api/... path -> JSON body
+    api: dict[str, object] = field(default_factory=dict)  # /api/... path -> JSON (or bytes)
     headers: dict[str, dict[str, str]] = field(default_factory=dict)  # path -> extra headers
     requests: list[tuple[str, Message]] = field(default_factory=list)
     stalled: threading.Event = field(default_factory=threading.Event)
@@ -101,7 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         hub: Hub = self.server.hub  # type: ignore[attr-defined]
-        path = self.path.split("?")[0]
+        path = unquote(self.path.split("?")[0])  # as the Hub does: file names are quoted
         hub.requests.append((path, self.headers))
         if path in hub.redirects:
             self.send_response(302)
@@ -159,7 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        body = json.dumps(answer).encode()
+        body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

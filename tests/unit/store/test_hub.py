@@ -5,14 +5,18 @@ of ``test_registry``: its model API (``/api/models/...``, what ``huggingface_hub
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from test_catalog import Hub, hub  # noqa: F401 (the fixture)
 
 import dynalm
@@ -457,3 +461,292 @@ def test_run_a_transformers_repo_end_to_end(hub: Hub, tmp_path: Path) -> None:  
     assert (pulled / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and again.stdout == ran.stdout  # the stored copy, same text
+
+
+# ---------------------------------------------------------------- hostile listings (issues 25, 31)
+
+
+def listing(hub: Hub, repo: str = ORG_REPO) -> dict:  # noqa: F811
+    """The model API answer ``publish`` registered for ``repo``, to corrupt in place (one
+    object behind every revision's path)."""
+    return hub.api[f"/api/models/{repo}"]  # type: ignore[return-value]
+
+
+def sibling(hub: Hub, name: str) -> dict:  # noqa: F811
+    return next(s for s in listing(hub)["siblings"] if s["rfilename"] == name)
+
+
+def test_a_file_with_nothing_to_verify_it_against_is_refused(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    """Issue 31 (3a): no size, no LFS sha256, no blob id — the server's bytes would be
+    published unchecked; a blob id without a size cannot be checked either."""
+    publish(hub, ORG_REPO, GGUFS)
+    entry = sibling(hub, "tiny-Q8_0.gguf")
+    del entry["lfs"], entry["size"], entry["blobId"]
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q8_0", progress=False)
+    assert str(e.value) == (
+        f"could not pull hf.co/acme/tiny-GGUF:Q8_0 from {hub.url}: acme/tiny-GGUF "
+        "tiny-Q8_0.gguf: the listing gives no sha256 and no git blob id with a size for it, "
+        "nothing to verify the download against"
+    )
+    entry["blobId"] = git_sha1(GGUFS["tiny-Q8_0.gguf"])  # a blob id, but no size
+    with pytest.raises(PullError, match="nothing to verify the download against"):
+        store.pull("acme/tiny-GGUF:Q8_0", progress=False)
+    assert not any("/resolve/" in p or "/cdn/" in p for p in hub.paths())  # never fetched
+    assert store.list() == []
+    # a catalog entry without a sha256 of its own takes the listing's: the same refusal
+    source = HuggingFaceSource(ORG_REPO, "tiny-Q8_0.gguf")
+    tiny = CatalogEntry("tiny", "q8", "tiny-Q8_0.gguf", None, None, (source,), "")
+    catalog_store = ModelStore(store.root, catalog=make_catalog(tiny))
+    with pytest.raises(PullError, match="nothing to verify the download against"):
+        catalog_store.pull("tiny:q8", progress=False)
+    assert catalog_store.list() == []
+
+
+def test_a_file_staged_at_another_commit_is_verified_again(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    """Issue 31 (3b): a pull fails after staging config.json at commit A; the retry lists
+    commit B whose config.json has the same size. A's bytes must not be published as B's."""
+    publish(hub, "acme/tiny-llama", TRANSFORMERS)
+    hub.drop_after[f"/cdn/{sha(TRANSFORMERS['tokenizer.json'])}"] = 100
+    with pytest.raises(PullError):
+        store.pull("acme/tiny-llama", progress=False)
+    staged = store.root / "hf" / "acme" / "tiny-llama" / ".safetensors.partial" / "config.json"
+    assert staged.read_bytes() == CONFIG
+    hub.drop_after.clear()
+    config_b = CONFIG.replace(b"llama", b"LLAMA")
+    assert len(config_b) == len(CONFIG)
+    publish(hub, "acme/tiny-llama", {**TRANSFORMERS, "config.json": config_b}, commit="b" * 40)
+    path = store.pull("acme/tiny-llama", progress=False)
+    assert (path / "config.json").read_bytes() == config_b
+    assert f"/acme/tiny-llama/resolve/{'b' * 40}/config.json" in hub.paths()
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["commit"] == "b" * 40
+    [row] = [f for f in manifest["files"] if f["path"] == "config.json"]
+    assert row["sha256"] == sha(config_b)
+
+
+def test_a_staged_file_that_still_verifies_is_not_fetched_again(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    publish(hub, "acme/tiny-llama", TRANSFORMERS)
+    hub.drop_after[f"/cdn/{sha(TRANSFORMERS['tokenizer.json'])}"] = 100
+    with pytest.raises(PullError):
+        store.pull("acme/tiny-llama", progress=False)
+    hub.drop_after.clear()
+    n = len(hub.requests)
+    store.pull("acme/tiny-llama", progress=False)
+    assert f"/acme/tiny-llama/resolve/{COMMIT}/config.json" not in hub.paths()[n:]
+
+
+def _corrupt(key: str, value: object) -> Callable[[dict], None]:
+    def apply(answer: dict) -> None:
+        target = answer["siblings"][1]  # tiny-Q4_K_M.gguf, an LFS file
+        if key.startswith("lfs."):
+            target = target["lfs"]
+        target[key.removeprefix("lfs.")] = value
+
+    return apply
+
+
+Q4 = "'tiny-Q4_K_M.gguf'"
+HOSTILE_LISTINGS = {
+    # the whole answer
+    "html": (b"<html><body>hi</body></html>", "the Hub's answer is not JSON: b'<html><body>hi"),
+    "list": (b"[]", "the Hub's answer is [], not a JSON object"),
+    "null": (b"null", "the Hub's answer is null, not a JSON object"),
+    "number": (b"12", "the Hub's answer is 12, not a JSON object"),
+    "no-commit": (lambda a: a.pop("sha"), "the Hub's answer has no commit ('sha')"),
+    "commit-path": (
+        lambda a: a.update(sha="../../x"),
+        "the Hub lists the repo with 'sha' '../../x', expected a commit id (40 or 64",
+    ),
+    "siblings-object": (
+        lambda a: a.update(siblings={}),
+        "the Hub's answer has no commit ('sha') or no list of files ('siblings' is {})",
+    ),
+    "siblings-null": (lambda a: a.update(siblings=None), "('siblings' is None)"),
+    # one file
+    "sibling-empty": (
+        lambda a: a["siblings"].append({}),
+        "the Hub lists an unsafe file name None",
+    ),
+    "sibling-string": (
+        lambda a: a["siblings"].append("x.gguf"),
+        "the Hub lists file 5 as 'x.gguf', not an object",
+    ),
+    "name-number": (_corrupt("rfilename", 5), "the Hub lists an unsafe file name 5"),
+    "name-list": (_corrupt("rfilename", ["a"]), "the Hub lists an unsafe file name ['a']"),
+    "size-string": (
+        _corrupt("size", "3000"),
+        f"the Hub lists file {Q4} with 'size' '3000', expected a non-negative integer",
+    ),
+    "size-negative": (_corrupt("size", -1), f"file {Q4} with 'size' -1, expected a non-neg"),
+    "size-bool": (_corrupt("size", True), f"file {Q4} with 'size' True, expected a non-neg"),
+    "size-float": (_corrupt("size", 3000.5), f"file {Q4} with 'size' 3000.5, expected a non"),
+    "blob-id-number": (
+        _corrupt("blobId", 123),
+        f"file {Q4} with 'blobId' 123, expected 40 lowercase hex digits",
+    ),
+    "lfs-string": (_corrupt("lfs", "x"), f"file {Q4} with 'lfs' 'x', expected an object"),
+    "lfs-sha256-path": (
+        _corrupt("lfs.sha256", "../../x"),
+        f"the Hub lists file {Q4} (lfs) with 'sha256' '../../x', expected 64 lowercase hex",
+    ),
+    "lfs-sha256-number": (
+        _corrupt("lfs.sha256", 1234),
+        f"file {Q4} (lfs) with 'sha256' 1234, expected 64 lowercase hex digits",
+    ),
+    "lfs-sha256-short": (
+        _corrupt("lfs.sha256", "ab" * 20),
+        f"file {Q4} (lfs) with 'sha256' '{'ab' * 20}', expected 64 lowercase hex digits",
+    ),
+    "lfs-size-string": (
+        _corrupt("lfs.size", "3000"),
+        f"file {Q4} (lfs) with 'size' '3000', expected a non-negative integer",
+    ),
+    "lfs-size-differs": (
+        _corrupt("lfs.size", 3001),
+        f"the Hub lists file {Q4} with size 3000 but LFS size 3001",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_LISTINGS)
+def test_hostile_listing_is_a_clear_error(
+    case: str,
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    """Issues 25 and 31 (4): a model API answer of the wrong shape or types is one PullError
+    naming the server and what was wrong (never a TypeError/KeyError), before any download."""
+    change, message = HOSTILE_LISTINGS[case]
+    publish(hub, ORG_REPO, GGUFS)
+    if isinstance(change, bytes):
+        hub.api[f"/api/models/{ORG_REPO}"] = change
+    else:
+        change(listing(hub))
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q4_K_M", progress=False)
+    assert str(e.value).startswith(f"hf.co/acme/tiny-GGUF ({hub.url}): ")
+    assert message in str(e.value)
+    assert hub.paths() == [f"/api/models/{ORG_REPO}"]
+    assert not store.root.exists()
+
+
+def test_a_listing_error_on_the_command_line_is_one_line(
+    hub: Hub,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    hub.api[f"/api/models/{ORG_REPO}"] = b"<html>\x1b]0;pwned\x07</html>"
+    proc = _cli(tmp_path, "pull", "acme/tiny-GGUF:Q4_K_M")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: hf.co/acme/tiny-GGUF ({hub.url}): the Hub's answer")
+    assert "\x1b" not in proc.stderr and "\\x1b]0;pwned\\x07" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    src = str(Path(dynalm.__file__).parents[1])
+    env = {**os.environ, "DYNALM_HOME": str(tmp_path / "cli"), "PYTHONPATH": src}
+    return subprocess.run(
+        [sys.executable, "-m", "dynalm.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_file_name_with_terminal_escapes_is_refused_and_shown_escaped(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+    tmp_path: Path,
+) -> None:
+    name = "\x1b]0;pwned\x07tiny-Q4_0.gguf"
+    publish(hub, ORG_REPO, {name: blob("esc", 1000)})
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q4_0", progress=False)
+    assert str(e.value).endswith(
+        "the Hub lists an unsafe file name '\\x1b]0;pwned\\x07tiny-Q4_0.gguf'"
+    )
+    proc = _cli(tmp_path, "pull", "acme/tiny-GGUF:Q4_0")
+    assert proc.returncode == 1 and "\x1b" not in proc.stderr + proc.stdout
+    assert "'\\x1b]0;pwned\\x07tiny-Q4_0.gguf'" in proc.stderr
+    for bad in ("a\nb-Q4_0.gguf", "a\x00b-Q4_0.gguf", "a\u202eb-Q4_0.gguf"):
+        hub.api.clear()
+        publish(hub, ORG_REPO, {bad: blob("esc", 1000)})
+        with pytest.raises(PullError, match="the Hub lists an unsafe file name"):
+            store.pull("acme/tiny-GGUF:Q4_0", progress=False)
+
+
+def test_a_file_name_with_rich_markup_is_shown_as_it_is(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    """Issue 31 (4): ``x[/bad]y-Q4_K_M.gguf`` is a file name, not markup for the progress
+    bar or the "no tag given" note."""
+    name = "x[/bad]y-Q4_K_M.gguf"
+    publish(hub, ORG_REPO, {name: blob("markup", 3000)})
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    bar = hubmod.progress_bar(console, True)
+    with bar:
+        bar.add_task(f"{ORG_REPO} {name}", total=3000)
+        bar.refresh()
+    assert name in out.getvalue()
+    path = store.pull("acme/tiny-GGUF", progress=True)  # the note names the chosen file
+    assert path.name == "bad]y-Q4_K_M.gguf"  # in the repo folder "x[", it lands flat
+    assert path.read_bytes() == blob("markup", 3000)
+    proc = _cli(store.root.parent, "pull", "acme/tiny-GGUF")
+    assert proc.returncode == 0, proc.stderr
+    assert f"({name}); tags: Q4_K_M" in proc.stderr
+
+
+def test_pull_deadline(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 31 (4): a server that stops sending (or trickles) cannot hold a pull past its
+    deadline, ``DYNALM_PULL_TIMEOUT`` seconds."""
+    publish(hub, ORG_REPO, GGUFS)
+    hub.stall_after[f"/cdn/{sha(GGUFS['tiny-Q8_0.gguf'])}"] = 1024
+    monkeypatch.setenv("DYNALM_PULL_TIMEOUT", "1.5")
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q8_0", progress=False)
+    assert str(e.value) == (
+        f"could not pull hf.co/acme/tiny-GGUF:Q8_0 from {hub.url}: the pull took longer than "
+        "its deadline of 1.5 s (set DYNALM_PULL_TIMEOUT to allow longer)"
+    )
+    hub.release.set()
+    assert store.list() == []
+    for bad in ("0", "-1", "1e3", "²", "9" * 400, "3000000", "abc"):
+        monkeypatch.setenv("DYNALM_PULL_TIMEOUT", bad)
+        with pytest.raises(InvalidRequest) as e:
+            store.pull("acme/tiny-GGUF:Q8_0", progress=False)
+        assert str(e.value).startswith(f"DYNALM_PULL_TIMEOUT={bad!r}"[:40])
+        assert "expected seconds from 1 to 2592000 (30 days)" in str(e.value)
+
+
+def test_the_deadline_covers_a_trickling_server(tmp_path: Path) -> None:
+    """Bytes that keep coming, slowly, never trip a read timeout; the deadline still ends
+    the download, checked between chunks."""
+    deadline = hubmod.Deadline.start(0.2)
+
+    def trickle() -> Iterator[bytes]:
+        while True:
+            time.sleep(0.05)
+            yield b"x"
+
+    want = hubmod.Expected("slow", 10**6, "0" * 64)
+    bar = hubmod.progress_bar(Console(file=io.StringIO()), False)
+    task = bar.add_task("slow", total=10**6)
+    with pytest.raises(hubmod.SourceFailed, match="longer than its deadline of 0.2 s"):
+        hubmod.stream_to(tmp_path / "f", trickle(), 0, want, bar, task, deadline)
