@@ -317,7 +317,7 @@ def show(
             typer.echo(describe_system())
             return
         if graph_file is not None:
-            from dynalm.ir.source import read_source
+            from dynalm.files import read_source
             from dynalm.ir.text import MAX_FILE_BYTES, print_graph, read_graph
 
             text = read_source(graph_file, MAX_FILE_BYTES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import struct
 from pathlib import Path
@@ -29,6 +30,7 @@ from test_families import IDS, _all_positions, _max_diff, reference_logits
 from tiny_models import SPECS, reference_model, write_hf_dir
 
 from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
+from dynalm.models import tokenizer
 from dynalm.models.hf_dir import HFDirectory
 from dynalm.models.loader import load_model
 from dynalm.models.safetensors_file import SafeTensorsFile
@@ -219,6 +221,61 @@ def test_unknown_architecture(tiny_dir: Path, tmp_path: Path) -> None:
     config["model_type"], config["architectures"] = "mamba", ["MambaForCausalLM"]
     (d / "config.json").write_text(json.dumps(config))
     _refused(d, UnsupportedModel, str(d / "config.json"), "mamba", "MambaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("model_type", ["llama"], UnsupportedModel),
+        ("model_type", {"llama": 1}, UnsupportedModel),
+        ("rope_scaling", "linear", ModelFormatError),
+        ("rope_scaling", ["linear", 2.0], ModelFormatError),
+        ("rope_scaling", 4, ModelFormatError),
+    ],
+    ids=[
+        "model_type list",
+        "model_type dict",
+        "rope_scaling str",
+        "rope_scaling list",
+        "rope_scaling int",
+    ],
+)
+def test_config_key_of_the_wrong_json_type_is_named(
+    key: str, value: object, error: type[DynaError], tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: a list or dict ``model_type`` was an unhashable-type TypeError, a string,
+    list or int ``rope_scaling`` an AttributeError; each is one line naming file and key."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    config = json.loads((d / "config.json").read_text())
+    config[key] = value
+    (d / "config.json").write_text(json.dumps(config))
+    _refused(d, error, str(d / "config.json"))
+    if key == "rope_scaling":
+        _refused(d, error, "rope_scaling", "not an object")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "chat_template.jinja"])
+def test_a_fifo_in_place_of_a_directory_file_is_refused_not_waited_on(
+    name: str, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: a FIFO named config.json, tokenizer.json or chat_template.jinja hung the
+    loader (opened and read with no writer); files are opened only as regular files."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    d.joinpath(name).unlink(missing_ok=True)
+    os.mkfifo(d / name)
+    _refused(d, DynaError, str(d / name), "not a regular file")
+
+
+def test_an_oversized_tokenizer_json_is_refused_by_its_size(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25: a 30M-entry vocabulary made the tokenizer library abort the process; a
+    tokenizer.json past the bound is refused before any parser reads it (the bound is
+    lowered here to the test file's size less one byte, rather than writing 128 MiB)."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    size = (d / "tokenizer.json").stat().st_size
+    monkeypatch.setattr(tokenizer, "MAX_TOKENIZER_JSON_BYTES", size - 1)
+    _refused(d, ModelFormatError, str(d / "tokenizer.json"), f"{size} bytes, more than")
 
 
 @pytest.mark.parametrize(

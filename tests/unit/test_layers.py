@@ -14,7 +14,7 @@ import dynalm
 
 SRC = Path(dynalm.__file__).parent
 
-# What each layer may import of DynaLM besides itself, errors and the package root.
+# What each layer may import of DynaLM besides itself, errors, files and the package root.
 ALLOWED = {
     "kernel": set(),  # DynaKernel: nothing else of DynaLM
     "core": {"kernel"},  # devices know buffers, kernels and memory: no graph, no runtime
@@ -63,7 +63,7 @@ def _imports() -> dict[str, set[str]]:
 
 def _layer(module: str) -> str:
     parts = module.split(".")
-    if len(parts) < 2 or parts[1] in ("errors",):
+    if len(parts) < 2 or parts[1] in ("errors", "files"):
         return "shared"
     return parts[1] if parts[1] in ALLOWED else "app"
 

@@ -33,10 +33,12 @@ from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynalm.errors import InvalidRequest, show
+from dynalm.files import read_source
 from dynalm.models.metadata import text
 from dynalm.models.tokenizer import Tokenizer
 
 MAX_SOURCE_CHARS = 256 * 1024  # templates in the wild are under 20 KB
+MAX_TEMPLATE_BYTES = 4 * MAX_SOURCE_CHARS  # a template file, read before its characters count
 RENDER_SECONDS = 2.0  # renders take about a millisecond
 MAX_RENDER_CHARS = 1 << 20  # beyond the messages' own text (which a template may repeat 4x)
 
@@ -297,10 +299,10 @@ class ChatTemplate:
         list of named templates: the one named "default"), else a fallback by family."""
         where, source = "chat_template.jinja", None
         try:
-            source = (directory / where).read_text(encoding="utf-8")
+            source = read_source(directory / where, MAX_TEMPLATE_BYTES, InvalidRequest)
         except FileNotFoundError:
             where, source = "tokenizer_config.json chat_template", config.get("chat_template")
-        except (OSError, UnicodeDecodeError) as e:
+        except OSError as e:
             raise InvalidRequest(f"{directory / where}: cannot read ({e})") from None
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType
 
 from dynalm.core.quant import QUANT_FORMATS
 from dynalm.errors import ModelFormatError, ModelNotFound, UnsupportedModel, show
+from dynalm.files import read_source
 from dynalm.models import gptq_awq
 from dynalm.models.gguf_file import TensorInfo
 from dynalm.models.safetensors_file import SafeTensor, SafeTensorsFile
@@ -49,12 +50,16 @@ ARCHITECTURES: dict[str, tuple[str, gguf.MODEL_ARCH]] = {
 }
 _FLOAT_TYPES = {"F32": _T.F32, "F16": _T.F16, "BF16": _T.BF16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed from rope_theta (as llama.cpp)
+# config.json, tokenizer_config.json, an index: a few KB to a few MB (an index of many shards)
+MAX_JSON_BYTES = 64 << 20
 
 
 def read_json(path: Path, required: bool = True) -> Any:
-    """A JSON file's value (None when absent and not ``required``); errors name the file."""
+    """A JSON file's value (None when absent and not ``required``); errors name the file.
+    Only a regular file of at most ``MAX_JSON_BYTES`` is read (a FIFO is refused, not
+    waited on)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_source(path, MAX_JSON_BYTES, ModelFormatError))
     except FileNotFoundError:
         if required:
             raise ModelNotFound(f"{path}: no such file") from None
@@ -144,7 +149,7 @@ class HFDirectory:
 
     def _architecture(self) -> tuple[str, gguf.MODEL_ARCH]:
         model_type = self.config.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             names = self.config.get("architectures")
             raise UnsupportedModel(
                 f"{self.config_path}: unknown architecture {show(model_type)} "
@@ -182,6 +187,10 @@ class HFDirectory:
         if theta is not None:
             meta[f"{arch}.rope.freq_base"] = theta
         scaling = c.get("rope_scaling") or rope
+        if not isinstance(scaling, dict):
+            raise ModelFormatError(
+                f"{self.config_path}: rope_scaling {show(scaling)} is not an object"
+            )
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "linear":
             meta[f"{arch}.rope.scaling.type"] = "linear"

@@ -30,6 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from dynalm.errors import InvalidRequest, ModelFormatError, ModelNotFound, UnsupportedModel, show
+from dynalm.files import read_source
 from dynalm.models.metadata import bad, flag, integer, numbers, strings, text
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ _EOG_TEXTS = (
 )
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# tokenizer.json: 2-35 MB for real vocabularies (Gemma 3's 262k tokens: 33 MB); a file
+# past this is refused by its size before the tokenizer library parses (or aborts on) it
+MAX_TOKENIZER_JSON_BYTES = 128 << 20
 
 
 @lru_cache(maxsize=1)
@@ -302,11 +306,13 @@ class Tokenizer:
         ``eos_ids`` (generation_config.json) also end generation. Ids past the vocabulary
         up to ``n_vocab`` (embedding rows padded for speed) become unused special tokens."""
         try:
-            source = tokenizer_json.read_text(encoding="utf-8")
+            source = read_source(tokenizer_json, MAX_TOKENIZER_JSON_BYTES, ModelFormatError)
             spec = json.loads(source)
             hf = HFTokenizer.from_str(source)
         except FileNotFoundError:
             raise ModelNotFound(f"{tokenizer_json}: no such file") from None
+        except ModelFormatError:
+            raise
         except Exception as e:  # unreadable, not JSON, or a tokenizer `tokenizers` refuses
             reason = show(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)
             raise ModelFormatError(f"{tokenizer_json}: not a valid tokenizer ({reason})") from e

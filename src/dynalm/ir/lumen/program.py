@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynalm.files import read_source
 from dynalm.ir.lumen.syntax import parse, parse_cached
 from dynalm.ir.lumen.tree import LumenError, Node, Tok, at
 from dynalm.ir.ops import OPS, REQUIRED
-from dynalm.ir.source import read_source
 
 # Built-in functions: name -> (fewest, most positional arguments, keyword arguments).
 BUILTINS: dict[str, tuple[int, int, tuple[str, ...]]] = {
