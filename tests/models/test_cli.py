@@ -327,3 +327,23 @@ def test_serve_checks_kv_cache_memory_against_the_memory_plan(smollm2_gguf: Path
     # before the pool is allocated
     result = dynalm("serve", str(smollm2_gguf), "--kv-cache-memory", "1TiB", "--port", "0")
     assert_one_line_error(result, "not enough memory", "KV 1024.0 GiB")
+
+
+@pytest.mark.parametrize("mode", ["auto", "exact"])
+def test_nan_block_scales_are_refused_naming_the_tensor(
+    mode: str, smollm2_gguf: Path, tmp_path: Path
+) -> None:
+    """Issue 31: one tensor's block scales set to NaN, and the model answered fluently in
+    auto/exact (the JIT kernels swallow NaN) while safe mode said "logits not finite"; the
+    weight is now refused as it is prepared, naming the tensor."""
+    path = tmp_path / "nan-scales.gguf"
+    path.write_bytes(smollm2_gguf.read_bytes())
+    name = "blk.3.ffn_down.weight"
+    info = next(t for t in gguf.GGUFReader(smollm2_gguf).tensors if t.name == name)
+    assert info.tensor_type == gguf.GGMLQuantizationType.Q4_1  # d at byte 0 of 20
+    data = np.memmap(path, np.uint8, "r+", offset=info.data_offset, shape=(info.n_bytes,))
+    data.reshape(-1, 20)[5:9, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
+    data.flush()
+    del data
+    result = dynalm("run", str(path), "hi", "--mode", mode, *GREEDY)
+    assert_one_line_error(result, f"tensor {name}", "q4_1 block 5 of row 0", "non-finite scale")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as _T
 
-from dynalm.core import pool
+from dynalm.core import pool, quant
 from dynalm.kernel import backends, layouts, repack_cache
 from dynalm.kernel import matmul_programs as programs
 from dynalm.kernel.formats import QK, UNPACKS, Unpack
@@ -178,6 +178,7 @@ class QuantMatmul:
         def repack() -> np.ndarray:
             rows = raw() if callable(raw) else raw
             self.check_rows(u, rows, n_cols, n_rows)
+            quant.check_scales(rows, ggml_type)  # (the repack cache holds checked weights)
             return layouts.repack(u, rows, n_cols, layout, release_rows)
 
         if source is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from dynalm.errors import UnsupportedModel
+from dynalm.errors import ModelFormatError, UnsupportedModel
 from dynalm.kernel.gguf_blocks import bit_fields, f16_field, k_scales_mins
 
 QK_K = 256  # elements per K-quant super-block
@@ -31,6 +31,7 @@ class QuantFormat:
     block_size: int  # elements per block
     type_size: int  # bytes per block
     dequantize: Callable[[np.ndarray], np.ndarray]  # u8 [n, type_size] -> f32 [n, block_size]
+    scales: tuple[int, ...] = ()  # byte offsets of a block's f16 scale fields (d, dmin)
 
     def row_bytes(self, n_cols: int) -> int:
         """Bytes taken by one row of ``n_cols`` elements."""
@@ -165,18 +166,41 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
         QuantFormat("f32", _T.F32, 1, 4, _deq_f32),
         QuantFormat("f16", _T.F16, 1, 2, _deq_f16),
         QuantFormat("bf16", _T.BF16, 1, 2, _deq_bf16),
-        QuantFormat("q4_0", _T.Q4_0, 32, 18, _deq_q4_0),
-        QuantFormat("q4_1", _T.Q4_1, 32, 20, _deq_q4_1),
-        QuantFormat("q5_0", _T.Q5_0, 32, 22, _deq_q5_0),
-        QuantFormat("q5_1", _T.Q5_1, 32, 24, _deq_q5_1),
-        QuantFormat("q8_0", _T.Q8_0, 32, 34, _deq_q8_0),
-        QuantFormat("q2_k", _T.Q2_K, QK_K, 84, _deq_q2_k),
-        QuantFormat("q3_k", _T.Q3_K, QK_K, 110, _deq_q3_k),
-        QuantFormat("q4_k", _T.Q4_K, QK_K, 144, _deq_q4_k),
-        QuantFormat("q5_k", _T.Q5_K, QK_K, 176, _deq_q5_k),
-        QuantFormat("q6_k", _T.Q6_K, QK_K, 210, _deq_q6_k),
+        QuantFormat("q4_0", _T.Q4_0, 32, 18, _deq_q4_0, (0,)),
+        QuantFormat("q4_1", _T.Q4_1, 32, 20, _deq_q4_1, (0, 2)),
+        QuantFormat("q5_0", _T.Q5_0, 32, 22, _deq_q5_0, (0,)),
+        QuantFormat("q5_1", _T.Q5_1, 32, 24, _deq_q5_1, (0, 2)),
+        QuantFormat("q8_0", _T.Q8_0, 32, 34, _deq_q8_0, (0,)),
+        QuantFormat("q2_k", _T.Q2_K, QK_K, 84, _deq_q2_k, (80, 82)),
+        QuantFormat("q3_k", _T.Q3_K, QK_K, 110, _deq_q3_k, (108,)),
+        QuantFormat("q4_k", _T.Q4_K, QK_K, 144, _deq_q4_k, (0, 2)),
+        QuantFormat("q5_k", _T.Q5_K, QK_K, 176, _deq_q5_k, (0, 2)),
+        QuantFormat("q6_k", _T.Q6_K, QK_K, 210, _deq_q6_k, (208,)),
     )
 }
+
+
+def check_scales(raw: np.ndarray, ggml_type: int) -> None:
+    """Raise ``ModelFormatError`` where a block's f16 scale of ``raw`` (uint8 rows of GGUF
+    blocks) is NaN or infinite. The JIT kernels would not carry it to the logits (their
+    integer sums and max-based activation scales swallow it), so the model would answer
+    fluently from a damaged tensor; refused here, at the cost of one strided read per
+    field while the weight is repacked anyway."""
+    fmt = quant_format(ggml_type)
+    if not fmt.scales:
+        return
+    blocks = raw.reshape(-1, fmt.type_size)
+    for at in fmt.scales:
+        bits = np.ascontiguousarray(blocks[:, at : at + 2]).view(np.uint16).ravel()
+        bad = np.flatnonzero((bits & 0x7C00) == 0x7C00)  # exponent all ones: inf or NaN
+        if len(bad):
+            i = int(bad[0])
+            value = float(bits[i : i + 1].view(np.float16)[0])
+            per_row = raw.shape[-1] // fmt.type_size if raw.ndim > 1 else len(blocks)
+            raise ModelFormatError(
+                f"{fmt.name} block {i % per_row} of row {i // per_row} has a non-finite "
+                f"scale ({value}; {len(bad)} such fields)"
+            )
 
 
 # Integer tensors a model may carry beside its weights: indices, never multiplied (a GPTQ
@@ -215,22 +239,12 @@ def quant_format(ggml_type: int) -> QuantFormat:
     return row
 
 
-# Byte offsets of the fp16 scale fields in each block (for ``random_blocks``).
-_F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0]} | {
-    "q2_k": [80, 82],
-    "q3_k": [108],
-    "q4_k": [0, 2],
-    "q5_k": [0, 2],
-    "q6_k": [208],
-}
-
-
 def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     """Valid blocks with random quants and small fp16 scales, for kernel tests and benchmarks
     of formats gguf cannot quantise (uint8 ``[n_blocks, type_size]``; quantised types only)."""
     fmt = quant_format(ggml_type)
     blocks = rng.integers(0, 256, (n_blocks, fmt.type_size), dtype=np.uint8)
-    for at in _F16_FIELDS[fmt.name]:
+    for at in fmt.scales:
         scale = rng.uniform(0.002, 0.02, n_blocks).astype(np.float16)
         blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
     return blocks

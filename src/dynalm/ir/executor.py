@@ -22,6 +22,7 @@ import numpy as np
 
 from dynalm.core.device import Device
 from dynalm.core.kv_storage import AttentionBatch
+from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph
 from dynalm.ir.lower import binder_class
 from dynalm.ir.lower.base import Buffers, Call
@@ -176,13 +177,16 @@ class Executor:
             if use == "matmul":
                 release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
                 source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
-                prepared = self.binder.prepare_matmul(
-                    raw,
-                    qtype,
-                    shape,
-                    release_rows=release,
-                    source=source(parts or (name,)) if source else None,
-                )
+                try:
+                    prepared = self.binder.prepare_matmul(
+                        raw,
+                        qtype,
+                        shape,
+                        release_rows=release,
+                        source=source(parts or (name,)) if source else None,
+                    )
+                except ModelFormatError as e:  # the weight's bytes: name the tensor
+                    raise ModelFormatError(f"tensor {name}: {e}") from None
                 if self.device.holds_copy(prepared) and parts:  # stacked parts: a copy
                     for part in parts:
                         w.release(part)

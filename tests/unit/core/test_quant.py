@@ -7,8 +7,15 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from dynalm.core.quant import QUANT_FORMATS, dequantize, ggml_type_name, quant_format
-from dynalm.errors import UnsupportedModel
+from dynalm.core.quant import (
+    QUANT_FORMATS,
+    check_scales,
+    dequantize,
+    ggml_type_name,
+    quant_format,
+    random_blocks,
+)
+from dynalm.errors import ModelFormatError, UnsupportedModel
 
 T = gguf.GGMLQuantizationType
 
@@ -131,3 +138,35 @@ def test_unsupported_types_are_named() -> None:
         quant_format(4242)
     assert ggml_type_name(T.Q4_K) == "Q4_K"
     assert ggml_type_name(4242) == "4242"
+
+
+QUANTISED = [t for t, f in QUANT_FORMATS.items() if f.block_size > 1]
+
+
+@pytest.mark.parametrize("qtype", QUANTISED, ids=lambda t: QUANT_FORMATS[t].name)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_block_scale_is_refused_naming_block_and_row(qtype: int, bad) -> None:
+    """Issue 31: NaN scales in one tensor went unnoticed in auto/exact (the JIT kernels
+    swallow them); every f16 scale field of every quantised format is checked."""
+    fmt = QUANT_FORMATS[qtype]
+    rng = np.random.default_rng(31)
+    blocks_per_row = 4
+    for at in fmt.scales:
+        raw = random_blocks(qtype, 3 * blocks_per_row, rng)
+        check_scales(raw.reshape(3, -1), qtype)  # finite: accepted
+        raw[6, at : at + 2] = np.array([bad], np.float16).view(np.uint8)
+        with pytest.raises(ModelFormatError, match=rf"{fmt.name} block 2 of row 1 .*non-finite"):
+            check_scales(raw.reshape(3, -1), qtype)
+
+
+def test_the_scale_fields_are_where_the_reference_dequantiser_reads_them() -> None:
+    """A NaN written at each listed offset reaches the reference dequantiser's output (so the
+    offsets are the scales, not quants)."""
+    rng = np.random.default_rng(5)
+    for qtype in QUANTISED:
+        fmt = QUANT_FORMATS[qtype]
+        assert fmt.scales, fmt.name
+        for at in fmt.scales:
+            raw = random_blocks(qtype, 1, rng)
+            raw[0, at : at + 2] = np.array([np.nan], np.float16).view(np.uint8)
+            assert np.isnan(fmt.dequantize(raw)).any(), (fmt.name, at)
