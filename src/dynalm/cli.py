@@ -609,6 +609,7 @@ def serve(
         from dynalm.models.loader import load_model
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.serve import server
+        from dynalm.runtime.serve.models import ModelManager, ModelService
         from dynalm.store.catalog import ModelStore, is_local_path
 
         path = ModelStore().resolve(model)
@@ -625,10 +626,9 @@ def serve(
         engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
+        service = ModelService(engine, loaded, names)
         server.serve(
-            engine,
-            loaded,
-            names,
+            ModelManager([service]),
             host=host,
             port=port,
             api_key=api_key,

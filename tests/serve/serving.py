@@ -24,6 +24,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.serve.asgi import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.server import OpenAIServer, bind_socket, make_server, url_of
 
 MODEL = "smollm2:135m"
@@ -36,8 +37,13 @@ class LiveServer:
     api_key: str | None
 
     @property
+    def service(self) -> ModelService:
+        """The one model this test server has."""
+        return self.api.models.default
+
+    @property
     def engine(self) -> Engine:
-        return self.api.engine
+        return self.service.engine
 
     def client(self) -> openai.OpenAI:
         # no retries: a test must see the first answer, 503s included
@@ -69,9 +75,7 @@ def live_server(
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
     api = OpenAIServer(
-        engine,
-        model,
-        [MODEL, model.path.stem],
+        ModelManager([ModelService(engine, model, [MODEL, model.path.stem])]),
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,

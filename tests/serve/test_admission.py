@@ -25,7 +25,7 @@ def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
 def test_queue_full_is_503_with_retry_after(server: LiveServer) -> None:
     http = server.http()
     # it must still run when the others arrive: no end-of-turn token allowed
-    never_stop = {str(t): -100 for t in server.api.model.stop_token_ids}
+    never_stop = {str(t): -100 for t in server.service.model.stop_token_ids}
     long = {**PROMPT, "max_tokens": 200, "stream": True, "logit_bias": never_stop}
     with http.stream("POST", "/v1/completions", json=long) as running:
         assert running.status_code == 200

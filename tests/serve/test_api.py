@@ -174,7 +174,7 @@ def test_models_health_tokenize(server: LiveServer, client: openai.OpenAI) -> No
     back = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert back["prompt"] == text
     # the file's stem names the model too
-    stem = server.api.model.path.stem
+    stem = server.service.model.path.stem
     assert http.post("/tokenize", json={"prompt": text, "model": stem}).status_code == 200
 
 

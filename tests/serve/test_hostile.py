@@ -240,7 +240,7 @@ def test_body_over_the_limit_is_413(server: LiveServer) -> None:
 
 
 def test_text_that_cannot_fit_is_refused_before_tokenising(server: LiveServer) -> None:
-    text = "word " * (server.api.max_text_chars // 5 + 1)
+    text = "word " * (server.service.max_text_chars // 5 + 1)
     for path, body in [
         (COMPLETIONS, completion(prompt=json.dumps(text))),
         ("/tokenize", json.dumps({"prompt": text})),

@@ -99,7 +99,7 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only(
 
 def test_a_stream_opens_while_its_request_waits(server: LiveServer) -> None:
     http = server.http()
-    never_stop = {str(t): -100 for t in server.api.model.stop_token_ids}
+    never_stop = {str(t): -100 for t in server.service.model.stop_token_ids}
     busy = {
         "model": MODEL,
         "prompt": "Count: 1, 2, 3,",

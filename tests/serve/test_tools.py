@@ -170,9 +170,9 @@ def test_tool_results_go_back_through_the_template(
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # what the model read: the tools, its own call and the result
     request = p.ChatCompletionRequest.model_validate({"messages": history, "tools": TOOLS})
-    plan = tools.plan(request, server.api.model.chat_template.source)
-    ids = server.api._chat_ids(request.messages, True, plan)
-    prompt = server.api.tokenizer.decode(ids, skip_special=False)
+    plan = tools.plan(request, server.service.model.chat_template.source)
+    ids = server.service.chat_ids(request.messages, True, plan)
+    prompt = server.service.tokenizer.decode(ids, skip_special=False)
     assert FALLBACK_PROMPT in prompt
     assert f'"name": "{call.function.name}", "arguments": {call.function.arguments}' in prompt
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt

@@ -50,10 +50,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from dynalm.errors import InvalidRequest, PromptTooLong, show
-from dynalm.models.loader import LoadedModel
+from dynalm.errors import InvalidRequest, show
 from dynalm.models.tokenizer import Tokenizer
-from dynalm.runtime.engine.engine import AsyncEngine, Engine, RequestOutput, TokenLogprob
+from dynalm.runtime.engine.engine import RequestOutput, TokenLogprob
 from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
 from dynalm.runtime.engine.sampling import SamplingParams
@@ -71,7 +70,8 @@ from dynalm.runtime.serve.asgi import (
     install_openapi,
 )
 from dynalm.runtime.serve.chat_page import install_chat_page
-from dynalm.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
+from dynalm.runtime.serve.metrics import CONTENT_TYPE
+from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class _Generation:
 
     def __init__(
         self,
-        server: OpenAIServer,
+        service: ModelService,
         request_id: str,
         jobs: Sequence[tuple[list[int], SamplingParams]],
         n: int,
@@ -141,26 +141,27 @@ class _Generation:
         self._cut: set[int] = set()  # choices ended by `complete`: their late outputs are dropped
         self._tasks = [
             asyncio.create_task(
-                self._pump(server, i, f"{request_id}-{i}", prompt, params, options)
+                self._pump(service, i, f"{request_id}-{i}", prompt, params, options)
             )
             for i, (prompt, params) in enumerate(jobs)
         ]
 
     async def _pump(
         self,
-        server: OpenAIServer,
+        service: ModelService,
         index: int,
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
         options: dict[str, Any],
     ) -> None:
-        tracker = server.metrics.track()
+        tracker = service.metrics.track()
         if (guide := options.get("guide")) is not None:  # each sequence follows its own copy
             options = {**options, "guide": guide.copy()}
         queued = functools.partial(self._queue.put_nowait, (index, _QUEUED))
         try:
-            stream = server.async_engine.generate(
+            assert service.async_engine is not None  # started with the server
+            stream = service.async_engine.generate(
                 request_id, prompt, params, queued=queued, **options
             )
             async for out in stream:
@@ -500,12 +501,19 @@ class _EventStream(StreamingResponse):
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
         self._gen = gen
+        self._closed: list[Callable[[], None]] = []
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the stream has ended, however it ended."""
+        self._closed.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._gen.close()
+            for callback in self._closed:
+                callback()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -535,44 +543,32 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class OpenAIServer:
-    """The endpoints over one model and one engine; `app` is the ASGI application."""
+    """The endpoints over the models of a `ModelManager`; `app` is the ASGI application."""
 
     def __init__(
         self,
-        engine: Engine,
-        model: LoadedModel,
-        names: Sequence[str],
+        models: ModelManager,
         *,
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
-        self.engine = engine
-        self.model = model
-        self.tokenizer = model.tokenizer
-        self.names = list(dict.fromkeys(names))  # the first is the name /v1/models shows
-        self.ctx = engine.config.ctx
+        self.models = models
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
-        # Each character is at least one byte, so text of more characters than the context's
-        # tokens can stand for cannot fit: it is refused before the tokenizer spends time on it.
-        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
-        self.max_text_chars = self.ctx * longest
-        self.metrics = ServerMetrics(engine, self.names[0])
         self.draining = False  # set on SIGTERM: refuse new work while in-flight requests end
-        self.async_engine: AsyncEngine  # created in the event loop, at startup
         self.app = self._build_app()
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.async_engine = AsyncEngine(self.engine)
+        self.models.start()
         try:
             yield
         finally:
             self.draining = True
             # uvicorn has let in-flight responses finish (or cancelled them): abort leftovers
-            await asyncio.to_thread(self.async_engine.shutdown, drain=False)
+            await asyncio.to_thread(self.models.shutdown, drain=False)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="DynaLM", lifespan=self._lifespan)
@@ -629,129 +625,57 @@ class OpenAIServer:
                 code="invalid_api_key",
             )
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
-            raise APIError(
-                404,
-                f"the model '{p.clip(name, 100)}' does not exist "
-                f"(this server has {', '.join(self.names)})",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
 
-    def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        if bad := [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]:
-            raise InvalidRequest(
-                f"{what}: token id {bad[0]} is outside the vocabulary "
-                f"(0..{self.tokenizer.vocab_size - 1})"
-            )
-
-    # --- tokenising (blocking: called through asyncio.to_thread)
-
-    def _encode(self, text: str, add_special: bool) -> list[int]:
-        if len(text) > self.max_text_chars:
-            raise PromptTooLong(
-                f"the prompt has {len(text)} characters, more than a context of {self.ctx} "
-                f"tokens can hold (at most {self.max_text_chars})"
-            )
-        return self.tokenizer.encode(text, add_special=add_special)
-
-    def _chat_ids(
-        self,
-        messages: Sequence[p.ChatMessage],
-        add_generation_prompt: bool,
-        plan: tools.ToolPlan | None = None,
-    ) -> list[int]:
-        template = self.model.chat_template
-        shown, extra = tools.template_messages(
-            [
-                # "developer" is OpenAI's new name for "system"; templates know only the old one
-                {
-                    "role": "system" if m.role == "developer" else m.role,
-                    "content": m.text(),
-                    "tool_calls": m.tool_calls,
-                    "tool_call_id": m.tool_call_id,
-                    "name": m.name if m.role == "tool" else None,
-                }
-                for m in messages
-            ],
-            plan,
-            template.source,
-        )
-        rendered = template.render(shown, add_generation_prompt=add_generation_prompt, **extra)
-        return self._encode(rendered, add_special=False)
-
-    def _guide(self, req: p.SamplingRequest, plan: tools.ToolPlan | None = None) -> Guide | None:
-        """The grammar the answer must follow (a tool call, or the requested format)."""
-        if plan is not None and (grammar := plan.grammar()) is not None:
-            return self.engine.grammars.compile(grammar, "the tools' parameters")
-        if (constraint := req.constraint()) is None:
-            return None
-        return self.engine.grammars.compile(constraint.grammar(), constraint.field)
-
-    def _prompt_ids(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
-        out = []
-        for item in prompts:
-            if isinstance(item, str):
-                out.append(self._encode(item, add_special=True))
-            else:
-                self._check_ids(item, "prompt")
-                out.append(list(item))
-        return out
+    async def serving(
+        self, name: str | None, work: Callable[[ModelService], Awaitable[Response]]
+    ) -> Response:
+        """Run ``work`` on the model a request names, holding that model until the response
+        has ended: a stream hands its hold to the stream, which lets go when it closes."""
+        self._check_open()
+        service = await self.models.acquire(name)
+        handed = False
+        try:
+            response = await work(service)
+            if isinstance(response, _EventStream):
+                response.on_close(functools.partial(self.models.release, service))
+                handed = True
+            return response
+        finally:
+            if not handed:
+                self.models.release(service)
 
     # --- generation
 
-    def _params(self, req: p.SamplingRequest, prompt: list[int], copy: int) -> SamplingParams:
-        bias = req.token_bias
-        self._check_ids(list(bias), "logit_bias")
-        room = self.ctx - len(prompt)  # a prompt that leaves none is the engine's 400
-        if req.max_tokens is not None and 0 < room < req.max_tokens:
-            raise APIError(
-                400,
-                f"max_tokens is {req.max_tokens}, but the context of {self.ctx} tokens leaves "
-                f"{room} after the prompt's {len(prompt)}; lower max_tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return SamplingParams(
-            # OpenAI's default: as much as the context leaves
-            max_tokens=req.max_tokens or max(1, room),
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            min_p=req.min_p,
-            repeat_penalty=req.repetition_penalty,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            # n copies with one seed must still differ from each other (the largest seed's
-            # copies wrap around to 0, 1, ...)
-            seed=None if req.seed is None else (req.seed + copy) % (p.MAX_SEED + 1),
-            stop=list(req.stop),
-            logit_bias=bias,
-        ).validate()
-
-    async def _generate(
+    async def generate(
         self,
         request: Request,
+        service: ModelService,
         req: p.SamplingRequest,
         prompts: list[list[int]],
         fmt: _Format,
         guide: Guide | None = None,
     ) -> Response:
-        count, most = len(prompts) * req.n, self.engine.config.max_queue
+        """Run ``prompts`` (``req.n`` copies each) and answer in ``fmt``: a stream as soon as
+        the engine has queued them, or the collected response."""
+        count, most = len(prompts) * req.n, service.engine.config.max_queue
         if count > most:  # more than could ever wait at once: retrying would not help
             raise InvalidRequest(
                 f"{len(prompts)} prompt(s) x n={req.n} ask for {count} completions; "
                 f"this server takes at most {most} in one request"
             )
-        jobs = [(prompt, self._params(req, prompt, j)) for prompt in prompts for j in range(req.n)]
+        jobs = [
+            (prompt, service.params(req, prompt, j)) for prompt in prompts for j in range(req.n)
+        ]
         options = {
             "logprobs": req.top_logprob_count,
             "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
             "guide": guide,
             "prompt_logprobs": req.prompt_logprob_count,
         }
-        gen = _Generation(self, fmt.id, jobs, req.n, options, fmt.complete)
+        gen = _Generation(service, fmt.id, jobs, req.n, options, fmt.complete)
         try:
             await _until_disconnect(request, gen.admitted())
             if req.stream:
@@ -764,69 +688,72 @@ class OpenAIServer:
         body = await asyncio.to_thread(lambda: fmt.response(gen).model_dump(mode="json"))
         return JSONResponse(body)
 
-    def _admit(self, model: str | None) -> None:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        self._check_model(model)
-
     # --- endpoints
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: the model's chat template renders the messages."""
-        self._admit(body.model)
-        plan = await asyncio.to_thread(tools.plan, body, self.model.chat_template.source)
-        ids = await asyncio.to_thread(self._chat_ids, body.messages, True, plan)
-        guide = await asyncio.to_thread(self._guide, body, plan)
-        fmt = _ChatFormat(self.names[0], self.tokenizer, body.logprobs, plan)
-        return await self._generate(request, body, [ids], fmt, guide)
+
+        async def work(service: ModelService) -> Response:
+            source = service.model.chat_template.source
+            plan = await asyncio.to_thread(tools.plan, body, source)
+            ids = await asyncio.to_thread(service.chat_ids, body.messages, True, plan)
+            guide = await asyncio.to_thread(service.guide, body, plan)
+            fmt = _ChatFormat(service.name, service.tokenizer, body.logprobs, plan)
+            return await self.generate(request, service, body, [ids], fmt, guide)
+
+        return await self.serving(body.model, work)
 
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
-        self._admit(body.model)
-        prompts = await asyncio.to_thread(self._prompt_ids, body.prompts)
-        guide = await asyncio.to_thread(self._guide, body)
-        texts = None
-        if body.echo:  # the prompt as given; token ids as their text
-            decode = self.tokenizer.decode
-            texts = await asyncio.to_thread(
-                lambda: [x if isinstance(x, str) else decode(x) for x in body.prompts]
+
+        async def work(service: ModelService) -> Response:
+            prompts = await asyncio.to_thread(service.prompt_ids, body.prompts)
+            guide = await asyncio.to_thread(service.guide, body)
+            texts = None
+            if body.echo:  # the prompt as given; token ids as their text
+                decode = service.tokenizer.decode
+                texts = await asyncio.to_thread(
+                    lambda: [x if isinstance(x, str) else decode(x) for x in body.prompts]
+                )
+            echo = PromptEcho(
+                texts=texts,
+                echo_top=body.logprobs,
+                vllm_top=body.prompt_logprobs,
             )
-        echo = PromptEcho(
-            texts=texts,
-            echo_top=body.logprobs,
-            vllm_top=body.prompt_logprobs,
-        )
-        fmt = _CompletionFormat(
-            self.names[0], self.tokenizer, body.logprobs is not None, echo, prompts, body.n
-        )
-        return await self._generate(request, body, prompts, fmt, guide)
+            fmt = _CompletionFormat(
+                service.name, service.tokenizer, body.logprobs is not None, echo, prompts, body.n
+            )
+            return await self.generate(request, service, body, prompts, fmt, guide)
+
+        return await self.serving(body.model, work)
 
     async def list_models(self) -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=self.names[0], max_model_len=self.ctx)])
+        return p.ModelList(
+            data=[p.ModelCard(id=s.name, max_model_len=s.ctx) for s in self.models.loaded()]
+        )
 
     async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
         """Token ids of a prompt, or of messages rendered with the chat template."""
-        self._check_model(body.model)
+        service = self.models.lookup(body.model)
         if body.messages is not None:
-            work = self._chat_ids, body.messages, body.add_generation_prompt
+            work = service.chat_ids, body.messages, body.add_generation_prompt
         else:
-            work = self._encode, body.prompt or "", body.add_special_tokens
+            work = service.encode, body.prompt or "", body.add_special_tokens
         ids = await asyncio.to_thread(*work)
-        return p.TokenizeResponse(count=len(ids), max_model_len=self.ctx, tokens=ids)
+        return p.TokenizeResponse(count=len(ids), max_model_len=service.ctx, tokens=ids)
 
     async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        self._check_model(body.model)
-        self._check_ids(body.tokens, "tokens")
-        text = await asyncio.to_thread(self.tokenizer.decode, body.tokens)
+        service = self.models.lookup(body.model)
+        service.check_ids(body.tokens, "tokens")
+        text = await asyncio.to_thread(service.tokenizer.decode, body.tokens)
         return p.DetokenizeResponse(prompt=text)
 
     async def health(self) -> p.Health:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+        self._check_open()
         return p.Health()
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(self.models.default.metrics.render(), media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------- running it
@@ -874,7 +801,7 @@ class UvicornServer(uvicorn.Server):
         self.api.draining = True
         if not await self._requests_end(self.grace) and not self.force_exit:
             log.warning("aborting the requests still running after %s s", self.grace)
-            self.api.async_engine.abort_all()
+            self.api.models.abort_all()
             await self._requests_end(_FLUSH_S)
         await super().shutdown(sockets)
 
@@ -924,9 +851,7 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(
-    engine: Engine,
-    model: LoadedModel,
-    names: Sequence[str],
+    models: ModelManager,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -936,7 +861,8 @@ def serve(
     shutdown_grace_s: float = SHUTDOWN_GRACE_S,
 ) -> None:
     """Serve until SIGTERM / SIGINT; the URL goes to stderr once the port is bound."""
-    api = OpenAIServer(engine, model, names, api_key=api_key, max_body_bytes=max_body_bytes)
+    api = OpenAIServer(models, api_key=api_key, max_body_bytes=max_body_bytes)
     sock = bind_socket(host, port)
-    print(f"serving {api.names[0]} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
+    names = ", ".join(s.name for s in models.loaded())
+    print(f"serving {names} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
     make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
