@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -22,16 +23,18 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from dynalm.core.kv_formats import KV_FORMATS
-from dynalm.flags import MAX_TOKENS, Float, Int, Size
+from dynalm.flags import MAX_TOKENS, Duration, Float, Int, Size
 from dynalm.runtime.engine.config import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from dynalm.models.loader import LoadedModel
+    from dynalm.runtime.engine.build import EngineSpec
     from dynalm.runtime.engine.config import EngineConfig
     from dynalm.runtime.engine.engine import Engine
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
+    from dynalm.runtime.serve.models import ModelService
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
@@ -39,7 +42,7 @@ DEFAULT_CTX = 4096
 # The ranges of the numeric flags (each also parsed by dynalm.flags: ASCII digits only).
 MAX_NUM_SEQS = 4096  # seats of the running batch (each holds buffers of its own)
 MAX_QUEUE = 1_000_000
-KIB, GIB, TIB = 1 << 10, 1 << 30, 1 << 40
+KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
 
 def print_error(message: str) -> None:
@@ -230,16 +233,45 @@ def _engine(
     --mode and --threads choose (a GPU only if it runs and holds ``model`` with ``config``),
     with the drafter --draft (a model of the store, loaded here) or --speculative asks for.
     --verbose logs its memory plan."""
+    from dynalm.runtime.engine.build import build_engine
+
+    return build_engine(
+        _engine_spec(model, config, backend, cpu, gpu, mode, threads, draft, speculative)
+    )
+
+
+def _engine_spec(
+    model: LoadedModel,
+    config: EngineConfig,
+    backend: Backend,
+    cpu: bool,
+    gpu: bool,
+    mode: Mode,
+    threads: int | None,
+    draft: str | None = None,
+    speculative: str | None = None,
+) -> EngineSpec:
+    """What `_engine` builds (a server plans it before it builds it)."""
     from dynalm.models.loader import load_model
-    from dynalm.runtime.engine.build import EngineSpec, build_engine
+    from dynalm.runtime.engine.build import EngineSpec
     from dynalm.runtime.engine.config import check_num_draft_tokens
     from dynalm.store.catalog import ModelStore
 
     check_num_draft_tokens(config.num_draft_tokens)  # before loading a draft model
     draft_model = None if draft is None else load_model(ModelStore().resolve(draft))
     backend_name = _backend(backend, cpu, gpu)
-    spec = EngineSpec(model, config, backend_name, mode.value, threads, draft_model, speculative)
-    return build_engine(spec)
+    return EngineSpec(model, config, backend_name, mode.value, threads, draft_model, speculative)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A model `serve` is about to load (``ModelManager``'s `PreparedModel`)."""
+
+    size_bytes: int
+    loader: Callable[[], ModelService]
+
+    def load(self) -> ModelService:
+        return self.loader()
 
 
 def _backend(backend: Backend, cpu: bool, gpu: bool) -> str:
@@ -553,7 +585,15 @@ def run(
 
 @app.command()
 def serve(
-    model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
+    models: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Catalog names (smollm2:135m) or GGUF paths to serve; none: every model in "
+            "the store. Each loads on its first request (those named here at start, while "
+            "they fit) and unloads after --keep-alive idle.",
+            show_default=False,
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[
         int, typer.Option(parser=Int(0, 65535), help="TCP port (0 picks a free one).")
@@ -596,6 +636,29 @@ def serve(
             help="Seconds in-flight requests get after SIGTERM, then aborted.",
         ),
     ] = 30.0,
+    keep_alive: Annotated[
+        float,
+        typer.Option(
+            parser=Duration(),
+            help="How long a model stays loaded after its last request: 10m, 30s, 1h, "
+            "seconds; 0 unloads at once, -1 never (a request's keep_alive overrides it).",
+        ),
+    ] = "5m",  # type: ignore[assignment]  # click parses the default as it parses a flag
+    max_loaded: Annotated[
+        int | None,
+        typer.Option(
+            parser=Int(1, 1000),
+            help="Most models loaded at once (the least recently used idle one makes room).",
+        ),
+    ] = None,
+    max_memory: Annotated[
+        int | None,
+        typer.Option(
+            parser=Size(16 * MIB, 64 * TIB),
+            help="Memory the loaded models' plans may take together, e.g. 8GiB (default: "
+            "the memory available at start less 10%, at least 512MiB).",
+        ),
+    ] = None,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -603,32 +666,60 @@ def serve(
     gpu: GpuFlag = False,
     verbose: Verbose = False,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C."""
+    """Serve models over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C: loaded on
+    demand, unloaded when idle, as Ollama's server."""
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
+        from dynalm.runtime.engine.build import build_engine, plan_engine
         from dynalm.runtime.engine.config import EngineConfig
+        from dynalm.runtime.engine.memory_plan import available_memory
         from dynalm.runtime.serve import server
         from dynalm.runtime.serve.models import ModelManager, ModelService
         from dynalm.store.catalog import ModelStore, is_local_path
 
-        path = ModelStore().resolve(model)
-        loaded = load_model(path)
-        config = EngineConfig(
-            ctx=_context(ctx, loaded),
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_queue=max_queue,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype.value,
-            num_draft_tokens=num_draft_tokens,
+        store = ModelStore()
+        # clients name a model as it was given here; a path by its file's stem
+        given = {Path(m).stem if is_local_path(m) else m: m for m in models or []}
+
+        def prepare(name: str) -> _Prepared:
+            path = store.resolve(given.get(name, name), pull=name in given)
+            loaded = load_model(path)
+            config = EngineConfig(
+                ctx=_context(ctx, loaded),
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_queue=max_queue,
+                kv_cache_memory=kv_cache_memory,
+                kv_cache_dtype=kv_cache_dtype.value,
+                num_draft_tokens=num_draft_tokens,
+            )
+            spec = _engine_spec(
+                loaded, config, backend, cpu, gpu, mode, threads, draft, speculative
+            )
+            device, plan = plan_engine(spec)
+            plan.check()  # beyond this machine, whatever the budget says
+            names = [name] if path.stem == name else [name, path.stem]
+            return _Prepared(plan.device_bytes, lambda: ModelService(
+                build_engine(replace(spec, device=device)), loaded, names
+            ))  # fmt: skip
+
+        if max_memory is None:
+            free = available_memory().bytes
+            max_memory = max(0, free - max(512 * MIB, free // 10))
+        manager = ModelManager(
+            prepare,
+            list(given) or None,
+            catalog=lambda: [m.name for m in store.list()],
+            keep_alive=keep_alive,
+            max_memory=max_memory,
+            max_loaded=max_loaded,
         )
-        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
-        # clients name the model as it was given here; a path is named by its file's stem
-        names = [path.stem] if is_local_path(model) else [model, path.stem]
-        service = ModelService(engine, loaded, names)
+        left = manager.preload(list(given))
+        if left:
+            err.print(f"[dim]not loaded at start (loaded on demand): {', '.join(left)}[/]")
         server.serve(
-            ModelManager([service]),
+            manager,
             host=host,
             port=port,
             api_key=api_key,

@@ -39,7 +39,9 @@ class LiveServer:
     @property
     def service(self) -> ModelService:
         """The one model this test server has."""
-        return self.api.models.default
+        service = self.api.models.default
+        assert service is not None
+        return service
 
     @property
     def engine(self) -> Engine:
@@ -75,7 +77,7 @@ def live_server(
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
     api = OpenAIServer(
-        ModelManager([ModelService(engine, model, [MODEL, model.path.stem])]),
+        ModelManager.of([ModelService(engine, model, [MODEL, model.path.stem])]),
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,

@@ -15,7 +15,18 @@ from typer.testing import CliRunner
 
 from dynalm import cli
 from dynalm.errors import InvalidRequest
-from dynalm.flags import Float, Int, Size, parse_float, parse_int, parse_size, size_text
+from dynalm.flags import (
+    MAX_DURATION_S,
+    Duration,
+    Float,
+    Int,
+    Size,
+    parse_duration,
+    parse_float,
+    parse_int,
+    parse_size,
+    size_text,
+)
 
 ARGUMENTS = {"perplexity": ["m", "text.txt"]}  # besides a MODEL
 
@@ -35,7 +46,7 @@ def numeric_flags() -> list[tuple[str, str, Int | Float | Size]]:
                 base = next(a for a in typing.get_args(base) if a is not type(None))
             if base not in (int, float) or not isinstance(info, OptionInfo):
                 continue
-            assert isinstance(info.parser, (Int, Float, Size)), (
+            assert isinstance(info.parser, (Int, Float, Size, Duration)), (
                 f"{name} {param.name}: a numeric flag must be parsed by dynalm.flags"
             )
             decls = [d for d in info.param_decls if d.startswith("--")]
@@ -57,6 +68,8 @@ def test_the_table_covers_the_flags_the_issue_names():
 
 def _bad_values(parser: Int | Float | Size) -> list[str]:
     bad = ["²", "³", "٣", "१२", "9" * 5000, "1e999", "nan", "-inf", "0x10", "", " "]
+    if isinstance(parser, Duration):
+        return [*bad, "5 minutes", "1d", "10m-", "--1", str(MAX_DURATION_S + 1), "999999h"]
     if isinstance(parser, Size):
         return [*bad, "9" * 400, "9" * 400 + "MiB", str(parser.lo - 1), str(parser.hi + 1)]
     if isinstance(parser, Int):
@@ -65,6 +78,8 @@ def _bad_values(parser: Int | Float | Size) -> list[str]:
 
 
 def _range(parser: Int | Float | Size) -> str:
+    if isinstance(parser, Duration):
+        return f"a duration of at most {MAX_DURATION_S} s"
     if isinstance(parser, Size):
         return f"[{size_text(parser.lo)}, {size_text(parser.hi)}]"
     if isinstance(parser, Int):
@@ -88,7 +103,7 @@ def test_a_bad_number_is_one_error_naming_the_flag_and_its_range(
     assert result.exit_code == 2, result.output
     (line,) = result.output.strip().splitlines()
     assert line.startswith("error: Invalid value for ") and flag in line, line
-    assert f"in {_range(parser)}" in line, line
+    assert _range(parser) in line, line
     assert len(line) < 400
 
 
@@ -106,6 +121,23 @@ def test_sizes_take_units_exactly():
     assert parse_size("1.5GB", "--x", 1, 2**40) == 1_500_000_000
     assert parse_size(" 8 kib ", "--x", 1, 2**40) == 8192
     assert parse_size("2TiB", "--x", 1, 2**41) == 2 << 40
+
+
+def test_durations_take_ollamas_forms():
+    """--keep-alive and a request's keep_alive: Go durations and seconds, as Ollama."""
+    assert parse_duration("10m", "--x") == 600
+    assert parse_duration("30s", "--x") == 30
+    assert parse_duration("1h", "--x") == 3600
+    assert parse_duration("1h30m", "--x") == 5400
+    assert parse_duration("500ms", "--x") == 0.5
+    assert parse_duration("300", "--x") == 300
+    assert parse_duration("2.5", "--x") == 2.5
+    assert parse_duration("0", "--x") == 0
+    assert parse_duration("-1", "--x") == -1
+    assert parse_duration("-5m", "--x") == -1  # any negative: forever
+    for bad in ("5 minutes", "1d", "m", "10m-", "nan", "1e999", "٣s", str(MAX_DURATION_S + 1)):
+        with pytest.raises(InvalidRequest, match=r"^--x must be a duration of at most"):
+            parse_duration(bad, "--x")
 
 
 def test_a_number_inside_a_list_flag_goes_through_the_same_parser():

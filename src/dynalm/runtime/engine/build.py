@@ -40,8 +40,9 @@ class EngineSpec:
     device: Device | None = None
 
 
-def build_engine(spec: EngineSpec) -> Engine:
-    """The engine ``spec`` asks for (see the module docstring)."""
+def plan_engine(spec: EngineSpec) -> tuple[Device, MemoryPlan]:
+    """The device ``spec`` runs on and its memory plan there, before anything large is read
+    (a server checks the plan against its budget before it loads a model)."""
     model, config = spec.model, spec.config
     plans: dict[int, tuple[Device, MemoryPlan]] = {}  # by device (kept alive while asked)
 
@@ -57,7 +58,13 @@ def build_engine(spec: EngineSpec) -> Engine:
         need=lambda device: plan(device).device_bytes,
         unsupported=lambda device: unsupported(device, model.graph),
     )
-    memory_plan = plan(device)
+    return device, plan(device)
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    """The engine ``spec`` asks for (see the module docstring)."""
+    model, config = spec.model, spec.config
+    device, memory_plan = plan_engine(spec)
     log.info("%s", memory_plan.line())
     drafter = build_drafter(
         spec.speculative,

@@ -53,7 +53,8 @@ class NotEnoughMemory(DynaError):
     """The memory plan does not fit the memory available."""
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """Bytes for a message: MiB, GiB from 10 GiB."""
     return f"{n / 2**20:.0f} MiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
 
 
@@ -250,11 +251,11 @@ class MemoryPlan:
 
     def line(self) -> str:
         return (
-            f"memory plan {_mib(self.total)} = weights {_mib(self.weights)} + KV "
-            f"{_mib(self.kv)} ({self.kv_tokens} tokens {self.kv_dtype}: --ctx {self.ctx} x "
-            f"--max-num-seqs {self.max_num_seqs}) + activations {_mib(self.activations)} "
-            f"({self.max_tokens} tokens a step) + runtime {_mib(self.runtime)}; available "
-            f"{_mib(self.available.bytes + self.resident)} ({self.available.source})"
+            f"memory plan {mib(self.total)} = weights {mib(self.weights)} + KV "
+            f"{mib(self.kv)} ({self.kv_tokens} tokens {self.kv_dtype}: --ctx {self.ctx} x "
+            f"--max-num-seqs {self.max_num_seqs}) + activations {mib(self.activations)} "
+            f"({self.max_tokens} tokens a step) + runtime {mib(self.runtime)}; available "
+            f"{mib(self.available.bytes + self.resident)} ({self.available.source})"
         )
 
     def describe(self) -> str:
@@ -267,7 +268,7 @@ class MemoryPlan:
             ("total", self.total, ""),
             ("available", self.available.bytes + self.resident, self.available.source),
         ]  # fmt: skip
-        lines = [f"  {k:<12}{_mib(v):>10}  {why}".rstrip() for k, v, why in rows]
+        lines = [f"  {k:<12}{mib(v):>10}  {why}".rstrip() for k, v, why in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         return "memory plan (" + verdict + "):\n" + "\n".join(lines)
 
@@ -277,7 +278,7 @@ class MemoryPlan:
             return self
         short = self.need - self.available.bytes
         raise NotEnoughMemory(
-            f"not enough memory: {self.line()}; short by {_mib(short)}; {self.advice}"
+            f"not enough memory: {self.line()}; short by {mib(short)}; {self.advice}"
         )
 
 

@@ -4,14 +4,16 @@ Latencies and token counts are observed by the server as outputs reach it (what 
 client sees); the engine's state (running / waiting requests, KV usage, prefix-cache
 counters) is read from ``engine.stats`` at scrape time, so it is never stale and the
 engine needs no metrics code. The process's own (``process_resident_memory_bytes``, CPU,
-open files) come from prometheus_client. Each server has its own registry, so several
-servers in one process (tests) never share counters.
+open files) come from prometheus_client. Each model has its own registry (so several
+servers in one process, tests, never share counters); `render` merges those of the loaded
+models into one exposition: one HELP/TYPE per metric, the models told apart by their
+``model_name`` label, the process's own metrics once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -87,13 +89,44 @@ class _EngineCollector(Collector):
             yield lengths
 
 
+class _Merged(Collector):
+    """The metrics of several registries as one: each family once, with every registry's
+    samples (told apart by their labels)."""
+
+    def __init__(self, registries: Iterable[CollectorRegistry]) -> None:
+        self.registries = list(registries)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                merged.samples.extend(family.samples)
+        yield from families.values()
+
+
+_PROCESS = CollectorRegistry()
+ProcessCollector(registry=_PROCESS)  # process_resident_memory_bytes, CPU, fds: once a process
+
+
+def render(metrics: Sequence[ServerMetrics]) -> bytes:
+    """The Prometheus exposition of the process and of each of ``metrics`` (the loaded
+    models)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged([_PROCESS, *(m.registry for m in metrics)]))
+    return generate_latest(registry)
+
+
 class ServerMetrics:
-    """The registry of one server and the per-request observations it makes."""
+    """The registry of one model's engine and the per-request observations it makes."""
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU, fds
         label = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -127,7 +160,7 @@ class ServerMetrics:
         return RequestTracker(self)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render([self])
 
 
 class RequestTracker:

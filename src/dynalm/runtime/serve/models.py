@@ -1,5 +1,5 @@
 """The models a server answers for: one `ModelService` per loaded model, found by name
-through the `ModelManager`.
+through the `ModelManager`, which loads them on demand and unloads them when idle.
 
 A `ModelService` is everything request handling needs of one model: its engine (and the
 `AsyncEngine` thread in front of it), tokenizer, chat template, context size and metrics;
@@ -7,21 +7,46 @@ it turns request fields into token ids, grammars and sampling parameters. The se
 endpoints never hold a model directly: they `acquire` a service by the name the request
 gives and `release` it when the response has ended (a stream included), so the manager
 knows which models are in use.
+
+The manager (Ollama's scheduler, in asyncio):
+
+* a request for a model not loaded loads it off the event loop; concurrent requests for it
+  wait for that one load, and a failed load answers each of them with the same error;
+* after its last request a model stays loaded for its keep-alive (the server's
+  ``--keep-alive``, or the latest request's ``keep_alive``: 0 unloads at once, negative
+  keeps it forever); a background task unloads expired ones;
+* before a load, the memory plan of the loaded models plus the new one is held to
+  ``--max-memory`` (and their count to ``--max-loaded``): least-recently-used idle models are
+  unloaded to make room; a model with requests running is never unloaded under them; if the
+  new one still cannot fit, the request gets 503 saying what is needed, free and busy.
+
+Loads happen one at a time (as Ollama's), so the memory each one finds free is settled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
 
-from dynalm.errors import InvalidRequest, PromptTooLong
+from dynalm.errors import DynaError, InvalidRequest, ModelNotFound, PromptTooLong
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.engine import AsyncEngine, Engine
 from dynalm.runtime.engine.guided import Guide
+from dynalm.runtime.engine.memory_plan import NotEnoughMemory, mib
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.serve import protocol as p
 from dynalm.runtime.serve import tools
 from dynalm.runtime.serve.asgi import APIError
 from dynalm.runtime.serve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: 5 minutes
+REAP_INTERVAL_S = 0.25  # how often expired idle models are looked for
 
 
 class ModelService:
@@ -40,6 +65,14 @@ class ModelService:
         self.metrics = ServerMetrics(engine, self.names[0])
         self.async_engine: AsyncEngine | None = None  # started in the event loop (`start`)
         self.active = 0  # requests holding it (`ModelManager.acquire` .. `release`)
+        self.path: Path = model.path
+        self.device: str = engine.device.name
+        # what the memory budget counts: weights + KV pool + step buffers, as planned
+        self.size_bytes: int = engine.memory_plan.device_bytes
+        self.loaded_at = time.time()
+        self.last_used = time.monotonic()  # least-recently-used order of eviction
+        self.keep_alive = -1.0  # seconds after the last release (the latest request's)
+        self.expires_at: float | None = None  # time.time() of its unload; None: busy / forever
 
     @property
     def name(self) -> str:
@@ -148,55 +181,297 @@ class ModelService:
         ).validate()
 
 
-class ModelManager:
-    """The models this server answers for, by name. Every model here is loaded at start and
-    stays loaded; a request holds its model from `acquire` to `release`."""
+class PreparedModel(Protocol):
+    """A model about to be loaded: its memory plan is known, nothing large is read yet."""
 
-    def __init__(self, services: Sequence[ModelService]) -> None:
+    size_bytes: int  # what `ModelService.size_bytes` will be
+
+    def load(self) -> ModelService: ...
+
+
+class ModelManager:
+    """The models this server answers for, by name, loaded on demand (see the module's
+    docstring); a request holds its model from `acquire` to `release`.
+
+    ``prepare(name)`` resolves a name to a `PreparedModel` (blocking: run in a thread; its
+    errors are the load's), ``names`` the models served (None: every name ``catalog()``
+    gives, the store's, asked at each request), ``keep_alive`` the server's default in
+    seconds, ``max_memory`` the bytes the loaded models' plans may take together, and
+    ``max_loaded`` how many may be loaded at once (None: no limit).
+    """
+
+    def __init__(
+        self,
+        prepare: Callable[[str], PreparedModel],
+        names: Sequence[str] | None = None,
+        *,
+        catalog: Callable[[], list[str]] = list,
+        keep_alive: float = DEFAULT_KEEP_ALIVE_S,
+        max_memory: int | None = None,
+        max_loaded: int | None = None,
+    ) -> None:
+        self._prepare = prepare
+        self._names = None if names is None else list(dict.fromkeys(names))
+        self._catalog = catalog
+        self.keep_alive = keep_alive
+        self.max_memory = max_memory
+        self.max_loaded = max_loaded
+        self._loaded: dict[str, ModelService] = {}  # by the name it was loaded for
+        self._loading: dict[str, asyncio.Future[ModelService]] = {}
+        self._closing: set[ModelService] = set()  # unloading: their memory is not free yet
+        self._load_lock = asyncio.Lock()
+        self._reaper: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loads = 0  # loads started (tests count them)
+
+    @classmethod
+    def of(cls, services: Sequence[ModelService]) -> ModelManager:
+        """A manager of models loaded already, kept for the server's life (the first is the
+        default): what a test server or an embedding program builds."""
         if not services:
             raise ValueError("a server needs at least one model")
-        self.services = list(services)
-        self._by_name = {name: s for s in self.services for name in s.names}
+
+        def unknown(name: str) -> PreparedModel:
+            raise AssertionError(f"{name} is not one of the models given")
+
+        manager = cls(unknown, [s.name for s in services], keep_alive=-1)
+        for service in services:
+            manager._loaded[service.name] = service
+        return manager
+
+    # --- names
+
+    def available(self) -> list[str]:
+        """Every name a request may use: the models served, or the store's, and the loaded
+        models' other names (a file's stem)."""
+        names = self._catalog() if self._names is None else list(self._names)
+        return list(dict.fromkeys([*names, *(n for s in self.loaded() for n in s.names)]))
 
     @property
-    def default(self) -> ModelService:
-        """The model a request that names none gets."""
-        return self.services[0]
+    def default(self) -> ModelService | None:
+        """The model a request that names none gets (the first one served), if loaded;
+        None when the server was started with no model."""
+        return None if not self._names else self._loaded.get(self._names[0])
 
-    def loaded(self) -> list[ModelService]:
-        return list(self.services)
-
-    def lookup(self, name: str | None) -> ModelService:
+    def _key(self, name: str | None) -> str:
+        """The name ``name`` is loaded under; 404 naming the models if there is none."""
         if name is None:
-            return self.default
-        if (service := self._by_name.get(name)) is None:
+            if self._names:
+                return self._names[0]
             raise APIError(
-                404,
-                f"the model '{p.clip(name, 100)}' does not exist "
-                f"(this server has {', '.join(s.name for s in self.services)})",
+                400,
+                "this server serves several models: name one in 'model' "
+                f"({', '.join(self.available()) or 'the store has none'})",
                 param="model",
                 code="model_not_found",
             )
-        return service
+        for key, service in self._loaded.items():
+            if name in service.names:
+                return key
+        if name in (self._catalog() if self._names is None else self._names):
+            return name
+        known = self.available()
+        raise APIError(
+            404,
+            f"the model '{p.clip(name, 100)}' does not exist (this server has "
+            f"{', '.join(known) if known else 'none: pull one with `dynalm pull`'})",
+            param="model",
+            code="model_not_found",
+        )
 
-    async def acquire(self, name: str | None) -> ModelService:
-        """The model a request names (None: the default), held until `release`."""
-        service = self.lookup(name)
-        service.active += 1
-        return service
+    def lookup(self, name: str | None) -> ModelService | None:
+        """The loaded model ``name`` names (None: not loaded now); 404 if it names none."""
+        return self._loaded.get(self._key(name))
+
+    def loaded(self) -> list[ModelService]:
+        return list(self._loaded.values())
+
+    # --- holding a model
+
+    async def acquire(self, name: str | None, keep_alive: float | None = None) -> ModelService:
+        """The model a request names (None: the default), loaded if need be and held until
+        `release`; ``keep_alive``: seconds it stays loaded after that (None: the server's)."""
+        key = self._key(name)
+        while True:
+            if (service := self._loaded.get(key)) is not None:
+                service.active += 1
+                service.last_used = time.monotonic()
+                service.keep_alive = self.keep_alive if keep_alive is None else keep_alive
+                service.expires_at = None
+                return service
+            if (loading := self._loading.get(key)) is None:
+                loading = self._loading[key] = asyncio.ensure_future(self._load(key))
+                loading.add_done_callback(lambda _: self._loading.pop(key, None))
+            # every waiter gets the one load's service or its error; a waiter that goes away
+            # (client disconnect) does not cancel the load for the others
+            await asyncio.shield(loading)
+            # loaded (and, rarely, evicted again before this waiter ran: load it again)
 
     def release(self, service: ModelService) -> None:
         service.active -= 1
+        service.last_used = time.monotonic()
+        if service.active > 0:
+            return
+        if service.keep_alive == 0:
+            asyncio.get_running_loop().create_task(self.unload_service(service))
+        elif service.keep_alive > 0:
+            service.expires_at = time.time() + service.keep_alive
+
+    # --- loading and unloading
+
+    async def _load(self, key: str) -> ModelService:
+        async with self._load_lock:  # one load at a time: the room each finds is settled
+            if (service := self._loaded.get(key)) is not None:
+                return service
+            self.loads += 1
+            try:
+                prepared = await asyncio.to_thread(self._prepare, key)
+                await self._make_room(key, prepared.size_bytes)
+                service = await asyncio.to_thread(prepared.load)
+            except APIError:
+                raise
+            except Exception as e:
+                raise _load_error(key, e) from e
+            service.start()
+            service.expires_at = self._expiry(self.keep_alive)
+            self._loaded[key] = service
+            log.info("loaded %s (%s on %s)", key, mib(service.size_bytes), service.device)
+            return service
+
+    @staticmethod
+    def _expiry(keep_alive: float) -> float | None:
+        return None if keep_alive < 0 else time.time() + keep_alive
+
+    def _used(self) -> int:
+        return sum(s.size_bytes for s in [*self._loaded.values(), *self._closing])
+
+    async def _make_room(self, key: str, need: int) -> None:
+        """Unload least-recently-used idle models until ``need`` more bytes (and one more
+        model) fit; 503 saying why if they cannot."""
+        budget = self.max_memory
+        if budget is not None and need > budget:
+            raise APIError(
+                503,
+                f"cannot load '{key}': it needs {mib(need)}, more than the whole memory "
+                f"budget of {mib(budget)} (--max-memory)",
+                code="model_too_large",
+            )
+        while True:
+            count_ok = self.max_loaded is None or len(self._loaded) < self.max_loaded
+            free = None if budget is None else budget - self._used()
+            if count_ok and (free is None or need <= free):
+                return
+            idle = sorted((s for s in self._loaded.values() if s.active == 0),
+                          key=lambda s: s.last_used)  # fmt: skip
+            if not idle:
+                raise APIError(503, self._no_room(key, need, free), code="no_room_for_model")
+            log.info("unloading %s to make room for %s", idle[0].name, key)
+            await self.unload_service(idle[0])
+
+    def _no_room(self, key: str, need: int, free: int | None) -> str:
+        busy = ", ".join(
+            f"{s.name} ({mib(s.size_bytes)}, {s.active} request(s) running)"
+            for s in self._loaded.values()
+        )
+        if free is not None and need > free:
+            why = (
+                f"it needs {mib(need)} and {mib(max(0, free))} of the {mib(self.max_memory)} "
+                "budget (--max-memory) is free"
+            )
+        else:
+            why = f"{len(self._loaded)} models are loaded, the most --max-loaded allows"
+        return f"cannot load '{key}' now: {why}; the loaded models are all in use: {busy}"
+
+    async def unload(self, name: str) -> bool:
+        """Unload the model ``name`` names now, or, if requests hold it, right after its
+        last one ends; False if it is not loaded."""
+        service = self.lookup(name)
+        if service is None:
+            return False
+        if service.active > 0:
+            service.keep_alive = 0  # `release` unloads it
+            return True
+        await self.unload_service(service)
+        return True
+
+    async def unload_service(self, service: ModelService) -> None:
+        """Shut ``service``'s engine down and drop this manager's references to it; its
+        memory is freed once the last response using it is gone (there is none: it is idle)."""
+        key = next((k for k, s in self._loaded.items() if s is service), None)
+        if key is None or service.active > 0:
+            return  # unloaded already, or taken again since (it stays)
+        del self._loaded[key]
+        self._closing.add(service)
+        try:
+            await asyncio.to_thread(service.shutdown, drain=False)
+        finally:
+            self._closing.discard(service)
+        log.info("unloaded %s", key)
+
+    # --- the server's life
+
+    def preload(self, names: Sequence[str]) -> list[str]:
+        """Load ``names`` before serving (blocking; a load error is raised), each while it
+        fits beside those before it without unloading any (Ollama's preload by an empty
+        request, less the eviction); the names that did not fit are returned."""
+        left = []
+        for name in names:
+            prepared = self._prepare(name)
+            count_ok = self.max_loaded is None or len(self._loaded) < self.max_loaded
+            fits = self.max_memory is None or self._used() + prepared.size_bytes <= self.max_memory
+            if not (count_ok and fits) or left:
+                left.append(name)
+                continue
+            self.loads += 1
+            service = prepared.load()
+            service.expires_at = self._expiry(self.keep_alive)
+            service.keep_alive = self.keep_alive
+            self._loaded[name] = service
+        return left
 
     def start(self) -> None:
-        for service in self.services:
+        """In the event loop: start the loaded models' engines and the task that unloads
+        expired idle models."""
+        for service in self._loaded.values():
             service.start()
+        self._loop = asyncio.get_running_loop()
+        self._reaper = self._loop.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            now = time.time()
+            for service in list(self._loaded.values()):
+                expires = service.expires_at
+                if service.active == 0 and expires is not None and expires <= now:
+                    await self.unload_service(service)
 
     def shutdown(self, drain: bool = False) -> None:
-        for service in self.services:
+        """Stop every engine (blocking: from the event loop, through asyncio.to_thread)."""
+        if self._reaper is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._reaper.cancel)
+        for service in list(self._loaded.values()):
             service.shutdown(drain=drain)
 
     def abort_all(self) -> None:
-        for service in self.services:
+        for service in self._loaded.values():
             if service.async_engine is not None:
                 service.async_engine.abort_all()
+
+
+def _load_error(name: str, e: Exception) -> APIError:
+    """What every request waiting for a failed load gets: the load's own message, with the
+    status of what went wrong (a model that is not there 404, no memory 503, a file that
+    cannot be loaded 500: the server's fault, not the request's)."""
+    if isinstance(e, NotEnoughMemory | MemoryError):
+        status, code = 503, "not_enough_memory"
+    elif isinstance(e, ModelNotFound):
+        status, code = 404, "model_not_found"
+    else:
+        status, code = 500, "model_load_failed"
+        if not isinstance(e, DynaError | OSError):
+            log.error("loading %s failed", name, exc_info=e)
+    message = str(e) or type(e).__name__
+    if isinstance(e, OSError) and e.strerror:
+        message = f"{e.filename + ': ' if e.filename else ''}{e.strerror}"
+    return APIError(status, f"could not load the model '{name}': {message}", code=code)

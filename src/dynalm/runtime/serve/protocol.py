@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from dynalm.errors import InvalidRequest
+from dynalm.flags import parse_duration
 from dynalm.runtime.serve.structured import ConstraintFields
 from dynalm.runtime.serve.tools import ToolCall, ToolFields
 
@@ -43,6 +45,19 @@ MAX_STOP_CHARS = 1000
 def clip(text: str, limit: int = 40) -> str:
     """``text`` shortened for an error message (a hostile value may be megabytes long)."""
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def keep_alive_seconds(v: Any) -> float | None:
+    """A request's ``keep_alive`` (a number of seconds or a duration string) in seconds, as
+    ``--keep-alive`` parses it."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError('must be a number of seconds or a duration such as "10m"')
+    try:
+        return parse_duration(str(v), "")
+    except InvalidRequest as e:
+        raise ValueError(str(e)) from None
 
 
 def _unsupported(*neutral: Any) -> Any:
@@ -143,6 +158,14 @@ class SamplingRequest(_Request, ConstraintFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end-of-turn tokens
+    # Ollama's, here too: how long the model stays loaded after this request, in seconds or
+    # as "10m" (0: unloaded after it, negative: kept); None: the server's --keep-alive
+    keep_alive: float | None = None
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        return keep_alive_seconds(v)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -377,7 +400,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "dynalm"
-    max_model_len: int
+    # extensions: a model of the store is listed whether it is loaded or not
+    loaded: bool = True
+    max_model_len: int | None = None  # the context it was loaded with (None: not loaded)
 
 
 class ModelList(BaseModel):

@@ -71,6 +71,7 @@ from dynalm.runtime.serve.asgi import (
 )
 from dynalm.runtime.serve.chat_page import install_chat_page
 from dynalm.runtime.serve.metrics import CONTENT_TYPE
+from dynalm.runtime.serve.metrics import render as render_metrics
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
 
@@ -630,12 +631,16 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
     async def serving(
-        self, name: str | None, work: Callable[[ModelService], Awaitable[Response]]
+        self,
+        name: str | None,
+        work: Callable[[ModelService], Awaitable[Response]],
+        keep_alive: float | None = None,
     ) -> Response:
-        """Run ``work`` on the model a request names, holding that model until the response
-        has ended: a stream hands its hold to the stream, which lets go when it closes."""
+        """Run ``work`` on the model a request names (loaded if need be), holding that model
+        until the response has ended: a stream hands its hold to the stream, which lets go
+        when it closes. ``keep_alive``: the request's (None: the server's)."""
         self._check_open()
-        service = await self.models.acquire(name)
+        service = await self.models.acquire(name, keep_alive)
         handed = False
         try:
             response = await work(service)
@@ -701,7 +706,7 @@ class OpenAIServer:
             fmt = _ChatFormat(service.name, service.tokenizer, body.logprobs, plan)
             return await self.generate(request, service, body, [ids], fmt, guide)
 
-        return await self.serving(body.model, work)
+        return await self.serving(body.model, work, body.keep_alive)
 
     async def completions(self, body: p.CompletionRequest, request: Request) -> Response:
         """OpenAI's (legacy) completions: raw prompts, strings or token ids, one or a batch."""
@@ -725,35 +730,49 @@ class OpenAIServer:
             )
             return await self.generate(request, service, body, prompts, fmt, guide)
 
-        return await self.serving(body.model, work)
+        return await self.serving(body.model, work, body.keep_alive)
 
     async def list_models(self) -> p.ModelList:
-        return p.ModelList(
-            data=[p.ModelCard(id=s.name, max_model_len=s.ctx) for s in self.models.loaded()]
-        )
+        """Every model a request may name; those loaded now say so, with their context."""
+        loaded = {name: s for s in self.models.loaded() for name in s.names}
+        cards = []
+        for name in self.models.available():
+            if (service := loaded.get(name)) is None:
+                cards.append(p.ModelCard(id=name, loaded=False))
+            elif name == service.name:  # a loaded model once, by its first name
+                cards.append(p.ModelCard(id=name, max_model_len=service.ctx))
+        return p.ModelList(data=cards)
 
     async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
         """Token ids of a prompt, or of messages rendered with the chat template."""
-        service = self.models.lookup(body.model)
-        if body.messages is not None:
-            work = service.chat_ids, body.messages, body.add_generation_prompt
-        else:
-            work = service.encode, body.prompt or "", body.add_special_tokens
-        ids = await asyncio.to_thread(*work)
-        return p.TokenizeResponse(count=len(ids), max_model_len=service.ctx, tokens=ids)
+
+        async def work(service: ModelService) -> Response:
+            if body.messages is not None:
+                job = service.chat_ids, body.messages, body.add_generation_prompt
+            else:
+                job = service.encode, body.prompt or "", body.add_special_tokens
+            ids = await asyncio.to_thread(*job)
+            answer = p.TokenizeResponse(count=len(ids), max_model_len=service.ctx, tokens=ids)
+            return JSONResponse(answer.model_dump(mode="json"))
+
+        return await self.serving(body.model, work)
 
     async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
-        service = self.models.lookup(body.model)
-        service.check_ids(body.tokens, "tokens")
-        text = await asyncio.to_thread(service.tokenizer.decode, body.tokens)
-        return p.DetokenizeResponse(prompt=text)
+        async def work(service: ModelService) -> Response:
+            service.check_ids(body.tokens, "tokens")
+            text = await asyncio.to_thread(service.tokenizer.decode, body.tokens)
+            return JSONResponse(p.DetokenizeResponse(prompt=text).model_dump(mode="json"))
+
+        return await self.serving(body.model, work)
 
     async def health(self) -> p.Health:
         self._check_open()
         return p.Health()
 
     async def prometheus(self) -> Response:
-        return Response(self.models.default.metrics.render(), media_type=CONTENT_TYPE)
+        """The process's metrics and each loaded model's, labelled by model_name."""
+        body = render_metrics([s.metrics for s in self.models.loaded()])
+        return Response(body, media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------- running it
@@ -863,6 +882,6 @@ def serve(
     """Serve until SIGTERM / SIGINT; the URL goes to stderr once the port is bound."""
     api = OpenAIServer(models, api_key=api_key, max_body_bytes=max_body_bytes)
     sock = bind_socket(host, port)
-    names = ", ".join(s.name for s in models.loaded())
+    names = ", ".join(models.available()) or "the store's models (none yet)"
     print(f"serving {names} on {url_of(sock)}/v1 (Ctrl-C stops)", file=sys.stderr)
     make_server(api, verbose=verbose, shutdown_grace_s=shutdown_grace_s).run(sockets=[sock])
