@@ -1,7 +1,7 @@
 """A real DynaLM server on 127.0.0.1 for the serve tests: uvicorn in a background
-thread on a free port, the real engine and the real SmolLM2 model (`live_server`), or a
-server process (`server_process`) for what only a process shows: signals, exit status, its
-log."""
+thread on a free port, the real engine and the real SmolLM2 model (`live_server`; models
+loaded on demand by a `ModelManager`: `live_models`), or a server process
+(`server_process`) for what only a process shows: signals, exit status, its log."""
 
 from __future__ import annotations
 
@@ -76,11 +76,29 @@ def live_server(
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
-    api = OpenAIServer(
-        ModelManager.of([ModelService(engine, model, [MODEL, model.path.stem])]),
+    manager = ModelManager.of([ModelService(engine, model, [MODEL, model.path.stem])])
+    with live_models(
+        manager,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        host=host,
+    ) as server:
+        yield server
+
+
+@contextmanager
+def live_models(
+    models: ModelManager,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    host: str = "127.0.0.1",
+) -> Iterator[LiveServer]:
+    """A live server of the models ``models`` manages (`live_server`: one model)."""
+    api = OpenAIServer(
+        models, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
     )
     sock = bind_socket(host, 0)
     server = make_server(api)

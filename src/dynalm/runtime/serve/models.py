@@ -440,11 +440,14 @@ class ModelManager:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            now = time.time()
-            for service in list(self._loaded.values()):
-                expires = service.expires_at
-                if service.active == 0 and expires is not None and expires <= now:
-                    await self.unload_service(service)
+            await self._unload_expired()  # its own frame: no model stays referenced here
+
+    async def _unload_expired(self) -> None:
+        now = time.time()
+        for service in list(self._loaded.values()):
+            expires = service.expires_at
+            if service.active == 0 and expires is not None and expires <= now:
+                await self.unload_service(service)
 
     def shutdown(self, drain: bool = False) -> None:
         """Stop every engine (blocking: from the event loop, through asyncio.to_thread)."""
