@@ -221,6 +221,7 @@ class ModelManager:
         self._closing: set[ModelService] = set()  # unloading: their memory is not free yet
         self._load_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # unloads `release` started
         self._loop: asyncio.AbstractEventLoop | None = None
         self.loads = 0  # loads started (tests count them)
 
@@ -313,7 +314,9 @@ class ModelManager:
         if service.active > 0:
             return
         if service.keep_alive == 0:
-            asyncio.get_running_loop().create_task(self.unload_service(service))
+            task = asyncio.get_running_loop().create_task(self.unload_service(service))
+            self._tasks.add(task)  # asyncio keeps only a weak reference to a task
+            task.add_done_callback(self._tasks.discard)
         elif service.keep_alive > 0:
             service.expires_at = time.time() + service.keep_alive
 
