@@ -12,6 +12,8 @@ import asyncio
 import gc
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -449,3 +451,16 @@ def test_dynalm_serve_several_models_preloads_them(smollm2_gguf: Path, tmp_path:
         assert models == {smollm2_gguf.stem: True, "other": True}
         body = {"model": "other", "prompt": "Hi", "max_tokens": 1}
         assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_dynalm_serve_refuses_a_model_larger_than_max_memory_at_start(smollm2_gguf: Path):
+    args = ["serve", str(smollm2_gguf), "--port", "0", "--max-memory", "16MiB"]
+    result = subprocess.run(
+        [sys.executable, "-m", "dynalm.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert re.fullmatch(
+        rf"error: {smollm2_gguf.stem} needs \d+ MiB, more than the memory budget of 16 MiB "
+        r"\(--max-memory\)\n",
+        result.stderr,
+    ), result.stderr

@@ -422,6 +422,11 @@ class ModelManager:
             prepared = self._prepare(name)
             count_ok = self.max_loaded is None or len(self._loaded) < self.max_loaded
             fits = self.max_memory is None or self._used() + prepared.size_bytes <= self.max_memory
+            if self.max_memory is not None and prepared.size_bytes > self.max_memory:
+                raise NotEnoughMemory(  # could never load: said at start
+                    f"{name} needs {mib(prepared.size_bytes)}, more than the memory budget of "
+                    f"{mib(self.max_memory)} (--max-memory)"
+                )
             if not (count_ok and fits) or left:
                 left.append(name)
                 continue
