@@ -26,6 +26,7 @@ Loads happen one at a time (as Ollama's), so the memory each one finds free is s
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -302,11 +303,16 @@ class ModelManager:
                 return service
             if (loading := self._loading.get(key)) is None:
                 loading = self._loading[key] = asyncio.ensure_future(self._load(key))
-                loading.add_done_callback(lambda _: self._loading.pop(key, None))
+                loading.add_done_callback(functools.partial(self._loaded_or_failed, key))
             # every waiter gets the one load's service or its error; a waiter that goes away
             # (client disconnect) does not cancel the load for the others
             await asyncio.shield(loading)
             # loaded (and, rarely, evicted again before this waiter ran: load it again)
+
+    def _loaded_or_failed(self, key: str, loading: asyncio.Future[ModelService]) -> None:
+        self._loading.pop(key, None)  # a failure is not kept: the next request tries again
+        if not loading.cancelled():
+            loading.exception()  # seen, even if every waiter went away (no asyncio warning)
 
     def release(self, service: ModelService) -> None:
         service.active -= 1

@@ -47,6 +47,13 @@ def clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+_KEEP_ALIVE_SCHEMA = {
+    "anyOf": [{"type": "number"}, {"type": "string"}, {"type": "null"}],
+    "description": 'Seconds, or a duration such as "10m" (0: unload after this request, '
+    "negative: keep loaded).",
+}
+
+
 def keep_alive_seconds(v: Any) -> float | None:
     """A request's ``keep_alive`` (a number of seconds or a duration string) in seconds, as
     ``--keep-alive`` parses it."""
@@ -160,7 +167,7 @@ class SamplingRequest(_Request, ConstraintFields):
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end-of-turn tokens
     # Ollama's, here too: how long the model stays loaded after this request, in seconds or
     # as "10m" (0: unloaded after it, negative: kept); None: the server's --keep-alive
-    keep_alive: float | None = None
+    keep_alive: Annotated[float | None, WithJsonSchema(_KEEP_ALIVE_SCHEMA)] = None
 
     @field_validator("keep_alive", mode="before")
     @classmethod
