@@ -26,6 +26,7 @@ from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.serve.asgi import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.server import OpenAIServer, bind_socket, make_server, url_of
+from dynalm.store.catalog import ModelStore
 
 MODEL = "smollm2:135m"
 
@@ -71,6 +72,7 @@ def live_server(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float = BODY_TIMEOUT_S,
     host: str = "127.0.0.1",
+    store: ModelStore | None = None,
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
@@ -79,6 +81,7 @@ def live_server(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        store=store,
     )
     sock = bind_socket(host, 0)
     server = make_server(api)

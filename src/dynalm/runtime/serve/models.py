@@ -11,6 +11,8 @@ knows which models are in use.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
 from dynalm.errors import InvalidRequest, PromptTooLong
@@ -40,6 +42,14 @@ class ModelService:
         self.metrics = ServerMetrics(engine, self.names[0])
         self.async_engine: AsyncEngine | None = None  # started in the event loop (`start`)
         self.active = 0  # requests holding it (`ModelManager.acquire` .. `release`)
+        self.path = model.path
+        self.loaded_at = time.time()
+        self.size_bytes = engine.memory_plan.weights + engine.memory_plan.kv
+        self.device = engine.device.name
+        # seconds it stays loaded after its last release (the latest request's keep_alive);
+        # None or < 0: for good
+        self.keep_alive: float | None = None
+        self.expires_at: float | None = None  # time.time() it unloads; None: busy or for good
 
     @property
     def name(self) -> str:
@@ -149,44 +159,83 @@ class ModelService:
 
 
 class ModelManager:
-    """The models this server answers for, by name. Every model here is loaded at start and
-    stays loaded; a request holds its model from `acquire` to `release`."""
+    """The models this server answers for, by name. Every model here is loaded at start; a
+    request holds its model from `acquire` to `release`, and a model is unloaded (`unload`,
+    or ``keep_alive`` seconds after its last release) only when no request holds it."""
 
     def __init__(self, services: Sequence[ModelService]) -> None:
         if not services:
             raise ValueError("a server needs at least one model")
         self.services = list(services)
         self._by_name = {name: s for s in self.services for name in s.names}
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # by id(service): its expiry
 
     @property
-    def default(self) -> ModelService:
-        """The model a request that names none gets."""
-        return self.services[0]
+    def default(self) -> ModelService | None:
+        """The model a request that names none gets (None once every model is unloaded)."""
+        return self.services[0] if self.services else None
+
+    def available(self) -> list[str]:
+        """Every name a request may use."""
+        return [s.name for s in self.services]
 
     def loaded(self) -> list[ModelService]:
         return list(self.services)
 
     def lookup(self, name: str | None) -> ModelService:
-        if name is None:
-            return self.default
-        if (service := self._by_name.get(name)) is None:
+        service = self.default if name is None else self._by_name.get(name)
+        if service is None:
             raise APIError(
                 404,
-                f"the model '{p.clip(name, 100)}' does not exist "
-                f"(this server has {', '.join(s.name for s in self.services)})",
+                f"the model '{p.clip(name or '', 100)}' does not exist "
+                f"(this server has {', '.join(self.available()) or 'no model loaded'})",
                 param="model",
                 code="model_not_found",
             )
         return service
 
-    async def acquire(self, name: str | None) -> ModelService:
-        """The model a request names (None: the default), held until `release`."""
+    async def acquire(self, name: str | None, keep_alive: float | None = None) -> ModelService:
+        """The model a request names (None: the default), held until `release`.
+        ``keep_alive``: seconds it stays loaded after its last release (0: unloaded right
+        after this request; < 0: for good; None: as before, for good unless a request said)."""
         service = self.lookup(name)
         service.active += 1
+        service.expires_at = None
+        if (timer := self._timers.pop(id(service), None)) is not None:
+            timer.cancel()
+        if keep_alive is not None:
+            service.keep_alive = keep_alive
         return service
 
     def release(self, service: ModelService) -> None:
         service.active -= 1
+        if service.active or service.keep_alive is None or service.keep_alive < 0:
+            return
+        service.expires_at = time.time() + service.keep_alive
+        loop = asyncio.get_running_loop()
+        self._timers[id(service)] = loop.call_later(service.keep_alive, self._expire, service)
+
+    def _expire(self, service: ModelService) -> None:
+        """Unload ``service`` if no request has taken it since its expiry was set. Dropped
+        from the names at once (synchronously: no request can acquire it in between), its
+        engine thread stopped off the event loop."""
+        if (timer := self._timers.pop(id(service), None)) is not None:
+            timer.cancel()
+        if service.active or service not in self.services:
+            return
+        self.services.remove(service)
+        self._by_name = {n: s for n, s in self._by_name.items() if s is not service}
+        asyncio.get_running_loop().run_in_executor(None, service.shutdown)
+
+    async def unload(self, name: str) -> bool:
+        """Unload the model ``name`` now, or after its last release if requests hold it;
+        False if no loaded model has that name."""
+        if (service := self._by_name.get(name)) is None:
+            return False
+        service.keep_alive = 0
+        if not service.active:
+            self._expire(service)
+        return True
 
     def start(self) -> None:
         for service in self.services:

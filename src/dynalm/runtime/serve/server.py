@@ -73,6 +73,7 @@ from dynalm.runtime.serve.chat_page import install_chat_page
 from dynalm.runtime.serve.metrics import CONTENT_TYPE
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
+from dynalm.store.catalog import ModelStore
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,14 @@ class _Choice:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list[ScoredLogprob] | None = None
+    # time.monotonic() of its first and latest output (Ollama reports the durations)
+    first_at: float | None = None
+    last_at: float | None = None
 
     def add(self, out: RequestOutput) -> None:
+        self.last_at = time.monotonic()
+        if self.first_at is None:
+            self.first_at = self.last_at
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
@@ -133,6 +140,7 @@ class _Generation:
         ``complete``: whether a choice's answer is whole already (the rest would be a loop),
         so its engine request ends there with finish_reason "stop"."""
         self.n = n
+        self.created = time.monotonic()
         self.choices = [_Choice(i) for i in range(len(jobs))]
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._ready: deque[tuple[int, object]] = deque()
@@ -247,6 +255,7 @@ class _Format:
     """How one endpoint writes outputs: streamed chunks and the collected response."""
 
     id_prefix = ""
+    media_type = "text/event-stream"
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, logprobs: bool) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -284,6 +293,14 @@ class _Format:
 
     def response(self, gen: _Generation) -> BaseModel:
         raise NotImplementedError
+
+    def body(self, gen: _Generation) -> dict[str, Any]:
+        """The collected response's JSON (blocking: tool calls are read out of the text)."""
+        return self.response(gen).model_dump(mode="json")
+
+    def stream(self, gen: _Generation, include_usage: bool) -> AsyncIterator[str]:
+        """The streamed response, in `media_type`."""
+        return _sse(gen, self, include_usage)
 
 
 class _ChatFormat(_Format):
@@ -426,9 +443,7 @@ class _CompletionFormat(_Format):
         if first:
             scored = choice.prompt_logprobs or []
             out.text = echoed + text
-            echo_logprobs = self.echo.logprobs(
-                self.tokenizer, prompt, self.prompts[prompt], scored
-            )
+            echo_logprobs = self.echo.logprobs(self.tokenizer, prompt, self.prompts[prompt], scored)
             out.logprobs = joined(echo_logprobs, out.logprobs)
             out.prompt_logprobs = self.echo.vllm(self.tokenizer, scored)
         return out
@@ -494,12 +509,11 @@ async def _sse(gen: _Generation, fmt: _Format, include_usage: bool) -> AsyncIter
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response that cancels its engine requests however the response ends."""
+    """A streamed answer (SSE, or Ollama's NDJSON) that cancels its engine requests however
+    the response ends."""
 
-    def __init__(self, gen: _Generation, content: AsyncIterator[str]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def __init__(self, gen: _Generation, content: AsyncIterator[str], media_type: str) -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self._gen = gen
         self._closed: list[Callable[[], None]] = []
 
@@ -552,8 +566,10 @@ class OpenAIServer:
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        store: ModelStore | None = None,
     ) -> None:
         self.models = models
+        self.store = store or ModelStore()  # what /api/tags lists, /api/pull fills
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -607,6 +623,9 @@ class OpenAIServer:
             response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
         )(self.prometheus)
+        from dynalm.runtime.serve.ollama import install_ollama  # (it builds on this module)
+
+        install_ollama(app, self, guarded)
         install_chat_page(app)
         return app
 
@@ -630,12 +649,16 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
     async def serving(
-        self, name: str | None, work: Callable[[ModelService], Awaitable[Response]]
+        self,
+        name: str | None,
+        work: Callable[[ModelService], Awaitable[Response]],
+        keep_alive: float | None = None,
     ) -> Response:
         """Run ``work`` on the model a request names, holding that model until the response
-        has ended: a stream hands its hold to the stream, which lets go when it closes."""
+        has ended: a stream hands its hold to the stream, which lets go when it closes.
+        ``keep_alive``: `ModelManager.acquire`'s."""
         self._check_open()
-        service = await self.models.acquire(name)
+        service = await self.models.acquire(name, keep_alive)
         handed = False
         try:
             response = await work(service)
@@ -679,14 +702,13 @@ class OpenAIServer:
         try:
             await _until_disconnect(request, gen.admitted())
             if req.stream:
-                return _EventStream(gen, _sse(gen, fmt, req.include_usage))
+                return _EventStream(gen, fmt.stream(gen, req.include_usage), fmt.media_type)
             await _until_disconnect(request, gen.collect())
         except BaseException:
             gen.close()
             raise
         # reading tool calls out of the text is off the event loop, however long the answer
-        body = await asyncio.to_thread(lambda: fmt.response(gen).model_dump(mode="json"))
-        return JSONResponse(body)
+        return JSONResponse(await asyncio.to_thread(fmt.body, gen))
 
     # --- endpoints
 
@@ -753,7 +775,9 @@ class OpenAIServer:
         return p.Health()
 
     async def prometheus(self) -> Response:
-        return Response(self.models.default.metrics.render(), media_type=CONTENT_TYPE)
+        service = self.models.default
+        text = "" if service is None else service.metrics.render()
+        return Response(text, media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------- running it
