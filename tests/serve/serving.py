@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -76,6 +77,9 @@ def live_server(
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
+    # never the user's store: /api/delete and /api/pull (fuzzed too) must not touch it
+    empty = tempfile.TemporaryDirectory(prefix="dynalm-store-")
+    store = store or ModelStore(Path(empty.name), catalog={})
     api = OpenAIServer(
         ModelManager([ModelService(engine, model, [MODEL, model.path.stem])]),
         api_key=api_key,
@@ -96,6 +100,7 @@ def live_server(
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+        empty.cleanup()
 
 
 @dataclass

@@ -418,6 +418,7 @@ def test_keep_alive_parsing() -> None:
     assert keep_alive_seconds(10) == 10 and keep_alive_seconds("0") == 0
     assert keep_alive_seconds(-1) == -1 and keep_alive_seconds("-5m") == -1
     assert keep_alive_seconds("1.5s") == 1.5 and keep_alive_seconds(None) is None
+    assert keep_alive_seconds(1e300) == -1 and keep_alive_seconds("9999999h") == -1  # for good
     for bad in ("soon", "5 m", "m", "", True, [1]):
         with pytest.raises(ValueError):
             keep_alive_seconds(bad)

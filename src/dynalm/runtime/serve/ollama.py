@@ -95,6 +95,7 @@ class Options(BaseModel):
         return [v] if isinstance(v, str) else v
 
 
+FOREVER_S = 100 * 365 * 86400  # a keep_alive beyond this is "for good"
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -122,7 +123,8 @@ def keep_alive_seconds(v: Any) -> float | None:
         v = sign * seconds
     if not math.isfinite(v):
         raise ValueError("must be finite")
-    return -1.0 if v < 0 else float(v)
+    # negative, or longer than any server runs: for good (no date out of datetime's range)
+    return -1.0 if v < 0 or v > FOREVER_S else float(v)
 
 
 class _OllamaRequest(BaseModel):
@@ -812,8 +814,8 @@ def install_ollama(app: FastAPI, api: OpenAIServer, guarded: list[Any]) -> None:
     post("/api/show", responses=lookup)(ollama.show)
     post("/api/pull", responses={**stream, **lookup})(ollama.pull)
     app.delete("/api/delete", dependencies=guarded, responses=lookup)(ollama.delete)
-    for path in ("/api/embed", "/api/embeddings"):
-        post(path, responses=errors(401, 501))(ollama.embed)
+    for path in ("/api/embed", "/api/embeddings"):  # not in the API document until they work
+        post(path, include_in_schema=False)(ollama.embed)
     app.get("/api/tags", dependencies=guarded, responses=errors(401))(ollama.tags)
     app.get("/api/ps", dependencies=guarded, responses=errors(401))(ollama.ps)
     app.get("/api/version")(ollama.version)
