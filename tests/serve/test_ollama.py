@@ -403,11 +403,18 @@ def test_embeddings_are_501_naming_the_issue(server: LiveServer, path: str) -> N
 
 def test_api_key_guards_the_ollama_api(smollm2: LoadedModel) -> None:
     with live_server(smollm2, api_key="sekret", max_num_seqs=2) as s:
-        for method, path in [("GET", "/api/tags"), ("GET", "/api/ps"), ("POST", "/api/chat")]:
+        gets = [("GET", p) for p in ("/api/tags", "/api/ps", "/api/version")]
+        posts = [("POST", p) for p in ("/api/chat", "/api/generate", "/api/pull", "/api/show")]
+        for method, path in [*gets, *posts, ("DELETE", "/api/delete")]:
             r = httpx.request(method, f"{s.url}{path}", json={"model": MODEL, "messages": ASK})
             assert r.status_code == 401 and "API key" in r.json()["error"]
         c = ollama.Client(host=s.url, headers={"Authorization": "Bearer sekret"})
         assert c.chat(model=MODEL, messages=ASK, options=GREEDY).done
+        # dynalm ps sends $DYNALM_API_KEY
+        refused = _cli(s.url, "ps")
+        assert refused.returncode == 1 and "invalid or missing API key" in refused.stderr
+        shown = _cli(s.url, "ps", key="sekret")
+        assert shown.returncode == 0 and MODEL in shown.stdout
 
 
 # ---------------------------------------------------------------- keep_alive, ps, stop
@@ -424,8 +431,11 @@ def test_keep_alive_parsing() -> None:
             keep_alive_seconds(bad)
 
 
-def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(url: str, *args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DYNALM_HOST": url, "COLUMNS": "200"}
+    env.pop("DYNALM_API_KEY", None)
+    if key is not None:
+        env["DYNALM_API_KEY"] = key
     return subprocess.run(
         [sys.executable, "-m", "dynalm.cli", *args],
         capture_output=True,

@@ -818,4 +818,4 @@ def install_ollama(app: FastAPI, api: OpenAIServer, guarded: list[Any]) -> None:
         post(path, include_in_schema=False)(ollama.embed)
     app.get("/api/tags", dependencies=guarded, responses=errors(401))(ollama.tags)
     app.get("/api/ps", dependencies=guarded, responses=errors(401))(ollama.ps)
-    app.get("/api/version")(ollama.version)
+    app.get("/api/version", dependencies=guarded, responses=errors(401))(ollama.version)
