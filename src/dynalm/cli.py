@@ -1,4 +1,5 @@
-"""The ``dynalm`` command line: pull · run · serve · list · show · rm · bench · perplexity.
+"""The ``dynalm`` command line: pull · run · serve · ps · stop · list · show · rm · bench ·
+perplexity.
 
 stdout carries only what a command produces (the generated text for ``run``), so
 it can be piped; banners, statistics and errors go to stderr. A user error is
@@ -727,6 +728,41 @@ def serve(
             max_body_bytes=max_body_size,
             shutdown_grace_s=shutdown_grace,
         )
+
+
+ServerHost = Annotated[
+    str | None,
+    typer.Option(
+        "--host",
+        help="The server: host, host:port or a URL (default: DYNALM_HOST, else 127.0.0.1).",
+    ),
+]
+ServerPort = Annotated[
+    int | None, typer.Option(parser=Int(1, 65535), help="Its port (default 8000).")
+]
+
+
+@app.command()
+def ps(host: ServerHost = None, port: ServerPort = None, verbose: Verbose = False) -> None:
+    """The models a running server has loaded: name, size, device, until when."""
+    from dynalm.runtime.serve.remote import ps_command, server_url
+
+    with user_errors(verbose):
+        ps_command(server_url(host, port))
+
+
+@app.command()
+def stop(
+    model: Annotated[str, typer.Argument(help="The loaded model to unload")],
+    host: ServerHost = None,
+    port: ServerPort = None,
+    verbose: Verbose = False,
+) -> None:
+    """Unload a model from a running server now (once the requests using it have ended)."""
+    from dynalm.runtime.serve.remote import server_url, stop_command
+
+    with user_errors(verbose):
+        stop_command(server_url(host, port), model)
 
 
 @app.command()

@@ -80,3 +80,7 @@ class QueueFull(DynaError):
 
     http_status = 503
     retry_after = 1  # seconds, for the Retry-After header
+
+
+class ServerUnreachable(DynaError):
+    """``dynalm ps`` / ``stop``: no server answers at the address (or it is not DynaLM's)."""

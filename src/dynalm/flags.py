@@ -88,8 +88,8 @@ def parse_duration(text: str, flag: str) -> float:
     "forever" (returned as -1)."""
     text = text.strip()
     want = (
-        f"a duration of at most {MAX_DURATION_S} s, such as 10m, 30s, 1h or a number of "
-        "seconds (0: at once, negative: forever)"
+        "a duration such as 10m, 30s, 1h or a number of seconds (0: at once; negative or "
+        f"over {MAX_DURATION_S} s: forever)"
     )
     if len(text) > MAX_DIGITS:
         raise _fail(flag, want, text)
@@ -101,9 +101,9 @@ def parse_duration(text: str, flag: str) -> float:
         value = -value if text.startswith("-") else value
     else:
         raise _fail(flag, want, text)
-    if not math.isfinite(value) or value > MAX_DURATION_S:
+    if not math.isfinite(value):
         raise _fail(flag, want, text)
-    return -1.0 if value < 0 else value
+    return -1.0 if value < 0 or value > MAX_DURATION_S else value
 
 
 class _Number:

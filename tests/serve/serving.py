@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.serve.asgi import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.server import OpenAIServer, bind_socket, make_server, url_of
+from dynalm.store.catalog import ModelStore
 
 MODEL = "smollm2:135m"
 
@@ -73,6 +75,7 @@ def live_server(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float = BODY_TIMEOUT_S,
     host: str = "127.0.0.1",
+    store: ModelStore | None = None,
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
@@ -83,6 +86,7 @@ def live_server(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         host=host,
+        store=store,
     ) as server:
         yield server
 
@@ -95,10 +99,18 @@ def live_models(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float = BODY_TIMEOUT_S,
     host: str = "127.0.0.1",
+    store: ModelStore | None = None,
 ) -> Iterator[LiveServer]:
     """A live server of the models ``models`` manages (`live_server`: one model)."""
+    # never the user's store: /api/delete and /api/pull (fuzzed too) must not touch it
+    empty = tempfile.TemporaryDirectory(prefix="dynalm-store-")
+    store = store or ModelStore(Path(empty.name), catalog={})
     api = OpenAIServer(
-        models, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+        models,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        store=store,
     )
     sock = bind_socket(host, 0)
     server = make_server(api)
@@ -113,6 +125,7 @@ def live_models(
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+        empty.cleanup()
 
 
 @dataclass

@@ -69,7 +69,7 @@ def test_the_table_covers_the_flags_the_issue_names():
 def _bad_values(parser: Int | Float | Size) -> list[str]:
     bad = ["²", "³", "٣", "१२", "9" * 5000, "1e999", "nan", "-inf", "0x10", "", " "]
     if isinstance(parser, Duration):
-        return [*bad, "5 minutes", "1d", "10m-", "--1", str(MAX_DURATION_S + 1), "999999h"]
+        return [*bad, "5 minutes", "1d", "10m-", "--1", "1e400"]
     if isinstance(parser, Size):
         return [*bad, "9" * 400, "9" * 400 + "MiB", str(parser.lo - 1), str(parser.hi + 1)]
     if isinstance(parser, Int):
@@ -79,7 +79,7 @@ def _bad_values(parser: Int | Float | Size) -> list[str]:
 
 def _range(parser: Int | Float | Size) -> str:
     if isinstance(parser, Duration):
-        return f"a duration of at most {MAX_DURATION_S} s"
+        return f"over {MAX_DURATION_S} s: forever"
     if isinstance(parser, Size):
         return f"[{size_text(parser.lo)}, {size_text(parser.hi)}]"
     if isinstance(parser, Int):
@@ -135,8 +135,10 @@ def test_durations_take_ollamas_forms():
     assert parse_duration("0", "--x") == 0
     assert parse_duration("-1", "--x") == -1
     assert parse_duration("-5m", "--x") == -1  # any negative: forever
-    for bad in ("5 minutes", "1d", "m", "10m-", "nan", "1e999", "٣s", str(MAX_DURATION_S + 1)):
-        with pytest.raises(InvalidRequest, match=r"^--x must be a duration of at most"):
+    assert parse_duration(str(MAX_DURATION_S + 1), "--x") == -1  # longer than any server runs
+    assert parse_duration("999999h", "--x") == -1
+    for bad in ("5 minutes", "1d", "m", "10m-", "nan", "1e999", "٣s"):
+        with pytest.raises(InvalidRequest, match=r"^--x must be a duration such as 10m"):
             parse_duration(bad, "--x")
 
 

@@ -1,7 +1,9 @@
 """The layering of DESIGN.md, read from the source's own imports (every ``import`` of
 ``src/dynalm``, those inside functions and under ``TYPE_CHECKING`` too): dependencies point
 downward only (serve -> engine -> ir -> core -> kernel; models -> ir/core; store beside
-models), and no module imports itself back through others."""
+models, known to the server and the CLI only), and no module imports itself back through
+others. ``errors``, ``files`` and ``flags`` (the one parser of numbers, sizes and durations)
+are shared by all."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ ALLOWED = {
     "ir": {"core", "kernel"},  # binding a graph to a device's kernels is ir/lower's
     "models": {"ir", "core"},  # file formats and families: no runtime
     "store": set(),  # the model store knows no engine, no model, no device
-    "runtime": {"models", "ir", "core"},  # a device is its way to the kernels
+    # a device is its way to the kernels; the server lists, pulls and loads the store's
+    # models (the engine never does: test_the_engine_knows_no_server_and_no_store)
+    "runtime": {"models", "ir", "core", "store"},
     "app": {"runtime", "store", "models", "ir", "core"},  # cli.py, bench.py, show.py
 }
 
@@ -63,7 +67,7 @@ def _imports() -> dict[str, set[str]]:
 
 def _layer(module: str) -> str:
     parts = module.split(".")
-    if len(parts) < 2 or parts[1] in ("errors", "files"):
+    if len(parts) < 2 or parts[1] in ("errors", "files", "flags"):
         return "shared"
     return parts[1] if parts[1] in ALLOWED else "app"
 
@@ -115,13 +119,13 @@ def test_a_layer_imports_only_what_lies_below_it(layer: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_engine_knows_no_server() -> None:
+def test_the_engine_knows_no_server_and_no_store() -> None:
     wrong = sorted(
         f"{module} imports {target}"
         for module, targets in IMPORTS.items()
-        if module.startswith("dynalm.runtime.engine")
+        if module.startswith("dynalm.runtime.") and not module.startswith("dynalm.runtime.serve")
         for target in targets
-        if target.startswith("dynalm.runtime.serve")
+        if target.startswith(("dynalm.runtime.serve", "dynalm.store"))
     )
     assert not wrong, "\n".join(wrong)
 

@@ -444,9 +444,11 @@ class ModelStore:
             raise ModelNotFound(f"model '{name}:{tag}' is not pulled; run `dynalm pull {model}`")
         return self.pull(model)
 
-    def pull(self, model: str, *, progress: bool = True) -> Path:
+    def pull(self, model: str, *, progress: bool = True, bar: Progress | None = None) -> Path:
         """Download a catalog model or a Hub repo's model into the store; a no-op if it is
-        present and verifies (a Hub repo is listed again: a new commit is pulled)."""
+        present and verifies (a Hub repo is listed again: a new commit is pulled). ``bar``:
+        where the downloads' progress goes instead of a bar on stderr (the server's
+        /api/pull streams it)."""
         if is_local_path(model):
             raise InvalidRequest(
                 f"{model!r} is a local path; pull takes a catalog name (name[:tag]) or a "
@@ -454,7 +456,7 @@ class ModelStore:
             )
         deadline = hub.Deadline.start()
         if hub.looks_like_hub_ref(model):
-            return self._pull_hub(hub.parse_hub_ref(model), progress, deadline)
+            return self._pull_hub(hub.parse_hub_ref(model), progress, deadline, bar)
         entry = self._entry(*self._key(model))
         directory = self._dir(entry.name, entry.tag)
         final = directory / entry.filename
@@ -470,7 +472,7 @@ class ModelStore:
         partial = directory / f"{entry.filename}.partial"
         failures = []
         console = Console(stderr=True)
-        with hub.progress_bar(console, progress) as bar:
+        with bar or hub.progress_bar(console, progress) as bar:
             for source in entry.sources:
                 try:
                     digest = source.fetch(entry, partial, bar, deadline)
@@ -499,7 +501,9 @@ class ModelStore:
                 return self._read(d)
         return None
 
-    def _pull_hub(self, ref: hub.HubRef, progress: bool, deadline: hub.Deadline) -> Path:
+    def _pull_hub(
+        self, ref: hub.HubRef, progress: bool, deadline: hub.Deadline, bar: Progress | None
+    ) -> Path:
         console = Console(stderr=True)
         listing = hub.list_repo(ref.repo_id, ref.revision)
         selection = hub.select_files(ref, listing)
@@ -517,7 +521,7 @@ class ModelStore:
             staging.mkdir(parents=True, exist_ok=True)
             try:
                 files = self._fetch_hub_files(
-                    ref, listing, selection, staging, progress, console, deadline
+                    ref, listing, selection, staging, progress, console, deadline, bar
                 )
             except (_SourceFailed, OSError) as e:
                 raise PullError(f"could not pull {ref.label} from {hub.endpoint()}: {e}") from None
@@ -557,12 +561,13 @@ class ModelStore:
         progress: bool,
         console: Console,
         deadline: hub.Deadline,
+        bar: Progress | None,
     ) -> list[dict]:
         """Download the selection into ``staging`` (a transformers model's shards once its
         index is there). A file already there (from a pull that failed, maybe at another
         commit) is kept only if it verifies against this listing. Returns the manifest rows."""
         done: list[dict] = []
-        with hub.client(deadline) as http, hub.progress_bar(console, progress) as bar:
+        with hub.client(deadline) as http, bar or hub.progress_bar(console, progress) as bar:
 
             def fetch(files: tuple[hub.RemoteFile, ...] | list[hub.RemoteFile]) -> None:
                 for file in files:

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,6 +37,7 @@ RETRY_AFTER_S = 1  # what a 503 asks clients to wait, unless the error says othe
 MAX_BODY_BYTES = 8 << 20  # the default limit on a request body
 BODY_TIMEOUT_S = 30.0  # the default time a request body may take to arrive, from its start
 _MAX_MESSAGE = 1000  # characters of an error message
+OLLAMA_PREFIX = "/api/"  # Ollama's API: its errors are {"error": "message"}
 _MAX_PARAM = 100
 
 
@@ -78,12 +80,15 @@ class APIError(Exception):
         log.error("internal error", exc_info=e)
         return cls(500, "internal server error (see the server log)")
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error JSON of the API ``path`` belongs to: Ollama's or OpenAI's."""
+        if path.startswith(OLLAMA_PREFIX):
+            return {"error": self.message}
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return p.error_body(self.message, kind, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers or None)
 
 
 class ClientGone(Exception):
@@ -101,21 +106,22 @@ def _invalid_body(e: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's error JSON, with its status and headers (405: ``Allow``)."""
+    """Every error as OpenAI's error JSON (Ollama's under `OLLAMA_PREFIX`), with its status and
+    headers (405: ``Allow``)."""
 
-    async def api_error(_: Request, e: Exception) -> Response:
-        return APIError.of(e).response()
+    async def api_error(request: Request, e: Exception) -> Response:
+        return APIError.of(e).response(request.url.path)
 
-    async def invalid_body(_: Request, e: Exception) -> Response:
+    async def invalid_body(request: Request, e: Exception) -> Response:
         assert isinstance(e, RequestValidationError)
-        return _invalid_body(e).response()
+        return _invalid_body(e).response(request.url.path)
 
     async def http_error(request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
         message = str(e.detail)
         if e.status_code in (404, 405):  # Starlette's bare "Not Found": say what was not found
             message = f"{message}: {request.method} {request.url.path}"
-        return APIError(e.status_code, message, headers=e.headers).response()
+        return APIError(e.status_code, message, headers=e.headers).response(request.url.path)
 
     async def client_gone(_: Request, e: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed"
@@ -191,7 +197,7 @@ class Route(APIRoute):
             except _HANDLED:
                 raise
             except Exception as e:
-                return APIError.of(e).response()
+                return APIError.of(e).response(request.url.path)
 
         return route
 
@@ -217,7 +223,8 @@ class BodyLimit:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared[:20]) > self.limit:
             e = self._too_large()
-            return await APIError(413, e.detail).response()(scope, receive, send)
+            response = APIError(413, e.detail).response(scope.get("path", ""))
+            return await response(scope, receive, send)
         seen, whole = 0, False
         deadline = asyncio.get_running_loop().time() + self.timeout_s
 
@@ -241,8 +248,17 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries for the errors an endpoint may answer."""
+class OllamaError(BaseModel):
+    """Ollama's error JSON (under `OLLAMA_PREFIX`)."""
+
+    error: str
+
+
+def error_responses(
+    *statuses: int, schema: type[BaseModel] = p.ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for the errors an endpoint may answer (``schema``: the
+    error JSON's, OpenAI's unless the endpoint is Ollama's)."""
     described = {
         400: "Invalid request: a parameter missing, out of range or of the wrong kind, "
         "or a prompt over the context; the message names it.",
@@ -251,12 +267,13 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         408: "The request body did not arrive in time.",
         413: "The request body is over the server's limit.",
         500: "Internal error (a bug: the server log has the details).",
+        501: "Not implemented yet (the message names the issue).",
         503: "The waiting queue is full or the server is shutting down: retry after "
         "Retry-After seconds.",
     }
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
-        out[status] = {"model": p.ErrorResponse, "description": described[status]}
+        out[status] = {"model": schema, "description": described[status]}
         if status == 503:
             out[status]["headers"] = {
                 "Retry-After": {"schema": {"type": "integer"}, "required": True}

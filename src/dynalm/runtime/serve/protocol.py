@@ -10,6 +10,7 @@ answer another question. Responses are the shapes the official ``openai`` client
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -28,7 +29,7 @@ from pydantic import (
 )
 
 from dynalm.errors import InvalidRequest
-from dynalm.flags import parse_duration
+from dynalm.flags import MAX_DURATION_S, parse_duration
 from dynalm.runtime.serve.structured import ConstraintFields
 from dynalm.runtime.serve.tools import ToolCall, ToolFields
 
@@ -61,8 +62,12 @@ def keep_alive_seconds(v: Any) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, int | float | str):
         raise ValueError('must be a number of seconds or a duration such as "10m"')
+    if not isinstance(v, str):  # a JSON number (1e300 is no ASCII duration, but is "forever")
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return -1.0 if v < 0 or v > MAX_DURATION_S else float(v)
     try:
-        return parse_duration(str(v), "")
+        return parse_duration(v, "")
     except InvalidRequest as e:
         raise ValueError(str(e)) from None
 
@@ -129,6 +134,22 @@ class ChatMessage(_Request):
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,9}")
 
 
+# The sampling parameters' types and ranges, shared by every API that takes them (OpenAI's
+# fields here, Ollama's ``options``): one place says what the sampler accepts.
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+TopK = Annotated[int, Field(ge=0)]
+MinP = Annotated[float, Field(ge=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # presence and frequency
+# beyond these, logits overflow (below) or every repeated token is simply banned (above)
+RepetitionPenalty = Annotated[float, Field(ge=0.01, le=10)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+StopStrings = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=4)
+]
+
+
 class SamplingRequest(_Request, ConstraintFields):
     """What chat and completion requests share: the model and the sampling parameters.
 
@@ -136,19 +157,16 @@ class SamplingRequest(_Request, ConstraintFields):
     """
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    # beyond these, logits overflow (below) or every repeated token is simply banned (above)
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=10)] = 1.0
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=4)
-    ] = []
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    seed: Seed | None = None
+    stop: StopStrings = []
     n: Annotated[int, Field(ge=1, le=16)] = 1
     # bounded: the sampler applies every entry to every token of the answer
     logit_bias: (
