@@ -297,6 +297,83 @@ def test_unsupported_gptq_is_refused(change: dict, needle: str, tmp_path: Path) 
     _refused(path, UnsupportedModel, str(path / "config.json"), needle, ".qweight")
 
 
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path_factory.mktemp("gptq") / "llama")
+    write_quantized(reference, path, "gptq", 32, act_order=True)
+    return path
+
+
+DOWN = "model.layers.0.mlp.down_proj"  # qweight I32 [16, 64]: 64 x 128 in groups of 32
+LAYER = "a 64 x 128 weight in groups of 32 (qweight [16, 64])"
+
+
+def _at(a: np.ndarray, i: int, v: int) -> np.ndarray:
+    a = a.copy()
+    a[i] = v
+    return a
+
+
+@pytest.mark.parametrize(
+    ("part", "edit", "needle"),
+    [
+        ("g_idx", lambda a: np.array(0, np.int32), "g_idx is I32 [], expected [128] for " + LAYER),
+        ("g_idx", lambda a: a[None], "g_idx is I32 [1, 128], expected [128] for " + LAYER),
+        ("g_idx", lambda a: a[:-1], "g_idx is I32 [127], expected [128]"),
+        ("g_idx", lambda a: a.astype(np.float32), "g_idx is F32 [128], expected I32/I64/"),
+        ("g_idx", lambda a: _at(a, 5, 4), "g_idx[5] = 4, expected a group in 0..3"),
+        ("g_idx", lambda a: _at(a, 7, -1), "g_idx[7] = -1, expected a group in 0..3"),
+        (
+            "qweight",
+            lambda a: a[:2],
+            "qweight is I32 [2, 64] ([in / 8, out]): 64 x 16, expected a multiple of 32 "
+            "input columns and of 8 output rows",
+        ),
+        ("qweight", lambda a: a[:, :60], "qweight is I32 [16, 60] ([in / 8, out]): 60 x 128"),
+        ("qweight", lambda a: a[0], "qweight is I32 [64], expected [in / 8, out]"),
+        ("qweight", lambda a: a[:0], "qweight is I32 [0, 64], expected [in / 8, out]"),
+        ("qweight", lambda a: a.view(np.float32), "qweight is F32 [16, 64], expected I32"),
+        ("qweight", lambda a: a[:8], "qzeros is I32 [4, 8], expected [2, 8] for a 64 x 64"),
+        ("qzeros", lambda a: a[0], "qzeros is I32 [8], expected [4, 8] for " + LAYER),
+        ("qzeros", lambda a: a[:1], "qzeros is I32 [1, 8], expected [4, 8] for " + LAYER),
+        ("scales", lambda a: a[:, :32], "scales is F16 [4, 32], expected [4, 64] for " + LAYER),
+        ("scales", lambda a: a.astype(np.int32), "scales is I32 [4, 64], expected F16/BF16/F32"),
+    ],
+    ids=[
+        "g_idx scalar",
+        "g_idx 2-D",
+        "g_idx short",
+        "g_idx float",
+        "g_idx past the groups",
+        "g_idx negative",
+        "qweight narrower than its group",
+        "qweight 60 outputs",
+        "qweight 1-D",
+        "qweight empty",
+        "qweight float",
+        "qweight half the inputs of scales",
+        "qzeros 1-D",
+        "qzeros one group",
+        "scales half the outputs",
+        "scales integer",
+    ],
+)
+def test_gptq_part_of_a_wrong_shape_is_named(
+    part: str, edit, needle: str, gptq_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: a scalar g_idx and a qweight narrower than its group were IndexError /
+    ValueError from numpy; every part's dtype and shape is checked against the others when
+    the directory is opened, naming the file, the tensor, what it is and what it should be."""
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(gptq_dir, tmp_path / "d")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors[f"{DOWN}.{part}"] = np.array(edit(tensors[f"{DOWN}.{part}"]), order="C")
+    save_file(tensors, str(d / "model.safetensors"))
+    _refused(d, ModelFormatError, f"{d / 'model.safetensors'}: {DOWN}.", needle)
+
+
 def test_unsupported_dtype_names_tensor(tiny_dir: Path, tmp_path: Path) -> None:
     d = _copy(tiny_dir, tmp_path / "d")
     f = d / "model.safetensors"
