@@ -28,6 +28,8 @@ from gguf_edit import Layout, V, value
 from gguf_fuzz import ACCEPT, REFUSE, Case, FuzzWorker, cases, write_tiny_model
 from test_cli import DYNALM, assert_one_line_error
 
+from dynalm.models.hparams import MAX_VOCAB
+
 FIXED_SEED = 11
 MAX_MESSAGE = 600  # characters of a refusal (values in it are cut at 200)
 
@@ -192,6 +194,23 @@ def test_corrupt_key_length_fails_fast_and_short(
     result = worker.check(path)
     assert result["status"] == "refused" and result["seconds"] < 5, result
     assert "37000000 bytes long" in result["message"] and len(result["message"]) < 300
+
+
+def test_a_token_list_past_the_vocabulary_bound_is_refused_before_it_is_read(
+    tiny: Path, worker: FuzzWorker, tmp_path: Path
+) -> None:
+    """Issue 31: a token list padded to 30M entries cost 10 GB before the memory plan ran;
+    a string array longer than ``MAX_VOCAB`` is refused by its count (here 2,097,153 empty
+    strings), in a child allowed 1 GiB and within a second."""
+    n = MAX_VOCAB + 1
+    tokens = struct.pack("<IIQ", V.ARRAY, V.STRING, n) + bytes(8 * n)  # n empty strings
+    path = Layout.read(tiny).set_value("tokenizer.ggml.tokens", tokens).write(tmp_path / "t.gguf")
+    result = worker.check(path)
+    assert result["status"] == "refused" and result["seconds"] < 5, result
+    assert result["message"] == (
+        f"{path}: metadata 'tokenizer.ggml.tokens' holds 2097153 strings, more than 2097152 "
+        "(the largest vocabulary read)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -278,6 +278,47 @@ def test_an_oversized_tokenizer_json_is_refused_by_its_size(
     _refused(d, ModelFormatError, str(d / "tokenizer.json"), f"{size} bytes, more than")
 
 
+def test_a_tokenizer_json_larger_than_the_embedding_is_refused_before_it_is_built(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: a 30M-entry tokenizer.json (under the byte bound) made the tokenizer
+    library abort the process; its tables are counted against the embedding's rows first."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["model"]["vocab"] |= {f"x{i}": 1000 + i for i in range(100_000)}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    _refused(
+        d,
+        ModelFormatError,
+        f"{d / 'tokenizer.json'}: model.vocab has 100256 entries, more than 300 "
+        "(the embedding's 300 rows)",
+    )
+
+
+def test_an_embedding_of_30m_rows_is_refused_before_any_table_is_built(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 31: a vocabulary padded to 30M rows allocated 10 GB before the memory plan ran;
+    the embedding's row count is bounded first (the 7.7 GB of rows are a sparse hole)."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    f = d / "model.safetensors"
+    header, body = _header(f)
+    rows = 30_000_000
+    end = len(body) + rows * 64 * 4
+    header["model.embed_tokens.weight"] = {
+        "dtype": "F32", "shape": [rows, 64], "data_offsets": [len(body), end]
+    }  # fmt: skip
+    _write(f, header, body)
+    with open(f, "r+b") as out:
+        out.truncate(f.stat().st_size + end - len(body))
+    _refused(
+        d,
+        ModelFormatError,
+        str(d),
+        "token_embd.weight has 30000000 rows: a vocabulary of more than 2097152 tokens is refused",
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
