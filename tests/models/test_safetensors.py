@@ -113,6 +113,21 @@ def test_quantised_directory_matches_dequantised_reference(
     _check(path, reference, modes=("exact",))
 
 
+def test_an_act_order_g_idx_is_honoured_whatever_desc_act_says(tmp_path: Path) -> None:
+    """Found by reading, for the directory fuzzer: with ``desc_act`` false but an act-order
+    ``g_idx``, the repack sorted the columns by group while the graph did not gather its
+    input (no ``input_perm``): a silently wrong model. The tensors decide, not the flag."""
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path / "llama")
+    write_quantized(reference, path, "gptq", 32, act_order=True)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    with HFDirectory(path) as d:
+        assert "blk.0.ffn_down.input_perm" in d.tensors
+    _check(path, reference, modes=("exact",))
+
+
 def test_q4_1_would_lose_the_zero_points(tmp_path: Path) -> None:
     """Why asymmetric layers become Q5_0: Q4_1's fp16 offset ``-scale * zero`` is not the
     checkpoint's (the module doc of ``gptq_awq``), while Q5_0 holds every weight exactly."""

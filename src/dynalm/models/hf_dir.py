@@ -270,7 +270,9 @@ class HFDirectory:
         except ModelFormatError as e:
             raise ModelFormatError(f"{shard.path}: {e}") from None
         self._add(f"{base}.weight", (n_out, n_in), self.quant.ggml_type, _Source(layer=stem))
-        if self.quant.desc_act and "g_idx" in parts and gptq_awq.input_perm(g_idx) is not None:
+        # g_idx, not desc_act, says whether the groups are permuted: repack sorts the columns
+        # by it, so the input must be gathered the same way whatever the config claims
+        if "g_idx" in parts and gptq_awq.input_perm(g_idx) is not None:
             self._add(f"{base}.input_perm", (n_in,), _T.I32, _Source(perm_of=stem))
 
     def _unpacked(self, stem: str) -> gptq_awq.Unpacked:
