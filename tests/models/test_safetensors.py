@@ -17,16 +17,20 @@ import json
 import os
 import random
 import struct
+import time
 from pathlib import Path
 
+import hf_fuzz
 import numpy as np
 import pytest
 import torch
 from atheris_run import fuzz
 from gguf import GGMLQuantizationType
+from gguf_fuzz import FuzzWorker
 from hf_quant import write_quantized
 from test_cli import GREEDY, assert_one_line_error, dynalm
 from test_families import IDS, _all_positions, _max_diff, reference_logits
+from test_gguf_fuzz import FIXED_SEED, problem
 from tiny_models import SPECS, reference_model, write_hf_dir
 
 from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
@@ -479,6 +483,39 @@ def test_mutated_headers_never_crash(tiny_dir: Path, tmp_path: Path) -> None:
             assert "\n" not in str(e) and str(f) in str(e), str(e)
             outcomes["refused"] += 1
     assert outcomes["ok"] > 0 and outcomes["refused"] > 0, outcomes
+
+
+def test_fuzz_hf_directory(tiny_dir: Path, gptq_dir: Path, tmp_path: Path) -> None:
+    """Issue 25 (5): 300 of ~870 mutated directories (`hf_fuzz`: config.json keys with every
+    JSON type and bad sizes, header dtypes/shapes/offsets, GPTQ parts and
+    quantization_config), two thirds drawn with a fixed seed and the rest with a random one
+    (printed; ``DYNALM_FUZZ_SEED`` replays it, ``DYNALM_FUZZ_CASES=all`` runs all), each
+    run as ``dynalm run`` would in a child under 1 GiB and 20 s: each must end as labelled
+    (refused, accepted, or either), a refusal one short line naming the directory."""
+    everything = hf_fuzz.cases(tiny_dir, gptq_dir)
+    seed = int(os.environ.get("DYNALM_FUZZ_SEED") or random.randrange(2**32))
+    print(f"directory fuzz: fixed seed {FIXED_SEED}, random seed {seed}")
+    count = os.environ.get("DYNALM_FUZZ_CASES", "300")
+    if count == "all":
+        chosen = everything
+    else:
+        n = int(count)
+        fixed = random.Random(FIXED_SEED).sample(everything, 2 * n // 3)
+        rest = [c for c in everything if c not in fixed]
+        chosen = fixed + random.Random(seed).sample(rest, n - len(fixed))
+    worker = FuzzWorker(tiny_dir)
+    failures, t0 = [], time.monotonic()
+    try:
+        for base, case in chosen:
+            path = hf_fuzz.apply(base, case, tmp_path / "case")
+            if (wrong := problem(case, worker.check(path), path)) is not None:
+                failures.append(f"{case.name}: {wrong}")
+    finally:
+        worker.close()
+    print(f"{len(chosen)} of {len(everything)} cases in {time.monotonic() - t0:.1f} s")
+    assert not failures, f"seed {seed}: {len(failures)} of {len(chosen)} cases:\n" + "\n".join(
+        failures
+    )
 
 
 def test_atheris_header_parser(tiny_dir: Path, tmp_path: Path) -> None:
