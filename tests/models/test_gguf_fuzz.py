@@ -22,11 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from atheris_run import fuzz
+from gguf import GGMLQuantizationType as T
 from gguf_edit import Layout, V, value
 from gguf_fuzz import ACCEPT, REFUSE, Case, FuzzWorker, cases, write_tiny_model
 from test_cli import DYNALM, assert_one_line_error
+
+from dynalm.models.hparams import MAX_VOCAB
 
 FIXED_SEED = 11
 MAX_MESSAGE = 600  # characters of a refusal (values in it are cut at 200)
@@ -192,6 +196,46 @@ def test_corrupt_key_length_fails_fast_and_short(
     result = worker.check(path)
     assert result["status"] == "refused" and result["seconds"] < 5, result
     assert "37000000 bytes long" in result["message"] and len(result["message"]) < 300
+
+
+def test_a_token_list_past_the_vocabulary_bound_is_refused_before_it_is_read(
+    tiny: Path, worker: FuzzWorker, tmp_path: Path
+) -> None:
+    """Issue 31: a token list padded to 30M entries cost 10 GB before the memory plan ran;
+    a string array longer than ``MAX_VOCAB`` is refused by its count (here 2,097,153 empty
+    strings), in a child allowed 1 GiB and within a second."""
+    n = MAX_VOCAB + 1
+    tokens = struct.pack("<IIQ", V.ARRAY, V.STRING, n) + bytes(8 * n)  # n empty strings
+    path = Layout.read(tiny).set_value("tokenizer.ggml.tokens", tokens).write(tmp_path / "t.gguf")
+    result = worker.check(path)
+    assert result["status"] == "refused" and result["seconds"] < 5, result
+    assert result["message"] == (
+        f"{path}: metadata 'tokenizer.ggml.tokens' holds 2097153 strings, more than 2097152 "
+        "(the largest vocabulary read)"
+    )
+
+
+@pytest.mark.parametrize("mode", ["auto", "exact", "safe"])
+def test_nan_scales_of_an_untied_embedding_are_refused_naming_it(
+    mode: str, tiny: Path, tmp_path: Path
+) -> None:
+    """Issue 31: the quantised matmul weights' block scales are checked as they are
+    repacked, but an untied token_embd.weight (only ever gathered) was not: NaN rows went
+    into the JIT matmuls, which swallow them. The tiny model's embedding is Q8_0 (d at byte
+    0 of 34) and untied (it has output.weight)."""
+    layout = Layout.read(tiny)
+    info = next(i for i in layout.infos if i.name == b"token_embd.weight")
+    assert info.type == T.Q8_0 and any(i.name == b"output.weight" for i in layout.infos)
+    data = bytearray(layout.data)
+    block = info.offset + 34 * (3 * 2 + 1)  # row 3 (2 blocks of 32 a row), block 1
+    data[block : block + 2] = np.array([np.inf], np.float16).tobytes()
+    path = layout.copy(data=bytes(data)).write(tmp_path / "nan-embd.gguf")
+    cmd = [sys.executable, *DYNALM[1:], "run", str(path), "hi", "--mode", mode]
+    result = subprocess.run(cmd + ["--max-tokens", "2"], capture_output=True, text=True)
+    assert_one_line_error(
+        result,
+        "tensor token_embd.weight: q8_0 block 1 of row 3 has a non-finite scale (inf; 1 such",
+    )
 
 
 @pytest.mark.parametrize(

@@ -17,16 +17,20 @@ import json
 import os
 import random
 import struct
+import time
 from pathlib import Path
 
+import hf_fuzz
 import numpy as np
 import pytest
 import torch
 from atheris_run import fuzz
 from gguf import GGMLQuantizationType
+from gguf_fuzz import FuzzWorker
 from hf_quant import write_quantized
 from test_cli import GREEDY, assert_one_line_error, dynalm
 from test_families import IDS, _all_positions, _max_diff, reference_logits
+from test_gguf_fuzz import FIXED_SEED, problem
 from tiny_models import SPECS, reference_model, write_hf_dir
 
 from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
@@ -110,6 +114,21 @@ def test_quantised_directory_matches_dequantised_reference(
         assert bool(perms) == (act_order and group != -1)
     unrounded = reference_logits(reference_model(SPECS[family]), IDS)
     assert _max_diff(unrounded, reference_logits(reference, IDS)) > 100 * TOL  # it matters
+    _check(path, reference, modes=("exact",))
+
+
+def test_an_act_order_g_idx_is_honoured_whatever_desc_act_says(tmp_path: Path) -> None:
+    """Found by reading, for the directory fuzzer: with ``desc_act`` false but an act-order
+    ``g_idx``, the repack sorted the columns by group while the graph did not gather its
+    input (no ``input_perm``): a silently wrong model. The tensors decide, not the flag."""
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path / "llama")
+    write_quantized(reference, path, "gptq", 32, act_order=True)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    with HFDirectory(path) as d:
+        assert "blk.0.ffn_down.input_perm" in d.tensors
     _check(path, reference, modes=("exact",))
 
 
@@ -278,6 +297,47 @@ def test_an_oversized_tokenizer_json_is_refused_by_its_size(
     _refused(d, ModelFormatError, str(d / "tokenizer.json"), f"{size} bytes, more than")
 
 
+def test_a_tokenizer_json_larger_than_the_embedding_is_refused_before_it_is_built(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: a 30M-entry tokenizer.json (under the byte bound) made the tokenizer
+    library abort the process; its tables are counted against the embedding's rows first."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["model"]["vocab"] |= {f"x{i}": 1000 + i for i in range(100_000)}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    _refused(
+        d,
+        ModelFormatError,
+        f"{d / 'tokenizer.json'}: model.vocab has 100256 entries, more than 300 "
+        "(the embedding's 300 rows)",
+    )
+
+
+def test_an_embedding_of_30m_rows_is_refused_before_any_table_is_built(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 31: a vocabulary padded to 30M rows allocated 10 GB before the memory plan ran;
+    the embedding's row count is bounded first (the 7.7 GB of rows are a sparse hole)."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    f = d / "model.safetensors"
+    header, body = _header(f)
+    rows = 30_000_000
+    end = len(body) + rows * 64 * 4
+    header["model.embed_tokens.weight"] = {
+        "dtype": "F32", "shape": [rows, 64], "data_offsets": [len(body), end]
+    }  # fmt: skip
+    _write(f, header, body)
+    with open(f, "r+b") as out:
+        out.truncate(f.stat().st_size + end - len(body))
+    _refused(
+        d,
+        ModelFormatError,
+        str(d),
+        "token_embd.weight has 30000000 rows: a vocabulary of more than 2097152 tokens is refused",
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
@@ -295,6 +355,83 @@ def test_unsupported_gptq_is_refused(change: dict, needle: str, tmp_path: Path) 
     config["quantization_config"] |= change
     (path / "config.json").write_text(json.dumps(config))
     _refused(path, UnsupportedModel, str(path / "config.json"), needle, ".qweight")
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path_factory.mktemp("gptq") / "llama")
+    write_quantized(reference, path, "gptq", 32, act_order=True)
+    return path
+
+
+DOWN = "model.layers.0.mlp.down_proj"  # qweight I32 [16, 64]: 64 x 128 in groups of 32
+LAYER = "a 64 x 128 weight in groups of 32 (qweight [16, 64])"
+
+
+def _at(a: np.ndarray, i: int, v: int) -> np.ndarray:
+    a = a.copy()
+    a[i] = v
+    return a
+
+
+@pytest.mark.parametrize(
+    ("part", "edit", "needle"),
+    [
+        ("g_idx", lambda a: np.array(0, np.int32), "g_idx is I32 [], expected [128] for " + LAYER),
+        ("g_idx", lambda a: a[None], "g_idx is I32 [1, 128], expected [128] for " + LAYER),
+        ("g_idx", lambda a: a[:-1], "g_idx is I32 [127], expected [128]"),
+        ("g_idx", lambda a: a.astype(np.float32), "g_idx is F32 [128], expected I32/I64/"),
+        ("g_idx", lambda a: _at(a, 5, 4), "g_idx[5] = 4, expected a group in 0..3"),
+        ("g_idx", lambda a: _at(a, 7, -1), "g_idx[7] = -1, expected a group in 0..3"),
+        (
+            "qweight",
+            lambda a: a[:2],
+            "qweight is I32 [2, 64] ([in / 8, out]): 64 x 16, expected a multiple of 32 "
+            "input columns and of 8 output rows",
+        ),
+        ("qweight", lambda a: a[:, :60], "qweight is I32 [16, 60] ([in / 8, out]): 60 x 128"),
+        ("qweight", lambda a: a[0], "qweight is I32 [64], expected [in / 8, out]"),
+        ("qweight", lambda a: a[:0], "qweight is I32 [0, 64], expected [in / 8, out]"),
+        ("qweight", lambda a: a.view(np.float32), "qweight is F32 [16, 64], expected I32"),
+        ("qweight", lambda a: a[:8], "qzeros is I32 [4, 8], expected [2, 8] for a 64 x 64"),
+        ("qzeros", lambda a: a[0], "qzeros is I32 [8], expected [4, 8] for " + LAYER),
+        ("qzeros", lambda a: a[:1], "qzeros is I32 [1, 8], expected [4, 8] for " + LAYER),
+        ("scales", lambda a: a[:, :32], "scales is F16 [4, 32], expected [4, 64] for " + LAYER),
+        ("scales", lambda a: a.astype(np.int32), "scales is I32 [4, 64], expected F16/BF16/F32"),
+    ],
+    ids=[
+        "g_idx scalar",
+        "g_idx 2-D",
+        "g_idx short",
+        "g_idx float",
+        "g_idx past the groups",
+        "g_idx negative",
+        "qweight narrower than its group",
+        "qweight 60 outputs",
+        "qweight 1-D",
+        "qweight empty",
+        "qweight float",
+        "qweight half the inputs of scales",
+        "qzeros 1-D",
+        "qzeros one group",
+        "scales half the outputs",
+        "scales integer",
+    ],
+)
+def test_gptq_part_of_a_wrong_shape_is_named(
+    part: str, edit, needle: str, gptq_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: a scalar g_idx and a qweight narrower than its group were IndexError /
+    ValueError from numpy; every part's dtype and shape is checked against the others when
+    the directory is opened, naming the file, the tensor, what it is and what it should be."""
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy(gptq_dir, tmp_path / "d")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors[f"{DOWN}.{part}"] = np.array(edit(tensors[f"{DOWN}.{part}"]), order="C")
+    save_file(tensors, str(d / "model.safetensors"))
+    _refused(d, ModelFormatError, f"{d / 'model.safetensors'}: {DOWN}.", needle)
 
 
 def test_unsupported_dtype_names_tensor(tiny_dir: Path, tmp_path: Path) -> None:
@@ -346,6 +483,39 @@ def test_mutated_headers_never_crash(tiny_dir: Path, tmp_path: Path) -> None:
             assert "\n" not in str(e) and str(f) in str(e), str(e)
             outcomes["refused"] += 1
     assert outcomes["ok"] > 0 and outcomes["refused"] > 0, outcomes
+
+
+def test_fuzz_hf_directory(tiny_dir: Path, gptq_dir: Path, tmp_path: Path) -> None:
+    """Issue 25 (5): 300 of ~870 mutated directories (`hf_fuzz`: config.json keys with every
+    JSON type and bad sizes, header dtypes/shapes/offsets, GPTQ parts and
+    quantization_config), two thirds drawn with a fixed seed and the rest with a random one
+    (printed; ``DYNALM_FUZZ_SEED`` replays it, ``DYNALM_FUZZ_CASES=all`` runs all), each
+    run as ``dynalm run`` would in a child under 1 GiB and 20 s: each must end as labelled
+    (refused, accepted, or either), a refusal one short line naming the directory."""
+    everything = hf_fuzz.cases(tiny_dir, gptq_dir)
+    seed = int(os.environ.get("DYNALM_FUZZ_SEED") or random.randrange(2**32))
+    print(f"directory fuzz: fixed seed {FIXED_SEED}, random seed {seed}")
+    count = os.environ.get("DYNALM_FUZZ_CASES", "300")
+    if count == "all":
+        chosen = everything
+    else:
+        n = int(count)
+        fixed = random.Random(FIXED_SEED).sample(everything, 2 * n // 3)
+        rest = [c for c in everything if c not in fixed]
+        chosen = fixed + random.Random(seed).sample(rest, n - len(fixed))
+    worker = FuzzWorker(tiny_dir)
+    failures, t0 = [], time.monotonic()
+    try:
+        for base, case in chosen:
+            path = hf_fuzz.apply(base, case, tmp_path / "case")
+            if (wrong := problem(case, worker.check(path), path)) is not None:
+                failures.append(f"{case.name}: {wrong}")
+    finally:
+        worker.close()
+    print(f"{len(chosen)} of {len(everything)} cases in {time.monotonic() - t0:.1f} s")
+    assert not failures, f"seed {seed}: {len(failures)} of {len(chosen)} cases:\n" + "\n".join(
+        failures
+    )
 
 
 def test_atheris_header_parser(tiny_dir: Path, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.engine import _token_logprob
 from dynalm.runtime.serve import tools
 from dynalm.runtime.serve.protocol import MAX_SEED, MAX_STOP_CHARS
-from dynalm.runtime.serve.structured import MAX_CHOICES, MAX_SCHEMA_DEPTH
+from dynalm.runtime.serve.structured import MAX_CHOICES, MAX_REGEX_EXPANSION, MAX_SCHEMA_DEPTH
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -112,7 +112,7 @@ def test_health_answers_while_a_tool_call_of_spaces_is_generated(server: LiveSer
     body = {
         "messages": HI,
         "tools": [WEATHER],
-        "guided_regex": "<tool_call> {100000}",
+        "guided_regex": "<tool_call> +x",  # (spaces until "x": past max_tokens)
         "max_tokens": 300,
         "temperature": 0,
     }
@@ -264,10 +264,39 @@ def test_constraint_over_a_limit_is_a_400_before_generation(server: LiveServer, 
 
 
 # llguidance compiles these, then gives up on the first token ("too many expressions"): its
-# mask then allows only the end token, and the answer used to end "stop" with invalid text
+# mask then allows only the end token, and the answer used to end "stop" with invalid text.
+# (A regex or a schema's pattern of such repeats is refused before: `REPEATS` below.)
 GIVES_UP = {
-    "guided_regex with a huge repeat": ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
-    "schema string pattern with a huge repeat": (
+    "Lark grammar with a huge repeat": (
+        {"guided_grammar": "start: /(a{1000}){1000}/"},
+        "guided_grammar",
+    ),
+}
+
+
+LIMIT = f"more than the limit of {MAX_REGEX_EXPANSION}"
+# Issue 25: counted repeats were accepted, and each cost the mask of every step (a{100000}:
+# ~45 ms on an idle core, 1 s on a busy one, against 0.7 ms for a{1000}); or llguidance gave
+# up on them. Refused before generation, naming the field and the limit.
+REPEATS = {
+    "guided_regex a{100000}": (
+        {"guided_regex": "a{100000}"},
+        f"guided_regex: its counted repeats expand the regex to 100000 characters, {LIMIT}",
+    ),
+    "guided_regex (a{1000}){1000}": (
+        {"guided_regex": "(a{1000}){1000}"},
+        f"guided_regex: its counted repeats expand the regex to 1000000 characters, {LIMIT}",
+    ),
+    "structured_outputs.regex a{5000}": (
+        {"structured_outputs": {"regex": "x: a{5000}"}},
+        f"structured_outputs.regex: its counted repeats expand the regex to 5003 characters, "
+        f"{LIMIT}",
+    ),
+    "guided_regex with a 5,000-digit count": (
+        {"guided_regex": "a{" + "9" * 5000 + "}"},
+        f"guided_regex: its counted repeats expand the regex to 1000000000 characters, {LIMIT}",
+    ),
+    "schema string pattern (a{1000}){1000}": (
         {
             "response_format": schema_format(
                 {
@@ -277,9 +306,24 @@ GIVES_UP = {
                 }
             )
         },
-        "response_format.json_schema.schema",
+        "response_format.json_schema.schema: the pattern at /properties/a/pattern: its counted "
+        f"repeats expand the regex to 1000000 characters, {LIMIT}",
     ),
 }
+
+
+@pytest.mark.parametrize("case", REPEATS)
+def test_a_huge_counted_repeat_is_a_400_naming_the_field_and_the_limit(
+    server: LiveServer, case: str
+) -> None:
+    body, message = REPEATS[case]
+    for stream in (False, True):
+        r = chat(server, **body, max_tokens=8, stream=stream)
+        assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
+    ok = chat(server, guided_regex="(ab){500}", max_tokens=8, temperature=0)  # at the limit
+    assert ok.status_code == 200, ok.text
+    content = ok.json()["choices"][0]["message"]["content"]
+    assert content.startswith("ab") and not content.replace("ab", ""), content
 
 
 @pytest.mark.parametrize("case", GIVES_UP)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dynalm.core import quant
 from dynalm.core.device import Device
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.errors import ModelFormatError
@@ -28,6 +29,15 @@ from dynalm.ir.lower import binder_class
 from dynalm.ir.lower.base import Buffers, Call
 from dynalm.ir.ops import OPS
 from dynalm.ir.planner import Plan, plan_buffers
+
+
+@contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """A weight's bytes refused (``ModelFormatError``) as it is prepared: name the tensor."""
+    try:
+        yield
+    except ModelFormatError as e:
+        raise ModelFormatError(f"tensor {name}: {e}") from None
 
 
 class WeightSource(Protocol):
@@ -177,7 +187,7 @@ class Executor:
             if use == "matmul":
                 release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
                 source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
-                try:
+                with _naming(name):  # (its scales are checked as it is repacked)
                     prepared = self.binder.prepare_matmul(
                         raw,
                         qtype,
@@ -185,12 +195,16 @@ class Executor:
                         release_rows=release,
                         source=source(parts or (name,)) if source else None,
                     )
-                except ModelFormatError as e:  # the weight's bytes: name the tensor
-                    raise ModelFormatError(f"tensor {name}: {e}") from None
                 if self.device.holds_copy(prepared) and parts:  # stacked parts: a copy
                     for part in parts:
                         w.release(part)
             elif use == "embedding":
+                # Its rows are dequantised on demand: a NaN scale would flow unseen into the
+                # JIT matmuls, which swallow it (issue 31), so the table is checked once here.
+                with _naming(name):
+                    quant.check_scales(raw, qtype)
+                if not parts:
+                    w.release(name)  # (the check read it; rows are read again on demand)
                 rows = None if parts else lambda ids: w.read_rows(name, ids)
                 prepared = self.device.embedding(raw, qtype, shape, read_rows=rows)
             elif use == "index":  # a small host array of int32 ids, owned

@@ -32,6 +32,7 @@ import numpy as np
 
 from dynalm.core.quant import QUANT_FORMATS, ggml_type_name
 from dynalm.errors import ModelFormatError, ModelNotFound, UnsupportedModel, show
+from dynalm.models import hparams
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -166,8 +167,14 @@ class _Cursor:
             start = self.take(n * dtype.itemsize, what)
             arr = np.frombuffer(self.buf, dtype, n, start).astype(dtype.newbyteorder("="))
             return arr.astype(bool) if etype == 7 else arr
-        if etype == _STRING:
-            return self.strings(self.count(_MIN_STRING_BYTES, f"strings of {what}"), what)
+        if etype == _STRING:  # a vocabulary or its merges: bounded before any is read
+            n = self.count(_MIN_STRING_BYTES, f"strings of {what}")
+            if n > hparams.MAX_VOCAB:
+                raise self.fail(
+                    f"{what} holds {n} strings, more than {hparams.MAX_VOCAB} (the largest "
+                    "vocabulary read)"
+                )
+            return self.strings(n, what)
         if etype == _ARRAY:
             n = self.count(_MIN_ARRAY_BYTES, f"arrays of {what}")
             return [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(n)]

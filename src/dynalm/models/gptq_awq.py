@@ -123,15 +123,56 @@ class Unpacked:
     g_idx: np.ndarray
 
 
+# The SafeTensors dtypes each part may have (scales: as written by the quantisers).
+PART_DTYPES = {
+    "qweight": ("I32",),
+    "qzeros": ("I32",),
+    "scales": ("F16", "BF16", "F32"),
+    "g_idx": ("I32", "I64", "I16", "U32", "U16"),
+}
+
+
+def layer_shape(
+    method: str, name: str, parts: dict[str, tuple[str, tuple[int, ...]]], group_size: int
+) -> tuple[int, int]:
+    """The ``(out, in)`` shape of layer ``name`` from its parts' SafeTensors dtypes and
+    shapes (``part -> (dtype, shape)``), each part checked against the layout of the module
+    doc and against the others before any byte is read: a message names the tensor, what it
+    is and what it should be. The only place the parts' shapes are checked (``unpack`` and
+    ``repack`` rely on it)."""
+    for part, (dtype, shape) in parts.items():
+        if dtype not in PART_DTYPES[part]:
+            raise ModelFormatError(
+                f"{name}.{part} is {dtype} {list(shape)}, expected {'/'.join(PART_DTYPES[part])}"
+            )
+    dtype, shape = parts["qweight"]
+    layout = "[in / 8, out]" if method == "gptq" else "[in, out / 8]"
+    if len(shape) != 2 or 0 in shape:
+        raise ModelFormatError(f"{name}.qweight is {dtype} {list(shape)}, expected {layout}")
+    rows, cols = shape
+    n_out, n_in = (cols, rows * 8) if method == "gptq" else (cols * 8, rows)
+    if n_in % BLOCK or n_out % 8:
+        raise ModelFormatError(
+            f"{name}.qweight is {dtype} {list(shape)} ({layout}): {n_out} x {n_in}, expected "
+            f"a multiple of {BLOCK} input columns and of 8 output rows"
+        )
+    group = n_in if group_size == -1 else group_size
+    n_groups = -(-n_in // group)
+    expected = {"qzeros": (n_groups, n_out // 8), "scales": (n_groups, n_out), "g_idx": (n_in,)}
+    for part, want in expected.items():
+        if part in parts and parts[part][1] != want:
+            dtype, found = parts[part]
+            raise ModelFormatError(
+                f"{name}.{part} is {dtype} {list(found)}, expected {list(want)} for a "
+                f"{n_out} x {n_in} weight in groups of {group} (qweight {list(shape)})"
+            )
+    return n_out, n_in
+
+
 def unpack(method: str, name: str, parts: dict[str, np.ndarray], group_size: int) -> Unpacked:
-    """Unpack a layer's ``qweight``/``qzeros``/``scales`` (/``g_idx``), shapes checked;
-    ``name`` (the layer) is named in errors."""
+    """Unpack a layer's ``qweight``/``qzeros``/``scales`` (/``g_idx``), their shapes
+    checked by ``layer_shape``; ``name`` (the layer) is named in errors."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-    for part, a in (("qweight", qweight), ("qzeros", qzeros)):
-        if a.dtype != np.int32 or a.ndim != 2:
-            raise ModelFormatError(f"{name}.{part} is {a.dtype} {list(a.shape)}, not 2-D I32")
-    if scales.ndim != 2:
-        raise ModelFormatError(f"{name}.scales has shape {list(scales.shape)}, not 2-D")
     if method == "gptq":
         n_in, n_out = qweight.shape[0] * 8, qweight.shape[1]
         q = _nibbles(qweight).transpose(1, 0, 2).reshape(n_out, n_in)  # [in/8, out, 8]
@@ -141,23 +182,23 @@ def unpack(method: str, name: str, parts: dict[str, np.ndarray], group_size: int
         order = np.argsort(AWQ_ORDER)  # column j of a word sits in nibble order[j]
         q = _nibbles(qweight)[..., order].reshape(n_in, n_out).T
         zeros = _nibbles(qzeros)[..., order].reshape(qzeros.shape[0], -1).astype(np.int16)
+    return Unpacked(q, zeros, scales, group_index(name, parts.get("g_idx"), n_in, group_size))
+
+
+def group_index(name: str, g_idx: np.ndarray | None, n_in: int, group_size: int) -> np.ndarray:
+    """The group of each of the ``n_in`` input columns: ``g_idx`` (shape checked by
+    ``layer_shape``), its values checked, or contiguous groups when there is none."""
     group = n_in if group_size == -1 else group_size
-    n_groups = -(-n_in // group)
-    g_idx = parts.get("g_idx")
     if g_idx is None:
-        g_idx = np.arange(n_in, dtype=np.int64) // group
-    elif g_idx.shape != (n_in,) or g_idx.dtype.kind not in "iu":
-        raise ModelFormatError(f"{name}.g_idx is {g_idx.dtype} {list(g_idx.shape)}, not [{n_in}]")
+        return np.arange(n_in, dtype=np.int64) // group
+    n_groups = -(-n_in // group)
     g_idx = g_idx.astype(np.int64)
-    if g_idx.size and not (g_idx.min() >= 0 and g_idx.max() < n_groups):
-        raise ModelFormatError(f"{name}.g_idx names groups outside 0..{n_groups - 1}")
-    for part, a in (("qzeros", zeros), ("scales", scales)):
-        if a.shape != (n_groups, n_out):
-            raise ModelFormatError(
-                f"{name}.{part} unpacks to {list(a.shape)}, expected [{n_groups}, {n_out}] "
-                f"for a {n_out} x {n_in} weight in groups of {group}"
-            )
-    return Unpacked(q, zeros, scales, g_idx)
+    if not (g_idx.min() >= 0 and g_idx.max() < n_groups):
+        bad = int(np.flatnonzero((g_idx < 0) | (g_idx >= n_groups))[0])
+        raise ModelFormatError(
+            f"{name}.g_idx[{bad}] = {g_idx[bad]}, expected a group in 0..{n_groups - 1}"
+        )
+    return g_idx
 
 
 def input_perm(g_idx: np.ndarray) -> np.ndarray | None:
@@ -170,9 +211,6 @@ def input_perm(g_idx: np.ndarray) -> np.ndarray | None:
 def repack(u: Unpacked, ggml_type: int, name: str) -> np.ndarray:
     """The layer's weight as rows of Q4_0 or Q5_0 blocks (uint8 ``[out, row bytes]``), its
     input columns in ``input_perm`` order. Exact (see the module doc)."""
-    n_out, n_in = u.q.shape
-    if n_in % BLOCK:
-        raise UnsupportedModel(f"{name}: {n_in} input columns are not a multiple of {BLOCK}")
     perm = input_perm(u.g_idx)
     q, g = (u.q, u.g_idx) if perm is None else (u.q[:, perm], u.g_idx[perm])
     blocks_g = g.reshape(-1, BLOCK)

@@ -260,19 +260,20 @@ class HFDirectory:
             raise UnsupportedModel(
                 f"{shard.path}: tensor {show(parts['qweight'])} has no place in a {self.arch} model"
             )
-        qweight = self._hf[parts["qweight"]][1]
-        if qweight.dtype != "I32" or len(qweight.shape) != 2:
-            raise UnsupportedModel(
-                f"{shard.path}: {show(parts['qweight'])} is {qweight.dtype} "
-                f"{list(qweight.shape)}: not a {self.quant.method} 4-bit qweight"
-            )
-        rows, cols = qweight.shape
-        n_out, n_in = (cols, rows * 8) if self.quant.method == "gptq" else (cols * 8, rows)
+        found = {part: (self._hf[n][1].dtype, self._hf[n][1].shape) for part, n in parts.items()}
+        group = self.quant.group_size
+        try:
+            n_out, n_in = gptq_awq.layer_shape(self.quant.method, stem, found, group)
+            if "g_idx" in parts:  # read alone (one int per input column), not the weight
+                shard, _ = self._hf[parts["g_idx"]]
+                g_idx = gptq_awq.group_index(stem, shard.array(parts["g_idx"]), n_in, group)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{shard.path}: {e}") from None
         self._add(f"{base}.weight", (n_out, n_in), self.quant.ggml_type, _Source(layer=stem))
-        if self.quant.desc_act and "g_idx" in parts:  # reads g_idx alone, not the weight
-            shard, _ = self._hf[parts["g_idx"]]
-            if gptq_awq.input_perm(shard.array(parts["g_idx"])) is not None:
-                self._add(f"{base}.input_perm", (n_in,), _T.I32, _Source(perm_of=stem))
+        # g_idx, not desc_act, says whether the groups are permuted: repack sorts the columns
+        # by it, so the input must be gathered the same way whatever the config claims
+        if "g_idx" in parts and gptq_awq.input_perm(g_idx) is not None:
+            self._add(f"{base}.input_perm", (n_in,), _T.I32, _Source(perm_of=stem))
 
     def _unpacked(self, stem: str) -> gptq_awq.Unpacked:
         assert self.quant is not None

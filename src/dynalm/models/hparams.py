@@ -38,6 +38,11 @@ class HParams:
 
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
+# The largest vocabulary read: 8 x the largest of a released model (Gemma 3's 262,144). The
+# tokenizer's tables cost ~300 bytes a token before the memory plan runs (a vocabulary
+# padded to 30M rows took 10 GB), so the count is refused before any table is built: here
+# (the embedding's rows), by the GGUF reader (a string array) and for tokenizer.json.
+MAX_VOCAB = 1 << 21
 
 
 def _rows(tensors: dict[str, tuple[int, ...]], name: str) -> int | None:
@@ -60,6 +65,11 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) 
     if "token_embd.weight" not in tensors:
         raise ModelFormatError("the file has no token_embd.weight tensor")
     n_vocab = _rows(tensors, "token_embd.weight")
+    if n_vocab > MAX_VOCAB:
+        raise ModelFormatError(
+            f"token_embd.weight has {n_vocab} rows: a vocabulary of more than {MAX_VOCAB} "
+            "tokens is refused"
+        )
     width = tensors["token_embd.weight"][1]
     d_model = integer(metadata, key("embedding_length"), lo=1)
     if d_model != width:

@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from dynalm.errors import InvalidRequest, ModelFormatError, ModelNotFound, UnsupportedModel, show
 from dynalm.files import read_source
+from dynalm.models.hparams import MAX_VOCAB
 from dynalm.models.metadata import bad, flag, integer, numbers, strings, text
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,25 @@ def _sentencepiece_bpe(
     return hf
 
 
+def _check_table_sizes(path: Path, spec: Any, n_vocab: int) -> None:
+    """Refuse a tokenizer.json whose tables outgrow the embedding (``n_vocab`` rows, itself
+    at most ``MAX_VOCAB``) before the tokenizer library builds them: under the file's byte
+    bound, millions of short entries made it abort the process (issue 25)."""
+    model = spec.get("model") if isinstance(spec, dict) else None
+    model = model if isinstance(model, dict) else {}
+    added = spec.get("added_tokens") if isinstance(spec, dict) else None
+    rows = f"the embedding's {n_vocab} rows"
+    for what, table, limit, why in (
+        ("model.vocab", model.get("vocab"), n_vocab, rows),
+        ("added_tokens", added, n_vocab, rows),
+        ("model.merges", model.get("merges"), MAX_VOCAB, "the largest vocabulary read"),
+    ):
+        if isinstance(table, (list, dict)) and len(table) > limit:
+            raise ModelFormatError(
+                f"{path}: {what} has {len(table)} entries, more than {limit} ({why})"
+            )
+
+
 def _steps(node: Any) -> list[dict]:
     """Every component object of a tokenizer.json (normalizers, pre-tokenizers, decoders)."""
     if isinstance(node, list):
@@ -308,6 +328,7 @@ class Tokenizer:
         try:
             source = read_source(tokenizer_json, MAX_TOKENIZER_JSON_BYTES, ModelFormatError)
             spec = json.loads(source)
+            _check_table_sizes(tokenizer_json, spec, n_vocab)
             hf = HFTokenizer.from_str(source)
         except FileNotFoundError:
             raise ModelNotFound(f"{tokenizer_json}: no such file") from None

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     import httpx
 
 CHUNK = 1 << 20
+# A model API answer: ~250 bytes a file with its hashes, so 32 MiB lists 100k+ files (the
+# largest repos hold a few thousand); more is a hostile server, refused before it is parsed.
+MAX_LISTING_BYTES = 32 << 20
 DEFAULT_TAG = "Q4_K_M"  # what a GGUF repo gives without a tag, as Ollama and llama.cpp pick
 
 # A Hub owner or repo name (the Hub's own rule, minus anything a path could abuse).
@@ -194,9 +197,12 @@ def list_repo(repo_id: str, revision: str | None) -> Listing:
     constants.HF_HUB_DISABLE_TELEMETRY = True
     try:
         headers = build_hf_headers(library_name="dynalm", library_version=__version__)
-        response = get_session().get(url, headers=headers, timeout=30, params={"blobs": True})
-        hf_raise_for_status(response)
-        body = response.content
+        with get_session().stream(
+            "GET", url, headers=headers, timeout=30, params={"blobs": True}
+        ) as response:
+            if response.status_code >= 400:
+                hf_raise_for_status(response)
+            body = _read_bounded(response, MAX_LISTING_BYTES, f"{where}: the Hub's answer ({url})")
     except RevisionNotFoundError:
         raise PullError(f"{where}: revision {revision!r} not found") from None
     except RepositoryNotFoundError:
@@ -219,6 +225,21 @@ def list_repo(repo_id: str, revision: str | None) -> Listing:
         return parse_listing(repo_id, data)
     except ListingError as e:
         raise PullError(f"{where}: {e}") from None
+
+
+def _read_bounded(response: httpx.Response, limit: int, what: str) -> bytes:
+    """A streamed response's body, refused (PullError naming ``what`` and the limit) as
+    soon as it is known to be longer than ``limit`` bytes: by its Content-Length, else by
+    counting what arrives."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PullError(f"{what} is {int(declared)} bytes long, more than {limit}")
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise PullError(f"{what} is longer than {limit} bytes")
+    return bytes(body)
 
 
 class ListingError(ValueError):

@@ -71,6 +71,7 @@ class Hub:
     stall_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent, then wait
     ranges: bool = True
     api: dict[str, object] = field(default_factory=dict)  # /api/... path -> JSON (or bytes)
+    api_unsized: bool = False  # answer the API without a Content-Length (closing instead)
     headers: dict[str, dict[str, str]] = field(default_factory=dict)  # path -> extra headers
     requests: list[tuple[str, Message]] = field(default_factory=list)
     stalled: threading.Event = field(default_factory=threading.Event)
@@ -163,7 +164,11 @@ class _Handler(BaseHTTPRequestHandler):
         body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
+        if hub.api_unsized:  # the body ends where the connection does
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 

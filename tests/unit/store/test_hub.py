@@ -640,6 +640,29 @@ def test_hostile_listing_is_a_clear_error(
     assert not store.root.exists()
 
 
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "unsized"])
+def test_a_listing_past_its_size_bound_is_refused(
+    sized: bool,
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 25: the model API answer was read whole, however long; past
+    ``MAX_LISTING_BYTES`` (lowered here to 4 KiB) it is refused naming the URL and the
+    bound, by its Content-Length or, without one, as it arrives."""
+    publish(hub, ORG_REPO, GGUFS)
+    listing(hub)["cardData"] = {"padding": "x" * 8192}
+    hub.api_unsized = not sized
+    monkeypatch.setattr(hubmod, "MAX_LISTING_BYTES", 4096)
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q4_K_M", progress=False)
+    url = f"{hub.url}/api/models/{ORG_REPO}"
+    size = len(json.dumps(listing(hub)).encode())
+    tail = f"is {size} bytes long, more than 4096" if sized else "is longer than 4096 bytes"
+    assert str(e.value) == f"hf.co/{ORG_REPO} ({hub.url}): the Hub's answer ({url}) {tail}"
+    assert not store.root.exists()
+
+
 def test_a_listing_error_on_the_command_line_is_one_line(
     hub: Hub,  # noqa: F811
     tmp_path: Path,

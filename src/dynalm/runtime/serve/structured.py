@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -34,6 +35,12 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # first token, so the limit is stated up front
 MAX_CHOICES = 1000
 MAX_SCHEMA_DEPTH = 100  # nesting of a schema's objects and arrays
+# What a regex's counted repeats may expand to (``x{m,n}`` counts max(m, n), nested repeats
+# multiply, a sequence or alternation adds): llguidance unrolls them, so the cost of each
+# step's mask grows with it (SmolLM2, one core: a{1000} 0.7 ms, a{10000} 35 ms, a{100000}
+# 45-900 ms a step, on the server's mask thread). A regex with no counted repeat is never
+# refused by this (its expansion is its length).
+MAX_REGEX_EXPANSION = 1000
 # a schema's numbers reach llguidance as 64-bit integers or finite doubles
 _MAX_SCHEMA_INT = 2**63
 
@@ -86,6 +93,7 @@ class Constraint:
         if self.kind == "json":
             return json_grammar(_schema(self.value, self.field), self.field)
         if self.kind == "regex":
+            check_regex(self.value, self.field)
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(self.value))
@@ -136,6 +144,8 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
                 )
         elif isinstance(node, float) and not math.isfinite(node):
             raise InvalidRequest(f"{field}: the number at {path or '/'} is not finite")
+        elif isinstance(node, str) and path.endswith("/pattern"):
+            check_regex(node, f"{field}: the pattern at {path}")
     for node, path in refs:
         seen = [id(node)]
         chain = [node["$ref"]]
@@ -149,6 +159,73 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
                 )
             seen.append(id(target))
             chain.append(target["$ref"])
+
+
+_REPEAT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def check_regex(regex: str, what: str) -> None:
+    """Refuse (400 naming ``what`` and the limit) a regex whose counted repeats expand past
+    `MAX_REGEX_EXPANSION` characters (see there). A scan of the regex's structure only:
+    escapes and character classes are one character, groups nest; what is not valid is
+    left to llguidance to refuse."""
+    # one frame per open group: (size of the alternatives closed so far, of the current
+    # one, of its last atom); an atom's size is multiplied by the repeat that follows it
+    frames = [[0, 0, 0]]
+    i, n = 0, len(regex)
+    while i < n:
+        c, top = regex[i], frames[-1]
+        if c == "\\":
+            i += 2
+            if i - 1 < n and regex[i - 1] in "pPxu" and i < n and regex[i] == "{":
+                i = regex.find("}", i) + 1 or n  # \p{Greek}, \x{41}: not a repeat
+            top[1], top[2] = top[1] + 1, 1
+            continue
+        if c == "[":
+            j = i + 1 + (regex[i + 1 : i + 2] == "^")
+            j += regex[j : j + 1] == "]"  # a ']' first is a member
+            while j < n and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            i = j + 1
+            top[1], top[2] = top[1] + 1, 1
+            continue
+        if c == "(":
+            frames.append([0, 0, 0])
+            i += 1
+            if regex.startswith("?", i):  # (?:, (?P<name>, (?i): up to the ':' or ')'
+                end = min(k for k in (regex.find(":", i), regex.find(")", i), n) if k >= 0)
+                i = end + (regex[end : end + 1] == ":")
+            continue
+        if c == ")" and len(frames) > 1:
+            frames.pop()
+            size = top[0] + top[1]
+            frames[-1][1] += size
+            frames[-1][2] = size
+            i += 1
+            continue
+        if c == "|":
+            top[0], top[1], top[2] = top[0] + top[1], 0, 0
+            i += 1
+            continue
+        if c == "{" and (m := _REPEAT.match(regex, i)):
+            low, high = m.group(1), m.group(3) or ""
+            # (a count of 10 digits or more is past any limit: not converted, 5,000 digits
+            # would be refused by int())
+            count = max(int(low), int(high or 0)) if max(len(low), len(high)) < 10 else 10**9
+            top[1] += top[2] * (count - 1)
+            top[2] *= count
+            i = m.end()
+            continue
+        if c not in "^$":  # (anchors match no character)
+            top[1], top[2] = top[1] + 1, 1
+        i += 1
+    total = sum(f[0] + f[1] for f in frames)
+    if total > max(MAX_REGEX_EXPANSION, n):
+        shown = str(total) if total < 10**12 else f"about 10^{len(str(total)) - 1}"
+        raise InvalidRequest(
+            f"{what}: its counted repeats expand the regex to {shown} characters, more than "
+            f"the limit of {MAX_REGEX_EXPANSION}"
+        )
 
 
 def _digits(n: int) -> int:
