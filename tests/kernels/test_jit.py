@@ -24,6 +24,10 @@ from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import backends, jit
 from dynalm.kernel import matmul_programs as mm_programs
 
+# A prefill batch that one GEMM tile covers on every backend (a multiple of each tile's
+# rows: 3, 4, 8, 16), with no ragged rest on a second tile.
+PREFILL = 48
+
 
 def fresh_backend() -> backends.Backend:
     """The selected backend with nothing lowered: its kernels are compiled anew."""
@@ -34,7 +38,7 @@ def requests(backend: backends.Backend, k: int, width: int) -> list[backends.Req
     """Kernels of unlike sizes (a GEMM tile's IR is ~15x a quantiser's): a Q4_1 matmul's
     GEMV, GEMM tile and quantiser for ``k`` columns, an RMSNorm of rows of ``width``."""
     mm = mm_programs.MatmulKernels(T.Q4_1, "auto", backend, k)
-    which = [mm.tile_for(1), mm.tile_for(64), mm.quantize]
+    which = [mm.tile_for(1), mm.tile_for(PREFILL), mm.quantize]
     rms_norm = elementwise.programs.PROGRAMS["rms_norm"]
     rms = [(backend, rms_norm, {"width": width, "eps": float(np.float32(3e-6))})]
     return [r for w in which for r in mm.pending(w)] + rms
@@ -89,8 +93,8 @@ def test_concurrently_compiled_kernels_compute(empty_cache, monkeypatch):
     assert len(list(empty_cache.glob("*.o"))) == 4
     raw = weights(T.Q4_1, 67, 160)
     mm = QuantMatmul(raw, T.Q4_1, 160, mode="auto", backend=backend, threads=1)
-    assert mm.pending(1) == mm.pending(64) == []  # lowered above, nothing left to compile
-    for t_rows in (1, 64):
+    assert mm.pending(1) == mm.pending(PREFILL) == []  # lowered above, nothing left to compile
+    for t_rows in (1, PREFILL):
         x = activations(t_rows, 160)
         check(mm(x), raw, T.Q4_1, x, "auto")
     x, w = rand(3, 39, seed=3), rand(39, seed=4)
@@ -118,9 +122,9 @@ def test_kernels_lowered_when_a_step_first_needs_them(empty_cache):
     binding an element-wise kernel compiles nothing until it first runs."""
     backend = fresh_backend()
     mm = QuantMatmul(weights(T.Q4_1, 67, 96), T.Q4_1, 96, mode="auto", backend=backend)
-    assert len(mm.pending(1)) == 2 and len(mm.pending(64)) == 2
+    assert len(mm.pending(1)) == 2 and len(mm.pending(PREFILL)) == 2
     mm(activations(1, 96))
-    assert mm.pending(1) == [] and len(mm.pending(64)) == 1  # the GEMM tile is still to do
+    assert mm.pending(1) == [] and len(mm.pending(PREFILL)) == 1  # the GEMM tile is still to do
     assert len(list(empty_cache.glob("*.o"))) == 2
     x, w = rand(2, 41, seed=5), rand(41, seed=6)
     kernel = elementwise.rms_norm(np.empty_like(x), x, w, 5e-6, backend=backend)

@@ -29,6 +29,7 @@ from dynalm.core import elementwise, matmul, pool
 from dynalm.core.matmul import QuantMatmul
 from dynalm.core.quant import QK_K, dequantize, random_blocks
 from dynalm.kernel import backends, layouts
+from dynalm.kernel import matmul_programs as programs
 from tolerances import sum_bound
 
 LEGACY = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -235,6 +236,74 @@ def test_a_ragged_batch_runs_its_rest_on_the_rest_s_own_tile() -> None:
     assert cover(backends.GENERIC, "auto", 6) == [(4, 0, 4), (1, 4, 2)]
     assert cover(backends.GENERIC, "auto", 7) == [(4, 0, 7)]
     assert cover(backends.AVX512, "exact", 9) == [(4, 0, 8), (1, 8, 1)]
+
+
+def test_avx2_prefill_batches_run_on_the_wide_tile() -> None:
+    """x86-avx2 (and its twin) take batches of ``WIDE_ROWS`` rows and more on the tile of
+    3 activation rows x 3 row groups, the rest of a ragged batch where it is cheaper on
+    another; smaller batches keep the 4-row tile."""
+    from dynalm.kernel.matmul_programs import WIDE_ROWS, MatmulKernels
+
+    for backend in (backends.AVX2, backends.AVX2.twin()):
+        kernels = MatmulKernels(T.Q4_0, "auto", backend, 256)
+
+        def cover(t_rows: int, kernels: MatmulKernels = kernels) -> list[tuple[int, int, int]]:
+            return [(kernels.specs[k]["mr"], first, n) for k, first, n in kernels.cover(t_rows)]
+
+        assert WIDE_ROWS == 16
+        assert cover(15) == [(4, 0, 15)]
+        assert cover(16) == [(3, 0, 15), (1, 15, 1)]
+        assert cover(17) == [(3, 0, 17)]
+        assert cover(512) == [(3, 0, 512)]
+        assert cover(5) == [(4, 0, 4), (1, 4, 1)]
+        assert [s.nr for s in programs.buckets("auto", backend)] == [8, 8, 24]
+    assert programs.buckets("auto", backends.GENERIC)[-1].nr == 8  # no wide tile elsewhere
+
+
+# N: within one tile (24 rows: 3 whole groups; 20: a partial third), 67 (a partial group
+# past two tiles), 203 (several); T: tiles of 3 with 0, 1 or 2 rows over the edge.
+@pytest.mark.parametrize(
+    "ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_1], ids=lambda t: t.name
+)
+@pytest.mark.parametrize("backend", [backends.AVX2, backends.AVX2.twin()], ids=lambda b: b.name)
+def test_the_wide_tile_at_edge_shapes_equals_the_other_tiles(
+    backend: backends.Backend, ggml_type: T
+) -> None:
+    """Every row of a wide-tile batch is bitwise the row the GEMV and the 4-row tile give
+    (and the generic backend's), whatever N, T and K leave over its 3 x 24 tile."""
+    # K = 9 blocks of 32 (an odd count); not test_jit's K (96, 160, 224): it counts its
+    # kernels as they are compiled (one compiled here first is loaded, not compiled)
+    k = 256 if ggml_type in K_QUANTS else 288
+    for n in (20, 24, 67, 203):
+        raw = weights(ggml_type, n, k)
+        mm = QuantMatmul(raw, ggml_type, k, mode="auto", backend=runnable(backend))
+        generic = QuantMatmul(raw, ggml_type, k, mode="auto", backend=backends.GENERIC)
+        for t_rows in (16, 17, 18, 40):
+            x = activations(t_rows, k)
+            y = mm(x)
+            check(y, raw, ggml_type, x, "auto")
+            assert np.array_equal(y, generic(x)), (n, t_rows)
+            assert np.array_equal(mm(x[:1].copy()), y[:1])  # the GEMV
+            assert np.array_equal(mm(x[-4:].copy()), y[-4:])  # the 4-row tile
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_cut_the_wide_tile_s_row_groups(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Threads take whole wide tiles (shares of 24 rows: a share ending inside one computed
+    all of it); the matrix's last tile runs past N = 203, its groups past the end are
+    not stored; every job's rows are the 1-thread ones."""
+    monkeypatch.setattr(matmul, "_PARALLEL_MIN_BYTES", 0)
+    raw = weights(T.Q4_0, 203, 576)
+    backend = runnable(backends.AVX2)
+    one = QuantMatmul(raw, T.Q4_0, 576, mode="auto", threads=1, backend=backend)
+    many = QuantMatmul(raw, T.Q4_0, 576, mode="auto", threads=threads, backend=backend)
+    assert programs.MatmulKernels(T.Q4_0, "auto", backend, 576).row_multiple == 24
+    x = activations(37, 576)
+    expected = one(x)
+    for _ in range(20):
+        assert np.array_equal(many(x), expected)
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])

@@ -178,8 +178,8 @@ def describe_matmul_buckets() -> list[str]:
         shapes = matmul_programs.buckets(mode, backend)
         ranges = []
         for shape, after in zip(shapes, [*shapes[1:], None], strict=True):
-            last = f"-{after.mr - 1}" if after and after.mr - 1 > shape.mr else ""
-            span = f"{shape.mr}{last}" if after else f">={shape.mr}"
+            last = f"-{after.serves - 1}" if after and after.serves - 1 > shape.serves else ""
+            span = f"{shape.serves}{last}" if after else f">={shape.serves}"
             ranges.append(f"T {span}: {shape.describe()}")
         lines.append(f"    jit-{mode:<6}        {'; '.join(ranges)}")
     return lines

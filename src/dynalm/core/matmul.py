@@ -192,8 +192,10 @@ class QuantMatmul:
         small = n_rows * u.row_bytes(n_cols) < _PARALLEL_MIN_BYTES
         self._threads = 1 if small or not pool.available() else threads
         # The pool's smallest grab (its first grabs are larger, see core.pool): small enough
-        # to even out uneven threads at the end of a job, and whole row groups.
-        self._chunk = max(16, -(-self.n_rows // (16 * self._threads)) + 15 & ~15)
+        # to even out uneven threads at the end of a job, and whole row groups and tiles
+        # (a grab that ends inside a tile computes all of its rows).
+        whole = self._kernels.row_multiple
+        self._chunk = whole * max(1, -(-self.n_rows // (16 * self._threads * whole)))
         # Argument blocks per row count (see CACHED_ROWS): the product's, and the
         # quantiser's own (x -> (xq, xd, xs); its y slot is the fp32 source).
         self._arg_blocks: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}

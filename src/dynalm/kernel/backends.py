@@ -87,6 +87,9 @@ class Backend:
     # Signed weights dot straight into int32 (``dot_s8s8``) instead of their magnitudes
     # against sign-moved activations (``sdot`` has no u8 x s8 form).
     signed_dot: bool = False
+    # The auto prefill tile (activation rows, row groups of ``lanes`` weight rows) where a
+    # wider one pays (``matmul_programs.buckets``); () for none.
+    wide: tuple[int, ...] = ()
     machine: str | None = None  # the CPU architecture of its native code (None: any)
     cross_cpu: str = ""  # LLVM's CPU and features when cross-compiled (``kernel.cross``)
     cross_features: str = ""
@@ -126,6 +129,7 @@ class Backend:
             native=False,
             tiles=self.tiles,
             signed_dot=self.signed_dot,
+            wide=self.wide,
         )
 
     def lower(self, program: Program, spec: Spec) -> Executable:
@@ -351,8 +355,20 @@ AVX512 = Backend(
     accumulate="int32",
     vector_isa="avx512",
 )
+# 3 activation rows x 3 row groups of 8: each activation broadcast serves 24 weight rows,
+# each unpacked weight chunk 3 rows. Zen 3 runs two vpmaddubsw and four integer adds a
+# cycle; the 4x8 tile spent more than half its vector ops on broadcasts, offset sums,
+# widening and scaling. Measured at T = 512, K = 2048, 1 thread (GMAC/s over the 4x8):
+# Q4_0 1.2x, Q4_K 1.05x, Q6_K 1.05x, Q8_0 1.0x (4x2 groups: Q4_0 1.12x; 2x3: 1.2x;
+# 3x4: 1.23x but Q4_K 1.02x).
 AVX2 = Backend(
-    "x86-avx2", "avx2", 8, ("avx2", "fma", "f16c"), "vpmaddubsw + vpmaddwd", vector_isa="avx2"
+    "x86-avx2",
+    "avx2",
+    8,
+    ("avx2", "fma", "f16c"),
+    "vpmaddubsw + vpmaddwd",
+    vector_isa="avx2",
+    wide=(3, 3),
 )
 NEON_DOTPROD = Backend(
     "aarch64-neon-dotprod",

@@ -40,6 +40,7 @@ quantiser: activation rows), so ``core.pool`` can hand out chunks of rows.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +74,11 @@ class Shape:
     tc: int  # activation rows per cache chunk
     pf: int = 0  # prefetch weights this many bytes ahead (0: none)
     tiles: bool = False  # int8 tile products (mr = TILE_ROWS)
+    rows: int = 0  # the smallest batch it serves (0: mr)
+
+    @property
+    def serves(self) -> int:
+        return self.rows or self.mr
 
     def describe(self) -> str:
         if self.mr == 1:
@@ -85,20 +91,30 @@ class Shape:
 # layer weights. GEMM: 4 KB ahead measured 1.1-1.2x at T = 4..8 for auto; for exact
 # 1.2-1.4x at T = 4..8 but 0.7x at T = 512 (off). AVX-512's 32 registers take 8 activation
 # rows per tile: 1.15-1.2x over 4 at T = 8 on the FFN shapes, the same at T = 128. AMX
-# tiles take batches of 16 rows and more (a tile product is 16 activation rows).
+# tiles take batches of 16 rows and more (a tile product is 16 activation rows). A
+# backend's ``wide`` prefill tile (AVX2: 3 rows x 3 row groups) serves batches of
+# WIDE_ROWS and more.
 def buckets(mode: str, target: Backend) -> list[Shape]:
-    """The tiles of a mode for a backend, by batch bucket: the tile of ``mr`` rows serves
-    batches of ``mr`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV)."""
+    """The tiles of a mode for a backend, by batch bucket: each serves batches of
+    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV)."""
     if mode == "exact":
         return [Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=4, nr=2, tc=32)]
     lanes = target.lanes
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
+    if target.wide:
+        mr, groups = target.wide
+        gemms.append(Shape(mr=mr, nr=groups * lanes, tc=64, pf=4096, rows=WIDE_ROWS))
     if lanes >= 16:
         gemms.append(Shape(mr=8, nr=lanes, tc=64, pf=4096))
     if target.tiles:
         gemms.append(Shape(mr=TILE_ROWS, nr=lanes, tc=64, pf=4096, tiles=True))
-    return [Shape(mr=1, nr=lanes, tc=64, pf=8192), *gemms]
+    return [Shape(mr=1, nr=lanes, tc=64, pf=8192), *sorted(gemms, key=lambda s: s.serves)]
 
+
+# Batches from which a backend's wide tile serves: at T = 8..16 (weights in cache) it
+# measured 1.1x over the 4-row tile, but a batch of 4..8 rows would compute up to 2 rows
+# more in tiles of 3 (and decode batches stream their weights from memory anyway).
+WIDE_ROWS = 16
 
 # auto tiles read their rows ``t .. t + mr - 1`` without clamping them at the last one
 # (one base address for all, the rows at constant offsets; a tile load cannot clamp): the
@@ -425,7 +441,8 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     of the lanes) and all T activation rows, one weight row per fp32 lane.
 
     Per block and activation row: each chunk's integer dot against the activation's 4
-    matching elements (broadcast) serves every row of the register; the block's sums are
+    matching elements (broadcast) serves every row of the register, and of each of the
+    tile's ``s.nr / lanes`` row groups; the block's sums are
     kept per activation scale group and sub-block, each started from ``offset`` times the
     activations' sum (weights are stored unsigned, ``q - offset``), converted once and
     scaled by the rows' ``d`` in one FMA. The output of a tile is ``lanes`` consecutive
@@ -457,52 +474,76 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
             total = part if total is None else k.b.add(total, part)
         return total
 
+    groups = s.nr // lanes  # row groups per tile: each activation broadcast serves them all
+    keys = [(n, g) for n in range(h) for g in range(2)]
+    zero = ir.Constant(i32_l, None)
+
     def tile(t: ir.Value, n: ir.Value) -> None:
-        group = blocks.group(n)
+        # Row group c of the tile starts at n + c * lanes; one past the thread's rows
+        # [lo, hi) recomputes the first (a clamped pointer) and is not stored.
+        starts = [n] + [k.add(n, c * lanes) for c in range(1, groups)]
+        inside = [None] + [k.lt(r, k.args[2]) for r in starts[1:]]
+        row_groups = [blocks.group(n)] + [
+            blocks.group(k.select(ok, r, n)) for r, ok in zip(starts[1:], inside[1:], strict=True)
+        ]
         first = k.mul(t, a.nb)  # row t's first block; row t + i's is i * nb further
-        accs = [k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(s.mr)]
+        accs = [[k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(s.mr)] for _ in starts]
 
         def block(b: ir.Value) -> None:
-            p = blocks.planes(group, b, s.pf)
-            chunks = u.chunks(k, p, lanes)
+            ps = [
+                blocks.planes(group, b, s.pf if c == 0 else 0) for c, group in enumerate(row_groups)
+            ]
+            chunks = [u.chunks(k, p, lanes) for p in ps]
             if not unsigned:  # q - offset back to q + offset = q ^ 0x80, as signed bytes
-                chunks = [k.b.xor(c, const(c.type, -128)) for c in chunks]
+                chunks = [[k.b.xor(c, const(c.type, -128)) for c in cs] for cs in chunks]
             if moved_sign:
+                absolute = ir.Constant(ir.IntType(1), 0)
                 mags = [
-                    k.call(f"llvm.abs.v{4 * lanes}i8", c.type, c, ir.Constant(ir.IntType(1), 0))
-                    for c in chunks
+                    [k.call(f"llvm.abs.v{4 * lanes}i8", c.type, c, absolute) for c in cs]
+                    for cs in chunks
                 ]
             else:
                 mags = chunks
-            dw, m_eff = blocks.weight_scales(p)
-            for i in range(s.mr):
-                blk = k.add(k.add(first, b), i * k_blocks)
-                xq = k.at(a.x, k.mul(blk, QK))
-                zero = ir.Constant(i32_l, None)
-                start = blocks.offset_sums(blk) if unsigned and u.offset else {}
+            blks = [k.add(k.add(first, b), i * k_blocks) for i in range(s.mr)]
+            xqs = [k.at(a.x, k.mul(blk, QK)) for blk in blks]
+            offsets = [blocks.offset_sums(blk) if unsigned and u.offset else {} for blk in blks]
+            # Key by key (a key's chunks for every row and row group, then the next key's):
+            # one key's sums are live at a time, which leaves registers for the row groups
+            # (the integer sums are exact in any order; the float order is ``scaled``'s).
+            floats: dict[tuple[int, int, int, int], ir.Value] = {}
+            for key in keys:
                 sums: dict[tuple[int, int], list[ir.Value]] = {}
-                for j in range(8):
-                    xj = k.bitcast(k.splat(k.load(I32, xq, 4 * j), lanes), vec(I8, 4 * lanes))
-                    if moved_sign:
-                        xj = target.sign_of(k, xj, chunks[j])
-                    key = blocks.key(j, h)
-                    if int32_sums:
-                        prev = sums.get(key, [start.get(key, zero)])[0]
-                        sums[key] = [dot(k, prev, mags[j], xj)]
-                    else:
-                        sums.setdefault(key, []).append(target.pair_products(k, mags[j], xj))
-
-                def as_float(n: int, g: int, sums: dict = sums, start: dict = start) -> ir.Value:
-                    part = sums[n, g]
+                for j in (j for j in range(8) if blocks.key(j, h) == key):
+                    for i in range(s.mr):
+                        x32 = k.splat(k.load(I32, xqs[i], 4 * j), lanes)
+                        xj = k.bitcast(x32, vec(I8, 4 * lanes))
+                        for c in range(groups):
+                            xc = target.sign_of(k, xj, chunks[c][j]) if moved_sign else xj
+                            if int32_sums:
+                                prev = sums.get((i, c), [offsets[i].get(key, zero)])[0]
+                                sums[i, c] = [dot(k, prev, mags[c][j], xc)]
+                            else:
+                                product = target.pair_products(k, mags[c][j], xc)
+                                sums.setdefault((i, c), []).append(product)
+                for (i, c), part in sums.items():
                     total = part[0] if int32_sums else widened(part)
-                    if not int32_sums and (n, g) in start:
-                        total = k.b.add(start[n, g], total)
-                    return k.convert(total, F32)
+                    if not int32_sums and key in offsets[i]:
+                        total = k.b.add(offsets[i][key], total)
+                    floats[(i, c, *key)] = k.convert(total, F32)
+            for c, p in enumerate(ps):
+                dw, m_eff = blocks.weight_scales(p)
+                for i in range(s.mr):
 
-                accs[i].set(blocks.scaled(accs[i].get(), as_float, blk, dw, m_eff))
+                    def as_float(n: int, g: int, i: int = i, c: int = c) -> ir.Value:
+                        return floats[i, c, n, g]
+
+                    accs[c][i].set(blocks.scaled(accs[c][i].get(), as_float, blks[i], dw, m_eff))
 
         k.loop(0, a.nb, 1, block)
-        blocks.store_rows([acc.get() for acc in accs], t, n)
+        blocks.store_rows([acc.get() for acc in accs[0]], t, n)
+        for c in range(1, groups):
+            rows = [acc.get() for acc in accs[c]]
+            k.branch(inside[c], lambda rows=rows, c=c: blocks.store_rows(rows, t, starts[c]))
 
     _walk(k, s, a.t_rows, tile)
 
@@ -624,9 +665,10 @@ MATMUL = Program("mm", _build)
 # What a GEMV row costs in tile rows when it computes the rest of a ragged batch (the
 # head's matmul, T = 4..8 rows: 1.8-2.2 on AVX-512 beside tiles of 8, 1.6 on AVX2).
 GEMV_ROW_COST = 2.0
-# Weight rows the pair's two tiles take turns on: a multiple of every layout's row group,
-# and at most ~60 KB of weights (K = 1536 in Q4_1), which the second tile finds in L2.
-PAIR_ROWS = 64
+# Weight rows the pair's two tiles take turns on: a multiple of every layout's row group
+# and of every tile's rows (AVX2's wide tile: 24), and at most ~50 KB of weights (K = 1536
+# in Q4_1), which the second tile finds in L2.
+PAIR_ROWS = 48
 
 
 def _build_pair(module: Module) -> None:
@@ -675,6 +717,7 @@ class MatmulKernels:
         self.layout = layout(self.mode, backend.lanes)
         shapes = buckets(self.mode, backend)
         self._mrs, self._amx = [s.mr for s in shapes], [s.tiles for s in shapes]
+        self._from, self._nrs = [s.serves for s in shapes], [s.nr for s in shapes]
         nb = n_cols // QK
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
         self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
@@ -682,6 +725,14 @@ class MatmulKernels:
         self._programs = [(MATMUL, spec) for spec in self._specs] + [(PAIR, {})]
         self._done: list[Executable | None] = [None] * len(self._programs)
         self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._programs)
+
+    @property
+    def row_multiple(self) -> int:
+        """Weight rows a thread's share should be a multiple of: whole row groups and
+        whole tiles; 16 where that makes both. AVX2's 24-row tile: 24 (48 = lcm with 16
+        left 4 grabs of a 192-row matrix to 2 threads: 0.85x at T = 512)."""
+        whole = math.lcm(self.layout.rows, *self._nrs)
+        return 16 if 16 % whole == 0 else whole
 
     @property
     def specs(self) -> list[dict[str, int]]:
@@ -699,8 +750,8 @@ class MatmulKernels:
         return len(self._programs) - 1
 
     def tile_for(self, t_rows: int) -> int:
-        """The index of the tile for a batch of ``t_rows``: the tallest that fits."""
-        return max(i for i, mr in enumerate(self._mrs) if mr <= max(t_rows, 1))
+        """The index of the tile for a batch of ``t_rows``: the last bucket it reaches."""
+        return max(i for i, rows in enumerate(self._from) if rows <= max(t_rows, 1))
 
     def cover(self, t_rows: int) -> list[tuple[int, int, int]]:
         """The tiles a batch of ``t_rows`` runs: (kernel, first row, rows). A partial group
@@ -730,12 +781,21 @@ class MatmulKernels:
             if rest and rows(other, rest) < mr:
                 return [(which, 0, whole), (other, whole, rest)]
             return [(which, 0, t_rows)]
+
         # the cheapest; of equals, the one with taller tiles (they reuse more), then fewer
-        # rows computed, then fewer kernels
+        # rows computed, then fewer kernels. One tile over all rows: the bucket's, a
+        # smaller or a taller vector tile -- but a bucket from more rows than its tile's
+        # (a wide tile) keeps them (its rows cost less than the others', which ``cost``
+        # does not know), and serves no smaller batch.
+        def single(i: int) -> bool:
+            if self._from[which] > mr:
+                return i == which
+            return i <= which or not self._amx[i] and self._from[i] == self._mrs[i]
+
         singles = [
             ((cost(i, t_rows), -self._mrs[i], rows(i, t_rows), 1, 0), [(i, 0, t_rows)])
             for i in range(1, len(self._mrs))
-            if i <= which or not self._amx[i]
+            if single(i)
         ]
         splits = [
             (
