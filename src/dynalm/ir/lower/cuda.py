@@ -101,7 +101,8 @@ class CudaBinder(Binder):
 
     def begin_bind(self, buffers: Buffers) -> None:
         super().begin_bind(buffers)
-        self._table = np.zeros((2 * len(self.graph.nodes) + 1, WORDS), np.int64)
+        # at most four blocks a node: an auto matmul's quantiser and product, bias, residual
+        self._table = np.zeros((4 * len(self.graph.nodes) + 1, WORDS), np.int64)
         self._table_copy = self.device.alloc(self._table.nbytes, owner=self._table)
         self._used = 0
         self._on_resize: list[Callable[[int, int], None]] = []
