@@ -12,10 +12,14 @@ on random inputs in device memory and compares with the CPU's generic backend (s
 fma/mul order), the others within 1e-3 of the largest |reference| value; prints a table
 with the time per launch. Exits 2 with the reason when no CUDA device is usable.
 
-``--fidelity MODEL``: the model's logits on the GPU (``CudaDevice``) and the CPU, per mode,
-at every position of three prompts and one decode step: top-1 must agree and the logits lie
-within two fp32 passes' rounding (``tests/tolerances.forward_bound``); whether they are
-within 1e-3 is printed beside. Decode speed on the GPU: ``dynalm bench MODEL --gpu``.
+``--fidelity MODEL [MODEL ...]``: each model's logits on the GPU (``CudaDevice``) and the
+CPU, per mode, at every position of three prompts and one decode step: top-1 must agree and
+the logits lie within two fp32 passes' rounding (``tests/tolerances.forward_bound``); whether
+they are within 1e-3 is printed beside. A model the GPU cannot run (an op or a weight format
+its kernels do not take, ``ir.lower.unsupported``, or a refusal while binding) is one line
+naming the model and the reason, and the check goes on to the next; any such model or
+failed comparison makes the exit status 1. Decode speed on the GPU:
+``dynalm bench MODEL --gpu``.
 
 ``--assemble``: lowers every kernel the device needs (``nvptx.device_kernels``) and
 assembles each with NVIDIA's ``ptxas`` for ``--arch`` (registers, spills, stack per
@@ -41,6 +45,7 @@ from dynalm.core import cuda_driver, elementwise
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.cuda_device import CudaDevice
 from dynalm.core.matmul import QuantMatmul
+from dynalm.errors import DynaError, UnsupportedModel
 from dynalm.kernel import backends, nvptx
 from dynalm.kernel import sampling_program as sampling
 from dynalm.kernel.matmul_programs import MATMUL, N_ARGS
@@ -216,24 +221,41 @@ PROMPTS = [
 ]
 
 
-def fidelity(model_path: str, emulate: bool) -> int:
-    """The model on the GPU against the CPU in each mode: every prompt position's logits
+def fidelity(model_paths: list[str], emulate: bool) -> int:
+    """Each model on the GPU against the CPU in each mode: every prompt position's logits
     and one decode step's (f32 KV). Top-1 must agree everywhere and the logits lie within
     two fp32 passes' rounding (``tests/tolerances.forward_bound``; the issue's 1e-3 is
-    printed beside it)."""
+    printed beside it). A model the GPU cannot run is a line saying why; 1 if any failed."""
+    print(f"{'mode':<6} {'prompt':<28} {'top-1':>7} {'max |d|':>9} {'of bound':>9} "
+          f"{'<=1e-3':>7} {'gpu s':>7} {'cpu s':>7}")  # fmt: skip
+    failed = 0
+    for path in model_paths:
+        try:
+            failed += compare_model(path, emulate)
+        except (DynaError, NotImplementedError) as e:  # what the device cannot run
+            print(f"{path}: not run on the GPU: {e}")
+            failed += 1
+    return 1 if failed else 0
+
+
+def compare_model(model_path: str, emulate: bool) -> int:
+    """The rows of ``fidelity``'s table for one model; the number of failed rows."""
     _tests_on_path()
     from test_cuda_device import forward
 
+    from dynalm.ir.lower import unsupported
     from dynalm.models.loader import load_model
     from tolerances import forward_bound, logit_scale
 
     model = load_model(model_path)
     hp = model.hparams
-    print(f"{'mode':<6} {'prompt':<28} {'top-1':>7} {'max |d|':>9} {'of bound':>9} "
-          f"{'<=1e-3':>7} {'gpu s':>7} {'cpu s':>7}")  # fmt: skip
+    print(f"{model_path}:")
     failed = 0
     for mode in ("exact", "auto"):
         gpu, cpu = make_device(mode, emulate), CpuDevice(mode)
+        why = unsupported(gpu, model.graph)
+        if why is not None:  # what --backend auto would run on the CPU instead
+            raise UnsupportedModel(f"{hp.arch} graph, mode {mode}: {why}")
         for text in PROMPTS:
             ids = model.tokenizer.encode(text, add_special=True)
             t0 = time.perf_counter()
@@ -249,14 +271,16 @@ def fidelity(model_path: str, emulate: bool) -> int:
             print(f"{mode:<6} {text[:28]!r:<28} {top1:7.1%} {diff.max():9.2e} "
                   f"{(diff / bound).max():9.2f} {str(diff.max() <= 1e-3):>7} "
                   f"{t1 - t0:7.2f} {t2 - t1:7.2f}{'' if ok else '  FAIL'}")  # fmt: skip
-    return 1 if failed else 0
+    return failed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assemble", action="store_true", help="ptxas every device kernel")
     parser.add_argument("--arch", default=nvptx.SM, help="ptxas -arch (default %(default)s)")
-    parser.add_argument("--fidelity", metavar="MODEL", help="a GGUF model: GPU vs CPU logits")
+    parser.add_argument(
+        "--fidelity", metavar="MODEL", nargs="+", help="GGUF models: GPU vs CPU logits"
+    )
     parser.add_argument(
         "--emulate", action="store_true", help="run on this CPU (tests/cuda_emulator.py)"
     )

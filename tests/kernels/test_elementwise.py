@@ -72,6 +72,39 @@ def test_rms_norm(rows: int, width: int):
     np.testing.assert_allclose(out, expected, rtol=rms_norm_rtol(width), atol=0)
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_ops_of_the_table(rows: int, width: int):
+    """mul, scale, a matmul's bias, split's column copy and gather_cols' gather: bitwise
+    numpy's (one fp32 operation each, or a copy); SiLU / GELU alone: the gated kernels'
+    budget, and bitwise what the gated kernel computes before its multiply by ``up``."""
+    x, y = rand(rows, width, scale=3, seed=20), rand(rows, width, seed=21)
+    out = np.full_like(x, np.nan)
+    elementwise.mul(out, x, y)()
+    np.testing.assert_array_equal(out, x * y)
+    elementwise.scale(out, x, 0.1)()
+    np.testing.assert_array_equal(out, x * np.float32(0.1))
+    b = rand(width, seed=22)
+    elementwise.bias(out, x, b)()
+    np.testing.assert_array_equal(out, x + b)
+    ones, gated, expected = np.ones_like(x), np.empty_like(x), np.empty_like(x)
+    for activation, reference in (("silu", cpu_ops.silu), ("gelu_tanh", cpu_ops.gelu_tanh)):
+        elementwise.activation(out, x, activation)()
+        reference(expected, x)
+        assert (np.abs(out - expected) <= 16 * U * (np.abs(expected) + np.abs(x))).all()
+        elementwise.gated(gated, x, ones, activation)()
+        np.testing.assert_array_equal(out, gated)
+    wide = rand(rows, 2 * width + 3, seed=23)
+    for start in (0, 3, width + 3):  # a split of a wider buffer, into a view of another
+        target = np.full((rows, width + 5), np.nan, np.float32)
+        elementwise.columns(target[:, 5:], wide, start)()
+        np.testing.assert_array_equal(target[:, 5:], wide[:, start : start + width])
+        assert np.isnan(target[:, :5]).all()
+    index = np.random.default_rng(24).permutation(width).astype(np.int32)
+    elementwise.columns(out, x, 0, index)()
+    np.testing.assert_array_equal(out, x[:, index])
+
+
 def test_rms_norm_per_head_is_a_norm_of_head_rows():
     rows, heads, head_dim = 3, 4, 10
     x, w = rand(rows, heads * head_dim, seed=7), rand(head_dim, seed=8)
@@ -177,6 +210,14 @@ def test_bindings_refuse_buffers_the_kernel_would_overrun():
         ),
         (lambda: elementwise.rope(x, x, positions, table.cos, table.sin, 32, 32, False), "cos"),
         (lambda: elementwise.add(x, x, x, block=np.zeros(2, np.int64)), "block of 2 words"),
+        (lambda: elementwise.scale(x, x, float("inf")), "scale factor inf is not finite"),
+        (lambda: elementwise.activation(x, x, "relu"), "unknown activation 'relu'"),
+        (lambda: elementwise.bias(x, x, rand(63)), r"bias: expected float32 \[64\]"),
+        (lambda: elementwise.columns(rand(4, 16), x, 49), r"columns 49\+16 of \(4, 64\)"),
+        (
+            lambda: elementwise.columns(x, x, 0, np.arange(63, dtype=np.int32)),
+            r"index: expected int32 \[64\]",
+        ),
     ]
     for bind, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -163,16 +163,24 @@ def test_grid_elementwise_is_the_cpu_kernel() -> None:
             out, np.ascontiguousarray(x[:, :48]), np.ascontiguousarray(x[:, 8:56]), "silu",
             backend=be,
         ),
+        "mul": lambda out, be: elementwise.mul(out, dense, dense[::-1].copy(), backend=be),
+        "scale": lambda out, be: elementwise.scale(out, dense, 0.1, backend=be),
+        "act": lambda out, be: elementwise.activation(out, dense, "gelu_tanh", backend=be),
+        "bias": lambda out, be: elementwise.bias(out, dense, w, backend=be),
+        "columns": lambda out, be: elementwise.columns(out, x, 29, backend=be),  # a split
+        "gather": lambda out, be: elementwise.columns(out, x, 0, perm, backend=be),
     }  # fmt: skip
+    perm = rng.permutation(80)[:48].astype(np.int32)
     for kind, bind in cases.items():
         want = np.empty((rows, heads * head_dim), np.float32)
         bind(want, backends.GENERIC)()
         got = np.full_like(want, np.nan)
         bound = bind(got, nvptx.NVPTX.twin())
-        program = ew_programs.PROGRAMS[kind]
-        entry = nvptx.host_twin(program, bound._params)[kind]
+        program = bound.request[1]
+        entry = nvptx.host_twin(program, bound._params)[program.name.removeprefix("ew_")]
         run_grid(entry, bound.block.ctypes.data, int(bound.block[0]))
         np.testing.assert_array_equal(got, want, err_msg=kind)
+    np.testing.assert_array_equal(got, x[:, perm])  # the gather is x[:, index]
 
 
 def test_sampling_reduction() -> None:

@@ -27,6 +27,7 @@ from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
 from dynalm.errors import DeviceUnavailable, InvalidRequest
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
+from dynalm.ir.lower.cuda import CudaBinder
 from dynalm.models.loader import LoadedModel, model_graph
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
@@ -180,11 +181,12 @@ def test_backend_auto_and_gpu_choose_the_cuda_device(gpu, monkeypatch):
         cuda(gpu, "safe")
 
 
-def test_what_the_preview_cannot_run_is_named(model, gpu):
+def test_what_the_preview_cannot_run_is_named(model, gpu, monkeypatch):
     device = cuda(gpu)
     binder = Executor(model.graph, device, model.weights, max_tokens=4).binder
-    with pytest.raises(NotImplementedError, match="the cuda device has no kernel for op 'mul'"):
-        binder.bind("mul", [])
+    monkeypatch.delitem(type(binder).OP_TABLE, "split")  # a device whose table lacks an op
+    with pytest.raises(NotImplementedError, match="the cuda device has no kernel for op 'split'"):
+        binder.bind("split", [])
     with pytest.raises(InvalidRequest, match="no matmul kernel for IQ2_XXS .* --cpu"):
         device.matmul(np.zeros((4, 66), np.uint8), 16, (4, 256))
     assert "cuda" in [kind.name for kind in devices.GPU_KINDS]
@@ -192,21 +194,26 @@ def test_what_the_preview_cannot_run_is_named(model, gpu):
 
 def test_auto_runs_on_the_cpu_what_the_gpu_cannot(model, gpu, monkeypatch, caplog):
     """``--backend auto`` asks the device before any weight is read: a graph with an op the
-    preview has no kernel for (here the unfused one: silu and mul, not swiglu) runs on the
-    CPU, the reason logged; ``--gpu`` fails with it."""
+    device has no kernel for (here its table without ``swiglu``; SmolLM2's splits are all
+    views) runs on the CPU, the reason logged; ``--gpu`` fails with it.
+    Every op of the table has a kernel now, the unfused graph's ``silu`` and ``mul`` too;
+    what remains is a weight format without a JIT matmul."""
     monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
     assert unsupported(cuda(gpu), model.graph) is None
-    unfused = model_graph(model.gguf, model.hparams)
-    why = lambda device: unsupported(device, unfused)  # noqa: E731
+    assert unsupported(cuda(gpu), model_graph(model.gguf, model.hparams)) is None
+    why = lambda device: unsupported(device, model.graph)  # noqa: E731
+    table = dict(CudaBinder.OP_TABLE)
+    del table["swiglu"]
+    monkeypatch.setattr(CudaBinder, "OP_TABLE", table)
     with caplog.at_level(logging.INFO, logger="dynalm.core.devices"):
         assert isinstance(select_device("auto", "auto", unsupported=why), CpuDevice)
-    assert "using the CPU (cuda: no kernel for op 'silu'" in caplog.text
-    with pytest.raises(DeviceUnavailable, match="cuda: no kernel for op 'silu'"):
+    assert "using the CPU (cuda: no kernel for op 'swiglu';" in caplog.text
+    with pytest.raises(DeviceUnavailable, match="cuda: no kernel for op 'swiglu';"):
         select_device("gpu", "auto", unsupported=why)
-    device = cuda(gpu)  # weights its kernels do not take: a format, a bias
+    device = cuda(gpu)  # weights its kernels do not take: a format without a JIT matmul
     assert not device.supports("matmul", ((16, (4, 256)),))
     q4_1 = int(GGMLQuantizationType.Q4_1)
-    assert not device.supports("matmul", ((q4_1, (4, 256)), (0, (4,))))
+    assert device.supports("matmul", ((q4_1, (4, 256)), (0, (4,))))  # a bias: its kernel
     assert device.supports("matmul_add", ((q4_1, (4, 256)),))
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -115,7 +116,12 @@ class CpuDevice(Device):
             return 4 * n if self.mode == "safe" else 0
         return 4 * n  # a vector in fp32, an index in int32
 
-    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+    def supports(
+        self,
+        op: str,
+        weights: tuple[tuple[int, tuple[int, ...]], ...],
+        attrs: Mapping[str, object] = MappingProxyType({}),
+    ) -> bool:
         return True  # every op has a kernel or its numpy reference, every format its matmul
 
     def matmul(

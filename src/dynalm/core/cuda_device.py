@@ -10,17 +10,20 @@ mirror to the same bytes of its copy), so kernels only ever see device memory. T
 is where the executor writes a step's inputs and reads its logits. Norm weights and rope
 tables are mirrors too, uploaded once.
 
-Not in the preview: ops without a kernel (``mul``, ``scale``, ``silu``, ``gelu_tanh``,
-``gather_cols``, copied splits) and matmul biases (``supports`` says so before a model
-loads); ``--mode safe`` is the CPU's oracle; the repack cache; a launch is a driver call from
-Python (no CUDA graphs); attention stores the step's keys on one GPU thread per layer.
+Every op of the op table has a kernel (the CPU's element-wise programs: the same definition
+on both devices); what the device cannot take is a matmul weight without a JIT kernel of its
+format (``supports`` says so before a model loads, and ``--backend auto`` picks the CPU).
+Not in the preview: ``--mode safe`` is the CPU's oracle; the repack cache; a launch is a
+driver call from Python (no CUDA graphs); attention stores the step's keys on one GPU thread
+per layer.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -31,7 +34,7 @@ from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.kv_storage import PAGE_ARRAYS, KVGeometry
 from dynalm.core.matmul import QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
-from dynalm.kernel import layouts, nvptx
+from dynalm.kernel import attention_program, layouts, nvptx
 from dynalm.kernel.backends import Program, Spec
 from dynalm.kernel.formats import UNPACKS
 from dynalm.kernel.matmul_programs import MatmulKernels
@@ -147,13 +150,22 @@ class CudaDevice(Device):
         return copy.ptr + offset
 
     # -- what it runs and holds ---------------------------------------------------
-    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
-        """Whether this device's kernel for ``op`` takes these weights: a matmul needs a JIT
-        kernel of its format (rows of whole 32-value blocks) and no bias. (The ops it has
-        kernels for at all are its binder's table, ``ir.lower.cuda``.)"""
+    def supports(
+        self,
+        op: str,
+        weights: tuple[tuple[int, tuple[int, ...]], ...],
+        attrs: Mapping[str, object] = MappingProxyType({}),
+    ) -> bool:
+        """Whether this device's kernel for ``op`` takes these weights and attributes: a
+        matmul needs a JIT kernel of its format (rows of whole 32-value blocks; a bias is any
+        vector), attention heads of whole 8-lane vectors (the CPU has a numpy fallback for
+        the others, the GPU none). (The ops it has kernels for at all are its binder's
+        table, ``ir.lower.cuda``.)"""
         if op in ("matmul", "matmul_add"):
-            (ggml_type, shape), *bias = weights
-            return not bias and self.matmul_kernel(ggml_type, shape).kind.startswith("jit-")  # type: ignore[arg-type]
+            ggml_type, shape = weights[0]
+            return self.matmul_kernel(ggml_type, shape).kind.startswith("jit-")  # type: ignore[arg-type]
+        if op == "attention":
+            return attention_program.supported(int(attrs["head_dim"]), "f32")  # type: ignore[call-overload]
         return True
 
     def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:

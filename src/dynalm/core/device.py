@@ -10,7 +10,9 @@ a device's kernels). The devices: ``cpu_device.CpuDevice``, ``cuda_device.CudaDe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -49,9 +51,14 @@ class Device(ABC):
 
     # -- what it can run, and what it holds: asked before any weight is read
     @abstractmethod
-    def supports(self, op: str, weights: tuple[tuple[int, tuple[int, ...]], ...]) -> bool:
+    def supports(
+        self,
+        op: str,
+        weights: tuple[tuple[int, tuple[int, ...]], ...],
+        attrs: Mapping[str, object] = MappingProxyType({}),
+    ) -> bool:
         """Whether this device has a kernel for ``op`` of the IR (``ir/ops.py``) over weights
-        of these (ggml type, shape)."""
+        of these (ggml type, shape) and with these attributes."""
 
     @abstractmethod
     def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:

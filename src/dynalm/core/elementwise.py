@@ -1,4 +1,5 @@
-"""Fused element-wise kernels (RMSNorm, RoPE, SwiGLU / GeGLU, add), bound to their arrays.
+"""Element-wise kernels (RMSNorm, RoPE, SwiGLU / GeGLU, add, mul, scale, SiLU / GELU, bias,
+column copies and gathers), bound to their arrays.
 
 The kernels are DynaKernel programs (``kernel.elementwise_programs``), specialised on their
 constant shapes and lowered by the backend ``kernel.backends`` selects for this host (or
@@ -39,8 +40,9 @@ class BoundKernel:
     lowered when first run or recorded; until then ``pending()`` names it, so that the
     kernels of a step can be lowered together (``backends.lower_all``).
 
-    ``block[0]`` is the count it runs over (rows, or elements for ``add``/``gated``);
-    lowering it runs the kernel over a prefix of the bound rows, never beyond them.
+    ``block[0]`` is the count it runs over (rows, or elements for ``add``, ``mul``,
+    ``scale``, ``act`` and ``gated``); lowering it runs the kernel over a prefix of the
+    bound rows, never beyond them.
     """
 
     def __init__(
@@ -118,6 +120,93 @@ def add(
     kernel as ``backend`` (default ``backends.select()``) lowers it."""
     _same("out x y", out, x, y)
     return _bind("add", backend, {}, out.size, (out, x, y), block)
+
+
+def mul(
+    out: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out = x * y`` (same shapes)."""
+    _same("out x y", out, x, y)
+    return _bind("mul", backend, {}, out.size, (out, x, y), block)
+
+
+def scale(
+    out: np.ndarray,
+    x: np.ndarray,
+    factor: float,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out = x * factor``, the factor rounded to fp32 (numpy's ``x * np.float32(factor)``)."""
+    _same("out x", out, x)
+    require(math.isfinite(factor), f"scale factor {factor} is not finite")
+    params = {"factor": float(np.float32(factor))}
+    return _bind("scale", backend, params, out.size, (out, x), block)
+
+
+def activation(
+    out: np.ndarray,
+    x: np.ndarray,
+    kind: str,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out = act(x)``, ``kind`` "silu" or "gelu_tanh" (the gated kernels' activation)."""
+    _same("out x", out, x)
+    require(kind in ("silu", "gelu_tanh"), f"unknown activation {kind!r}")
+    return _bind("act", backend, {"activation": kind}, out.size, (out, x), block)
+
+
+def bias(
+    out: np.ndarray,
+    x: np.ndarray,
+    b: np.ndarray,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out = x + b`` per row of ``x [rows, width]``, ``b [width]`` (``out`` may be ``x``)."""
+    rows, width = _same("out x", out, x)
+    check("bias", b, np.float32, (width,))
+    return _bind("bias", backend, {"width": width}, rows, (out, x, b), block)
+
+
+def columns(
+    out: np.ndarray,
+    x: np.ndarray,
+    start: int = 0,
+    index: np.ndarray | None = None,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out = x[:, start:start + width]`` (a split's copy), or with ``index`` (int32, one per
+    column of ``out``, each below ``x``'s width: a permutation) ``x[:, index]``. The rows
+    of ``x`` and ``out`` may be strided (views of some columns of wider buffers)."""
+    rows, width = check("out", out, np.float32, (None, None), strided_rows=True).shape
+    check("x", x, np.float32, (rows, None), strided_rows=True)
+    if index is None:
+        fits = start >= 0 and start + width <= x.shape[1]
+        require(fits, f"columns {start}+{width} of {x.shape}")
+        source = x[:, start:]
+        arrays = (out, source, source)  # the index word unread: any device address
+    else:
+        check("index", index, np.int32, (width,))
+        source, arrays = x, (out, x, index)
+    params = {
+        "width": width,
+        "src_stride": source.strides[0] // 4,
+        "dst_stride": out.strides[0] // 4,
+        "gather": index is not None,
+    }
+    return _bind("columns", backend, params, rows, arrays, block)
 
 
 def gated(

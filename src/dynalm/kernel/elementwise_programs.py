@@ -1,4 +1,6 @@
-"""Fused element-wise programs: RMSNorm, RoPE, SwiGLU / GeGLU, add.
+"""Element-wise programs: RMSNorm, RoPE, SwiGLU / GeGLU, add, and the rest of the op table's
+element-wise ops (mul, scale, SiLU / GELU alone, a matmul's bias, column copies and gathers),
+so that every device runs one definition of each op.
 
 Each is specialised on its constant shapes (row width, head size, eps, rope layout) and
 written as explicit vector loops of the backend's width (``target.lanes``) plus a 1-lane
@@ -6,8 +8,9 @@ tail, so odd sizes work and nothing depends on the auto-vectoriser (which would 
 in-place calls such as ``out += residual``). ``exp`` is the language's polynomial (about
 1 ulp), so SiLU and GELU vectorise instead of calling libm per element.
 
-Kernel signature: ``void f(i64 *args)``, ``args`` a count (rows, or elements for ``add``
-and ``gated``) followed by the arrays' addresses (``core.elementwise`` binds them).
+Kernel signature: ``void f(i64 *args)``, ``args`` a count (rows, or elements for ``add``,
+``mul``, ``scale``, ``act`` and ``gated``) followed by the arrays' addresses
+(``core.elementwise`` binds them).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import llvmlite.ir as ir
 from dynalm.kernel.backends import Program
 from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
 
-ARRAYS = {"add": 3, "gated": 3, "rms_norm": 3, "rope": 5}  # addresses after the count
+ARRAYS = {
+    "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3,
+    "rms_norm": 3, "rope": 5,
+}  # fmt: skip  # addresses after the count
 # RMSNorm sums its squares in 8 lanes on every backend: the one reduction here, and its
 # order is the contract (auto mode rounds the normalised activations to int8, where a
 # last-bit difference can flip a rounding and, through the layers, a greedy token), so a
@@ -46,13 +52,14 @@ def _put(k: Kernel, value: ir.Value, array: ir.Value, i: ir.Value) -> None:
 
 
 def _elementwise(module: Module, kind: str, body: Callable[..., ir.Value]) -> None:
-    """``out[i] = body(k, x[i], y[i])`` over ``count`` elements."""
-    k, count, (out, x, y) = _kernel(module, kind)
+    """``out[i] = body(k, x[i], y[i])`` over ``count`` elements (``body(k, x[i])`` for a
+    program of one input)."""
+    k, count, (out, *ins) = _kernel(module, kind)
     k.lanes(
         k.i64(0),
         count,
         k.target.lanes,
-        lambda i, w: _put(k, body(k, _floats(k, x, i, w), _floats(k, y, i, w)), out, i),
+        lambda i, w: _put(k, body(k, *(_floats(k, a, i, w) for a in ins)), out, i),
     )
     k.ret()
 
@@ -61,20 +68,82 @@ def _build_add(module: Module) -> None:
     _elementwise(module, "add", lambda k, x, y: k.add(x, y))
 
 
+def _build_mul(module: Module) -> None:
+    _elementwise(module, "mul", lambda k, x, y: k.mul(x, y))
+
+
+def _build_scale(module: Module, factor: float) -> None:
+    _elementwise(module, "scale", lambda k, x: k.mul(x, factor))
+
+
+def _activation(k: Kernel, g: ir.Value, activation: str) -> ir.Value:
+    """act(g) = g * sigmoid(z): z = g for SiLU, and z = 2 sqrt(2/pi) (g + 0.044715 g^3) for
+    tanh-GELU (0.5 (1 + tanh(y)) = sigmoid(2y))."""
+    z = g
+    if activation == "gelu_tanh":
+        inner = k.add(g, k.mul(k.mul(k.mul(g, g), g), 0.044715))
+        z = k.mul(inner, 2.0 * math.sqrt(2.0 / math.pi))
+    e = k.exp(k.sub(const(z.type, 0.0), z))
+    return k.b.fdiv(g, k.add(e, 1.0))
+
+
+def _build_act(module: Module, activation: str) -> None:
+    """out = act(x): the unfused activation (the gated programs' own, so a graph that
+    fuses it with its mul computes the same values)."""
+    _elementwise(module, "act", lambda k, x: _activation(k, x, activation))
+
+
 def _build_gated(module: Module, activation: str) -> None:
-    """out = act(gate) * up with act(g) = g * sigmoid(z): z = g for SiLU, and
-    z = 2 sqrt(2/pi) (g + 0.044715 g^3) for tanh-GELU (0.5 (1 + tanh(y)) = sigmoid(2y))."""
+    """out = act(gate) * up (``_activation``)."""
+    _elementwise(module, "gated", lambda k, g, up: k.mul(_activation(k, g, activation), up))
 
-    def gate(k: Kernel, g: ir.Value, up: ir.Value) -> ir.Value:
-        z = g
-        if activation == "gelu_tanh":
-            inner = k.add(g, k.mul(k.mul(k.mul(g, g), g), 0.044715))
-            z = k.mul(inner, 2.0 * math.sqrt(2.0 / math.pi))
-        e = k.exp(k.sub(const(z.type, 0.0), z))
-        act = k.b.fdiv(g, k.add(e, 1.0))
-        return k.mul(act, up)
 
-    _elementwise(module, "gated", gate)
+def _build_bias(module: Module, width: int) -> None:
+    """Per row of ``width``: out = x + bias (a matmul's bias; ``out`` may be ``x``)."""
+    k, rows, (out, x, bias) = _kernel(module, "bias")
+
+    def row(r: ir.Value) -> None:
+        base = k.mul(r, width)
+
+        def add(i: ir.Value, w: int) -> None:
+            at = k.add(base, i)
+            _put(k, k.add(_floats(k, x, at, w), _floats(k, bias, i, w)), out, at)
+
+        k.lanes(k.i64(0), k.i64(width), k.target.lanes, add)
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _build_columns(
+    module: Module, width: int, src_stride: int, dst_stride: int, gather: bool
+) -> None:
+    """Per row: ``width`` columns of ``x`` (rows ``src_stride`` floats apart) into ``out``
+    (rows ``dst_stride`` apart): the next ones from ``x``'s address (a split's copy: the
+    address is its first column's), or with ``gather`` those an int32 ``index`` names
+    (``gather_cols``: its index is a permutation, ``gptq_awq.input_perm``'s argsort)."""
+    k, rows, (out, x, index) = _kernel(module, "columns")
+
+    def row(r: ir.Value) -> None:
+        src, dst = k.mul(r, src_stride), k.mul(r, dst_stride)
+        if gather:
+
+            def column(j: ir.Value) -> None:
+                at = k.convert(k.load(I32, k.index(index, j, I32), align=4), I64)
+                value = k.load(F32, k.index(x, k.add(src, at), F32), align=4)
+                _put(k, value, out, k.add(dst, j))
+
+            k.loop(0, width, 1, column)
+        else:
+            k.lanes(
+                k.i64(0),
+                k.i64(width),
+                k.target.lanes,
+                lambda j, w: _put(k, _floats(k, x, k.add(src, j), w), out, k.add(dst, j)),
+            )
+
+    k.loop(0, rows, 1, row)
+    k.ret()
 
 
 def _build_rms_norm(module: Module, width: int, eps: float) -> None:
@@ -165,7 +234,12 @@ def _build_rope(
 
 PROGRAMS = {
     "add": Program("ew_add", _build_add),
+    "mul": Program("ew_mul", _build_mul),
+    "scale": Program("ew_scale", _build_scale),
+    "act": Program("ew_act", _build_act),
     "gated": Program("ew_gated", _build_gated),
+    "bias": Program("ew_bias", _build_bias),
+    "columns": Program("ew_columns", _build_columns),
     "rms_norm": Program("ew_rms_norm", _build_rms_norm),
     "rope": Program("ew_rope", _build_rope),
 }

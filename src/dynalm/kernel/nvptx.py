@@ -60,7 +60,12 @@ THREADS = 128  # threads per block a launch uses by default
 # Element-wise programs: bytes each array word advances per row of the count (0: shared).
 ROW_BYTES: dict[str, Callable[[Mapping[str, object]], tuple[int, ...]]] = {
     "ew_add": lambda spec: (4, 4, 4),
+    "ew_mul": lambda spec: (4, 4, 4),
+    "ew_scale": lambda spec: (4, 4),
+    "ew_act": lambda spec: (4, 4),
     "ew_gated": lambda spec: (4, 4, 4),
+    "ew_bias": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
+    "ew_columns": lambda spec: (4 * int(spec["dst_stride"]), 4 * int(spec["src_stride"]), 0),
     "ew_rms_norm": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
     "ew_rope": lambda spec: (
         4 * int(spec["n_heads"]) * int(spec["head_dim"]),
@@ -371,8 +376,15 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
     ew = elementwise_programs.PROGRAMS
     out += [
         (ew["add"], {}),
+        (ew["mul"], {}),
+        (ew["scale"], {"factor": 24.0}),
+        (ew["act"], {"activation": "silu"}),
+        (ew["act"], {"activation": "gelu_tanh"}),
         (ew["gated"], {"activation": "silu"}),
         (ew["gated"], {"activation": "gelu_tanh"}),
+        (ew["bias"], {"width": 576}),
+        (ew["columns"], {"width": 64, "src_stride": 960, "dst_stride": 64, "gather": False}),
+        (ew["columns"], {"width": 576, "src_stride": 576, "dst_stride": 576, "gather": True}),
         (ew["rms_norm"], {"width": 576, "eps": 1e-5}),
         (ew["rope"], {"n_heads": 9, "head_dim": 64, "rope_dim": 64, "neox": False, "stride": 576}),
         (ew["rope"], {"n_heads": 4, "head_dim": 64, "rope_dim": 32, "neox": True, "stride": 320}),

@@ -43,7 +43,8 @@ def unsupported(device: Device, graph: Graph) -> str | None:
         if node.op not in table:
             return f"no kernel for op '{node.op}'"
         weights = tuple((tensor_type(w.type.dtype), w.type.shape) for w in node.weights)
-        if not device.supports(node.op, weights):  # type: ignore[arg-type]
-            types = ", ".join(f"{w.name}: {w.type}" for w in node.weights)
-            return f"no {node.op} kernel for {types}"
+        if not device.supports(node.op, weights, node.attrs):  # type: ignore[arg-type]
+            what = [f"{w.name}: {w.type}" for w in node.weights]
+            what = what or [f"{k} {v}" for k, v in node.attrs.items() if k != "scale"]
+            return f"no {node.op} kernel for {', '.join(what)}"
     return None

@@ -34,6 +34,8 @@ BIND_METHODS: dict[str, str] = {op: f"_{op}" for op in OPS} | {
     "matmul_add": "_matmul",
     "rms_norm": "_norm",
     "head_rms_norm": "_norm",
+    "silu": "_activation",
+    "gelu_tanh": "_activation",
     **dict.fromkeys(GATES, "_gated"),
 }
 Prepare = Callable[[str, str], object]  # (weight name, use) -> the weight as the device keeps it

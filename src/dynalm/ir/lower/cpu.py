@@ -56,6 +56,23 @@ class _Matmul:
         return calls + [r for kernel in self._after for r in kernel.records()]
 
 
+class _Kernels:
+    """JIT kernels bound for one call (a run of splits), run in order."""
+
+    def __init__(self, kernels: tuple[elementwise.BoundKernel, ...]) -> None:
+        self._kernels = kernels
+
+    def __call__(self) -> None:
+        for kernel in self._kernels:
+            kernel()
+
+    def pending(self) -> list[backends.Request]:
+        return [r for kernel in self._kernels for r in kernel.pending()]
+
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        return [r for kernel in self._kernels for r in kernel.records()]
+
+
 class CpuBinder(Binder):
     """One graph's ops bound on a ``CpuDevice`` (see the module docstring)."""
 
@@ -75,7 +92,8 @@ class CpuBinder(Binder):
 
     def begin_bind(self, buffers: Buffers) -> None:
         super().begin_bind(buffers)
-        self._blocks = np.zeros((len(self.graph.nodes), elementwise.MAX_WORDS), np.int64)
+        # up to two kernels a node (a matmul's bias and residual)
+        self._blocks = np.zeros((2 * len(self.graph.nodes), elementwise.MAX_WORDS), np.int64)
         self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
 
     def end_bind(self) -> None:
@@ -134,7 +152,10 @@ class CpuBinder(Binder):
         after = []
         if len(w) > 1:
             bias = self.prepare(w[1], "vector")
-            after.append(lambda: np.add(v[o], bias, out=v[o]))
+            if self._native:
+                after.append(self._kernel(elementwise.bias, out, out, bias, rows=rows))
+            else:
+                after.append(lambda: np.add(v[o], bias, out=v[o]))
         if node.op == "matmul_add":  # the fused residual: out += x_residual
             after.append(self._add_ids(node.out.id, node.out.id, node.args[1].id, rows))
         if isinstance(mm, QuantMatmul) and all(hasattr(f, "records") for f in after):
@@ -202,34 +223,50 @@ class CpuBinder(Binder):
         return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], GATES[node.op])
 
     def _mul(self, node: Node) -> Call:
-        v, args, o, *_ = self._operands(node)
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        if self._native:
+            return self._kernel(elementwise.mul, out, *ins, rows=rows)
         return lambda: np.multiply(v[args[0]], v[args[1]], out=v[o])
 
     def _scale(self, node: Node) -> Call:
-        v, args, o, *_ = self._operands(node)
-        factor = np.float32(node.attrs["factor"])
-        return lambda: np.multiply(v[args[0]], factor, out=v[o])
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        factor = node.attrs["factor"]
+        if self._native:
+            return self._kernel(elementwise.scale, out, ins[0], factor, rows=rows)
+        return lambda: np.multiply(v[args[0]], np.float32(factor), out=v[o])
 
-    def _silu(self, node: Node) -> Call:
-        v, args, o, *_ = self._operands(node)
-        return lambda: cpu_ops.silu(v[o], v[args[0]])
-
-    def _gelu_tanh(self, node: Node) -> Call:
-        v, args, o, *_ = self._operands(node)
-        return lambda: cpu_ops.gelu_tanh(v[o], v[args[0]])
+    def _activation(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        if self._native:
+            return self._kernel(elementwise.activation, out, ins[0], node.op, rows=rows)
+        reference = {"silu": cpu_ops.silu, "gelu_tanh": cpu_ops.gelu_tanh}[node.op]
+        return lambda: reference(v[o], v[args[0]])
 
     def _select_rows(self, node: Node) -> Call:
         v, args, o, *_ = self._operands(node)
         return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
 
     def _gather_cols(self, node: Node) -> Call:
-        v, args, o, *_, w = self._operands(node)
+        v, args, o, out, ins, rows, w = self._operands(node)
         index = self.prepare(w[0], "index")
+        if self._native:
+            return self._kernel(elementwise.columns, out, ins[0], 0, index, rows=rows)
         return lambda: np.take(v[args[0]], index, axis=1, out=v[o])
 
     def _split(self, nodes: list[Node]) -> Call:
         """Copy column ranges of one value into the planned outputs of ``split`` nodes."""
         bufs = self.buffers
+        if self._native:
+            x = bufs.full[nodes[0].args[0].id]
+            return _Kernels(
+                tuple(
+                    self._kernel(
+                        elementwise.columns, bufs.full[n.out.id], x, n.attrs["start"],
+                        rows=str(n.out.type.shape[0]),
+                    )
+                    for n in nodes
+                )
+            )  # fmt: skip
         v, src = bufs.views, bufs.view_of[nodes[0].args[0].id]
         pieces = tuple(
             (bufs.view_of[n.out.id], n.attrs["start"], n.attrs["start"] + n.out.type.row_width)

@@ -101,7 +101,8 @@ class CudaBinder(Binder):
 
     def begin_bind(self, buffers: Buffers) -> None:
         super().begin_bind(buffers)
-        self._table = np.zeros((2 * len(self.graph.nodes) + 1, WORDS), np.int64)
+        # at most four blocks a node: an auto matmul's quantiser and product, bias, residual
+        self._table = np.zeros((4 * len(self.graph.nodes) + 1, WORDS), np.int64)
         self._table_copy = self.device.alloc(self._table.nbytes, owner=self._table)
         self._used = 0
         self._on_resize: list[Callable[[int, int], None]] = []
@@ -150,8 +151,6 @@ class CudaBinder(Binder):
     def _matmul(self, node: Node) -> _Kernels:
         out, (x, *rest), _ = self._values(node)
         weights = [w.name for w in node.weights]
-        if len(weights) > 1:
-            raise InvalidRequest(f"{weights[1]}: the CUDA preview has no matmul bias kernel")
         mm: CudaMatmul = self.prepare(weights[0], "matmul")
         kernels, address = mm.kernels, self.device.address
         args, args_at = self._block()
@@ -174,9 +173,12 @@ class CudaBinder(Binder):
                 block[A_T] = (t, s)[x_rows == "S"]
 
         self._on_resize.append(resize)
-        after = None
-        if node.op == "matmul_add":  # the fused residual: out += x_residual
-            after = self._elementwise(elementwise.add, out, out, rest[0], rows=x_rows)
+        after = []  # the epilogues, in the CPU's order: bias, then the fused residual
+        if len(weights) > 1:
+            b = self.prepare(weights[1], "vector")
+            after.append(self._elementwise(elementwise.bias, out, out, b, rows=x_rows))
+        if node.op == "matmul_add":  # out += x_residual
+            after.append(self._elementwise(elementwise.add, out, out, rest[0], rows=x_rows))
 
         def plan() -> list[Launch]:
             t = self._rows(x_rows)
@@ -184,7 +186,7 @@ class CudaBinder(Binder):
             launches = [(MATMUL, kernels.specs[which], "", args_at, mm.n_rows)]
             if kernels.mode == "auto":
                 launches.insert(0, (MATMUL, kernels.specs[kernels.quantize], "", qargs_at, t))
-            return launches + (after.plan() if after else [])
+            return launches + [launch for kernels in after for launch in kernels.plan()]
 
         return _Kernels(self.device, plan)
 
@@ -211,6 +213,32 @@ class CudaBinder(Binder):
     def _gated(self, node: Node) -> _Kernels:
         out, ins, rows = self._values(node)
         return self._elementwise(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
+
+    def _mul(self, node: Node) -> _Kernels:
+        out, (x, y), rows = self._values(node)
+        return self._elementwise(elementwise.mul, out, x, y, rows=rows)
+
+    def _scale(self, node: Node) -> _Kernels:
+        out, (x,), rows = self._values(node)
+        return self._elementwise(elementwise.scale, out, x, node.attrs["factor"], rows=rows)
+
+    def _activation(self, node: Node) -> _Kernels:
+        out, (x,), rows = self._values(node)
+        return self._elementwise(elementwise.activation, out, x, node.op, rows=rows)
+
+    def _gather_cols(self, node: Node) -> _Kernels:
+        out, (x,), rows = self._values(node)
+        index = self.device.mirror(self.prepare(node.weights[0].name, "index"))
+        return self._elementwise(elementwise.columns, out, x, 0, index, rows=rows)
+
+    def _split(self, nodes: list[Node]) -> _Kernels:
+        """The copied column ranges of one value: a column-copy kernel per output."""
+        pieces = []
+        for node in nodes:
+            out, (x,), rows = self._values(node)
+            start = node.attrs["start"]
+            pieces.append(self._elementwise(elementwise.columns, out, x, start, rows=rows))
+        return _Kernels(self.device, lambda: [launch for p in pieces for launch in p.plan()])
 
     def _attention(self, node: Node) -> _Kernels:
         out, (q, k, v), _ = self._values(node)
