@@ -607,28 +607,37 @@ def serve(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
+        from dynalm.runtime.embed import Embedder, is_embedding_model
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.serve import server
+        from dynalm.runtime.serve.embeddings import EmbeddingService
         from dynalm.runtime.serve.models import ModelManager, ModelService
         from dynalm.store.catalog import ModelStore, is_local_path
 
         path = ModelStore().resolve(model)
         loaded = load_model(path)
-        config = EngineConfig(
-            ctx=_context(ctx, loaded),
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_queue=max_queue,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype.value,
-            num_draft_tokens=num_draft_tokens,
-        )
-        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
         # clients name the model as it was given here; a path is named by its file's stem
         names = [path.stem] if is_local_path(model) else [model, path.stem]
-        service = ModelService(engine, loaded, names)
+        service: ModelService | EmbeddingService
+        if is_embedding_model(loaded):  # an encoder: /v1/embeddings, no engine
+            embedder = Embedder(
+                loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
+            )
+            service = EmbeddingService(embedder, names)
+        else:
+            config = EngineConfig(
+                ctx=_context(ctx, loaded),
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_queue=max_queue,
+                kv_cache_memory=kv_cache_memory,
+                kv_cache_dtype=kv_cache_dtype.value,
+                num_draft_tokens=num_draft_tokens,
+            )
+            engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+            service = ModelService(engine, loaded, names)
         server.serve(
-            ModelManager([service]),
+            ModelManager([service]),  # type: ignore[list-item]  # an EmbeddingService serves as one
             host=host,
             port=port,
             api_key=api_key,
@@ -688,6 +697,53 @@ def bench(
                 num_draft_tokens=num_draft_tokens,
             )
         )
+
+
+@app.command()
+def embed(
+    model: Annotated[str, typer.Argument(help="Catalog name or GGUF path of an embedding model")],
+    texts: Annotated[list[str], typer.Argument(help="Texts to embed ('-': one per line of stdin)")],
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object: the vectors and the token counts.")
+    ] = False,
+    truncate: Annotated[
+        bool, typer.Option(help="Cut a text longer than the model's maximum length to it.")
+    ] = False,
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
+    verbose: Verbose = False,
+) -> None:
+    """Embed texts with an encoder model (bert): one L2-normalised vector per text, one line
+    each (numbers separated by spaces), in the order given."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        import json
+
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.embed import Embedder
+        from dynalm.store.catalog import ModelStore
+
+        if texts == ["-"]:
+            texts = sys.stdin.read().splitlines()
+        loaded = load_model(ModelStore().resolve(model))
+        embedder = Embedder(
+            loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
+        )
+        ids = [
+            embedder.tokenize(_utf8(t, f"text {i + 1}"), i, truncate) for i, t in enumerate(texts)
+        ]
+        vectors = embedder.embed(ids)
+        if json_output:
+            tokens = [len(i) for i in ids]
+            typer.echo(
+                json.dumps({"model": loaded.name, "embeddings": vectors.tolist(), "tokens": tokens})
+            )
+        else:
+            for v in vectors:
+                typer.echo(" ".join(f"{x:.7g}" for x in v))
 
 
 @app.command()

@@ -15,7 +15,11 @@ from gguf import GGMLQuantizationType
 
 from dynalm.errors import InvalidRequest, UnsupportedModel
 from dynalm.ir.lumen.tree import LumenError
-from dynalm.models.loader import load_model
+from dynalm.ir.passes import optimize, verify
+from dynalm.ir.text import parse_graph, print_graph
+from dynalm.models.gguf_file import GGUFFile
+from dynalm.models.hparams import read_hparams
+from dynalm.models.loader import load_model, model_graph
 from dynalm.runtime.embed import Embedder
 
 TEXTS = [
@@ -127,3 +131,20 @@ def test_a_generation_model_cannot_embed(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match="is a generation model .qwen3.; it has no "
                        "embedding output"):  # fmt: skip
         Embedder(load_model(path), backend="cpu")
+
+
+def test_graph_text_reads_back(bert_files) -> None:
+    """The encoder's ops print and parse like every other (DynaIR text), before and after
+    the passes (which merge q/k/v with their biases and fuse the residual adds)."""
+    with GGUFFile(bert_files["cls"]) as f:
+        hp = read_hparams(f.metadata, {n: t.shape for n, t in f.tensors.items()})
+        graph = model_graph(f, hp)
+    optimized = optimize(graph)
+    ops = {n.op for n in optimized.nodes}
+    assert {"layer_norm", "gelu", "encoder_attention", "pool", "l2_norm", "matmul_add"} <= ops
+    for g in (graph, optimized):
+        text = print_graph(g)
+        back = parse_graph(text)
+        assert back == g
+        verify(back)
+    assert "= pool %" in text and ", mode=2\n" in text  # bert.pooling_type 2: CLS

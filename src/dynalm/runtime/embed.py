@@ -62,8 +62,9 @@ class Embedder:
     def tokenize(self, text: str, index: int = 0, truncate: bool = False) -> list[int]:
         """``[CLS] text [SEP]`` as ids; longer than the model's maximum length: cut to it
         (keeping ``[SEP]``) when ``truncate``, else an ``InvalidRequest`` naming ``index``."""
-        ids = self.model.tokenizer.encode(text)
-        return self.check(ids, index, truncate)
+        if not text:  # [CLS] [SEP] alone: a vector of no text, which no caller means
+            raise InvalidRequest(f"input[{index}] is an empty string: there is no text to embed")
+        return self.check(self.model.tokenizer.encode(text), index, truncate)
 
     def check(self, ids: list[int], index: int = 0, truncate: bool = False) -> list[int]:
         """``ids`` checked as one input (``index``-th of a request): not empty, every id in

@@ -70,6 +70,7 @@ from dynalm.runtime.serve.asgi import (
     install_openapi,
 )
 from dynalm.runtime.serve.chat_page import install_chat_page
+from dynalm.runtime.serve.embeddings import install_embeddings
 from dynalm.runtime.serve.metrics import CONTENT_TYPE
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
@@ -607,6 +608,7 @@ class OpenAIServer:
             response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
         )(self.prometheus)
+        install_embeddings(app, self)
         install_chat_page(app)
         return app
 
