@@ -13,14 +13,17 @@ import pytest
 import tiny_bert
 from gguf import GGMLQuantizationType
 
-from dynalm.errors import InvalidRequest, UnsupportedModel
+from dynalm.core.cpu_device import CpuDevice
+from dynalm.errors import InvalidRequest, ModelFormatError, UnsupportedModel
 from dynalm.ir.lumen.tree import LumenError
 from dynalm.ir.passes import optimize, verify
 from dynalm.ir.text import parse_graph, print_graph
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hparams import read_hparams
 from dynalm.models.loader import load_model, model_graph
+from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime.embed import Embedder
+from dynalm.runtime.engine.engine import Engine
 
 TEXTS = [
     "Hello world!",
@@ -148,3 +151,35 @@ def test_graph_text_reads_back(bert_files) -> None:
         assert back == g
         verify(back)
     assert "= pool %" in text and ", mode=2\n" in text  # bert.pooling_type 2: CLS
+
+
+def _wordpiece_metadata(tokens: list[str], types: list[int]) -> dict:
+    return {
+        "tokenizer.ggml.model": "bert",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": np.array(types, np.int32),
+    }
+
+
+def test_unknown_token_read_with_or_without_its_phantom_space() -> None:
+    """The converter keeps only CONTROL tokens as they are; an unknown token typed UNKNOWN
+    comes out as "▁[UNK]", a file written otherwise may keep "[UNK]": both are [UNK]."""
+    cls, sep, unk, normal = 3, 3, 2, 1
+    for spelled in ("▁[UNK]", "[UNK]"):
+        tokens = ["[CLS]", "[SEP]", spelled, "▁cat", "s"]
+        tok = Tokenizer.from_gguf_metadata(
+            _wordpiece_metadata(tokens, [cls, sep, unk, normal, normal])
+        )
+        assert tok.encode("cats dog") == [0, 3, 4, 2, 1]  # [CLS] cat ##s [UNK] [SEP]
+
+
+def test_wordpiece_without_an_unknown_token_is_refused() -> None:
+    with pytest.raises(ModelFormatError, match=r"the WordPiece vocabulary has no unknown token"):
+        Tokenizer.from_gguf_metadata(_wordpiece_metadata(["[CLS]", "▁cat"], [3, 1]))
+
+
+def test_the_engine_refuses_an_embedding_model(bert_files) -> None:
+    """run / bench / perplexity build an engine: an encoder has no logits to sample."""
+    with pytest.raises(UnsupportedModel, match=r"tiny-bert is an embedding model \(bert\): it "
+                       r"cannot generate text"):  # fmt: skip
+        Engine(load_model(bert_files["mean"]), CpuDevice())

@@ -94,11 +94,8 @@ def write_gguf(
     w.add_token_type_count(cfg.type_vocab_size)
     w.add_tokenizer_model("bert")
     w.add_token_list([_phantom(t) for t in VOCAB])
-    types = [
-        gguf.TokenType.CONTROL if t in SPECIALS and t != "[UNK]" else gguf.TokenType.NORMAL
-        for t in VOCAB
-    ]
-    types[VOCAB.index("[UNK]")] = gguf.TokenType.UNKNOWN
+    # as the converter's get_vocab_base types them: BERT's special tokens are CONTROL
+    types = [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in VOCAB]
     w.add_token_types(types)
     for key, token in (("unknown", "UNK"), ("cls", "CLS"), ("seperator", "SEP"),
                        ("padding", "PAD"), ("mask", "MASK")):  # fmt: skip

@@ -139,12 +139,23 @@ def _first(*ids: int | None) -> int | None:
 
 def _wordpiece(tokens: list[str], types: list[int]) -> HFTokenizer:
     """BERT's WordPiece from a vocabulary as llama.cpp's converter writes it (``phantom``:
-    control tokens kept, a continuation's "##" dropped, "▁" before every other token)."""
+    control tokens kept, a continuation's "##" dropped, "▁" before every other token; an
+    unknown token is read as it is too, with or without its "▁")."""
     vocab: dict[str, int] = {}
+    unk = "[UNK]"
     for i, (tok, ty) in enumerate(zip(tokens, types, strict=True)):
-        piece = tok if ty == _CONTROL else tok[1:] if tok.startswith("▁") else "##" + tok
+        if ty == _CONTROL or (ty == _UNKNOWN and not tok.startswith("▁")):
+            piece = tok
+        else:
+            piece = tok[1:] if tok.startswith("▁") else "##" + tok
         vocab.setdefault(piece, i)
-    unk = next((t for t, ty in zip(tokens, types, strict=True) if ty == _UNKNOWN), "[UNK]")
+        if ty == _UNKNOWN:
+            unk = piece
+    if unk not in vocab:
+        raise ModelFormatError(
+            f"the WordPiece vocabulary has no unknown token ({show(unk)} is no token and no "
+            "token is of type unknown)"
+        )
     hf = HFTokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
     hf.normalizer = normalizers.BertNormalizer(lowercase=True)
     hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
