@@ -8,9 +8,11 @@ import base64
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from serving import server_process
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
@@ -162,3 +164,18 @@ def test_wrong_types_and_unknown_model(client: TestClient) -> None:
     assert "input" in _error(client, {"input": [1, "a"]})
     assert "encoding_format" in _error(client, {"input": "a", "encoding_format": "int8"})
     assert "does not exist" in _error(client, {"model": "nope", "input": "a"}, status=404)
+
+
+def test_dynalm_serve_serves_an_embedding_model(bert, tmp_path: Path) -> None:
+    """``dynalm serve`` of an encoder: /v1/embeddings answers, /v1/completions is a 400."""
+    path = tiny_bert.write_gguf(bert, tmp_path / "tiny-bert.gguf", "cls")
+    args = ["-m", "dynalm.cli", "serve", str(path), "--port", "0", "--cpu"]
+    with (
+        server_process(args, tmp_path / "serve.log") as server,
+        httpx.Client(base_url=server.url, timeout=60) as http,
+    ):
+        r = http.post(URL, json={"model": "tiny-bert", "input": ["hello", "cat"]})
+        assert r.status_code == 200, r.text
+        assert [len(d["embedding"]) for d in r.json()["data"]] == [32, 32]
+        r = http.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 400 and "is an embedding model" in r.text
