@@ -195,5 +195,8 @@ def install_embeddings(app: FastAPI, server: OpenAIServer) -> None:
         "/v1/embeddings",
         dependencies=[Depends(server._authorize)],
         response_model=None,
-        responses={200: {"model": EmbeddingResponse}, **error_responses(400, 401, 404, 413)},
+        responses={
+            200: {"model": EmbeddingResponse},
+            **error_responses(400, 401, 404, 408, 413, 503),
+        },
     )(embeddings)
