@@ -105,6 +105,20 @@ def test_longer_than_max_length_is_refused_or_truncated(bert, bert_files) -> Non
     assert _cosines(embedder.embed([ids]), ref).min() >= 0.99999
 
 
+def test_a_file_claiming_a_huge_context_is_held_to_max_length(tmp_path: Path) -> None:
+    """A step holds a whole input, so its buffers are sized by the longest: a file whose
+    position table claims more than MAX_LENGTH rows is embedded up to MAX_LENGTH tokens."""
+    from dynalm.runtime.embed import MAX_LENGTH
+
+    model = tiny_bert.reference_model(n_layers=1, positions=MAX_LENGTH + 8)
+    embedder = Embedder(load_model(tiny_bert.write_gguf(model, tmp_path / "long.gguf")),
+                        backend="cpu", mode="exact")  # fmt: skip
+    assert embedder.max_length == MAX_LENGTH
+    with pytest.raises(InvalidRequest, match=rf"input\[0\] has {MAX_LENGTH + 1} tokens, more "
+                       rf"than the model's maximum length {MAX_LENGTH}"):  # fmt: skip
+        embedder.check([5] * (MAX_LENGTH + 1))
+
+
 def test_bad_ids_are_refused(bert_files) -> None:
     embedder = Embedder(load_model(bert_files["mean"]), backend="cpu", mode="exact")
     n = len(tiny_bert.VOCAB)

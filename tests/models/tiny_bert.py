@@ -37,7 +37,9 @@ MAX_POSITIONS = 32
 POOLING = {"mean": 1, "cls": 2, "last": 3}
 
 
-def reference_model(seed: int = 0, std: float = 0.5, n_layers: int = 2) -> BertModel:
+def reference_model(
+    seed: int = 0, std: float = 0.5, n_layers: int = 2, positions: int = MAX_POSITIONS
+) -> BertModel:
     """A random BertModel: every parameter ~ N(0, std) (LayerNorms included, so that a wrong
     norm convention shows), fp32, eager attention."""
     torch.manual_seed(seed)
@@ -47,7 +49,7 @@ def reference_model(seed: int = 0, std: float = 0.5, n_layers: int = 2) -> BertM
         num_hidden_layers=n_layers,
         num_attention_heads=4,
         intermediate_size=64,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=positions,
         type_vocab_size=2,
         hidden_act="gelu",
         layer_norm_eps=1e-12,

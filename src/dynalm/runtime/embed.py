@@ -23,6 +23,9 @@ from dynalm.ir.lower import unsupported
 from dynalm.models.loader import LoadedModel
 
 OUTPUT = "embeddings"  # the graph output an embedding model has
+# The longest input embedded: a step holds a whole input, so the buffers are sized by it
+# (encoders are trained for 512 to 8192 positions; a file claiming millions is not believed).
+MAX_LENGTH = 8192
 
 
 def is_embedding_model(model: LoadedModel) -> bool:
@@ -49,7 +52,7 @@ class Embedder:
                 "embedding output"
             )
         self.model = model
-        self.max_length = model.hparams.n_ctx_train  # the position table's rows
+        self.max_length = min(model.hparams.n_ctx_train, MAX_LENGTH)  # position table's rows
         self.dimensions = model.graph.outputs[OUTPUT].type.shape[1]
         self.device = device or select_device(
             backend, mode, threads, unsupported=lambda d: unsupported(d, model.graph)
