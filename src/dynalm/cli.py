@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
-    from dynalm.runtime.serve.models import ModelService
+    from dynalm.runtime.serve.models import ServedModel
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
@@ -269,9 +269,9 @@ class _Prepared:
     """A model `serve` is about to load (``ModelManager``'s `PreparedModel`)."""
 
     size_bytes: int
-    loader: Callable[[], ModelService]
+    loader: Callable[[], ServedModel]
 
-    def load(self) -> ModelService:
+    def load(self) -> ServedModel:
         return self.loader()
 
 
@@ -672,10 +672,12 @@ def serve(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
+        from dynalm.runtime.embed import Embedder, is_embedding_model
         from dynalm.runtime.engine.build import build_engine, plan_engine
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.engine.memory_plan import available_memory
         from dynalm.runtime.serve import server
+        from dynalm.runtime.serve.embeddings import EmbeddingService
         from dynalm.runtime.serve.models import ModelManager, ModelService
         from dynalm.store.catalog import ModelStore, is_local_path
 
@@ -686,6 +688,17 @@ def serve(
         def prepare(name: str) -> _Prepared:
             path = store.resolve(given.get(name, name), pull=name in given)
             loaded = load_model(path)
+            names = [name] if path.stem == name else [name, path.stem]
+            if is_embedding_model(loaded):  # an encoder: /v1/embeddings, no engine
+                # its size is its weights as mapped (its step buffers are small beside them)
+                files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+                size = sum(f.stat().st_size for f in files)
+                return _Prepared(size, lambda: EmbeddingService(
+                    Embedder(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
+                             threads=threads),
+                    names,
+                    size,
+                ))  # fmt: skip
             config = EngineConfig(
                 ctx=_context(ctx, loaded),
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -700,7 +713,6 @@ def serve(
             )
             device, plan = plan_engine(spec)
             plan.check()  # beyond this machine, whatever the budget says
-            names = [name] if path.stem == name else [name, path.stem]
             return _Prepared(plan.device_bytes, lambda: ModelService(
                 build_engine(replace(spec, device=device)), loaded, names
             ))  # fmt: skip
@@ -815,6 +827,53 @@ def bench(
                 num_draft_tokens=num_draft_tokens,
             )
         )
+
+
+@app.command()
+def embed(
+    model: Annotated[str, typer.Argument(help="Catalog name or GGUF path of an embedding model")],
+    texts: Annotated[list[str], typer.Argument(help="Texts to embed ('-': one per line of stdin)")],
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object: the vectors and the token counts.")
+    ] = False,
+    truncate: Annotated[
+        bool, typer.Option(help="Cut a text longer than the model's maximum length to it.")
+    ] = False,
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
+    verbose: Verbose = False,
+) -> None:
+    """Embed texts with an encoder model (bert): one L2-normalised vector per text, one line
+    each (numbers separated by spaces), in the order given."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        import json
+
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.embed import Embedder
+        from dynalm.store.catalog import ModelStore
+
+        if texts == ["-"]:
+            texts = sys.stdin.read().splitlines()
+        loaded = load_model(ModelStore().resolve(model))
+        embedder = Embedder(
+            loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
+        )
+        ids = [
+            embedder.tokenize(_utf8(t, f"text {i + 1}"), i, truncate) for i, t in enumerate(texts)
+        ]
+        vectors = embedder.embed(ids)
+        if json_output:
+            tokens = [len(i) for i in ids]
+            typer.echo(
+                json.dumps({"model": loaded.name, "embeddings": vectors.tolist(), "tokens": tokens})
+            )
+        else:
+            for v in vectors:
+                typer.echo(" ".join(f"{x:.7g}" for x in v))
 
 
 @app.command()

@@ -101,6 +101,63 @@ def gelu_tanh(out: np.ndarray, x: np.ndarray) -> None:
     out *= 0.5
 
 
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def gelu(out: np.ndarray, x: np.ndarray) -> None:
+    """GELU, the erf form: x / 2 (1 + erf(x / sqrt 2)) (libm's erf, in double)."""
+    y = x.astype(np.float64)
+    np.multiply(
+        0.5 * y, 1.0 + _ERF(y / math.sqrt(2.0)).astype(np.float64), out=out, casting="unsafe"
+    )
+
+
+def layer_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> None:
+    mean = x.mean(axis=1, keepdims=True)
+    d = x - mean
+    var = np.einsum("ij,ij->i", d, d)[:, None] / x.shape[1]
+    np.multiply(d, 1.0 / np.sqrt(var + eps), out=out)
+    out *= w
+    out += b
+
+
+def l2_norm(out: np.ndarray, x: np.ndarray) -> None:
+    norm = np.sqrt(np.einsum("ij,ij->i", x, x))[:, None]
+    np.divide(x, np.maximum(norm, 1e-12), out=out)
+
+
+def _sequences(last: np.ndarray) -> list[tuple[int, int]]:
+    """Each sequence's rows ``[start, end)`` of a step, from its last rows (increasing)."""
+    ends = [int(e) + 1 for e in last]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def pool(out: np.ndarray, x: np.ndarray, last: np.ndarray, mode: int) -> None:
+    """One row per sequence: the mean of its rows (1), its first (2) or its last (3)."""
+    for s, (a, b) in enumerate(_sequences(last)):
+        out[s] = x[a:b].mean(axis=0) if mode == 1 else x[a if mode == 2 else b - 1]
+
+
+def encoder_attention(
+    out: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    last: np.ndarray,
+    head_dim: int,
+    scale: float,
+) -> None:
+    """Bidirectional attention within each sequence of the step (no mask, no KV cache)."""
+    heads = q.shape[1] // head_dim
+    for a, b in _sequences(last):
+        qs, ks, vs = (t[a:b].reshape(b - a, heads, head_dim) for t in (q, k, v))
+        scores = np.einsum("thd,lhd->htl", qs, ks) * np.float32(scale)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[a:b] = np.einsum("htl,lhd->thd", scores, vs).reshape(b - a, -1)
+
+
 def gated(out: np.ndarray, gate: np.ndarray, up: np.ndarray, activation: str) -> None:
     """The gated FFN's ``act(gate) * up`` (SwiGLU for "silu", GeGLU for "gelu_tanh")."""
     {"silu": silu, "gelu_tanh": gelu_tanh}[activation](out, gate)

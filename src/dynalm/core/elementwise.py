@@ -1,5 +1,6 @@
 """Element-wise kernels (RMSNorm, RoPE, SwiGLU / GeGLU, add, mul, scale, SiLU / GELU, bias,
-column copies and gathers), bound to their arrays.
+column copies and gathers; the encoder's LayerNorm, GELU (erf), attention, pooling and L2
+norm), bound to their arrays.
 
 The kernels are DynaKernel programs (``kernel.elementwise_programs``), specialised on their
 constant shapes and lowered by the backend ``kernel.backends`` selects for this host (or
@@ -279,3 +280,94 @@ def rope(
         "stride": x.strides[0] // 4,
     }
     return _bind("rope", backend, params, rows, (out, x, positions, cos, sin), block)
+
+
+def layer_norm(
+    out: np.ndarray,
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    eps: float,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """LayerNorm of each row of ``x [rows, width]``, scaled by ``weight`` plus ``bias``."""
+    rows, width = check("x", x, np.float32, (None, None)).shape
+    check("out", out, np.float32, (rows, width))
+    check("weight", weight, np.float32, (width,))
+    check("bias", bias, np.float32, (width,))
+    require(math.isfinite(eps) and eps > 0, f"layer_norm epsilon {eps} is not a positive number")
+    params = {"width": width, "eps": float(np.float32(eps))}
+    return _bind("layer_norm", backend, params, rows, (out, x, weight, bias), block)
+
+
+def gelu(
+    out: np.ndarray,
+    x: np.ndarray,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out = gelu(x)``, the erf form (same shapes; ``out`` may be ``x``)."""
+    _same("out x", out, x)
+    return _bind("gelu", backend, {}, out.size, (out, x), block)
+
+
+def l2_norm(
+    out: np.ndarray,
+    x: np.ndarray,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """Each row of ``x`` divided by its Euclidean norm (at least 1e-12)."""
+    rows, width = _same("out x", out, x)
+    return _bind("l2_norm", backend, {"width": width}, rows, (out, x), block)
+
+
+def pool_rows(
+    out: np.ndarray,
+    x: np.ndarray,
+    last: np.ndarray,
+    mode: int,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """One row of ``out`` per sequence of ``x [T, width]``: the mean of its rows, its first
+    or its last (``mode``: ``programs.POOL_*``); sequence ``s`` ends at row ``last[s]``
+    (int64, increasing) and starts after the one before. The count is the sequences; the
+    caller keeps ``last`` within ``x``'s rows (the kernel cannot see it)."""
+    seqs, width = check("out", out, np.float32, (None, None)).shape
+    check("x", x, np.float32, (None, width))
+    check("last", last, np.int64, (None,))
+    require(len(last) >= seqs, f"{len(last)} sequence ends for {seqs} rows")
+    modes = (programs.POOL_MEAN, programs.POOL_CLS, programs.POOL_LAST)
+    require(mode in modes, f"pooling mode {mode} is not one of {modes}")
+    return _bind("pool", backend, {"width": width, "mode": mode}, seqs, (out, x, last), block)
+
+
+def encoder_attention(
+    out: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    last: np.ndarray,
+    head_dim: int,
+    scale: float,
+    seqs: int,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """Bidirectional attention of ``seqs`` sequences packed in ``q``/``k``/``v`` ``[T,
+    heads * head_dim]`` (dense), sequence ``s`` ending at row ``last[s]`` (see ``pool``):
+    every query attends to every key of its own sequence."""
+    rows, width = _same("out q k v", out, q, k, v)
+    require(head_dim >= 1 and width % head_dim == 0, f"rows of {width} are not heads of {head_dim}")
+    check("last", last, np.int64, (None,))
+    require(len(last) >= seqs, f"{len(last)} sequence ends for {seqs} sequences")
+    require(math.isfinite(scale), f"attention scale {scale} is not finite")
+    params = {"n_heads": width // head_dim, "head_dim": head_dim, "scale": float(np.float32(scale))}
+    return _bind("encoder_attention", backend, params, seqs, (out, q, k, v, last), block)

@@ -85,7 +85,9 @@ class Executor:
             name: self.device.buffer(rows, 1, np.int64)[:, 0] for name in self.graph.inputs
         }
         for ids in self._inputs.values():
-            ids[:] = 0  # rows past a step's tokens are read by no op, but stay defined
+            # rows past a step's tokens are read by no op, but stay defined; an input a
+            # step does not fill (bert.lum's token_types) reads as zeros
+            ids[:] = 0
         self._bind_all()
 
     # -- binding -------------------------------------------------------------------
@@ -141,7 +143,9 @@ class Executor:
             self.ops.append(nodes[i].op)
             i = j
         self.binder.end_bind()
-        self._logits = view_of[graph.outputs["logits"].id]
+        # the graph's one output: a decoder's logits, an encoder's embeddings
+        (output,) = graph.outputs.values()
+        self._logits = view_of[output.id]
         self._shape: tuple[int, int] | None = None  # (T, S) the views are sliced for
         self._compiled_kv: object = None  # the KV storage the programs were built for
         # Compiled steps of small shapes, kept: decode steps alternate between shapes (a

@@ -159,6 +159,37 @@ def _attention(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     return (shapes[0][0], n_heads * head_dim)
 
 
+def _layer_norm(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    _expect("the norm weight", weights[0], (_width(shapes[0]),))
+    _expect("the norm bias", weights[1], (_width(shapes[0]),))
+    return shapes[0]
+
+
+def _encoder_attention(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    *qkv, last = shapes
+    for shape in qkv:
+        _heads(_width(shape), attrs["head_dim"], attrs["n_heads"])
+        _expect("the rows of k and v", shape, qkv[0])
+    if len(last) != 1:
+        raise _fail(f"the sequences' last rows are [S], found {_dims(last)}")
+    return qkv[0]
+
+
+POOL_MODES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's {arch}.pooling_type numbers
+
+
+def _pool(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    x, last = shapes
+    if attrs["mode"] not in POOL_MODES:
+        raise _fail(
+            f"pooling mode {attrs['mode']} is not one of "
+            + ", ".join(f"{n} ({name})" for n, name in POOL_MODES.items())
+        )
+    if len(x) != 2 or len(last) != 1:
+        raise _fail(f"pool takes [T, width] and [S], found {_dims(x)}, {_dims(last)}")
+    return (last[0], x[1])
+
+
 def _select_rows(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     x, rows = shapes
     if len(x) != 2 or len(rows) != 1:
@@ -219,6 +250,18 @@ _TABLE = (
           doc="silu(gate) * up"),
     OpDef("geglu", (Operand("gate"), Operand("up")), _same, kernel="jit", gate="gelu_tanh",
           doc="gelu_tanh(gate) * up"),
+    # the encoder's (bert.lum): sequences packed one after another, each ending at its row
+    # of ``last`` (the step's logit_rows); no KV cache
+    OpDef("layer_norm", (X,), _layer_norm, (WeightSlot("weight"), WeightSlot("bias")),
+          (_EPS,), kernel="jit", doc="(x - mean) / std * weight + bias, per row"),
+    OpDef("gelu", (X,), _same, kernel="jit", doc="GELU, erf form"),
+    OpDef("encoder_attention", (Operand("q"), Operand("k"), Operand("v"), Operand("last", "i32")),
+          _encoder_attention,
+          attrs=(Attr("n_heads", int, min=1), _HEAD_DIM, Attr("scale", float)),
+          kernel="jit", doc="bidirectional attention within each sequence of the step"),
+    OpDef("pool", (X, Operand("last", "i32")), _pool, attrs=(Attr("mode", int, min=1),),
+          kernel="jit", doc="per sequence: the mean of its rows (1), its first (2), last (3)"),
+    OpDef("l2_norm", (X,), _same, kernel="jit", doc="x / |x| per row"),
     OpDef("select_rows", (X, Operand("rows", "i32")), _select_rows,
           doc="the rows listed (each sequence's last token)"),
     OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32", use="index"),),

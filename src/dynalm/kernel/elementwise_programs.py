@@ -1,6 +1,8 @@
 """Element-wise programs: RMSNorm, RoPE, SwiGLU / GeGLU, add, and the rest of the op table's
 element-wise ops (mul, scale, SiLU / GELU alone, a matmul's bias, column copies and gathers),
-so that every device runs one definition of each op.
+so that every device runs one definition of each op; and the encoder's (``bert.lum``):
+LayerNorm with bias, GELU (erf), bidirectional attention within each sequence, pooling
+(mean / CLS / last) and L2 normalisation.
 
 Each is specialised on its constant shapes (row width, head size, eps, rope layout) and
 written as explicit vector loops of the backend's width (``target.lanes``) plus a 1-lane
@@ -25,8 +27,11 @@ from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
 
 ARRAYS = {
     "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3,
-    "rms_norm": 3, "rope": 5,
+    "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
+    "encoder_attention": 5,
 }  # fmt: skip  # addresses after the count
+# pooling modes, numbered as llama.cpp's ``{arch}.pooling_type`` (0 none, 4 rank: not here)
+POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
 # RMSNorm sums its squares in 8 lanes on every backend: the one reduction here, and its
 # order is the contract (auto mode rounds the normalised activations to int8, where a
 # last-bit difference can flip a rounding and, through the layers, a greedy token), so a
@@ -232,6 +237,244 @@ def _build_rope(
     k.ret()
 
 
+def _row_sum(
+    k: Kernel, base: ir.Value, width: int, term: Callable[[ir.Value], ir.Value]
+) -> ir.Value:
+    """The sum over one row of ``term(values)``, in ``SUM_LANES`` lanes then a 1-lane tail
+    (the order RMSNorm sums in, whatever the backend's width)."""
+    acc = {w: k.var(const(vec(F32, w), 0.0)) for w in (SUM_LANES, 1)}
+
+    def step(i: ir.Value, w: int) -> None:
+        acc[w].set(k.add(acc[w].get(), term(k.add(base, i), w)))
+
+    k.lanes(k.i64(0), k.i64(width), SUM_LANES, step)
+    tail = k.b.extract_element(acc[1].get(), const(I32, 0))
+    return k.call(
+        f"llvm.vector.reduce.fadd.v{SUM_LANES}f32",
+        F32,
+        tail,
+        acc[SUM_LANES].get(),
+        flags=("reassoc",),
+    )
+
+
+def _build_layer_norm(module: Module, width: int, eps: float) -> None:
+    """Per row: out = (x - mean) / sqrt(var + eps) * w + b (var: the biased variance, as
+    torch's LayerNorm; two passes over the row, so no cancellation of large means)."""
+    k, rows, (out, x, weight, bias) = _kernel(module, "layer_norm")
+    lanes, n = k.target.lanes, float(width)
+
+    def row(r: ir.Value) -> None:
+        base = k.mul(r, k.i64(width))
+        mean = k.b.fdiv(_row_sum(k, base, width, lambda at, w: _floats(k, x, at, w)), const(F32, n))
+
+        def square(at: ir.Value, w: int) -> ir.Value:
+            d = k.sub(_floats(k, x, at, w), k.splat(mean, w))
+            return k.mul(d, d)
+
+        var = k.b.fdiv(_row_sum(k, base, width, square), const(F32, n))
+        inv = k.b.fdiv(const(F32, 1.0), k.call("llvm.sqrt.f32", F32, k.add(var, eps)))
+
+        def scale(i: ir.Value, w: int) -> None:
+            at = k.add(base, i)
+            d = k.mul(k.sub(_floats(k, x, at, w), k.splat(mean, w)), k.splat(inv, w))
+            _put(k, k.fma(d, _floats(k, weight, i, w), _floats(k, bias, i, w)), out, at)
+
+        k.lanes(k.i64(0), k.i64(width), lanes, scale)
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+# erf(z) = 1 - t (a1 + t (a2 + ...)) exp(-z^2), t = 1 / (1 + p z), z >= 0: Abramowitz and
+# Stegun 7.1.26, absolute error below 1.5e-7 (GELU's error is below 1e-7 |x|)
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _erf(k: Kernel, z: ir.Value) -> ir.Value:
+    ty = z.type
+    suffix = f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
+    a = k.call(f"llvm.fabs.{suffix}", ty, z)
+    t = k.b.fdiv(const(ty, 1.0), k.add(k.mul(a, _ERF_P), 1.0))
+    poly = const(ty, _ERF_A[-1])
+    for c in reversed(_ERF_A[:-1]):
+        poly = k.add(k.mul(poly, t), c)
+    e = k.exp(k.sub(const(ty, 0.0), k.mul(a, a)))
+    y = k.sub(const(ty, 1.0), k.mul(k.mul(poly, t), e))
+    return k.call(f"llvm.copysign.{suffix}", ty, y, z)
+
+
+def _build_gelu(module: Module) -> None:
+    """out = x / 2 (1 + erf(x / sqrt 2)) over ``count`` elements (BERT's exact GELU)."""
+    k, count, (out, x) = _kernel(module, "gelu")
+
+    def body(i: ir.Value, w: int) -> None:
+        v = _floats(k, x, i, w)
+        y = k.mul(k.mul(v, 0.5), k.add(_erf(k, k.mul(v, 1.0 / math.sqrt(2.0))), 1.0))
+        _put(k, y, out, i)
+
+    k.lanes(k.i64(0), count, k.target.lanes, body)
+    k.ret()
+
+
+def _build_l2_norm(module: Module, width: int) -> None:
+    """Per row: out = x / max(|x|, 1e-12) (torch's ``F.normalize``, as sentence-transformers'
+    Normalize module)."""
+    k, rows, (out, x) = _kernel(module, "l2_norm")
+
+    def row(r: ir.Value) -> None:
+        base = k.mul(r, k.i64(width))
+        total = _row_sum(
+            k, base, width, lambda at, w: k.mul(_floats(k, x, at, w), _floats(k, x, at, w))
+        )
+        norm = k.call(
+            "llvm.maxnum.f32", F32, k.call("llvm.sqrt.f32", F32, total), const(F32, 1e-12)
+        )
+        inv = k.b.fdiv(const(F32, 1.0), norm)
+        k.lanes(
+            k.i64(0),
+            k.i64(width),
+            k.target.lanes,
+            lambda i, w: _put(
+                k, k.mul(_floats(k, x, k.add(base, i), w), k.splat(inv, w)), out, k.add(base, i)
+            ),
+        )
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _sequence(k: Kernel, last: ir.Value, s: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Sequence ``s``'s first and last rows of the step: sequences lie one after the other,
+    and ``last`` holds each one's last row (int64), so it starts after the previous one's."""
+    end = k.load(I64, k.index(last, s, I64), align=8)
+    prev = k.load(I64, k.index(last, k.smax(k.sub(s, 1), k.i64(0)), I64), align=8)
+    start = k.select(k.b.icmp_signed("==", s, k.i64(0)), k.i64(0), k.add(prev, 1))
+    return start, end
+
+
+def _build_pool(module: Module, width: int, mode: int) -> None:
+    """Per sequence: the mean of its rows (``POOL_MEAN``), its first row (``POOL_CLS``) or
+    its last (``POOL_LAST``)."""
+    k, seqs, (out, x, last) = _kernel(module, "pool")
+    lanes, d = k.target.lanes, k.i64(width)
+
+    def seq(s: ir.Value) -> None:
+        start, end = _sequence(k, last, s)
+        dst = k.mul(s, d)
+        if mode != POOL_MEAN:
+            src = k.mul(start if mode == POOL_CLS else end, d)
+            k.lanes(
+                k.i64(0),
+                d,
+                lanes,
+                lambda i, w: _put(k, _floats(k, x, k.add(src, i), w), out, k.add(dst, i)),
+            )
+            return
+        k.lanes(
+            k.i64(0), d, lanes, lambda i, w: _put(k, const(vec(F32, w), 0.0), out, k.add(dst, i))
+        )
+
+        def add_row(t: ir.Value) -> None:
+            src = k.mul(t, d)
+
+            def acc(i: ir.Value, w: int) -> None:
+                at = k.add(dst, i)
+                _put(k, k.add(_floats(k, out, at, w), _floats(k, x, k.add(src, i), w)), out, at)
+
+            k.lanes(k.i64(0), d, lanes, acc)
+
+        k.loop(start, k.add(end, 1), 1, add_row)
+        n = k.convert(k.add(k.sub(end, start), 1), F32)
+        inv = k.b.fdiv(const(F32, 1.0), n)
+        k.lanes(
+            k.i64(0),
+            d,
+            lanes,
+            lambda i, w: _put(
+                k, k.mul(_floats(k, out, k.add(dst, i), w), k.splat(inv, w)), out, k.add(dst, i)
+            ),
+        )
+
+    k.loop(0, seqs, 1, seq)
+    k.ret()
+
+
+def _build_encoder_attention(module: Module, n_heads: int, head_dim: int, scale: float) -> None:
+    """Bidirectional attention: each query of a sequence attends to every key of that
+    sequence (no mask; sequences of different lengths packed one after another, no
+    padding). Two passes over the keys per query and head: the largest score, then the
+    softmax weights and the weighted sum of the values. Runs over the step's sequences."""
+    k, seqs, (out, q, key, val, last) = _kernel(module, "encoder_attention")
+    lanes, width, hd = k.target.lanes, n_heads * head_dim, k.i64(head_dim)
+
+    def score(qa: ir.Value, j: ir.Value, h: ir.Value) -> ir.Value:
+        ka = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
+        dot = _row_sum(
+            k,
+            k.i64(0),
+            head_dim,
+            lambda i, w: k.mul(_floats(k, q, k.add(qa, i), w), _floats(k, key, k.add(ka, i), w)),
+        )
+        return k.mul(dot, scale)
+
+    def seq(s: ir.Value) -> None:
+        start, end = _sequence(k, last, s)
+        stop = k.add(end, 1)
+
+        def token(t: ir.Value) -> None:
+            def head(h: ir.Value) -> None:
+                qa = k.add(k.mul(t, k.i64(width)), k.mul(h, hd))
+                best = k.var(const(F32, -3.0e38), F32)
+                k.loop(
+                    start,
+                    stop,
+                    1,
+                    lambda j: best.set(k.call("llvm.maxnum.f32", F32, best.get(), score(qa, j, h))),
+                )
+                k.lanes(
+                    k.i64(0),
+                    hd,
+                    lanes,
+                    lambda i, w: _put(k, const(vec(F32, w), 0.0), out, k.add(qa, i)),
+                )
+                total = k.var(const(F32, 0.0), F32)
+
+                def weigh(j: ir.Value) -> None:
+                    p = k.exp(k.sub(score(qa, j, h), best.get()))
+                    total.set(k.add(total.get(), p))
+                    va = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
+
+                    def acc(i: ir.Value, w: int) -> None:
+                        at = k.add(qa, i)
+                        v = _floats(k, val, k.add(va, i), w)
+                        _put(k, k.fma(k.splat(p, w), v, _floats(k, out, at, w)), out, at)
+
+                    k.lanes(k.i64(0), hd, lanes, acc)
+
+                k.loop(start, stop, 1, weigh)
+                inv = k.b.fdiv(const(F32, 1.0), total.get())
+                k.lanes(
+                    k.i64(0),
+                    hd,
+                    lanes,
+                    lambda i, w: _put(
+                        k,
+                        k.mul(_floats(k, out, k.add(qa, i), w), k.splat(inv, w)),
+                        out,
+                        k.add(qa, i),
+                    ),
+                )
+
+            k.loop(0, n_heads, 1, head)
+
+        k.loop(start, stop, 1, token)
+
+    k.loop(0, seqs, 1, seq)
+    k.ret()
+
+
 PROGRAMS = {
     "add": Program("ew_add", _build_add),
     "mul": Program("ew_mul", _build_mul),
@@ -242,4 +485,9 @@ PROGRAMS = {
     "columns": Program("ew_columns", _build_columns),
     "rms_norm": Program("ew_rms_norm", _build_rms_norm),
     "rope": Program("ew_rope", _build_rope),
+    "layer_norm": Program("ew_layer_norm", _build_layer_norm),
+    "gelu": Program("ew_gelu", _build_gelu),
+    "l2_norm": Program("ew_l2_norm", _build_l2_norm),
+    "pool": Program("ew_pool", _build_pool),
+    "encoder_attention": Program("ew_encoder_attention", _build_encoder_attention),
 }

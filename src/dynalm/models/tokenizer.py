@@ -6,6 +6,9 @@ HF tokenizer from them, the way transformers' GGUF loader does, with the pre-tok
 llama.cpp picks from ``tokenizer.ggml.pre``:
 
 * ``gpt2``: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM ...).
+* ``bert``: WordPiece (BERT encoders), from llama.cpp's spelling of the vocabulary (a word's
+  first piece starts with "▁", a continuation has no "##"), lower-cased as BERT's uncased
+  models are, with ``[CLS]`` before and ``[SEP]`` after the text.
 * ``llama``: sentencepiece BPE with byte fallback (``<0x..>`` tokens), spaces written as "▁" and
   an optional "▁" prefix; merges come from the file or are recovered from the token scores.
 
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from dynalm.errors import InvalidRequest, ModelFormatError, ModelNotFound, UnsupportedModel, show
@@ -129,6 +132,36 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 def _token_id(metadata: dict, name: str, n_tokens: int) -> int | None:
     """``tokenizer.ggml.{name}_token_id``: an id of the vocabulary, or None when absent."""
     return integer(metadata, f"tokenizer.ggml.{name}_token_id", None, hi=n_tokens - 1)
+
+
+def _first(*ids: int | None) -> int | None:
+    return next((i for i in ids if i is not None), None)
+
+
+def _wordpiece(tokens: list[str], types: list[int]) -> HFTokenizer:
+    """BERT's WordPiece from a vocabulary as llama.cpp's converter writes it (``phantom``:
+    control tokens kept, a continuation's "##" dropped, "▁" before every other token; an
+    unknown token is read as it is too, with or without its "▁")."""
+    vocab: dict[str, int] = {}
+    unk = "[UNK]"
+    for i, (tok, ty) in enumerate(zip(tokens, types, strict=True)):
+        if ty == _CONTROL or (ty == _UNKNOWN and not tok.startswith("▁")):
+            piece = tok
+        else:
+            piece = tok[1:] if tok.startswith("▁") else "##" + tok
+        vocab.setdefault(piece, i)
+        if ty == _UNKNOWN:
+            unk = piece
+    if unk not in vocab:
+        raise ModelFormatError(
+            f"the WordPiece vocabulary has no unknown token ({show(unk)} is no token and no "
+            "token is of type unknown)"
+        )
+    hf = HFTokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    hf.normalizer = normalizers.BertNormalizer(lowercase=True)
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece()
+    return hf
 
 
 def _byte_level_bpe(
@@ -261,9 +294,9 @@ class Tokenizer:
     def from_gguf_metadata(cls, metadata: dict) -> Tokenizer:
         """Build the tokenizer a GGUF describes (``tokenizer.ggml.*`` keys of its metadata)."""
         kind = text(metadata, "tokenizer.ggml.model", None)
-        if kind not in ("gpt2", "llama"):
+        if kind not in ("gpt2", "llama", "bert"):
             raise UnsupportedModel(
-                f"tokenizer.ggml.model {show(kind)} is not supported (supported: gpt2, llama)"
+                f"tokenizer.ggml.model {show(kind)} is not supported (supported: gpt2, llama, bert)"
             )
         tokens = strings(metadata, "tokenizer.ggml.tokens")
         if not tokens:
@@ -281,6 +314,9 @@ class Tokenizer:
         try:
             if kind == "gpt2":
                 hf = _byte_level_bpe(tokens, types, merges, pre)
+                space_prefix = False
+            elif kind == "bert":
+                hf = _wordpiece(tokens, types)
                 space_prefix = False
             else:
                 hf = _sentencepiece_bpe(tokens, merges, metadata, space_prefix)
@@ -301,6 +337,10 @@ class Tokenizer:
         n = len(tokens)
         _token_id(metadata, "unknown", n)  # only sentencepiece uses it, but it must be an id
         bos_id, eos_id = _token_id(metadata, "bos", n), _token_id(metadata, "eos", n)
+        if kind == "bert":  # [CLS] text [SEP], as llama.cpp's WordPiece adds them
+            cls_id, sep_id = _token_id(metadata, "cls", n), _token_id(metadata, "seperator", n)
+            bos_id = _first(cls_id, bos_id, hf.token_to_id("[CLS]"))
+            eos_id = _first(sep_id, eos_id, hf.token_to_id("[SEP]"))
         eog = [_token_id(metadata, k, n) for k in ("eos", "eot", "eom")]
         eog += [hf.token_to_id(t) for t in _EOG_TEXTS]
         return cls(
@@ -312,8 +352,8 @@ class Tokenizer:
             eos_id=eos_id,
             pad_id=_token_id(metadata, "padding", n),
             # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise
-            add_bos=flag(metadata, "tokenizer.ggml.add_bos_token", kind == "llama"),
-            add_eos=flag(metadata, "tokenizer.ggml.add_eos_token", False),
+            add_bos=flag(metadata, "tokenizer.ggml.add_bos_token", kind in ("llama", "bert")),
+            add_eos=flag(metadata, "tokenizer.ggml.add_eos_token", kind == "bert"),
             eog_ids=frozenset(i for i in eog if i is not None),
         )
 

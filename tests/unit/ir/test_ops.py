@@ -37,6 +37,12 @@ GOOD = {
     "select_rows": ([X, t("i32", "S")], [], {}),
     "gather_cols": ([X], [t("i32", 64)], {}),
     "split": ([X], [], {"start": 16, "width": 48, "view": True}),
+    "layer_norm": ([X], [t("f32", 64), t("f32", 64)], {"eps": 1e-12}),
+    "gelu": ([X], [], {}),
+    "encoder_attention": ([X, X, X, t("i32", "S")], [], {"n_heads": 4, "head_dim": 16,
+                          "scale": 0.25}),
+    "pool": ([X, t("i32", "S")], [], {"mode": 1}),
+    "l2_norm": ([t("f32", "S", 64)], [], {}),
 }  # fmt: skip
 BAD = [
     ("embed", ([X], [t("q8_0", 300, 64)], {}), "operand ids is i32, found tensor<f32, [T, 64]>"),
@@ -61,6 +67,19 @@ BAD = [
     ("gather_cols", ([X], [t("i32", 63)], {}), "by an index [63]: one per column"),
     ("gather_cols", ([X], [t("f32", 64)], {}), "weight index is i32, found tensor<f32, [64]>"),
     ("split", ([X], [], {"start": 16, "width": 64}), "columns 16+64 of [T, 64]"),
+    ("layer_norm", ([X], [t("f32", 64), t("f32", 63)], {"eps": 1e-12}),
+     "norm bias is [63], expected [64]"),
+    ("layer_norm", ([X], [t("f32", 64)], {"eps": 1e-12}), "layer_norm needs the weight bias"),
+    ("encoder_attention", ([X, X, X, t("i32", "S")], [], {"n_heads": 3, "head_dim": 16,
+     "scale": 0.25}), "a row of 64 is not 3 heads of 16"),
+    ("encoder_attention", ([X, t("f32", "T", 32), X, t("i32", "S")], [], {"n_heads": 2,
+     "head_dim": 32, "scale": 0.25}), "a row of 32 is not 2 heads of 32"),
+    ("encoder_attention", ([X, X, X, t("i32", "S", 2)], [], {"n_heads": 4, "head_dim": 16,
+     "scale": 0.25}), "the sequences' last rows are [S], found [S, 2]"),
+    ("pool", ([X, t("i32", "S")], [], {"mode": 0}), "attribute mode must be in [1, "),
+    ("pool", ([X, t("i32", "S")], [], {"mode": 4}),
+     "pooling mode 4 is not one of 1 (mean), 2 (cls), 3 (last)"),
+    ("pool", ([X, t("f32", "S")], [], {"mode": 1}), "operand last is i32"),
 ]  # fmt: skip
 
 

@@ -242,6 +242,44 @@ class CpuBinder(Binder):
         reference = {"silu": cpu_ops.silu, "gelu_tanh": cpu_ops.gelu_tanh}[node.op]
         return lambda: reference(v[o], v[args[0]])
 
+    # -- the encoder's ops (bert.lum) -----------------------------------------------
+    def _layer_norm(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, w = self._operands(node)
+        weight, bias = (self.prepare(name, "vector") for name in w)
+        eps = node.attrs["eps"]
+        if self._native:
+            return self._kernel(elementwise.layer_norm, out, ins[0], weight, bias, eps, rows=rows)
+        return lambda: cpu_ops.layer_norm(v[o], v[args[0]], weight, bias, eps)
+
+    def _gelu(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        if self._native:
+            return self._kernel(elementwise.gelu, out, ins[0], rows=rows)
+        return lambda: cpu_ops.gelu(v[o], v[args[0]])
+
+    def _l2_norm(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        if self._native:
+            return self._kernel(elementwise.l2_norm, out, ins[0], rows=rows)
+        return lambda: cpu_ops.l2_norm(v[o], v[args[0]])
+
+    def _pool(self, node: Node) -> Call:
+        v, (x, last), o, out, ins, rows, _ = self._operands(node)
+        mode = node.attrs["mode"]
+        if self._native:
+            return self._kernel(elementwise.pool_rows, out, *ins, mode, rows=rows)
+        return lambda: cpu_ops.pool(v[o], v[x], v[last], mode)
+
+    def _encoder_attention(self, node: Node) -> Call:
+        v, (q, k, vv, last), o, out, ins, _, _ = self._operands(node)
+        head_dim, scale = node.attrs["head_dim"], node.attrs["scale"]
+        if self._native:  # runs over the sequences: its count is S (one per sequence)
+            seqs = self.buffers.capacity
+            return self._kernel(
+                elementwise.encoder_attention, out, *ins, head_dim, scale, seqs, rows="S"
+            )
+        return lambda: cpu_ops.encoder_attention(v[o], v[q], v[k], v[vv], v[last], head_dim, scale)
+
     def _select_rows(self, node: Node) -> Call:
         v, args, o, *_ = self._operands(node)
         return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])

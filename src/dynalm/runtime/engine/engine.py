@@ -29,7 +29,14 @@ import numpy as np
 
 from dynalm.core.device import Device
 from dynalm.core.memory import trim_heap
-from dynalm.errors import DynaError, EngineFailure, InvalidRequest, PromptTooLong, QueueFull
+from dynalm.errors import (
+    DynaError,
+    EngineFailure,
+    InvalidRequest,
+    PromptTooLong,
+    QueueFull,
+    UnsupportedModel,
+)
 from dynalm.ir.executor import Executor
 from dynalm.models.loader import LoadedModel
 from dynalm.models.tokenizer import StreamDecoder
@@ -140,6 +147,11 @@ class Engine:
         """``memory_plan``: this start's plan of ``model`` on ``device`` with ``config``
         (``build_engine`` made it choosing the device), else planned here."""
         config = config or EngineConfig()
+        if "logits" not in model.graph.outputs:  # an encoder: no logits, no KV, whole inputs
+            raise UnsupportedModel(
+                f"{model.name} is an embedding model ({model.hparams.arch}): it cannot generate "
+                "text (dynalm embed, or /v1/embeddings of dynalm serve)"
+            )
         self.spec_stats = SpecStats()  # (zero without a drafter)
         self.planner = None if drafter is None else DraftPlanner(drafter, config, self.spec_stats)
         hp = model.hparams

@@ -50,34 +50,68 @@ DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: 5 minutes
 REAP_INTERVAL_S = 0.25  # how often expired idle models are looked for
 
 
-class ModelService:
-    """One loaded model and its engine, as the endpoints use it."""
+class ServedModel:
+    """What the manager keeps of any loaded model, whatever it serves: its names, holds,
+    size, keep-alive and expiry (`ModelService`: generation; `embeddings.EmbeddingService`:
+    vectors). ``metrics`` has a prometheus ``registry`` with ``model_name`` labels."""
 
-    def __init__(self, engine: Engine, model: LoadedModel, names: Sequence[str]) -> None:
-        self.engine = engine
+    def __init__(
+        self, model: LoadedModel, names: Sequence[str], *, device: str, size_bytes: int, ctx: int
+    ) -> None:
         self.model = model
         self.tokenizer = model.tokenizer
         self.names = list(dict.fromkeys(names))  # the first is the name answers carry
-        self.ctx = engine.config.ctx
+        self.ctx = ctx
+        self.active = 0  # requests holding it (`ModelManager.acquire` .. `release`)
+        self.path: Path = model.path
+        self.device = device
+        self.size_bytes = size_bytes  # what the memory budget counts
+        self.loaded_at = time.time()
+        self.last_used = time.monotonic()  # least-recently-used order of eviction
+        self.keep_alive = -1.0  # seconds after the last release (the latest request's)
+        self.expires_at: float | None = None  # time.time() of its unload; None: busy / forever
+        self.async_engine: AsyncEngine | None = None  # a generation model's engine thread
+
+    serves = "a model"  # what it is, as an endpoint that needs another kind says
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def start(self) -> None:
+        """Start what it runs in the event loop (nothing, unless it has an engine thread)."""
+
+    def shutdown(self, drain: bool = False) -> None:
+        """Stop what `start` started."""
+
+    def check_ids(self, ids: Sequence[int], what: str) -> None:
+        if bad := [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]:
+            raise InvalidRequest(
+                f"{what}: token id {bad[0]} is outside the vocabulary "
+                f"(0..{self.tokenizer.vocab_size - 1})"
+            )
+
+
+class ModelService(ServedModel):
+    """One loaded generation model and its engine, as the endpoints use it."""
+
+    serves = "a generation model"
+
+    def __init__(self, engine: Engine, model: LoadedModel, names: Sequence[str]) -> None:
+        # the size is the engine's plan: weights + KV pool + step buffers
+        super().__init__(
+            model,
+            names,
+            device=engine.device.name,
+            size_bytes=engine.memory_plan.device_bytes,
+            ctx=engine.config.ctx,
+        )
+        self.engine = engine
         # Each character is at least one byte, so text of more characters than the context's
         # tokens can stand for cannot fit: it is refused before the tokenizer spends time on it.
         longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
         self.max_text_chars = self.ctx * longest
         self.metrics = ServerMetrics(engine, self.names[0])
-        self.async_engine: AsyncEngine | None = None  # started in the event loop (`start`)
-        self.active = 0  # requests holding it (`ModelManager.acquire` .. `release`)
-        self.path: Path = model.path
-        self.device: str = engine.device.name
-        # what the memory budget counts: weights + KV pool + step buffers, as planned
-        self.size_bytes: int = engine.memory_plan.device_bytes
-        self.loaded_at = time.time()
-        self.last_used = time.monotonic()  # least-recently-used order of eviction
-        self.keep_alive = -1.0  # seconds after the last release (the latest request's)
-        self.expires_at: float | None = None  # time.time() of its unload; None: busy / forever
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
 
     def start(self) -> None:
         if self.async_engine is None:
@@ -87,15 +121,6 @@ class ModelService:
         """Stop its engine thread; requests still running end with finish_reason "abort"."""
         if self.async_engine is not None:
             self.async_engine.shutdown(drain=drain)
-
-    # --- checks
-
-    def check_ids(self, ids: Sequence[int], what: str) -> None:
-        if bad := [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]:
-            raise InvalidRequest(
-                f"{what}: token id {bad[0]} is outside the vocabulary "
-                f"(0..{self.tokenizer.vocab_size - 1})"
-            )
 
     # --- tokenising (blocking: called through asyncio.to_thread)
 
@@ -185,9 +210,9 @@ class ModelService:
 class PreparedModel(Protocol):
     """A model about to be loaded: its memory plan is known, nothing large is read yet."""
 
-    size_bytes: int  # what `ModelService.size_bytes` will be
+    size_bytes: int  # what `ServedModel.size_bytes` will be
 
-    def load(self) -> ModelService: ...
+    def load(self) -> ServedModel: ...
 
 
 class ModelManager:
@@ -217,9 +242,9 @@ class ModelManager:
         self.keep_alive = keep_alive
         self.max_memory = max_memory
         self.max_loaded = max_loaded
-        self._loaded: dict[str, ModelService] = {}  # by the name it was loaded for
-        self._loading: dict[str, asyncio.Future[ModelService]] = {}
-        self._closing: set[ModelService] = set()  # unloading: their memory is not free yet
+        self._loaded: dict[str, ServedModel] = {}  # by the name it was loaded for
+        self._loading: dict[str, asyncio.Future[ServedModel]] = {}
+        self._closing: set[ServedModel] = set()  # unloading: their memory is not free yet
         self._load_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # unloads `release` started
@@ -227,7 +252,7 @@ class ModelManager:
         self.loads = 0  # loads started (tests count them)
 
     @classmethod
-    def of(cls, services: Sequence[ModelService]) -> ModelManager:
+    def of(cls, services: Sequence[ServedModel]) -> ModelManager:
         """A manager of models loaded already, kept for the server's life (the first is the
         default): what a test server or an embedding program builds."""
         if not services:
@@ -250,7 +275,7 @@ class ModelManager:
         return list(dict.fromkeys([*names, *(n for s in self.loaded() for n in s.names)]))
 
     @property
-    def default(self) -> ModelService | None:
+    def default(self) -> ServedModel | None:
         """The model a request that names none gets (the first one served), if loaded;
         None when the server was started with no model."""
         return None if not self._names else self._loaded.get(self._names[0])
@@ -281,16 +306,16 @@ class ModelManager:
             code="model_not_found",
         )
 
-    def lookup(self, name: str | None) -> ModelService | None:
+    def lookup(self, name: str | None) -> ServedModel | None:
         """The loaded model ``name`` names (None: not loaded now); 404 if it names none."""
         return self._loaded.get(self._key(name))
 
-    def loaded(self) -> list[ModelService]:
+    def loaded(self) -> list[ServedModel]:
         return list(self._loaded.values())
 
     # --- holding a model
 
-    async def acquire(self, name: str | None, keep_alive: float | None = None) -> ModelService:
+    async def acquire(self, name: str | None, keep_alive: float | None = None) -> ServedModel:
         """The model a request names (None: the default), loaded if need be and held until
         `release`; ``keep_alive``: seconds it stays loaded after that (None: the server's)."""
         key = self._key(name)
@@ -309,12 +334,12 @@ class ModelManager:
             await asyncio.shield(loading)
             # loaded (and, rarely, evicted again before this waiter ran: load it again)
 
-    def _loaded_or_failed(self, key: str, loading: asyncio.Future[ModelService]) -> None:
+    def _loaded_or_failed(self, key: str, loading: asyncio.Future[ServedModel]) -> None:
         self._loading.pop(key, None)  # a failure is not kept: the next request tries again
         if not loading.cancelled():
             loading.exception()  # seen, even if every waiter went away (no asyncio warning)
 
-    def release(self, service: ModelService) -> None:
+    def release(self, service: ServedModel) -> None:
         service.active -= 1
         service.last_used = time.monotonic()
         if service.active > 0:
@@ -328,7 +353,7 @@ class ModelManager:
 
     # --- loading and unloading
 
-    async def _load(self, key: str) -> ModelService:
+    async def _load(self, key: str) -> ServedModel:
         async with self._load_lock:  # one load at a time: the room each finds is settled
             if (service := self._loaded.get(key)) is not None:
                 return service
@@ -403,7 +428,7 @@ class ModelManager:
         await self.unload_service(service)
         return True
 
-    async def unload_service(self, service: ModelService) -> None:
+    async def unload_service(self, service: ServedModel) -> None:
         """Shut ``service``'s engine down and drop this manager's references to it; its
         memory is freed once the last response using it is gone (there is none: it is idle)."""
         key = next((k for k, s in self._loaded.items() if s is service), None)

@@ -36,7 +36,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -58,6 +58,7 @@ from dynalm.runtime.serve.asgi import (
     install_openapi,
 )
 from dynalm.runtime.serve.chat_page import install_chat_page
+from dynalm.runtime.serve.embeddings import install_embeddings
 from dynalm.runtime.serve.generation import (
     ChatFormat,
     CompletionFormat,
@@ -68,12 +69,13 @@ from dynalm.runtime.serve.generation import (
 )
 from dynalm.runtime.serve.metrics import CONTENT_TYPE
 from dynalm.runtime.serve.metrics import render as render_metrics
-from dynalm.runtime.serve.models import ModelManager, ModelService
+from dynalm.runtime.serve.models import ModelManager, ModelService, ServedModel
 from dynalm.runtime.serve.ollama import install_ollama
 from dynalm.runtime.serve.prompt_format import PromptEcho
 from dynalm.store.catalog import ModelStore
 
 log = logging.getLogger(__name__)
+S = TypeVar("S", bound=ServedModel)
 
 SHUTDOWN_GRACE_S = 30  # after SIGTERM, in-flight requests get this long before being aborted
 _FLUSH_S = 5  # then this long to send their last chunks
@@ -150,6 +152,7 @@ class OpenAIServer:
         )(self.prometheus)
 
         install_ollama(app, self, guarded)
+        install_embeddings(app, self.serving, guarded)
         install_chat_page(app)
         return app
 
@@ -175,16 +178,23 @@ class OpenAIServer:
     async def serving(
         self,
         name: str | None,
-        work: Callable[[ModelService], Awaitable[Response]],
+        work: Callable[[S], Awaitable[Response]],
         keep_alive: float | None = None,
+        kind: type[S] = ModelService,  # type: ignore[assignment]
     ) -> Response:
         """Run ``work`` on the model a request names (loaded if need be), holding that model
         until the response has ended: a stream hands its hold to the stream, which lets go
-        when it closes. ``keep_alive``: the request's (None: the server's)."""
+        when it closes. ``keep_alive``: the request's (None: the server's); ``kind``: what
+        the endpoint needs (a generation model, or an embedding model): another is a 400."""
         self._check_open()
         service = await self.models.acquire(name, keep_alive)
         handed = False
         try:
+            if not isinstance(service, kind):
+                raise InvalidRequest(
+                    f"the model '{p.clip(service.name, 100)}' is {service.serves} "
+                    f"({service.model.hparams.arch}); this endpoint needs {kind.serves}"
+                )
             response = await work(service)
             if isinstance(response, EventStream):
                 response.on_close(functools.partial(self.models.release, service))
