@@ -63,8 +63,29 @@ def family_model(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[Loa
     model.gguf.close()
 
 
-def test_every_op_of_the_table_has_a_gpu_kernel():
-    assert set(CudaBinder.OP_TABLE) == set(OPS)
+# The encoder's ops (bert.lum) run per sequence over packed rows, which the GPU's row split
+# of element-wise kernels does not cover yet: the device says so, and auto takes the CPU.
+ENCODER_OPS = {"layer_norm", "gelu", "encoder_attention", "pool", "l2_norm"}
+
+
+def test_every_op_of_the_table_has_a_gpu_kernel_but_the_encoders():
+    assert set(OPS) - set(CudaBinder.OP_TABLE) == ENCODER_OPS
+    assert set(CudaBinder.OP_TABLE) <= set(OPS)
+
+
+def test_an_encoder_on_the_gpu_names_the_op_and_auto_takes_the_cpu(tmp_path, monkeypatch):
+    import tiny_bert
+
+    path = tiny_bert.write_gguf(tiny_bert.reference_model(), tmp_path / "b.gguf", qtype=Q8_0)
+    graph = load_model(path).graph
+    gpu = EmulatedLibcuda()
+    monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
+    why = unsupported(cuda(gpu), graph)
+    assert why is not None and "no kernel for op 'layer_norm'" in why, why
+    ask = lambda device: unsupported(device, graph)  # noqa: E731
+    assert isinstance(select_device("auto", "auto", unsupported=ask), CpuDevice)
+    with pytest.raises(DeviceUnavailable, match="cuda: .*no kernel for op 'layer_norm'"):
+        select_device("gpu", "auto", unsupported=ask)
 
 
 @pytest.mark.parametrize("mode", ["auto", "exact"])
