@@ -26,7 +26,13 @@ from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.serve.asgi import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from dynalm.runtime.serve.models import ModelManager, ModelService
-from dynalm.runtime.serve.server import OpenAIServer, bind_socket, make_server, url_of
+from dynalm.runtime.serve.server import (
+    HEAD_TIMEOUT_S,
+    OpenAIServer,
+    bind_socket,
+    make_server,
+    url_of,
+)
 from dynalm.store.catalog import ModelStore
 
 MODEL = "smollm2:135m"
@@ -76,6 +82,7 @@ def live_server(
     body_timeout_s: float = BODY_TIMEOUT_S,
     host: str = "127.0.0.1",
     store: ModelStore | None = None,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
     **config: int,
 ) -> Iterator[LiveServer]:
     engine = Engine(model, CpuDevice(), EngineConfig(**config))
@@ -87,6 +94,7 @@ def live_server(
         body_timeout_s=body_timeout_s,
         host=host,
         store=store,
+        head_timeout_s=head_timeout_s,
     ) as server:
         yield server
 
@@ -100,6 +108,7 @@ def live_models(
     body_timeout_s: float = BODY_TIMEOUT_S,
     host: str = "127.0.0.1",
     store: ModelStore | None = None,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
 ) -> Iterator[LiveServer]:
     """A live server of the models ``models`` manages (`live_server`: one model)."""
     # never the user's store: /api/delete and /api/pull (fuzzed too) must not touch it
@@ -113,7 +122,7 @@ def live_models(
         store=store,
     )
     sock = bind_socket(host, 0)
-    server = make_server(api)
+    server = make_server(api, head_timeout_s=head_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

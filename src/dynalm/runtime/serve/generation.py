@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from dynalm.errors import InvalidRequest
 from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime.engine.engine import RequestOutput, TokenLogprob
+from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.serve import protocol as p
@@ -509,3 +511,39 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     if not finished:
         raise ClientGone
     return task.result()
+
+
+async def run_generation(
+    request: Request,
+    service: ModelService,
+    req: p.SamplingRequest,
+    prompts: list[list[int]],
+    fmt: Format,
+    guide: Guide | None = None,
+) -> Response:
+    """Run ``prompts`` (``req.n`` copies each) and answer in ``fmt``: a stream as soon as
+    the engine has queued them, or the collected response."""
+    count, most = len(prompts) * req.n, service.engine.config.max_queue
+    if count > most:  # more than could ever wait at once: retrying would not help
+        raise InvalidRequest(
+            f"{len(prompts)} prompt(s) x n={req.n} ask for {count} completions; "
+            f"this server takes at most {most} in one request"
+        )
+    jobs = [(prompt, service.params(req, prompt, j)) for prompt in prompts for j in range(req.n)]
+    options = {
+        "logprobs": req.top_logprob_count,
+        "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
+        "guide": guide,
+        "prompt_logprobs": req.prompt_logprob_count,
+    }
+    gen = Generation(service, fmt.id, jobs, req.n, options, fmt.complete)
+    try:
+        await until_disconnect(request, gen.admitted())
+        if req.stream:
+            return EventStream(gen, fmt.stream(gen, req.include_usage), fmt.media_type)
+        await until_disconnect(request, gen.collect())
+    except BaseException:
+        gen.close()
+        raise
+    # reading tool calls out of the text is off the event loop, however long the answer
+    return JSONResponse(await asyncio.to_thread(fmt.body, gen))

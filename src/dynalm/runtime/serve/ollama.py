@@ -2,7 +2,7 @@
 
 Nothing here generates text: a ``/api/chat`` or ``/api/generate`` request is translated into
 the OpenAI request it means (`p.ChatCompletionRequest`, `p.CompletionRequest`), run by
-`OpenAIServer.generate` like any other, and its outputs written as Ollama writes them
+`generation.run_generation` like any other, and its outputs written as Ollama writes them
 (`_OllamaChat`, `_OllamaGenerate`: NDJSON lines, or one object with ``stream: false``).
 ``options`` are checked against the same ranges as OpenAI's fields (`protocol`'s types);
 Ollama's options this server has no use for (``num_gpu``, ``mirostat`` ...) are ignored, as
@@ -41,11 +41,16 @@ from dynalm.core.quant import tensor_type_name
 from dynalm.errors import DynaError, InvalidRequest, ModelNotFound
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hf_dir import HFDirectory
-from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.serve import protocol as p
 from dynalm.runtime.serve import tools
 from dynalm.runtime.serve.asgi import APIError, OllamaError, error_responses
-from dynalm.runtime.serve.generation import ChatFormat, Choice, Format, Generation
+from dynalm.runtime.serve.generation import (
+    ChatFormat,
+    Choice,
+    Format,
+    Generation,
+    run_generation,
+)
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.structured import Constraint
 from dynalm.runtime.serve.tools import MAX_TOOLS, Tool
@@ -64,17 +69,8 @@ class OpenAIServer(Protocol):
         name: str | None,
         work: Callable[[ModelService], Awaitable[Response]],
         keep_alive: float | None = None,
-    ) -> Response: ...
+    ) -> Response: ...  # a generation model (its default kind)
 
-    async def generate(
-        self,
-        request: Request,
-        service: ModelService,
-        req: p.SamplingRequest,
-        prompts: list[list[int]],
-        fmt: Format,
-        guide: Guide | None = None,
-    ) -> Response: ...
 
 NDJSON = "application/x-ndjson"
 EMBEDDINGS_ISSUE = 27  # "Embeddings and reranking": /api/embed waits for it
@@ -619,7 +615,7 @@ class OllamaAPI:
             req.max_tokens = self._limit(service, body.options, len(ids))
             guide = await asyncio.to_thread(service.guide, req, plan)
             fmt = _OllamaChat(body.model, service, plan, time.monotonic() - load_s, load_s)
-            return await self.api.generate(request, service, req, [ids], fmt, guide)
+            return await run_generation(request, service, req, [ids], fmt, guide)
 
         return await self._serving(body, work)
 
@@ -643,7 +639,7 @@ class OllamaAPI:
             req.max_tokens = self._limit(service, body.options, len(ids))
             guide = await asyncio.to_thread(service.guide, req)
             fmt = _OllamaGenerate(body.model, service, time.monotonic() - load_s, load_s)
-            return await self.api.generate(request, service, req, [ids], fmt, guide)
+            return await run_generation(request, service, req, [ids], fmt, guide)
 
         return await self._serving(body, work)
 

@@ -42,9 +42,9 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dynalm.errors import InvalidRequest, show
-from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.serve import protocol as p
 from dynalm.runtime.serve import tools
 from dynalm.runtime.serve.asgi import (
@@ -63,9 +63,7 @@ from dynalm.runtime.serve.generation import (
     ChatFormat,
     CompletionFormat,
     EventStream,
-    Format,
-    Generation,
-    until_disconnect,
+    run_generation,
 )
 from dynalm.runtime.serve.metrics import CONTENT_TYPE
 from dynalm.runtime.serve.metrics import render as render_metrics
@@ -77,6 +75,7 @@ from dynalm.store.catalog import ModelStore
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=ServedModel)
 
+HEAD_TIMEOUT_S = 30.0  # a request's line and headers must arrive within this, from its start
 SHUTDOWN_GRACE_S = 30  # after SIGTERM, in-flight requests get this long before being aborted
 _FLUSH_S = 5  # then this long to send their last chunks
 
@@ -204,46 +203,6 @@ class OpenAIServer:
             if not handed:
                 self.models.release(service)
 
-    # --- generation
-
-    async def generate(
-        self,
-        request: Request,
-        service: ModelService,
-        req: p.SamplingRequest,
-        prompts: list[list[int]],
-        fmt: Format,
-        guide: Guide | None = None,
-    ) -> Response:
-        """Run ``prompts`` (``req.n`` copies each) and answer in ``fmt``: a stream as soon as
-        the engine has queued them, or the collected response."""
-        count, most = len(prompts) * req.n, service.engine.config.max_queue
-        if count > most:  # more than could ever wait at once: retrying would not help
-            raise InvalidRequest(
-                f"{len(prompts)} prompt(s) x n={req.n} ask for {count} completions; "
-                f"this server takes at most {most} in one request"
-            )
-        jobs = [
-            (prompt, service.params(req, prompt, j)) for prompt in prompts for j in range(req.n)
-        ]
-        options = {
-            "logprobs": req.top_logprob_count,
-            "stop_ids": frozenset() if req.ignore_eos else None,  # None: the model's own
-            "guide": guide,
-            "prompt_logprobs": req.prompt_logprob_count,
-        }
-        gen = Generation(service, fmt.id, jobs, req.n, options, fmt.complete)
-        try:
-            await until_disconnect(request, gen.admitted())
-            if req.stream:
-                return EventStream(gen, fmt.stream(gen, req.include_usage), fmt.media_type)
-            await until_disconnect(request, gen.collect())
-        except BaseException:
-            gen.close()
-            raise
-        # reading tool calls out of the text is off the event loop, however long the answer
-        return JSONResponse(await asyncio.to_thread(fmt.body, gen))
-
     # --- endpoints
 
     async def chat_completions(self, body: p.ChatCompletionRequest, request: Request) -> Response:
@@ -255,7 +214,7 @@ class OpenAIServer:
             ids = await asyncio.to_thread(service.chat_ids, body.messages, True, plan)
             guide = await asyncio.to_thread(service.guide, body, plan)
             fmt = ChatFormat(service.name, service.tokenizer, body.logprobs, plan)
-            return await self.generate(request, service, body, [ids], fmt, guide)
+            return await run_generation(request, service, body, [ids], fmt, guide)
 
         return await self.serving(body.model, work, body.keep_alive)
 
@@ -279,7 +238,7 @@ class OpenAIServer:
             fmt = CompletionFormat(
                 service.name, service.tokenizer, body.logprobs is not None, echo, prompts, body.n
             )
-            return await self.generate(request, service, body, prompts, fmt, guide)
+            return await run_generation(request, service, body, prompts, fmt, guide)
 
         return await self.serving(body.model, work, body.keep_alive)
 
@@ -402,11 +361,68 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class HeadDeadline(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with a deadline on each request's head (request line and
+    headers): uvicorn times out only idle keep-alive connections, so a client that opened a
+    connection, or began a request, and never finished its headers held a connection for
+    good (slowloris). Past ``HEAD_TIMEOUT_S`` it gets a 408 and the connection is closed;
+    the body has its own deadline (`asgi.BodyLimit`)."""
+
+    head_timeout_s = HEAD_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _too_slow(self) -> None:
+        self._head_timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # between a pipelined request's head and its response: not ours to cut
+        if not self.transport.is_closing():
+            self.transport.write(_HEAD_TIMEOUT_RESPONSE)
+            self.transport.close()
+
+
+_HEAD_TIMEOUT_BODY = b"the request's headers did not arrive in time\n"
+_HEAD_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY)
+)
+
+
 def make_server(
-    api: OpenAIServer, *, verbose: bool = False, shutdown_grace_s: float = SHUTDOWN_GRACE_S
+    api: OpenAIServer,
+    *,
+    verbose: bool = False,
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
 ) -> UvicornServer:
+    protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout_s": head_timeout_s})
     config = uvicorn.Config(
         api.app,
+        http=protocol,
         log_level="info" if verbose else "warning",
         access_log=verbose,
         lifespan="on",
