@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from serving import server_process
+from serving import live_models, server_process
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
@@ -180,3 +180,41 @@ def test_dynalm_serve_serves_an_embedding_model(bert, tmp_path: Path) -> None:
         assert [len(d["embedding"]) for d in r.json()["data"]] == [32, 32]
         r = http.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 400 and "is an embedding model" in r.text
+
+
+def test_ollamas_embed_endpoints(client: TestClient) -> None:
+    texts = ["hello world", "the cat sat on the mat."]
+    openai = client.post(URL, json={"model": "tiny-bert", "input": texts}).json()
+    r = client.post("/api/embed", json={"model": "tiny-bert", "input": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "tiny-bert"
+    assert body["embeddings"] == [d["embedding"] for d in openai["data"]]
+    assert body["prompt_eval_count"] == openai["usage"]["prompt_tokens"]
+    assert isinstance(body["total_duration"], int) and body["total_duration"] > 0
+    legacy = client.post("/api/embeddings", json={"model": "tiny-bert", "prompt": texts[0]})
+    assert legacy.status_code == 200 and list(legacy.json()) == ["embedding"]
+    # one text alone, not packed with another: the matmuls' tile (and fp32 summation order)
+    # follow the step's row count, so the last bits may differ
+    np.testing.assert_allclose(legacy.json()["embedding"], body["embeddings"][0], atol=1e-6)
+    long = " ".join(["cat"] * 40)  # past the tiny model's 32 positions: Ollama cuts it
+    assert client.post("/api/embed", json={"model": "tiny-bert", "input": long}).status_code == 200
+    cut = client.post("/api/embed", json={"model": "tiny-bert", "input": long, "truncate": False})
+    assert cut.status_code == 400 and "input[0]" in cut.json()["error"]
+    gone = client.post("/api/embed", json={"model": "nope", "input": "a"})
+    assert gone.status_code == 404 and gone.json()["error"].startswith("model 'nope' not found")
+    generator = client.post("/api/embed", json={"model": "tiny-qwen3", "input": "a"})
+    assert generator.status_code == 400 and "needs an embedding model" in generator.json()["error"]
+
+
+def test_the_official_ollama_client_embeds(client: TestClient, bert, tmp_path: Path) -> None:
+    import ollama
+
+    path = tiny_bert.write_gguf(bert, tmp_path / "tiny-bert.gguf", "mean")
+    service = EmbeddingService(
+        Embedder(load_model(path), backend="cpu", mode="exact"), ["tiny-bert"], 0
+    )
+    with live_models(ModelManager.of([service])) as server:
+        got = ollama.Client(host=server.url).embed(model="tiny-bert", input=["hello", "cat"])
+    want = client.post(URL, json={"model": "tiny-bert", "input": ["hello", "cat"]}).json()
+    assert [list(v) for v in got.embeddings] == [d["embedding"] for d in want["data"]]

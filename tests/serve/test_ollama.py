@@ -396,10 +396,20 @@ def test_malformed_json_and_unknown_paths(server: LiveServer) -> None:
         assert r.json()["error"]["type"] == "invalid_request_error"  # OpenAI's shape stays
 
 
-@pytest.mark.parametrize("path", ["/api/embed", "/api/embeddings"])
-def test_embeddings_are_501_naming_the_issue(server: LiveServer, path: str) -> None:
-    r = _post(server, path, {"model": MODEL, "input": "x"})
-    assert r.status_code == 501 and "issue 27" in r.json()["error"]
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/api/embed", {"input": "x"}), ("/api/embeddings", {"prompt": "x"})],
+)
+def test_a_generation_model_asked_to_embed_is_a_400(
+    server: LiveServer, path: str, body: dict[str, str]
+) -> None:
+    """(An embedding model's vectors through these: tests/serve/test_embeddings.py.)"""
+    r = _post(server, path, {"model": MODEL, **body})
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": f"the model '{MODEL}' is a generation model (llama); this endpoint needs an "
+        "embedding model"
+    }
 
 
 def test_api_key_guards_the_ollama_api(smollm2: LoadedModel) -> None:

@@ -44,6 +44,7 @@ from dynalm.models.hf_dir import HFDirectory
 from dynalm.runtime.serve import protocol as p
 from dynalm.runtime.serve import tools
 from dynalm.runtime.serve.asgi import APIError, OllamaError, error_responses
+from dynalm.runtime.serve.embeddings import EmbeddingRequest, EmbeddingService
 from dynalm.runtime.serve.generation import (
     ChatFormat,
     Choice,
@@ -51,7 +52,7 @@ from dynalm.runtime.serve.generation import (
     Generation,
     run_generation,
 )
-from dynalm.runtime.serve.models import ModelManager, ModelService
+from dynalm.runtime.serve.models import ModelManager, ModelService, ServedModel
 from dynalm.runtime.serve.structured import Constraint
 from dynalm.runtime.serve.tools import MAX_TOOLS, Tool
 from dynalm.store.catalog import ModelStore, StoredModel, is_local_path
@@ -67,13 +68,13 @@ class OpenAIServer(Protocol):
     async def serving(
         self,
         name: str | None,
-        work: Callable[[ModelService], Awaitable[Response]],
+        work: Callable[[Any], Awaitable[Response]],
         keep_alive: float | None = None,
-    ) -> Response: ...  # a generation model (its default kind)
+        kind: type[ServedModel] = ModelService,
+    ) -> Response: ...
 
 
 NDJSON = "application/x-ndjson"
-EMBEDDINGS_ISSUE = 27  # "Embeddings and reranking": /api/embed waits for it
 # Ollama's sampling defaults where a request's options leave a parameter out (its
 # repeat_penalty 1.1 is not taken: it counts only the last 64 tokens, ours every token)
 DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
@@ -114,20 +115,25 @@ class Options(BaseModel):
         return [v] if isinstance(v, str) else v
 
 
-class _OllamaRequest(BaseModel):
+class _ModelUse(BaseModel):
+    """A request that runs a model: its name and how long it stays loaded after."""
+
     model_config = _STRICT
 
     model: Annotated[str, Field(min_length=1)]
-    format: Literal["", "json"] | dict[str, Any] | None = None
-    options: Options = Field(default_factory=Options)
-    stream: bool = True
     keep_alive: float | int | str | None = None
-    think: bool | str | None = None
 
     @field_validator("keep_alive")
     @classmethod
     def _keep_alive(cls, v: Any) -> float | None:
         return p.keep_alive_seconds(v)
+
+
+class _OllamaRequest(_ModelUse):
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    options: Options = Field(default_factory=Options)
+    stream: bool = True
+    think: bool | str | None = None
 
     @field_validator("think")
     @classmethod
@@ -255,6 +261,18 @@ class GenerateRequest(_OllamaRequest):
             "conversation to /api/chat"
         )
     )
+
+
+class EmbedRequest(_ModelUse):
+    input: str | list[str]
+    truncate: bool = True  # Ollama's default: an input longer than the model's is cut to it
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict)  # none applies to an encoder
+
+
+class LegacyEmbeddingsRequest(EmbedRequest):
+    input: str | list[str] = ""  # this endpoint's text is ``prompt``
+    prompt: str
 
 
 class ModelRequest(BaseModel):
@@ -526,16 +544,19 @@ class OllamaAPI:
         )  # fmt: skip
 
     async def _serving(
-        self, req: _OllamaRequest, work: Callable[[ModelService, float], Any]
+        self,
+        req: _ModelUse,
+        work: Callable[[Any, float], Any],
+        kind: type[ServedModel] = ModelService,
     ) -> Response:
         """`OpenAIServer.serving` with Ollama's 404; ``work`` gets the load time too."""
         started = time.monotonic()
 
-        async def timed(service: ModelService) -> Response:
+        async def timed(service: ServedModel) -> Response:
             return await work(service, time.monotonic() - started)
 
         with self._ollamas_404(req.model):
-            return await self.api.serving(req.model, timed, req.keep_alive)
+            return await self.api.serving(req.model, timed, req.keep_alive, kind)
 
     @contextmanager
     def _ollamas_404(self, name: str) -> Iterator[None]:
@@ -776,12 +797,35 @@ class OllamaAPI:
 
         return StreamingResponse(ndjson(), media_type=NDJSON)
 
-    async def embed(self) -> Response:
-        raise APIError(
-            501,
-            f"embeddings are not implemented yet (issue {EMBEDDINGS_ISSUE}: embeddings and "
-            "reranking); this server generates text only",
-        )
+    async def embed(self, req: EmbedRequest) -> Response:
+        """Ollama's embeddings: one vector per input, of an embedding model (``truncate``:
+        Ollama's default is to cut an input to the model's length)."""
+
+        async def work(service: EmbeddingService, load_s: float) -> Response:
+            started = time.monotonic() - load_s
+            body = EmbeddingRequest(
+                model=req.model, input=req.input, truncate=req.truncate, dimensions=req.dimensions
+            )
+            out = await asyncio.to_thread(service.respond, body)
+            return JSONResponse({
+                "model": req.model,
+                "embeddings": [d["embedding"] for d in out["data"]],
+                "total_duration": _ns(time.monotonic() - started),
+                "load_duration": _ns(load_s),
+                "prompt_eval_count": out["usage"]["prompt_tokens"],
+            })  # fmt: skip
+
+        return await self._serving(req, work, EmbeddingService)
+
+    async def embeddings(self, req: LegacyEmbeddingsRequest) -> Response:
+        """Ollama's older endpoint: one ``prompt``, one ``embedding``."""
+
+        async def work(service: EmbeddingService, _: float) -> Response:
+            body = EmbeddingRequest(model=req.model, input=req.prompt, truncate=True)
+            out = await asyncio.to_thread(service.respond, body)
+            return JSONResponse({"embedding": out["data"][0]["embedding"]})
+
+        return await self._serving(req, work, EmbeddingService)
 
     async def version(self) -> dict[str, str]:
         return {"version": dynalm.__version__}
@@ -807,8 +851,8 @@ def install_ollama(app: FastAPI, api: OpenAIServer, guarded: list[Any]) -> None:
     post("/api/show", responses=lookup)(ollama.show)
     post("/api/pull", responses={**stream, **lookup})(ollama.pull)
     app.delete("/api/delete", dependencies=guarded, responses=lookup)(ollama.delete)
-    for path in ("/api/embed", "/api/embeddings"):  # not in the API document until they work
-        post(path, include_in_schema=False)(ollama.embed)
+    post("/api/embed", responses=lookup)(ollama.embed)
+    post("/api/embeddings", responses=lookup)(ollama.embeddings)
     app.get("/api/tags", dependencies=guarded, responses=errors(401))(ollama.tags)
     app.get("/api/ps", dependencies=guarded, responses=errors(401))(ollama.ps)
     app.get("/api/version", dependencies=guarded, responses=errors(401))(ollama.version)
