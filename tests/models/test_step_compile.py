@@ -35,12 +35,14 @@ def test_each_step_lowers_its_kernels_together(smollm2_gguf: Path, monkeypatch):
     device.backend = dataclasses.replace(device.backend, _lowered={})  # nothing lowered yet
     gen = Generator(Engine(load_model(smollm2_gguf), device, generator_config(64)))
     assert batches == []  # binding lowers nothing
-    gen.forward(list(range(1, 17)))  # prefill: T = 16, whole groups of every tile (no rest)
-    gen.forward([20])  # decode: T = 1
-    gen.forward([21])  # the same shape again: nothing new
+    # prefill: T = 24, whole groups of every tile (3-row wide AVX2 tile, 4-row tile, 8 lanes;
+    # no rest row left to a GEMV, so the decode step's GEMVs are new)
+    gen.forward(list(range(1, 25)))
+    gen.forward([30])  # decode: T = 1
+    gen.forward([31])  # the same shape again: nothing new
     assert len(batches) == 2 and one_at_a_time == []
     prefill, decode = ({s.get("mr") for b, p, s in batch if p.name == "mm"} for batch in batches)
-    # every tile a 16-row step uses is the GEMM tile of its bucket, the quantiser (no mr)
+    # every tile a 24-row step uses is the GEMM tile of its bucket, the quantiser (no mr)
     # and the GEMVs of the output (one logit row); a decode step adds only GEMVs
     assert None in prefill and max(prefill - {None}) > 1 and decode == {1}
     kinds = {p.name for _, p, _ in batches[0]}
