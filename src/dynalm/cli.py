@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from dynalm.models.loader import LoadedModel
     from dynalm.runtime.engine.build import EngineSpec
     from dynalm.runtime.engine.config import EngineConfig
-    from dynalm.runtime.engine.engine import Engine
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
@@ -219,28 +218,6 @@ NumDraftTokens = Annotated[
 MaxNumSeqs = Int(1, MAX_NUM_SEQS)
 
 
-def _engine(
-    model: LoadedModel,
-    config: EngineConfig,
-    backend: Backend,
-    cpu: bool,
-    gpu: bool,
-    mode: Mode,
-    threads: int | None,
-    draft: str | None = None,
-    speculative: str | None = None,
-) -> Engine:
-    """The engine of these flags (``build_engine``): on the device --backend/--cpu/--gpu,
-    --mode and --threads choose (a GPU only if it runs and holds ``model`` with ``config``),
-    with the drafter --draft (a model of the store, loaded here) or --speculative asks for.
-    --verbose logs its memory plan."""
-    from dynalm.runtime.engine.build import build_engine
-
-    return build_engine(
-        _engine_spec(model, config, backend, cpu, gpu, mode, threads, draft, speculative)
-    )
-
-
 def _engine_spec(
     model: LoadedModel,
     config: EngineConfig,
@@ -252,7 +229,11 @@ def _engine_spec(
     draft: str | None = None,
     speculative: str | None = None,
 ) -> EngineSpec:
-    """What `_engine` builds (a server plans it before it builds it)."""
+    """The engine these flags ask for, as ``build_engine`` takes it (a server plans it
+    before it builds it): on the device --backend/--cpu/--gpu, --mode and --threads choose
+    (a GPU only if it runs and holds ``model`` with ``config``), with the drafter --draft (a
+    model of the store, loaded here) or --speculative asks for. --verbose logs its memory
+    plan."""
     from dynalm.models.loader import load_model
     from dynalm.runtime.engine.build import EngineSpec
     from dynalm.runtime.engine.config import check_num_draft_tokens
@@ -551,7 +532,11 @@ def run(
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
         config = generator_config(_context(ctx, loaded), kv_cache_dtype.value, num_draft_tokens)
-        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+        from dynalm.runtime.engine.build import build_engine
+
+        engine = build_engine(
+            _engine_spec(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+        )
         generator, device = Generator(engine), engine.device
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
@@ -923,7 +908,9 @@ def perplexity(
         config = EngineConfig(
             ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
         )
-        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads)
+        from dynalm.runtime.engine.build import build_engine
+
+        engine = build_engine(_engine_spec(loaded, config, backend, cpu, gpu, mode, threads))
         ids = tok.encode(text, add_special=False)
         bos = tok.bos_id if tok.add_bos else None
         columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
