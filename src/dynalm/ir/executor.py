@@ -14,7 +14,7 @@ source's columns, which rope and attention read with a row stride.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -239,9 +239,11 @@ class Executor:
         positions: np.ndarray,
         logit_rows: np.ndarray,
         batch: AttentionBatch,
+        extra: Mapping[str, np.ndarray] | None = None,
     ) -> np.ndarray:
         """One forward step over a flat batch; returns logits ``[len(logit_rows), vocab]``
-        (a view into a planned buffer, valid until the next step)."""
+        (a view into a planned buffer, valid until the next step). ``extra``: the graph's
+        other inputs of one value per token, by name (bert.lum's token_types)."""
         n_tokens, n_logits = len(tokens), len(logit_rows)
         if n_tokens > self.capacity:
             self._reserve(n_tokens)
@@ -251,6 +253,9 @@ class Executor:
         ins["tokens"][:n_tokens] = tokens
         ins["positions"][:n_tokens] = positions
         ins["logit_rows"][:n_logits] = logit_rows
+        for name, values in (extra or {}).items():
+            if name in ins:  # a graph that reads no such input has none
+                ins[name][:n_tokens] = values
         self._kv = batch.kv
         self.binder.begin_step(batch, ins["positions"])
         if self._shape != (n_tokens, n_logits):
