@@ -13,7 +13,9 @@ import pytest
 import tiny_bert
 
 from dynalm.errors import InvalidRequest, UnsupportedModel
-from dynalm.models.loader import load_model
+from dynalm.ir.passes import optimize, verify
+from dynalm.ir.text import parse_graph, print_graph
+from dynalm.models.loader import load_model, model_graph
 from dynalm.runtime.embed import Embedder, Reranker, relevance
 
 QUERY = "the cat sat"
@@ -117,3 +119,20 @@ def test_llama_cpp_reads_the_file_and_ranks_alike(reranker_model, tmp_path: Path
         assert np.abs(ours - theirs).max() <= 2e-3, (ours, theirs)
         assert list(np.argsort(ours)) == list(np.argsort(theirs))
         llm.close()
+
+
+@pytest.mark.parametrize("pooler", [False, True], ids=["converter", "with-pooler"])
+def test_graph_of_the_head_reads_back(files, pooler: bool) -> None:
+    """No pooling key and a classifier: llama.cpp's rank pooling, the [CLS] row (pool mode
+    2) through cls + tanh when the file has it, then cls.output; the graph's output is
+    ``scores``, one per pair; DynaIR text round trip before and after the passes."""
+    model = load_model(files[pooler])
+    graph = model_graph(model.gguf, model.hparams)
+    assert list(graph.outputs) == ["scores"]
+    assert graph.outputs["scores"].type.shape[1] == 1
+    assert ("tanh" in {n.op for n in graph.nodes}) == pooler
+    for g in (graph, optimize(graph)):
+        back = parse_graph(print_graph(g))
+        assert back == g
+        verify(back)
+    assert ", mode=2\n" in print_graph(graph)
