@@ -50,6 +50,18 @@ def test_scores_match_transformers(reranker_model, files, pooler: bool, mode: st
     assert len(set(np.round(ref, 3))) == len(DOCS)  # distinct scores: the order means something
 
 
+def test_a_squeezed_head_reads_as_its_matrix(reranker_model, tmp_path: Path) -> None:
+    """cls.output.weight written as [d] (converters that squeeze, as published GGUFs of
+    BERT rerankers have it): read as ggml reads it, [1, d], the same scores."""
+    path = tiny_bert.write_gguf(reranker_model, tmp_path / "sq.gguf", pooler=True, squeeze=True)
+    model = load_model(path)
+    assert model.gguf.tensors["cls.output.weight"].shape == (32,)
+    r = Reranker(model, backend="cpu", mode="exact")
+    ids, types = r.pairs(QUERY, DOCS)
+    ref = tiny_bert.reference_scores(reranker_model, list(zip(ids, types, strict=True)))
+    assert np.abs(r.score(QUERY, DOCS) - ref).max() <= TOLERANCE
+
+
 def test_pairs_are_tokenised_as_transformers_does(files, tmp_path: Path) -> None:
     """[CLS] query [SEP] document [SEP], token types 0 then 1: BertTokenizer's pair."""
     ref = tiny_bert.reference_tokenizer(tmp_path)
@@ -100,14 +112,16 @@ def test_relevance_is_the_sigmoid_of_the_logit() -> None:
 
 
 def test_llama_cpp_reads_the_file_and_ranks_alike(reranker_model, tmp_path: Path) -> None:
-    """llama.cpp (llama-cpp-python, rank pooling) loads both files and scores each text as
+    """llama.cpp (llama-cpp-python, rank pooling) loads the files (without and with the
+    pooler, the head squeezed to [d]) and scores each text as
     DynaLM does. llama.cpp gives every token type 0 and a tanh GELU, so the inputs are
     single texts (all of sentence A) and the bound is looser than transformers'."""
     llama_cpp = pytest.importorskip("llama_cpp")
     texts = ["hello world!", "the cat sat on the mat.", "dog", "xyz q"]
-    for pooler in (False, True):
+    for pooler, squeeze in ((False, False), (True, False), (False, True)):
         # a bos id: llama.cpp's tokenizer wants one (BERT's 101 is past this tiny vocabulary)
-        path = tiny_bert.write_gguf(reranker_model, tmp_path / f"{pooler}.gguf", pooler=pooler,
+        path = tiny_bert.write_gguf(reranker_model, tmp_path / f"{pooler}-{squeeze}.gguf",
+                                    pooler=pooler, squeeze=squeeze,
                                     metadata={"tokenizer.ggml.bos_token_id": 2})  # fmt: skip
         llm = llama_cpp.Llama(str(path), embedding=True, verbose=False, n_ctx=32,
                               pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK)  # fmt: skip

@@ -12,7 +12,8 @@ written the way llama.cpp's ``convert_hf_to_gguf.py`` (``BertModel``) writes ``b
 transformer, the pooling, then its Normalize module), in torch.
 
 A reranker is a ``BertForSequenceClassification`` of one label (`reference_reranker`),
-written as the converter writes one: no pooling-type key, the classifier as ``cls.output``,
+written as the converter writes one: no pooling-type key, the classifier as ``cls.output``
+(``[1, d]``; ``[d]`` with ``squeeze``, as converters that squeeze every tensor wrote it),
 ``bert.classifier.output_labels``, and the pooler (``bert.pooler.dense``) dropped, unless
 ``pooler`` keeps it as ``cls`` (the tensor llama.cpp's rank pooling runs, dense + tanh, when
 a file has it). `reference_scores` are transformers' logits of each pair, with or without
@@ -106,6 +107,7 @@ def write_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     metadata: dict | None = None,
     pooler: bool = False,
+    squeeze: bool = False,
 ) -> Path:
     cfg = model.config
     reranker = isinstance(model, BertForSequenceClassification)
@@ -152,6 +154,8 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf_name}"
         a = tensor.detach().to(torch.float32).numpy().copy()
+        if squeeze and a.squeeze().ndim:  # as converters that squeeze (a 0-d result kept)
+            a = a.squeeze()  # the classifier's [1, d] written as [d]
         if qtype != GGMLQuantizationType.F32 and a.ndim == 2 and "embd" not in name:
             w.add_tensor(name, gguf.quantize(a, qtype), raw_dtype=qtype)
         else:

@@ -70,6 +70,16 @@ class Executor:
             for weight, key in zip(node.weights, ("parts", "bias_parts"), strict=False):
                 if key in node.attrs:
                     self._parts[weight.name] = tuple(node.attrs[key])
+        # A weight the graph reads at more dimensions than the file gives (ggml's implicit
+        # outer 1s: ``builder.check_weight_shape``): name -> the graph's shape.
+        self._widened = {
+            w.name: tuple(w.type.shape)
+            for node in graph.nodes
+            for w in node.weights
+            if w is not None
+            and w.name not in self._parts  # (a merged weight: no tensor of the file)
+            and len(w.type.shape) > len(weights.tensor_shape(w.name))
+        }
         # seconds spent binding and compiling (a new step shape, grown buffers or rope
         # tables): what timing a step's own cost leaves out
         self.setup_seconds = 0.0
@@ -226,6 +236,10 @@ class Executor:
         w = self.weights
         parts = self._parts.get(name)
         if parts is None:
+            if name in self._widened:  # the same bytes, with outer dimensions of 1
+                shape = self._widened[name]
+                raw = w.raw(name)
+                return raw.reshape(shape[:-1] + raw.shape[-1:]), w.tensor_type(name), shape
             return w.raw(name), w.tensor_type(name), tuple(w.tensor_shape(name))
         shapes = [tuple(w.tensor_shape(p)) for p in parts]
         raw = lambda: np.concatenate([w.raw(p) for p in parts], axis=0)  # noqa: E731
