@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import tiny_bert
 
+from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import InvalidRequest, UnsupportedModel
 from dynalm.ir.passes import optimize, verify
 from dynalm.ir.text import parse_graph, print_graph
 from dynalm.models.loader import load_model, model_graph
 from dynalm.runtime.embed import Embedder, Reranker, relevance
+from dynalm.runtime.engine.engine import Engine
 
 QUERY = "the cat sat"
 DOCS = ["hello world!", "the cat sat on the mat.", "dog", "embedding xyz", "a b c", "Cat?"]
@@ -103,6 +105,13 @@ def test_the_wrong_kind_of_model_is_refused(files, tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match=r"is an embedding model \(bert\); it has no "
                        r"classification head"):  # fmt: skip
         Reranker(load_model(encoder), backend="cpu")
+
+
+def test_the_engine_refuses_a_reranker(files) -> None:
+    """dynalm run / bench / perplexity: a reranker generates no text, and is named one."""
+    with pytest.raises(UnsupportedModel, match=r"is a reranker \(bert\): it cannot generate "
+                       r"text \(dynalm rerank, or /v1/rerank of dynalm serve\)"):  # fmt: skip
+        Engine(load_model(files[False]), CpuDevice())
 
 
 def test_relevance_is_the_sigmoid_of_the_logit() -> None:
