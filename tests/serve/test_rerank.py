@@ -184,3 +184,21 @@ def test_dynalm_serve_serves_a_reranker(reranker_model, tmp_path: Path) -> None:
         assert len(r.json()["results"]) == len(DOCS)
         r = client.post("/v1/embeddings", json={"input": "cat"})
         assert r.status_code == 400 and "is a reranker (bert)" in r.text
+
+
+def test_too_many_documents_are_refused(http) -> None:
+    body = {"model": "tiny-rerank", "query": QUERY, "documents": ["a"] * 2049}
+    assert _error(http, body) == "documents has 2049 items; at most 2048 are ranked in a request"
+
+
+def test_metrics_count_rerank_requests(http) -> None:
+    before = _counter(http, "dynalm:rerank_inputs_total")
+    r = http.post("/rerank", json={"model": "tiny-rerank", "query": QUERY, "documents": DOCS})
+    assert r.status_code == 200
+    assert _counter(http, "dynalm:rerank_inputs_total") == before + len(DOCS)
+
+
+def _counter(http: httpx.Client, name: str) -> float:
+    text = http.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith(f'{name}{{model_name="tiny-rerank"}}'))
+    return float(line.split()[-1])
