@@ -657,13 +657,14 @@ def serve(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
-        from dynalm.runtime.embed import Embedder, is_embedding_model
+        from dynalm.runtime.embed import Embedder, Reranker, is_embedding_model, is_reranker
         from dynalm.runtime.engine.build import build_engine, plan_engine
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.engine.memory_plan import available_memory
         from dynalm.runtime.serve import server
         from dynalm.runtime.serve.embeddings import EmbeddingService
         from dynalm.runtime.serve.models import ModelManager, ModelService
+        from dynalm.runtime.serve.rerank import RerankService
         from dynalm.store.catalog import ModelStore, is_local_path
 
         store = ModelStore()
@@ -674,13 +675,17 @@ def serve(
             path = store.resolve(given.get(name, name), pull=name in given)
             loaded = load_model(path)
             names = [name] if path.stem == name else [name, path.stem]
-            if is_embedding_model(loaded):  # an encoder: /v1/embeddings, no engine
+            if is_embedding_model(loaded) or is_reranker(loaded):  # an encoder: no engine
                 # its size is its weights as mapped (its step buffers are small beside them)
                 files = [path] if path.is_file() else list(path.glob("*.safetensors"))
                 size = sum(f.stat().st_size for f in files)
-                return _Prepared(size, lambda: EmbeddingService(
-                    Embedder(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
-                             threads=threads),
+                # /v1/embeddings, or /v1/rerank for a cross-encoder
+                rerank = is_reranker(loaded)
+                kind, service = (Reranker, RerankService) if rerank else (
+                    Embedder, EmbeddingService)
+                return _Prepared(size, lambda: service(
+                    kind(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
+                         threads=threads),
                     names,
                     size,
                 ))  # fmt: skip
@@ -859,6 +864,60 @@ def embed(
         else:
             for v in vectors:
                 typer.echo(" ".join(f"{x:.7g}" for x in v))
+
+
+@app.command()
+def rerank(
+    model: Annotated[str, typer.Argument(help="Catalog name or GGUF path of a reranker")],
+    query: Annotated[str, typer.Argument(help="The query the documents are ranked against")],
+    documents: Annotated[
+        list[str], typer.Argument(help="Documents to rank ('-': one per line of stdin)")
+    ],
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object, as /v1/rerank answers.")
+    ] = False,
+    truncate: Annotated[
+        bool, typer.Option(help="Cut a document whose pair is past the maximum length.")
+    ] = False,
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
+    verbose: Verbose = False,
+) -> None:
+    """Rank documents by their relevance to a query with a reranker (a cross-encoder): one
+    line per document, best first: its relevance score (the sigmoid of the model's logit,
+    as /v1/rerank gives it), its index among the documents given, and its text."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        import json
+
+        from dynalm.errors import InvalidRequest
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.embed import Reranker, relevance
+        from dynalm.store.catalog import ModelStore
+
+        if documents == ["-"]:
+            documents = sys.stdin.read().splitlines()
+        loaded = load_model(ModelStore().resolve(model))
+        reranker = Reranker(
+            loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
+        )
+        docs = [_utf8(d, f"document {i + 1}") for i, d in enumerate(documents)]
+        if not docs:
+            raise InvalidRequest("no documents to rank")
+        logits = reranker.score(_utf8(query, "the query"), docs, truncate)
+        order = sorted(range(len(docs)), key=lambda i: -float(logits[i]))
+        results = [
+            {"index": i, "relevance_score": relevance(float(logits[i])), "document": docs[i]}
+            for i in order
+        ]
+        if json_output:
+            typer.echo(json.dumps({"model": loaded.name, "results": results}))
+        else:
+            for r in results:
+                typer.echo(f"{r['relevance_score']:.6f}\t{r['index']}\t{r['document']}")
 
 
 @app.command()
