@@ -401,77 +401,102 @@ def _build_pool(module: Module, width: int, mode: int) -> None:
     k.ret()
 
 
-def _build_encoder_attention(module: Module, n_heads: int, head_dim: int, scale: float) -> None:
+def _sequence_of(k: Kernel, last: ir.Value, t: ir.Value, first: ir.Value) -> ir.Value:
+    """The sequence of row ``t``: the first ``s >= first`` whose last row is at or after
+    ``t`` (``last`` increases and its final entry is the step's last row, so the scan
+    stops within the step's sequences)."""
+    b = k.b
+    pre = b.block
+    head, step, end = (b.append_basic_block() for _ in range(3))
+    b.branch(head)
+    b.position_at_end(head)
+    s = b.phi(I64)
+    s.add_incoming(first, pre)
+    before = k.lt(k.load(I64, k.index(last, s, I64), align=8), t)
+    b.cbranch(before, step, end)
+    b.position_at_end(step)
+    s.add_incoming(k.add(s, 1), step)
+    b.branch(head)
+    b.position_at_end(end)
+    return s
+
+
+def _build_encoder_attention(
+    module: Module, n_heads: int, head_dim: int, scale: float, max_keys: int
+) -> None:
     """Bidirectional attention: each query of a sequence attends to every key of that
     sequence (no mask; sequences of different lengths packed one after another, no
-    padding). Two passes over the keys per query and head: the largest score, then the
-    softmax weights and the weighted sum of the values. Runs over the step's sequences."""
-    k, seqs, (out, q, key, val, last) = _kernel(module, "encoder_attention")
+    padding). ``fn(block, lo, hi)`` runs the query rows ``[lo, hi)`` (the pool splits a
+    step's rows over its threads); per row and head, the scores of the sequence's keys go
+    to a buffer of ``max_keys`` (the step's rows: no sequence is longer), then their
+    largest, the softmax weights and the weighted sum of the values."""
+    k = module.kernel(f"{module.ir.name}_encoder_attention", (PTR, I64, I64))
+    block, lo, hi = k.args
+    _, *arrays = k.words(block, 1 + ARRAYS["encoder_attention"])
+    out, q, key, val, last = (k.pointer(a) for a in arrays)
     lanes, width, hd = k.target.lanes, n_heads * head_dim, k.i64(head_dim)
+    scores = k.stack(4 * max_keys)
+    seq = k.var(k.i64(0))  # rows come in order: a row's sequence is at or after the last one's
 
-    def score(qa: ir.Value, j: ir.Value, h: ir.Value) -> ir.Value:
-        ka = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
-        dot = _row_sum(
-            k,
-            k.i64(0),
-            head_dim,
-            lambda i, w: k.mul(_floats(k, q, k.add(qa, i), w), _floats(k, key, k.add(ka, i), w)),
-        )
-        return k.mul(dot, scale)
-
-    def seq(s: ir.Value) -> None:
-        start, end = _sequence(k, last, s)
+    def token(t: ir.Value) -> None:
+        seq.set(_sequence_of(k, last, t, seq.get()))
+        start, end = _sequence(k, last, seq.get())
         stop = k.add(end, 1)
 
-        def token(t: ir.Value) -> None:
-            def head(h: ir.Value) -> None:
-                qa = k.add(k.mul(t, k.i64(width)), k.mul(h, hd))
-                best = k.var(const(F32, -3.0e38), F32)
-                k.loop(
-                    start,
-                    stop,
-                    1,
-                    lambda j: best.set(k.call("llvm.maxnum.f32", F32, best.get(), score(qa, j, h))),
-                )
-                k.lanes(
+        def head(h: ir.Value) -> None:
+            qa = k.add(k.mul(t, k.i64(width)), k.mul(h, hd))
+            best = k.var(const(F32, -3.0e38), F32)
+
+            def score(j: ir.Value) -> None:
+                ka = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
+                dot = _row_sum(
+                    k,
                     k.i64(0),
-                    hd,
-                    lanes,
-                    lambda i, w: _put(k, const(vec(F32, w), 0.0), out, k.add(qa, i)),
-                )
-                total = k.var(const(F32, 0.0), F32)
-
-                def weigh(j: ir.Value) -> None:
-                    p = k.exp(k.sub(score(qa, j, h), best.get()))
-                    total.set(k.add(total.get(), p))
-                    va = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
-
-                    def acc(i: ir.Value, w: int) -> None:
-                        at = k.add(qa, i)
-                        v = _floats(k, val, k.add(va, i), w)
-                        _put(k, k.fma(k.splat(p, w), v, _floats(k, out, at, w)), out, at)
-
-                    k.lanes(k.i64(0), hd, lanes, acc)
-
-                k.loop(start, stop, 1, weigh)
-                inv = k.b.fdiv(const(F32, 1.0), total.get())
-                k.lanes(
-                    k.i64(0),
-                    hd,
-                    lanes,
-                    lambda i, w: _put(
-                        k,
-                        k.mul(_floats(k, out, k.add(qa, i), w), k.splat(inv, w)),
-                        out,
-                        k.add(qa, i),
+                    head_dim,
+                    lambda i, w: k.mul(
+                        _floats(k, q, k.add(qa, i), w), _floats(k, key, k.add(ka, i), w)
                     ),
                 )
+                sc = k.mul(dot, scale)
+                _put(k, sc, scores, k.sub(j, start))
+                best.set(k.call("llvm.maxnum.f32", F32, best.get(), sc))
 
-            k.loop(0, n_heads, 1, head)
+            k.loop(start, stop, 1, score)
+            k.lanes(
+                k.i64(0),
+                hd,
+                lanes,
+                lambda i, w: _put(k, const(vec(F32, w), 0.0), out, k.add(qa, i)),
+            )
+            total = k.var(const(F32, 0.0), F32)
 
-        k.loop(start, stop, 1, token)
+            def weigh(j: ir.Value) -> None:
+                at = k.sub(j, start)
+                p = k.exp(k.sub(k.load(F32, k.index(scores, at, F32), align=4), best.get()))
+                total.set(k.add(total.get(), p))
+                va = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
 
-    k.loop(0, seqs, 1, seq)
+                def acc(i: ir.Value, w: int) -> None:
+                    o = k.add(qa, i)
+                    v = _floats(k, val, k.add(va, i), w)
+                    _put(k, k.fma(k.splat(p, w), v, _floats(k, out, o, w)), out, o)
+
+                k.lanes(k.i64(0), hd, lanes, acc)
+
+            k.loop(start, stop, 1, weigh)
+            inv = k.b.fdiv(const(F32, 1.0), total.get())
+            k.lanes(
+                k.i64(0),
+                hd,
+                lanes,
+                lambda i, w: _put(
+                    k, k.mul(_floats(k, out, k.add(qa, i), w), k.splat(inv, w)), out, k.add(qa, i)
+                ),
+            )
+
+        k.loop(0, n_heads, 1, head)
+
+    k.loop(lo, hi, 1, token)
     k.ret()
 
 
