@@ -427,76 +427,76 @@ def _build_encoder_attention(
     """Bidirectional attention: each query of a sequence attends to every key of that
     sequence (no mask; sequences of different lengths packed one after another, no
     padding). ``fn(block, lo, hi)`` runs the query rows ``[lo, hi)`` (the pool splits a
-    step's rows over its threads); per row and head, the scores of the sequence's keys go
-    to a buffer of ``max_keys`` (the step's rows: no sequence is longer), then their
-    largest, the softmax weights and the weighted sum of the values."""
+    step's rows over its threads). Per row and head: the query's slices stay in registers
+    while the scores of the sequence's keys go to a buffer of ``max_keys`` (the step's
+    rows: no sequence is longer); then their softmax weights, ``lanes`` at a time, and the
+    weighted sum of the values, accumulated in registers and stored once."""
     k = module.kernel(f"{module.ir.name}_encoder_attention", (PTR, I64, I64))
     block, lo, hi = k.args
     _, *arrays = k.words(block, 1 + ARRAYS["encoder_attention"])
     out, q, key, val, last = (k.pointer(a) for a in arrays)
-    lanes, width, hd = k.target.lanes, n_heads * head_dim, k.i64(head_dim)
+    lanes, width = k.target.lanes, n_heads * head_dim
+    whole = head_dim - head_dim % lanes
+    pieces = [(o, lanes) for o in range(0, whole, lanes)] + [(o, 1) for o in range(whole, head_dim)]
     scores = k.stack(4 * max_keys)
     seq = k.var(k.i64(0))  # rows come in order: a row's sequence is at or after the last one's
 
-    def token(t: ir.Value) -> None:
-        seq.set(_sequence_of(k, last, t, seq.get()))
-        start, end = _sequence(k, last, seq.get())
-        stop = k.add(end, 1)
+    def lane_sum(v: ir.Value, w: int) -> ir.Value:
+        if w == 1:
+            return k.b.extract_element(v, const(I32, 0))
+        return k.call(
+            f"llvm.vector.reduce.fadd.v{w}f32", F32, const(F32, 0.0), v, flags=("reassoc",)
+        )
 
-        def head(h: ir.Value) -> None:
-            qa = k.add(k.mul(t, k.i64(width)), k.mul(h, hd))
+    def head(h: ir.Value) -> None:
+        seq.set(k.i64(0))
+
+        def token(t: ir.Value) -> None:
+            seq.set(_sequence_of(k, last, t, seq.get()))
+            start, end = _sequence(k, last, seq.get())
+            stop, n = k.add(end, 1), k.sub(k.add(end, 1), start)
+            qa = k.add(k.mul(t, k.i64(width)), k.mul(h, k.i64(head_dim)))
+            qs = [_floats(k, q, k.add(qa, o), w) for o, w in pieces]
             best = k.var(const(F32, -3.0e38), F32)
 
             def score(j: ir.Value) -> None:
-                ka = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
-                dot = _row_sum(
-                    k,
-                    k.i64(0),
-                    head_dim,
-                    lambda i, w: k.mul(
-                        _floats(k, q, k.add(qa, i), w), _floats(k, key, k.add(ka, i), w)
-                    ),
-                )
+                ka = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
+                acc: dict[int, ir.Value] = {}
+                for (o, w), qv in zip(pieces, qs, strict=True):
+                    kv = _floats(k, key, k.add(ka, o), w)
+                    acc[w] = k.fma(qv, kv, acc[w]) if w in acc else k.mul(qv, kv)
+                dot = k.total([lane_sum(v, w) for w, v in acc.items()])
                 sc = k.mul(dot, scale)
                 _put(k, sc, scores, k.sub(j, start))
                 best.set(k.call("llvm.maxnum.f32", F32, best.get(), sc))
 
             k.loop(start, stop, 1, score)
-            k.lanes(
-                k.i64(0),
-                hd,
-                lanes,
-                lambda i, w: _put(k, const(vec(F32, w), 0.0), out, k.add(qa, i)),
-            )
-            total = k.var(const(F32, 0.0), F32)
+            sums = {w: k.var(const(vec(F32, w), 0.0)) for w in (lanes, 1)}
 
-            def weigh(j: ir.Value) -> None:
-                at = k.sub(j, start)
-                p = k.exp(k.sub(k.load(F32, k.index(scores, at, F32), align=4), best.get()))
-                total.set(k.add(total.get(), p))
-                va = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
+            def weigh(i: ir.Value, w: int) -> None:
+                p = k.exp(k.sub(_floats(k, scores, i, w), k.splat(best.get(), w)))
+                _put(k, p, scores, i)
+                sums[w].set(k.add(sums[w].get(), p))
 
-                def acc(i: ir.Value, w: int) -> None:
-                    o = k.add(qa, i)
-                    v = _floats(k, val, k.add(va, i), w)
-                    _put(k, k.fma(k.splat(p, w), v, _floats(k, out, o, w)), out, o)
+            k.lanes(k.i64(0), n, lanes, weigh)
+            total = k.total([lane_sum(v.get(), w) for w, v in sums.items()])
+            accs = [k.var(const(vec(F32, w), 0.0)) for _, w in pieces]
 
-                k.lanes(k.i64(0), hd, lanes, acc)
+            def gather(j: ir.Value) -> None:
+                p = k.load(F32, k.index(scores, k.sub(j, start), F32), align=4)
+                va = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
+                for (o, w), a in zip(pieces, accs, strict=True):
+                    a.set(k.fma(k.splat(p, w), _floats(k, val, k.add(va, o), w), a.get()))
 
-            k.loop(start, stop, 1, weigh)
-            inv = k.b.fdiv(const(F32, 1.0), total.get())
-            k.lanes(
-                k.i64(0),
-                hd,
-                lanes,
-                lambda i, w: _put(
-                    k, k.mul(_floats(k, out, k.add(qa, i), w), k.splat(inv, w)), out, k.add(qa, i)
-                ),
-            )
+            k.loop(start, stop, 1, gather)
+            inv = k.b.fdiv(const(F32, 1.0), total)
+            for (o, w), a in zip(pieces, accs, strict=True):
+                _put(k, k.mul(a.get(), k.splat(inv, w)), out, k.add(qa, o))
 
-        k.loop(0, n_heads, 1, head)
+        k.loop(lo, hi, 1, token)
 
-    k.loop(lo, hi, 1, token)
+    # head by head: the keys and values of one head stay in the caches across the rows
+    k.loop(0, n_heads, 1, head)
     k.ret()
 
 
