@@ -421,6 +421,27 @@ def _sequence_of(k: Kernel, last: ir.Value, t: ir.Value, first: ir.Value) -> ir.
     return s
 
 
+def _transposed_sums(k: Kernel, vectors: list[ir.Value]) -> ir.Value:
+    """One vector of ``n`` lanes whose lane ``i`` is the sum of ``vectors[i]``'s ``n``
+    lanes (``n`` a power of two): pairs of vectors are folded by shuffles, halving the
+    count while each vector holds the partial sums of twice as many of them."""
+    n = len(vectors)
+    g = 1  # each vector holds g of the sums, lane l: part l // g of sum l % g
+    while len(vectors) > 1:
+        first, second = [], []
+        for lane in range(n):
+            key, part = lane % (2 * g), lane // (2 * g)
+            src = (0 if key < g else n) + 2 * part * g + key % g
+            first.append(src)
+            second.append(src + g)
+        vectors = [
+            k.add(k.shuffle(a, first, b), k.shuffle(a, second, b))
+            for a, b in zip(vectors[::2], vectors[1::2], strict=True)
+        ]
+        g *= 2
+    return vectors[0]
+
+
 def _build_encoder_attention(
     module: Module, n_heads: int, head_dim: int, scale: float, max_keys: int
 ) -> None:
@@ -470,7 +491,26 @@ def _build_encoder_attention(
                 _put(k, sc, scores, k.sub(j, start))
                 best.set(k.call("llvm.maxnum.f32", F32, best.get(), sc))
 
-            k.loop(start, stop, 1, score)
+            def score_block(j: ir.Value) -> None:  # keys j .. j + lanes - 1
+                dots = []
+                for b in range(lanes):
+                    ka = k.add(k.mul(k.add(j, b), k.i64(width)), k.mul(h, k.i64(head_dim)))
+                    acc = None
+                    for (o, w), qv in zip(pieces, qs, strict=True):
+                        kv = _floats(k, key, k.add(ka, o), w)
+                        acc = k.mul(qv, kv) if acc is None else k.fma(qv, kv, acc)
+                    dots.append(acc)
+                sc = k.mul(_transposed_sums(k, dots), k.splat(scale, lanes))
+                _put(k, sc, scores, k.sub(j, start))
+                most = k.call(f"llvm.vector.reduce.fmax.v{lanes}f32", F32, sc)
+                best.set(k.call("llvm.maxnum.f32", F32, best.get(), most))
+
+            # lanes keys at a time where the head is whole vectors (one sum of lanes dot
+            # products per lanes keys), then key by key
+            rest = start
+            if whole == head_dim and lanes > 1:
+                rest = k.loop(start, stop, lanes, score_block)
+            k.loop(rest, stop, 1, score)
             sums = {w: k.var(const(vec(F32, w), 0.0)) for w in (lanes, 1)}
 
             def weigh(i: ir.Value, w: int) -> None:
@@ -480,18 +520,24 @@ def _build_encoder_attention(
 
             k.lanes(k.i64(0), n, lanes, weigh)
             total = k.total([lane_sum(v.get(), w) for w, v in sums.items()])
-            accs = [k.var(const(vec(F32, w), 0.0)) for _, w in pieces]
+            # two sets of sums, of the even and the odd keys: two chains of FMAs, not one
+            accs = [[k.var(const(vec(F32, w), 0.0)) for _, w in pieces] for _ in range(2)]
 
-            def gather(j: ir.Value) -> None:
+            def gather(j: ir.Value, part: list) -> None:
                 p = k.load(F32, k.index(scores, k.sub(j, start), F32), align=4)
                 va = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
-                for (o, w), a in zip(pieces, accs, strict=True):
+                for (o, w), a in zip(pieces, part, strict=True):
                     a.set(k.fma(k.splat(p, w), _floats(k, val, k.add(va, o), w), a.get()))
 
-            k.loop(start, stop, 1, gather)
+            def gather_pair(j: ir.Value) -> None:
+                gather(j, accs[0])
+                gather(k.add(j, 1), accs[1])
+
+            rest = k.loop(start, stop, 2, gather_pair)
+            k.loop(rest, stop, 1, lambda j: gather(j, accs[0]))
             inv = k.b.fdiv(const(F32, 1.0), total)
-            for (o, w), a in zip(pieces, accs, strict=True):
-                _put(k, k.mul(a.get(), k.splat(inv, w)), out, k.add(qa, o))
+            for (o, w), a, b in zip(pieces, *accs, strict=True):
+                _put(k, k.mul(k.add(a.get(), b.get()), k.splat(inv, w)), out, k.add(qa, o))
 
         k.loop(lo, hi, 1, token)
 
