@@ -73,19 +73,20 @@ def test_pool(mode: int, width: int) -> None:
         elementwise.pool_rows(out, x, last, 0)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("head_dim", [8, 13])
-def test_encoder_attention_within_each_sequence(head_dim: int) -> None:
+def test_encoder_attention_within_each_sequence(head_dim: int, threads: int) -> None:
     heads, t = 3, sum(LENGTHS)
     q, k, v = (rand(t, heads * head_dim, seed=s) for s in (7, 8, 9))
     last = np.cumsum(LENGTHS).astype(np.int64) - 1
     out, expected = np.empty_like(q), np.empty_like(q)
     scale = 1.0 / np.sqrt(head_dim)
-    elementwise.encoder_attention(out, q, k, v, last, head_dim, scale, len(LENGTHS))()
+    elementwise.encoder_attention(out, q, k, v, last, head_dim, scale, threads=threads)()
     cpu_ops.encoder_attention(expected, q, k, v, last, head_dim, scale)
     np.testing.assert_allclose(out, expected, rtol=0, atol=sum_bound(max(LENGTHS), 4.0) + 1e-6)
     # a sequence's rows do not depend on its neighbours
     alone = np.empty((LENGTHS[1], heads * head_dim), np.float32)
     rows = slice(1, 1 + LENGTHS[1])
     one = np.array([LENGTHS[1] - 1], np.int64)
-    elementwise.encoder_attention(alone, q[rows], k[rows], v[rows], one, head_dim, scale, 1)()
+    elementwise.encoder_attention(alone, q[rows], k[rows], v[rows], one, head_dim, scale)()
     np.testing.assert_array_equal(alone, out[rows])

@@ -100,6 +100,18 @@ def _phantom(token: str) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
+def write_vocab(w: gguf.GGUFWriter) -> None:
+    """``VOCAB`` as llama.cpp's converter writes a BERT vocabulary (WordPiece, phantom space)."""
+    w.add_tokenizer_model("bert")
+    w.add_token_list([_phantom(t) for t in VOCAB])
+    # as the converter's get_vocab_base types them: BERT's special tokens are CONTROL
+    types = [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in VOCAB]
+    w.add_token_types(types)
+    for key, token in (("unknown", "UNK"), ("cls", "CLS"), ("seperator", "SEP"),
+                       ("padding", "PAD"), ("mask", "MASK")):  # fmt: skip
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", VOCAB.index(f"[{token}]"))
+
+
 def write_gguf(
     model: BertModel | BertForSequenceClassification,
     path: Path,
@@ -125,14 +137,7 @@ def write_gguf(
     elif "bert.pooling_type" not in (metadata or {}):
         w.add_pooling_type(gguf.PoolingType(POOLING[pooling]))
     w.add_token_type_count(cfg.type_vocab_size)
-    w.add_tokenizer_model("bert")
-    w.add_token_list([_phantom(t) for t in VOCAB])
-    # as the converter's get_vocab_base types them: BERT's special tokens are CONTROL
-    types = [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in VOCAB]
-    w.add_token_types(types)
-    for key, token in (("unknown", "UNK"), ("cls", "CLS"), ("seperator", "SEP"),
-                       ("padding", "PAD"), ("mask", "MASK")):  # fmt: skip
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", VOCAB.index(f"[{token}]"))
+    write_vocab(w)
     for key, value in (metadata or {}).items():
         if isinstance(value, bool):
             w.add_bool(key, value)

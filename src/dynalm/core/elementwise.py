@@ -81,6 +81,46 @@ class BoundKernel:
         return [(pool.PLAIN, address, self._at, 0, 0)]
 
 
+class RowsKernel(BoundKernel):
+    """A kernel of rows ``fn(block, lo, hi)``, its rows ``[0, block[0])`` split over
+    ``threads`` of the native pool (run on the calling thread with one)."""
+
+    def __init__(self, *args: object, threads: int) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.threads = threads if pool.available() else 1
+        self._address = 0
+
+    def _lower(self) -> Callable[..., None]:
+        done = self._backend.lower(programs.PROGRAMS[self._kind], self._params)
+        self._address = done.addresses[self._kind]
+        self._fn = done.cfunc(self._kind, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+        return self._fn
+
+    def _split(self) -> tuple[int, int] | None:
+        """(rows, chunk) when the rows are split over the pool, else None: with two rows
+        per thread at least."""
+        rows = int(self.block[0])
+        if self.threads > 1 and rows >= 2 * self.threads:
+            return rows, max(1, rows // (8 * self.threads))
+        return None
+
+    def __call__(self) -> None:
+        fn = self._fn or self._lower()
+        split = self._split()
+        if split is None:
+            fn(self._at, 0, int(self.block[0]))
+        else:
+            pool.pool(self.threads).run(self._address, self._at, *split)
+
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        if not self._fn:
+            self._lower()
+        split = self._split()
+        if split is None:
+            return [(pool.RANGE, self._address, self._at, int(self.block[0]), 0)]
+        return [(pool.SPLIT, self._address, self._at, *split)]
+
+
 MAX_WORDS = 1 + max(programs.ARRAYS.values())  # the largest argument block (rope's)
 
 
@@ -357,18 +397,35 @@ def encoder_attention(
     last: np.ndarray,
     head_dim: int,
     scale: float,
-    seqs: int,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
-) -> BoundKernel:
-    """Bidirectional attention of ``seqs`` sequences packed in ``q``/``k``/``v`` ``[T,
+) -> RowsKernel:
+    """Bidirectional attention of the sequences packed in ``q``/``k``/``v`` ``[T,
     heads * head_dim]`` (dense), sequence ``s`` ending at row ``last[s]`` (see ``pool``):
-    every query attends to every key of its own sequence."""
+    every query attends to every key of its own sequence. The count is the query rows
+    (all of ``out``'s, or fewer: the step's); the caller keeps ``last`` increasing and
+    ending at the count's last row (the kernel cannot see it). The rows are split over
+    ``threads``."""
     rows, width = _same("out q k v", out, q, k, v)
     require(head_dim >= 1 and width % head_dim == 0, f"rows of {width} are not heads of {head_dim}")
     check("last", last, np.int64, (None,))
-    require(len(last) >= seqs, f"{len(last)} sequence ends for {seqs} sequences")
+    require(len(last) >= 1, "no sequence ends")
     require(math.isfinite(scale), f"attention scale {scale} is not finite")
-    params = {"n_heads": width // head_dim, "head_dim": head_dim, "scale": float(np.float32(scale))}
-    return _bind("encoder_attention", backend, params, seqs, (out, q, k, v, last), block)
+    params = {"n_heads": width // head_dim, "head_dim": head_dim,
+              "scale": float(np.float32(scale)), "max_keys": rows}  # fmt: skip
+    words = [rows, *(a.__array_interface__["data"][0] for a in (out, q, k, v, last))]
+    if block is None:
+        block = np.empty(len(words), np.int64)
+    check("argument block", block, np.int64, (None,))
+    require(block.size >= len(words), f"argument block of {block.size} words, need {len(words)}")
+    block[: len(words)] = words
+    return RowsKernel(
+        backend or backends.select(),
+        "encoder_attention",
+        params,
+        block,
+        (out, q, k, v, last),
+        threads=threads,
+    )

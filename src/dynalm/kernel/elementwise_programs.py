@@ -407,77 +407,148 @@ def _build_pool(module: Module, width: int, mode: int) -> None:
     k.ret()
 
 
-def _build_encoder_attention(module: Module, n_heads: int, head_dim: int, scale: float) -> None:
+def _sequence_of(k: Kernel, last: ir.Value, t: ir.Value, first: ir.Value) -> ir.Value:
+    """The sequence of row ``t``: the first ``s >= first`` whose last row is at or after
+    ``t`` (``last`` increases and its final entry is the step's last row, so the scan
+    stops within the step's sequences)."""
+    b = k.b
+    pre = b.block
+    head, step, end = (b.append_basic_block() for _ in range(3))
+    b.branch(head)
+    b.position_at_end(head)
+    s = b.phi(I64)
+    s.add_incoming(first, pre)
+    before = k.lt(k.load(I64, k.index(last, s, I64), align=8), t)
+    b.cbranch(before, step, end)
+    b.position_at_end(step)
+    s.add_incoming(k.add(s, 1), step)
+    b.branch(head)
+    b.position_at_end(end)
+    return s
+
+
+def _transposed_sums(k: Kernel, vectors: list[ir.Value]) -> ir.Value:
+    """One vector of ``n`` lanes whose lane ``i`` is the sum of ``vectors[i]``'s ``n``
+    lanes (``n`` a power of two): pairs of vectors are folded by shuffles, halving the
+    count while each vector holds the partial sums of twice as many of them."""
+    n = len(vectors)
+    g = 1  # each vector holds g of the sums, lane l: part l // g of sum l % g
+    while len(vectors) > 1:
+        first, second = [], []
+        for lane in range(n):
+            key, part = lane % (2 * g), lane // (2 * g)
+            src = (0 if key < g else n) + 2 * part * g + key % g
+            first.append(src)
+            second.append(src + g)
+        vectors = [
+            k.add(k.shuffle(a, first, b), k.shuffle(a, second, b))
+            for a, b in zip(vectors[::2], vectors[1::2], strict=True)
+        ]
+        g *= 2
+    return vectors[0]
+
+
+def _build_encoder_attention(
+    module: Module, n_heads: int, head_dim: int, scale: float, max_keys: int
+) -> None:
     """Bidirectional attention: each query of a sequence attends to every key of that
     sequence (no mask; sequences of different lengths packed one after another, no
-    padding). Two passes over the keys per query and head: the largest score, then the
-    softmax weights and the weighted sum of the values. Runs over the step's sequences."""
-    k, seqs, (out, q, key, val, last) = _kernel(module, "encoder_attention")
-    lanes, width, hd = k.target.lanes, n_heads * head_dim, k.i64(head_dim)
+    padding). ``fn(block, lo, hi)`` runs the query rows ``[lo, hi)`` (the pool splits a
+    step's rows over its threads). Per row and head: the query's slices stay in registers
+    while the scores of the sequence's keys go to a buffer of ``max_keys`` (the step's
+    rows: no sequence is longer); then their softmax weights, ``lanes`` at a time, and the
+    weighted sum of the values, accumulated in registers and stored once."""
+    k = module.kernel(f"{module.ir.name}_encoder_attention", (PTR, I64, I64))
+    block, lo, hi = k.args
+    _, *arrays = k.words(block, 1 + ARRAYS["encoder_attention"])
+    out, q, key, val, last = (k.pointer(a) for a in arrays)
+    lanes, width = k.target.lanes, n_heads * head_dim
+    whole = head_dim - head_dim % lanes
+    pieces = [(o, lanes) for o in range(0, whole, lanes)] + [(o, 1) for o in range(whole, head_dim)]
+    scores = k.stack(4 * max_keys)
+    seq = k.var(k.i64(0))  # rows come in order: a row's sequence is at or after the last one's
 
-    def score(qa: ir.Value, j: ir.Value, h: ir.Value) -> ir.Value:
-        ka = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
-        dot = _row_sum(
-            k,
-            k.i64(0),
-            head_dim,
-            lambda i, w: k.mul(_floats(k, q, k.add(qa, i), w), _floats(k, key, k.add(ka, i), w)),
+    def lane_sum(v: ir.Value, w: int) -> ir.Value:
+        if w == 1:
+            return k.b.extract_element(v, const(I32, 0))
+        return k.call(
+            f"llvm.vector.reduce.fadd.v{w}f32", F32, const(F32, 0.0), v, flags=("reassoc",)
         )
-        return k.mul(dot, scale)
 
-    def seq(s: ir.Value) -> None:
-        start, end = _sequence(k, last, s)
-        stop = k.add(end, 1)
+    def head(h: ir.Value) -> None:
+        seq.set(k.i64(0))
 
         def token(t: ir.Value) -> None:
-            def head(h: ir.Value) -> None:
-                qa = k.add(k.mul(t, k.i64(width)), k.mul(h, hd))
-                best = k.var(const(F32, -3.0e38), F32)
-                k.loop(
-                    start,
-                    stop,
-                    1,
-                    lambda j: best.set(k.call("llvm.maxnum.f32", F32, best.get(), score(qa, j, h))),
-                )
-                k.lanes(
-                    k.i64(0),
-                    hd,
-                    lanes,
-                    lambda i, w: _put(k, const(vec(F32, w), 0.0), out, k.add(qa, i)),
-                )
-                total = k.var(const(F32, 0.0), F32)
+            seq.set(_sequence_of(k, last, t, seq.get()))
+            start, end = _sequence(k, last, seq.get())
+            stop, n = k.add(end, 1), k.sub(k.add(end, 1), start)
+            qa = k.add(k.mul(t, k.i64(width)), k.mul(h, k.i64(head_dim)))
+            qs = [_floats(k, q, k.add(qa, o), w) for o, w in pieces]
+            best = k.var(const(F32, -3.0e38), F32)
 
-                def weigh(j: ir.Value) -> None:
-                    p = k.exp(k.sub(score(qa, j, h), best.get()))
-                    total.set(k.add(total.get(), p))
-                    va = k.add(k.mul(j, k.i64(width)), k.mul(h, hd))
+            def score(j: ir.Value) -> None:
+                ka = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
+                acc: dict[int, ir.Value] = {}
+                for (o, w), qv in zip(pieces, qs, strict=True):
+                    kv = _floats(k, key, k.add(ka, o), w)
+                    acc[w] = k.fma(qv, kv, acc[w]) if w in acc else k.mul(qv, kv)
+                dot = k.total([lane_sum(v, w) for w, v in acc.items()])
+                sc = k.mul(dot, scale)
+                _put(k, sc, scores, k.sub(j, start))
+                best.set(k.call("llvm.maxnum.f32", F32, best.get(), sc))
 
-                    def acc(i: ir.Value, w: int) -> None:
-                        at = k.add(qa, i)
-                        v = _floats(k, val, k.add(va, i), w)
-                        _put(k, k.fma(k.splat(p, w), v, _floats(k, out, at, w)), out, at)
+            def score_block(j: ir.Value) -> None:  # keys j .. j + lanes - 1
+                dots = []
+                for b in range(lanes):
+                    ka = k.add(k.mul(k.add(j, b), k.i64(width)), k.mul(h, k.i64(head_dim)))
+                    acc = None
+                    for (o, w), qv in zip(pieces, qs, strict=True):
+                        kv = _floats(k, key, k.add(ka, o), w)
+                        acc = k.mul(qv, kv) if acc is None else k.fma(qv, kv, acc)
+                    dots.append(acc)
+                sc = k.mul(_transposed_sums(k, dots), k.splat(scale, lanes))
+                _put(k, sc, scores, k.sub(j, start))
+                most = k.call(f"llvm.vector.reduce.fmax.v{lanes}f32", F32, sc)
+                best.set(k.call("llvm.maxnum.f32", F32, best.get(), most))
 
-                    k.lanes(k.i64(0), hd, lanes, acc)
+            # lanes keys at a time where the head is whole vectors (one sum of lanes dot
+            # products per lanes keys), then key by key
+            rest = start
+            if whole == head_dim and lanes > 1:
+                rest = k.loop(start, stop, lanes, score_block)
+            k.loop(rest, stop, 1, score)
+            sums = {w: k.var(const(vec(F32, w), 0.0)) for w in (lanes, 1)}
 
-                k.loop(start, stop, 1, weigh)
-                inv = k.b.fdiv(const(F32, 1.0), total.get())
-                k.lanes(
-                    k.i64(0),
-                    hd,
-                    lanes,
-                    lambda i, w: _put(
-                        k,
-                        k.mul(_floats(k, out, k.add(qa, i), w), k.splat(inv, w)),
-                        out,
-                        k.add(qa, i),
-                    ),
-                )
+            def weigh(i: ir.Value, w: int) -> None:
+                p = k.exp(k.sub(_floats(k, scores, i, w), k.splat(best.get(), w)))
+                _put(k, p, scores, i)
+                sums[w].set(k.add(sums[w].get(), p))
 
-            k.loop(0, n_heads, 1, head)
+            k.lanes(k.i64(0), n, lanes, weigh)
+            total = k.total([lane_sum(v.get(), w) for w, v in sums.items()])
+            # two sets of sums, of the even and the odd keys: two chains of FMAs, not one
+            accs = [[k.var(const(vec(F32, w), 0.0)) for _, w in pieces] for _ in range(2)]
 
-        k.loop(start, stop, 1, token)
+            def gather(j: ir.Value, part: list) -> None:
+                p = k.load(F32, k.index(scores, k.sub(j, start), F32), align=4)
+                va = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
+                for (o, w), a in zip(pieces, part, strict=True):
+                    a.set(k.fma(k.splat(p, w), _floats(k, val, k.add(va, o), w), a.get()))
 
-    k.loop(0, seqs, 1, seq)
+            def gather_pair(j: ir.Value) -> None:
+                gather(j, accs[0])
+                gather(k.add(j, 1), accs[1])
+
+            rest = k.loop(start, stop, 2, gather_pair)
+            k.loop(rest, stop, 1, lambda j: gather(j, accs[0]))
+            inv = k.b.fdiv(const(F32, 1.0), total)
+            for (o, w), a, b in zip(pieces, *accs, strict=True):
+                _put(k, k.mul(k.add(a.get(), b.get()), k.splat(inv, w)), out, k.add(qa, o))
+
+        k.loop(lo, hi, 1, token)
+
+    # head by head: the keys and values of one head stay in the caches across the rows
+    k.loop(0, n_heads, 1, head)
     k.ret()
 
 

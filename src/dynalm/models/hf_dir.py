@@ -47,9 +47,31 @@ ARCHITECTURES: dict[str, tuple[str, gguf.MODEL_ARCH]] = {
     "qwen2": ("qwen2", gguf.MODEL_ARCH.QWEN2),
     "qwen3": ("qwen3", gguf.MODEL_ARCH.QWEN3),
     "olmo2": ("olmo2", gguf.MODEL_ARCH.OLMO2),
+    "bert": ("bert", gguf.MODEL_ARCH.BERT),  # an encoder: see _sentence_transformers
 }
 _FLOAT_TYPES = {"F32": _T.F32, "F16": _T.F16, "BF16": _T.BF16}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed from rope_theta (as llama.cpp)
+# recomputed from rope_theta (as llama.cpp); BERT's position ids buffer and its pooler (a
+# classifier's, unused for sentence embeddings: llama.cpp's converter leaves them out too)
+_IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    "embeddings.position_ids",
+    "pooler.dense.weight",
+    "pooler.dense.bias",
+)
+# sentence-transformers' modules.json: what each module is to the graph (an encoder's
+# pooling, its L2 normalisation); other modules (Dense, ...) are refused by name
+_ST = "sentence_transformers.models."
+# 1_Pooling/config.json's modes -> llama.cpp's pooling_type (mean 1, CLS 2, last 3)
+_POOLING_MODES = {
+    "pooling_mode_mean_tokens": 1,
+    "pooling_mode_cls_token": 2,
+    "pooling_mode_lasttoken": 3,
+    "pooling_mode_max_tokens": None,
+    "pooling_mode_mean_sqrt_len_tokens": None,
+    "pooling_mode_weightedmean_tokens": None,
+}
+NORMALIZE_KEY = "dynalm.embed.normalize"  # an encoder's output is L2-normalised (bert.lum)
+MAX_LENGTH_KEY = "dynalm.embed.max_length"  # sentence_bert_config.json's max_seq_length
 # config.json, tokenizer_config.json, an index: a few KB to a few MB (an index of many shards)
 MAX_JSON_BYTES = 64 << 20
 
@@ -173,6 +195,7 @@ class HFDirectory:
             "attention.head_count": "num_attention_heads",
             "attention.head_count_kv": "num_key_value_heads",
             "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+            "attention.layer_norm_epsilon": "layer_norm_eps",
         }
         for key, name in keys.items():
             if c.get(name) is not None:
@@ -206,7 +229,77 @@ class HFDirectory:
             )
         if arch == "llama":
             meta[NEOX_KEY] = True
+        if arch == "bert":
+            kind = c.get("position_embedding_type", "absolute")
+            if kind != "absolute":
+                raise UnsupportedModel(
+                    f"{self.config_path}: position_embedding_type {show(kind)} is not supported "
+                    "(absolute only)"
+                )
+            meta.update(self._sentence_transformers())
         return meta
+
+    def _sentence_transformers(self) -> dict[str, Any]:
+        """An encoder's pooling, normalisation and maximum length as sentence-transformers
+        reads them (``modules.json``, its Pooling module's ``config.json``,
+        ``sentence_bert_config.json``), as GGUF keys; none without ``modules.json``."""
+        meta: dict[str, Any] = {}
+        st_config = read_json(self.path / "sentence_bert_config.json", required=False)
+        if st_config is not None:
+            where = self.path / "sentence_bert_config.json"
+            length = st_config.get("max_seq_length") if isinstance(st_config, dict) else None
+            limit = self.config.get("max_position_embeddings")
+            if length is not None:
+                if type(length) is not int or not 0 < length <= (limit or length):
+                    raise ModelFormatError(
+                        f"{where}: max_seq_length = {show(length)}, expected an integer in "
+                        f"[1, {limit}] (max_position_embeddings)"
+                    )
+                meta[MAX_LENGTH_KEY] = length
+        modules_path = self.path / "modules.json"
+        modules = read_json(modules_path, required=False)
+        if modules is None:
+            return meta
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise ModelFormatError(f"{modules_path}: {show(modules)} is not a list of objects")
+        meta[NORMALIZE_KEY] = False  # only a Normalize module normalises
+        for i, module in enumerate(modules):
+            kind, sub = module.get("type"), module.get("path", "")
+            if not isinstance(kind, str) or not isinstance(sub, str):
+                raise ModelFormatError(f"{modules_path}: module {i} {show(module)}")
+            if kind == _ST + "Transformer" and sub in ("", "."):
+                continue
+            if kind == _ST + "Normalize":
+                meta[NORMALIZE_KEY] = True
+            elif kind == _ST + "Pooling":
+                if Path(sub).name != sub or sub in ("", ".", ".."):  # a folder of this one
+                    raise ModelFormatError(f"{modules_path}: module {i}'s path {show(sub)}")
+                meta[f"{self.arch}.pooling_type"] = self._pooling(self.path / sub / "config.json")
+            else:
+                raise UnsupportedModel(
+                    f"{modules_path}: module {i} ({show(kind)}, path {show(sub)}) is not "
+                    "supported (Transformer at the root, Pooling, Normalize)"
+                )
+        return meta
+
+    def _pooling(self, path: Path) -> int:
+        config = read_json(path)
+        if not isinstance(config, dict):
+            raise ModelFormatError(f"{path}: {show(config)} is not an object")
+        width = config.get("word_embedding_dimension", self.config.get("hidden_size"))
+        if width != self.config.get("hidden_size"):
+            raise ModelFormatError(
+                f"{path}: word_embedding_dimension = {show(width)} but hidden_size is "
+                f"{show(self.config.get('hidden_size'))}"
+            )
+        chosen = [m for m in _POOLING_MODES if config.get(m, False) is not False]
+        if len(chosen) != 1 or config[chosen[0]] is not True or _POOLING_MODES[chosen[0]] is None:
+            raise UnsupportedModel(
+                f"{path}: pooling {show({m: config[m] for m in chosen})} is not supported "
+                "(exactly one of pooling_mode_mean_tokens, pooling_mode_cls_token, "
+                "pooling_mode_lasttoken true)"
+            )
+        return _POOLING_MODES[chosen[0]]
 
     # -- tensors -----------------------------------------------------------------
     def _map_tensors(self, model_arch: gguf.MODEL_ARCH) -> None:

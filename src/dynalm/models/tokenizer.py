@@ -263,6 +263,29 @@ def _metaspace_prefix(spec: dict) -> bool:
     )
 
 
+def _template_specials(spec: dict) -> tuple[list[str], list[str]]:
+    """The special tokens tokenizer.json's post-processor puts before and after a single
+    text (TemplateProcessing, or BERT's / RoBERTa's processors: ``[CLS] text [SEP]``)."""
+    for step in _steps(spec.get("post_processor")):
+        if step.get("type") in ("BertProcessing", "RobertaProcessing"):
+            cls, sep = step.get("cls"), step.get("sep")
+            if isinstance(cls, list) and isinstance(sep, list) and cls and sep:
+                return [str(cls[0])], [str(sep[0])]
+        if step.get("type") == "TemplateProcessing" and isinstance(step.get("single"), list):
+            before: list[str] = []
+            after: list[str] = []
+            side = before
+            for piece in step["single"]:
+                if not isinstance(piece, dict):
+                    continue
+                if "Sequence" in piece:
+                    side = after
+                elif isinstance(piece.get("SpecialToken"), dict):
+                    side.append(str(piece["SpecialToken"].get("id")))
+            return before, after
+    return [], []
+
+
 class Tokenizer:
     """Text <-> token ids for one model, built once from its GGUF metadata or from a
     Hugging Face ``tokenizer.json``."""
@@ -403,11 +426,17 @@ class Tokenizer:
             return i
 
         bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
-        add_bos = config.get("add_bos_token")
+        # the post-processor's own specials: BERT's [CLS] text [SEP] (it names no BOS/EOS)
+        before, after = _template_specials(spec)
+        if bos_id is None and before:
+            bos_id = hf.token_to_id(before[0])
+        if eos_id is None and after:
+            eos_id = hf.token_to_id(after[-1])
+        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
         if not isinstance(add_bos, bool):  # tokenizer.json's post-processor says it
-            single = (spec.get("post_processor") or {}).get("single") or []
-            added = [p.get("SpecialToken", {}).get("id") for p in single if isinstance(p, dict)]
-            add_bos = bos_id is not None and hf.id_to_token(bos_id) in added
+            add_bos = bos_id is not None and hf.id_to_token(bos_id) in before
+        if not isinstance(add_eos, bool):
+            add_eos = eos_id is not None and hf.id_to_token(eos_id) in after
         eog = [eos_id, *eos_ids] + [hf.token_to_id(t) for t in _EOG_TEXTS]
         return cls(
             hf,
@@ -418,7 +447,7 @@ class Tokenizer:
             eos_id=eos_id,
             pad_id=token_id("pad_token"),
             add_bos=add_bos,
-            add_eos=config.get("add_eos_token") is True,
+            add_eos=add_eos,
             eog_ids=frozenset(i for i in eog if i is not None and 0 <= i < n_vocab),
         )
 

@@ -23,7 +23,9 @@ from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
 from dynalm.errors import InvalidRequest, UnsupportedModel
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
+from dynalm.models.hf_dir import MAX_LENGTH_KEY
 from dynalm.models.loader import LoadedModel
+from dynalm.models.metadata import integer
 
 OUTPUT = "embeddings"  # the graph output an embedding model has
 SCORES = "scores"  # a reranker's: one logit per label for each [CLS] query [SEP] doc [SEP]
@@ -70,7 +72,10 @@ class Embedder:
                 f"{self.needs}"
             )
         self.model = model
-        self.max_length = min(model.hparams.n_ctx_train, MAX_LENGTH)  # position table's rows
+        # the position table's rows, or less where the model was trained shorter
+        # (sentence-transformers' max_seq_length)
+        limit = min(model.hparams.n_ctx_train, MAX_LENGTH)
+        self.max_length = integer(model.gguf.metadata, MAX_LENGTH_KEY, limit, lo=1, hi=limit)
         self.dimensions = model.graph.outputs[self.output].type.shape[1]
         self.device = device or select_device(
             backend, mode, threads, unsupported=lambda d: unsupported(d, model.graph)

@@ -15,6 +15,7 @@ once per kernel; the kernels a step calls are lowered first, the pending ones to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -271,13 +272,11 @@ class CpuBinder(Binder):
         return lambda: cpu_ops.pool(v[o], v[x], v[last], mode)
 
     def _encoder_attention(self, node: Node) -> Call:
-        v, (q, k, vv, last), o, out, ins, _, _ = self._operands(node)
+        v, (q, k, vv, last), o, out, ins, rows, _ = self._operands(node)
         head_dim, scale = node.attrs["head_dim"], node.attrs["scale"]
-        if self._native:  # runs over the sequences: its count is S (one per sequence)
-            seqs = self.buffers.capacity
-            return self._kernel(
-                elementwise.encoder_attention, out, *ins, head_dim, scale, seqs, rows="S"
-            )
+        if self._native:  # over the query rows, split over the threads
+            bind = functools.partial(elementwise.encoder_attention, threads=self.device.threads)
+            return self._kernel(bind, out, *ins, head_dim, scale, rows=rows)
         return lambda: cpu_ops.encoder_attention(v[o], v[q], v[k], v[vv], v[last], head_dim, scale)
 
     def _select_rows(self, node: Node) -> Call:

@@ -56,7 +56,8 @@ def load_program(
     tree = parse_cached(text, where) if cached else parse(text, where)
     for item in tree.children:
         if item.data == "family":
-            program.families += [str(t) for t in item.children]
+            # GGUF architecture names may hold dashes (nomic-bert)
+            program.families += ["-".join(map(str, a.children)) for a in item.children]
             continue
         if item.data == "forward":
             if program.forward is not None:

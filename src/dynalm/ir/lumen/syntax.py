@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 GRAMMAR = r"""
 start: _item*
 _item: family | param | input | fn | forward
-family: "family" NAME ("," NAME)*
+family: "family" arch ("," arch)*
+arch: NAME ("-" NAME)*
 param: "param" NAME ":" SCALAR "=" expr
 input: "input" NAME ":" tensor_type
 fn: "fn" NAME "(" [fparam ("," fparam)*] ")" "->" _type block
