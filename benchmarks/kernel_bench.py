@@ -10,13 +10,15 @@ in the real layouts. Per backend (every one this CPU runs natively, or ``--backe
 mode, per shape and batch (T = 1: GEMV, the decode step; T = 8: a batched decode step; T =
 128 or 512: a prefill chunk): the best time of repeated calls, weight GB/s (bytes of the
 GGUF weight / time) and GMAC/s (T x N x K / time), each as a share of the host's peak
-(GB/s: of the streaming read at this thread count; GMAC/s: of the int8 rate of the
-variant's backend).
+(GB/s: of the streaming read at this thread count; GMAC/s: of the variant's backend's
+int8 multiply rate, "% mul", and multiply-and-widen rate, "% dot").
 
 Peaks (kernel programs of their own, ``dynalm.kernel.probes``): the streaming-read
-bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply-accumulate
-rate on registers. Compile time: every kernel the table used, lowered in a fresh process
-with an empty JIT cache (median and the slowest).
+bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply rate
+(on AVX2 ``vpmaddubsw`` into int16) and multiply-and-widen rate (``dot_u8s8``: on AVX2
+``vpmaddubsw`` + ``vpmaddwd``) on registers, 1 and all threads. Compile time: every
+kernel the table used, lowered in a fresh process with an empty JIT cache (median and the
+slowest).
 
 Every variant runs in a worker process of its own (``--worker``, the revision's ``src``
 on its path, an empty JIT cache); jobs are sent to the workers in turn, so machine noise
@@ -181,7 +183,7 @@ def peaks(backend_names: list[str], threads: int) -> dict:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    out: dict = {"stream_gbs": {}, "int8_gmacs": {}}
+    out: dict = {"stream_gbs": {}, "int8_mul_gmacs": {}, "int8_gmacs": {}}
     host = backends.select()
     buf = np.ones(256 << 20, np.uint8)
     sums = np.zeros(buf.size // probes.PAGE, np.int32)
@@ -193,13 +195,14 @@ def peaks(backend_names: list[str], threads: int) -> dict:
     result = np.zeros(threads, np.int32)
     for name in backend_names:
         b = backends.by_name(name)
-        fn = b.lower(probes.INT8_DOT, {}).addresses[""]
-        dot_args = np.array([0, result.ctypes.data], np.int64)
-        per = {}
-        for n in sorted({1, threads}):
-            seconds = run(fn, dot_args, rounds * n, n)
-            per[n] = rounds * n * probes.macs_per_round(b.lanes) / seconds / 1e9
-        out["int8_gmacs"][b.name] = per
+        for key, program in (("int8_mul_gmacs", probes.INT8_MUL), ("int8_gmacs", probes.INT8_DOT)):
+            fn = b.lower(program, {}).addresses[""]
+            dot_args = np.array([0, result.ctypes.data], np.int64)
+            per = {}
+            for n in sorted({1, threads}):
+                seconds = run(fn, dot_args, rounds * n, n)
+                per[n] = rounds * n * probes.macs_per_round(b.lanes) / seconds / 1e9
+            out[key][b.name] = per
     return out
 
 
@@ -300,9 +303,10 @@ def print_report(r: dict) -> None:
     p = r["peaks"]
     stream = ", ".join(f"{n} thread(s) {v:.1f} GB/s" for n, v in p["stream_gbs"].items())
     print(f"peaks: streaming read {stream}")
-    for name, per in p["int8_gmacs"].items():
-        rates = ", ".join(f"{n} thread(s) {v:.0f}" for n, v in per.items())
-        print(f"       int8 MAC {name}: {rates} GMAC/s")
+    for name, per in p["int8_mul_gmacs"].items():
+        for what, rates in (("multiply", per), ("multiply+widen", p["int8_gmacs"][name])):
+            each = ", ".join(f"{n} thread(s) {v:.0f}" for n, v in rates.items())
+            print(f"       int8 {what} {name}: {each} GMAC/s")
     c = r["compile_ms"]
     if c["kernels"]:
         print(
@@ -310,7 +314,10 @@ def print_report(r: dict) -> None:
         )
         print(f"slowest {c['max']:.0f} ms")
     stream_peak = p["stream_gbs"][r["threads"]]
-    int8_peaks = {name: per[r["threads"]] for name, per in p["int8_gmacs"].items()}
+    int8_peaks = {
+        name: (per[r["threads"]], p["int8_gmacs"][name][r["threads"]])
+        for name, per in p["int8_mul_gmacs"].items()
+    }
     best = next(iter(int8_peaks.values()))  # a baseline revision runs the host's best
     print(
         f"\n{r['model']}: {r['format']} layers + {r['output_format']} output, "
@@ -318,19 +325,21 @@ def print_report(r: dict) -> None:
         "when repeated: GB/s above the streaming peak)\n"
     )
     print(
-        "| mode | shape | N x K | T | variant | us | GB/s | % stream | GMAC/s | % int8 | x first |"
+        "| mode | shape | N x K | T | variant | us | GB/s | % stream | GMAC/s | % mul | % dot "
+        "| x first |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     first: dict[tuple, float] = {}
     for row in r["rows"]:
         key = (row["mode"], row["shape"], row["t"])
         base = first.setdefault(key, row["us"])
-        int8 = int8_peaks.get(row.get("backend"), best)
+        mul, dot = int8_peaks.get(row.get("backend"), best)
         print(
             f"| {row['mode']} | {row['shape']} | {row['n']}x{row['k']} | {row['t']} | "
             f"{row['variant']} | {row['us']:.1f} | {row['gbs']:.1f} | "
             f"{100 * row['gbs'] / stream_peak:.0f} | {row['gmacs']:.1f} | "
-            f"{100 * row['gmacs'] / int8:.0f} | {base / row['us']:.2f} |"
+            f"{100 * row['gmacs'] / mul:.0f} | {100 * row['gmacs'] / dot:.0f} | "
+            f"{base / row['us']:.2f} |"
         )
 
 

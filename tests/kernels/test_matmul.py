@@ -363,6 +363,21 @@ def test_amx_lowers_to_tile_instructions() -> None:
         assert ops.count("tileloadd") == 1 + keys
 
 
+def test_int8_probes_multiply_once_per_chain_and_round() -> None:
+    """kernel_bench's int8 peaks on AVX2 (assembly only, any host): the multiply probe is 8
+    ``vpmaddubsw`` per round, the multiply-and-widen probe 8 ``vpmaddubsw`` + 8 ``vpmaddwd``
+    -- a probe whose chains shared their operands compiled to one of each per round."""
+    from dynalm.kernel import jit, probes
+
+    features = ",".join(f"+{f}" for f in backends.AVX2.requires)
+    for program, widens in ((probes.INT8_MUL, 0), (probes.INT8_DOT, probes.DOT_CHAINS)):
+        asm = jit.assembly(backends.AVX2.module(program, {}).text(), features)
+        ops = re.findall(r"^\s+(vpmaddubsw|vpmaddwd)\b", asm, re.M)
+        assert ops.count("vpmaddubsw") == probes.DOT_CHAINS, program.name
+        # (the multiply probe widens its int16 sums once, after the loop)
+        assert ops.count("vpmaddwd") == max(widens, 1), program.name
+
+
 def test_amx_needs_its_features_and_permission() -> None:
     """Where x86-amx cannot run, it says why; ``DYNALM_ISA=amx`` is refused naming it."""
     from dynalm.kernel import jit
