@@ -182,6 +182,27 @@ CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
 GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
 
 
+class Pooling(str, Enum):
+    mean = "mean"
+    cls = "cls"
+    last = "last"
+
+
+POOLING_TYPES = {Pooling.mean: 1, Pooling.cls: 2, Pooling.last: 3}  # llama.cpp's numbers
+PoolingOption = Annotated[
+    Pooling | None,
+    typer.Option(
+        help="Embed with this pooling (mean | cls | last), whatever the file says: a "
+        "generation model becomes an embedding model (last: Qwen3-Embedding's; vLLM's "
+        "--task embed).",
+    ),
+]
+
+
+def _pooling(pooling: Pooling | None) -> int | None:
+    return None if pooling is None else POOLING_TYPES[pooling]
+
+
 KVCacheDtype = Enum("KVCacheDtype", {name: name for name in KV_FORMATS}, type=str)  # type: ignore[misc]
 
 
@@ -660,6 +681,7 @@ def serve(
             "the memory available at start less 10%, at least 512MiB).",
         ),
     ] = None,
+    pooling: PoolingOption = None,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -687,7 +709,7 @@ def serve(
 
         def prepare(name: str) -> _Prepared:
             path = store.resolve(given.get(name, name), pull=name in given)
-            loaded = load_model(path)
+            loaded = load_model(path, _pooling(pooling))
             names = [name] if path.stem == name else [name, path.stem]
             if is_embedding_model(loaded):  # an encoder: /v1/embeddings, no engine
                 # its size is its weights as mapped (its step buffers are small beside them)
@@ -839,6 +861,7 @@ def embed(
     truncate: Annotated[
         bool, typer.Option(help="Cut a text longer than the model's maximum length to it.")
     ] = False,
+    pooling: PoolingOption = None,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -846,7 +869,8 @@ def embed(
     gpu: GpuFlag = False,
     verbose: Verbose = False,
 ) -> None:
-    """Embed texts with an encoder model (bert): one L2-normalised vector per text, one line
+    """Embed texts with an embedding model (bert, or a decoder with a pooling type, or any
+    decoder with --pooling): one L2-normalised vector per text, one line
     each (numbers separated by spaces), in the order given."""
     _configure(verbose, threads)
     with user_errors(verbose):
@@ -858,7 +882,7 @@ def embed(
 
         if texts == ["-"]:
             texts = sys.stdin.read().splitlines()
-        loaded = load_model(ModelStore().resolve(model))
+        loaded = load_model(ModelStore().resolve(model), _pooling(pooling))
         embedder = Embedder(
             loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
         )

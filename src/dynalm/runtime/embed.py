@@ -1,8 +1,11 @@
-"""Sentence embeddings from an encoder model (a family whose graph's output is
-``embeddings``: ``bert.lum``), for ``dynalm embed`` and ``POST /v1/embeddings``.
+"""Sentence embeddings from an embedding model (a family whose graph's output is
+``embeddings``: ``bert.lum``, or a decoder family's file with a pooling type), for
+``dynalm embed`` and ``POST /v1/embeddings``.
 
 An encoder step needs no KV cache: its attention sees only the step's own tokens, each
-sequence attending within itself. The inputs are packed whole, one after another, into
+sequence attending within itself. A decoder's causal attention reads its keys and values
+from a KV pool: a scratch pool of one step's tokens, overwritten by the next step (nothing
+is kept after a request). The inputs are packed whole, one after another, into
 steps of at most ``max_tokens`` tokens (no padding); ``logit_rows`` holds each sequence's
 last row, where the graph's attention and pooling find the sequences' bounds.
 """
@@ -16,7 +19,7 @@ import numpy as np
 
 from dynalm.core.device import Device
 from dynalm.core.devices import select_device
-from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
+from dynalm.core.kv_storage import AttentionBatch, KVGeometry
 from dynalm.errors import InvalidRequest, UnsupportedModel
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
@@ -30,6 +33,15 @@ MAX_LENGTH = 8192
 
 def is_embedding_model(model: LoadedModel) -> bool:
     return OUTPUT in model.graph.outputs
+
+
+def _scratch_kv(model: LoadedModel, tokens: int) -> KVGeometry:
+    """A step's KV pool: none for an encoder; for a decoder, f32 (as exact as the
+    activations) slots for the step's ``tokens``, one slot a page."""
+    if not any(n.op == "attention" for n in model.graph.nodes):
+        return KVGeometry(0, 1, 1, 1, tokens, "f32")
+    hp = model.hparams
+    return KVGeometry(hp.n_layers, hp.n_kv_heads, hp.head_dim, tokens, 1, "f32")
 
 
 class Embedder:
@@ -49,7 +61,7 @@ class Embedder:
         if not is_embedding_model(model):
             raise UnsupportedModel(
                 f"{model.name} is a generation model ({model.hparams.arch}); it has no "
-                "embedding output"
+                "embedding output (--pooling last or mean embeds with its hidden states)"
             )
         self.model = model
         self.max_length = min(model.hparams.n_ctx_train, MAX_LENGTH)  # position table's rows
@@ -59,7 +71,7 @@ class Embedder:
         )
         self.max_tokens = max(max_tokens, self.max_length)
         self._executor = Executor(model.graph, self.device, model.weights, self.max_tokens)
-        self._kv = HostKVStorage(KVGeometry(0, 1, 1, 1, self.max_tokens, "f32"))
+        self._kv = self.device.kv_storage(_scratch_kv(model, self.max_tokens))
         self._lock = threading.Lock()
 
     def tokenize(self, text: str, index: int = 0, truncate: bool = False) -> list[int]:
@@ -114,7 +126,8 @@ class Embedder:
             self._kv,
             query_start=starts,
             seq_lens=lengths,
-            page_tables=[np.zeros(1, np.int64)] * len(seqs),
+            # pages of one slot: sequence s owns the step's rows starts[s]:starts[s + 1]
+            page_tables=[np.arange(starts[s], starts[s + 1]) for s in range(len(seqs))],
             slots=np.arange(len(tokens), dtype=np.int64),
         )
         return self._executor.run(tokens, positions, starts[1:] - 1, batch).copy()
