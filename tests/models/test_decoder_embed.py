@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny_models
-import torch
 from gguf import PoolingType
+from tiny_models import reference_embeddings
 from transformers import PreTrainedModel
 
 from dynalm.core.cpu_device import CpuDevice
@@ -26,18 +26,6 @@ from dynalm.runtime.engine.engine import Engine
 TEXTS = ["Hello world!", "the cat sat on the mat.", "x", "Embeddings, dog? " * 4, "tail"]
 MIN_COSINE = {"exact": 0.99999, "auto": 0.999}  # the issue's bounds
 CASES = [("qwen3", PoolingType.LAST), ("llama", PoolingType.MEAN)]
-
-
-def reference_embeddings(model: PreTrainedModel, ids: list[list[int]], pooling: PoolingType):
-    """transformers' last hidden state (after the final norm), pooled, L2-normalised: what
-    sentence-transformers' Pooling + Normalize give for Qwen3-Embedding."""
-    out = []
-    for s in ids:
-        with torch.no_grad():
-            h = model.model(torch.tensor([s])).last_hidden_state[0].double().numpy()
-        v = h[-1] if pooling == PoolingType.LAST else h.mean(0)
-        out.append(v / np.linalg.norm(v))
-    return np.array(out)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1].name.lower()}")

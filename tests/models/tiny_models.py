@@ -296,3 +296,18 @@ def write_hf_dir(model: PreTrainedModel, path: Path, **save: object) -> Path:
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+def reference_embeddings(
+    model: PreTrainedModel, ids: list[list[int]], pooling: gguf.PoolingType
+) -> np.ndarray:
+    """A decoder's sentence embeddings as sentence-transformers makes Qwen3-Embedding's:
+    transformers' last hidden state (the final norm's output) of the last token, or its
+    mean over the tokens, L2-normalised (float64)."""
+    out = []
+    for s in ids:
+        with torch.no_grad():
+            h = model.model(torch.tensor([s])).last_hidden_state[0].double().numpy()
+        v = h[-1] if pooling == gguf.PoolingType.LAST else h.mean(0)
+        out.append(v / np.linalg.norm(v))
+    return np.array(out)
