@@ -7,6 +7,7 @@ makes any decoder embed."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +96,88 @@ def test_rank_pooling_is_refused_in_the_decoder_file(tmp_path: Path) -> None:
                        r"pooling_type\): pooling mode 4 is not one of 1 \(mean\), 2 \(cls\), "
                        r"3 \(last\)"):  # fmt: skip
         load_model(path)
+
+
+def _gated(embedder: Embedder) -> tuple[list[int], threading.Event]:
+    """``embedder``'s steps recorded (inputs per step); the first step waits for ``go``."""
+    sizes: list[int] = []
+    go, step = threading.Event(), embedder._step
+
+    def gated_step(seqs: list[list[int]]) -> np.ndarray:
+        go.wait(30)
+        sizes.append(len(seqs))
+        return step(seqs)
+
+    embedder._step = gated_step  # type: ignore[method-assign]
+    return sizes, go
+
+
+def test_requests_waiting_share_a_step(case) -> None:
+    """The inputs of requests submitted while a step runs are packed into the next step
+    together (not one step each), and get what they get one at a time."""
+    _, path, _ = case
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact")
+    ids = [embedder.tokenize(t, i) for i, t in enumerate(TEXTS * 3)]
+    alone = np.concatenate([embedder.embed([s]) for s in ids])
+    sizes, go = _gated(embedder)
+    futures = [embedder.submit([s]) for s in ids]  # the first step waits for all of them
+    go.set()
+    got = np.concatenate([f.result(60) for f in futures])
+    # the first step took what was queued when the worker woke (1 or more), the next the rest
+    assert len(sizes) <= 2 and sum(sizes) == len(ids), sizes
+    np.testing.assert_allclose(got, alone, atol=1e-6)
+    embedder.close()
+
+
+def test_a_failed_step_fails_its_requests_and_the_next_ones_run(case) -> None:
+    _, path, _ = case
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact")
+    step, calls = embedder._step, []
+
+    def failing_once(seqs: list[list[int]]) -> np.ndarray:
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            raise MemoryError("out of memory in the step")
+        return step(seqs)
+
+    embedder._step = failing_once  # type: ignore[method-assign]
+    with pytest.raises(MemoryError, match="out of memory in the step"):
+        embedder.embed([[5, 6, 7]])
+    assert embedder.embed([[5, 6, 7]]).shape == (1, 64)
+    embedder.close()
+    with pytest.raises(RuntimeError, match="the embedder is closed"):
+        embedder.submit([[5]])
+
+
+def test_a_cancelled_request_is_not_embedded(case) -> None:
+    """A request whose caller went away (its future cancelled: a client that disconnected)
+    leaves the queue without a step."""
+    _, path, _ = case
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact")
+    sizes, go = _gated(embedder)
+    go.set()
+    with embedder._wake:  # the worker takes none of them before the cancel
+        first = embedder.submit([[5, 6]])
+        gone = embedder.submit([[7, 8], [9, 10]])
+        kept = embedder.submit([[11]])
+        assert gone.cancel()
+    first.result(60), kept.result(60)
+    assert sizes == [2], sizes  # [5, 6] and [11], in one step
+    embedder.close()
+
+
+def test_a_request_cancelled_during_its_step_leaves_the_worker_running(case) -> None:
+    """A caller that goes away while its inputs are in a step (the future cancelled from
+    another thread): the step's end does not hand it vectors, and the next request is
+    answered (the worker thread lives on)."""
+    _, path, _ = case
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact")
+    sizes, go = _gated(embedder)
+    gone = embedder.submit([[5, 6]])
+    while embedder._queue:  # the worker has taken it into its (gated) step
+        threading.Event().wait(0.01)
+    assert gone.cancel()
+    go.set()
+    assert embedder.embed([[7, 8]]).shape == (1, 64)
+    assert sizes == [1, 1], sizes
+    embedder.close()

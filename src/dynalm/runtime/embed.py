@@ -12,8 +12,11 @@ last row, where the graph's attention and pooling find the sequences' bounds.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
@@ -44,9 +47,18 @@ def _scratch_kv(model: LoadedModel, tokens: int) -> KVGeometry:
     return KVGeometry(hp.n_layers, hp.n_kv_heads, hp.head_dim, tokens, 1, "f32")
 
 
+class _Job:
+    """One request's inputs, its vectors as they come and the future that hands them over."""
+
+    def __init__(self, inputs: list[Sequence[int]], out: np.ndarray) -> None:
+        self.inputs, self.out, self.left = inputs, out, len(inputs)
+        self.future: Future[np.ndarray] = Future()
+
+
 class Embedder:
-    """One encoder model bound to a device; ``embed`` is safe to call from many threads
-    (the steps run one at a time)."""
+    """One embedding model bound to a device; ``embed`` and ``submit`` are safe to call
+    from many threads: one worker thread runs the steps, packing the inputs of all the
+    requests waiting into each."""
 
     def __init__(
         self,
@@ -72,7 +84,10 @@ class Embedder:
         self.max_tokens = max(max_tokens, self.max_length)
         self._executor = Executor(model.graph, self.device, model.weights, self.max_tokens)
         self._kv = self.device.kv_storage(_scratch_kv(model, self.max_tokens))
-        self._lock = threading.Lock()
+        self._queue: deque[tuple[_Job, int]] = deque()  # inputs waiting: (request, index)
+        self._wake = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
 
     def tokenize(self, text: str, index: int = 0, truncate: bool = False) -> list[int]:
         """``[CLS] text [SEP]`` as ids; longer than the model's maximum length: cut to it
@@ -105,17 +120,71 @@ class Embedder:
     def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         """One vector per input of checked ids (``check``): ``[len(inputs), dimensions]``,
         float32, L2-normalised as the model's graph does."""
-        out = np.empty((len(inputs), self.dimensions), np.float32)
-        start = 0
-        with self._lock:
-            while start < len(inputs):
-                end, total = start, 0
-                while end < len(inputs) and total + len(inputs[end]) <= self.max_tokens:
-                    total += len(inputs[end])
-                    end += 1
-                out[start:end] = self._step([list(s) for s in inputs[start:end]])
-                start = end
-        return out
+        return self.submit(inputs).result()
+
+    def submit(self, inputs: Sequence[Sequence[int]]) -> Future[np.ndarray]:
+        """``embed``'s vectors, later: the inputs join the queue that the worker thread packs
+        into steps of at most ``max_tokens`` tokens, with those of every other request
+        waiting, first come first served (as the engine's scheduler drains its queue)."""
+        job = _Job(list(inputs), np.empty((len(inputs), self.dimensions), np.float32))
+        if not inputs:
+            job.future.set_result(job.out)
+            return job.future
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the embedder is closed")
+            self._queue.extend((job, i) for i in range(len(inputs)))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="embedder", daemon=True)
+                self._worker.start()
+            self._wake.notify()
+        return job.future
+
+    def close(self) -> None:
+        """Stop the worker thread once the queue is empty."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._worker is not None:
+            self._worker.join()
+
+    def _work(self) -> None:
+        while (step := self._next_step()) is not None:
+            try:
+                vectors = self._step([list(job.inputs[i]) for job, i in step])
+            except BaseException as e:  # noqa: BLE001 - handed to each waiting request
+                for job, _ in step:
+                    _settle(job.future, Future.set_exception, e)
+                continue
+            for (job, i), v in zip(step, vectors, strict=True):
+                job.out[i] = v
+                job.left -= 1
+                if job.left == 0:
+                    _settle(job.future, Future.set_result, job.out)
+
+    def _next_step(self) -> list[tuple[_Job, int]] | None:
+        """The inputs of the next step from the queue's head: as many as fit in
+        ``max_tokens`` (at least one, however long), those of requests already failed or
+        cancelled dropped; None once closed with the queue empty."""
+        with self._wake:
+            while True:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return None
+                step: list[tuple[_Job, int]] = []
+                total = 0
+                while self._queue:
+                    job, i = self._queue[0]
+                    n = len(job.inputs[i])
+                    if step and total + n > self.max_tokens:
+                        break
+                    self._queue.popleft()
+                    if not job.future.done():
+                        step.append((job, i))
+                        total += n
+                if step:
+                    return step
 
     def _step(self, seqs: list[list[int]]) -> np.ndarray:
         lengths = np.array([len(s) for s in seqs], np.int64)
@@ -131,3 +200,11 @@ class Embedder:
             slots=np.arange(len(tokens), dtype=np.int64),
         )
         return self._executor.run(tokens, positions, starts[1:] - 1, batch).copy()
+
+
+def _settle(future: Future[np.ndarray], how: Callable[..., None], value: object) -> None:
+    """``how(future, value)`` unless the future is done already: failed by an earlier step,
+    or cancelled meanwhile by its caller (``asyncio.wrap_future`` cancels it from the event
+    loop's thread when the client goes away), which must not end the worker thread."""
+    with contextlib.suppress(InvalidStateError):
+        how(future, value)
