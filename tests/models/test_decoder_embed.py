@@ -181,3 +181,21 @@ def test_a_request_cancelled_during_its_step_leaves_the_worker_running(case) -> 
     assert embedder.embed([[7, 8]]).shape == (1, 64)
     assert sizes == [1, 1], sizes
     embedder.close()
+
+
+def test_the_step_budget_packs_short_inputs_and_runs_a_longer_one_alone(case) -> None:
+    """``max_tokens`` is what a step packs, not the longest input: an input longer than it
+    (up to the model's maximum length, which the buffers hold) is a step alone, and the
+    short ones after it share one."""
+    _, path, _ = case
+    ids = [[5 + i for i in range(n)] for n in (17, 12)] + [[5, 6, 7], [8, 9, 10, 11]]
+    alone = np.concatenate([
+        Embedder(load_model(path), backend="cpu", mode="exact").embed([s]) for s in ids
+    ])  # fmt: skip
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact", max_tokens=8)
+    assert embedder.max_length > 17
+    sizes, go = _gated(embedder)
+    go.set()
+    np.testing.assert_allclose(embedder.embed(ids), alone, atol=1e-6)
+    assert sizes == [1, 1, 2], sizes
+    embedder.close()

@@ -5,9 +5,10 @@
 An encoder step needs no KV cache: its attention sees only the step's own tokens, each
 sequence attending within itself. A decoder's causal attention reads its keys and values
 from a KV pool: a scratch pool of one step's tokens, overwritten by the next step (nothing
-is kept after a request). The inputs are packed whole, one after another, into
-steps of at most ``max_tokens`` tokens (no padding); ``logit_rows`` holds each sequence's
-last row, where the graph's attention and pooling find the sequences' bounds.
+is kept after a request). The inputs are packed whole, one after another, into steps of at
+most ``max_tokens`` tokens (no padding; a longer input is a step alone); ``logit_rows``
+holds each sequence's last row, where the graph's attention and pooling find the
+sequences' bounds.
 """
 
 from __future__ import annotations
@@ -81,9 +82,13 @@ class Embedder:
         self.device = device or select_device(
             backend, mode, threads, unsupported=lambda d: unsupported(d, model.graph)
         )
-        self.max_tokens = max(max_tokens, self.max_length)
-        self._executor = Executor(model.graph, self.device, model.weights, self.max_tokens)
-        self._kv = self.device.kv_storage(_scratch_kv(model, self.max_tokens))
+        # A step's token budget: what it packs, as the engine's max_num_batched_tokens (a
+        # step holds the kernels' worker pool, which a generation model's steps share, for
+        # its whole length); the buffers hold one input of the maximum length, run alone.
+        self.max_tokens = max_tokens
+        capacity = max(max_tokens, self.max_length)
+        self._executor = Executor(model.graph, self.device, model.weights, capacity)
+        self._kv = self.device.kv_storage(_scratch_kv(model, capacity))
         self._queue: deque[tuple[_Job, int]] = deque()  # inputs waiting: (request, index)
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
