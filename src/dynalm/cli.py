@@ -717,7 +717,8 @@ def serve(
                 size = sum(f.stat().st_size for f in files)
                 return _Prepared(size, lambda: EmbeddingService(
                     Embedder(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
-                             threads=threads, max_tokens=max_num_batched_tokens),
+                             threads=threads, max_tokens=max_num_batched_tokens,
+                             beside=lambda: manager.generating()),
                     names,
                     size,
                 ))  # fmt: skip

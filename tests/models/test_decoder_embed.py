@@ -21,6 +21,7 @@ from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import UnsupportedModel
 from dynalm.ir.lumen.tree import LumenError
 from dynalm.models.loader import load_model
+from dynalm.runtime import embed as embed_module
 from dynalm.runtime.embed import Embedder
 from dynalm.runtime.engine.engine import Engine
 
@@ -198,4 +199,25 @@ def test_the_step_budget_packs_short_inputs_and_runs_a_longer_one_alone(case) ->
     go.set()
     np.testing.assert_allclose(embedder.embed(ids), alone, atol=1e-6)
     assert sizes == [1, 1, 2], sizes
+    embedder.close()
+
+
+def test_beside_generation_steps_are_short_and_pause(case, monkeypatch) -> None:
+    """While ``beside()`` says generation runs, a step packs at most BESIDE_TOKENS and the
+    worker then pauses as long as the step took (the generation steps get the worker
+    pool); otherwise the same inputs share one step and nothing pauses."""
+    _, path, _ = case
+    ids = [[5 + (i + k) % 50 for i in range(40)] for k in range(3)]  # 3 x 40 tokens
+    generating = threading.Event()
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact", beside=generating.is_set)
+    sizes, go = _gated(embedder)
+    go.set()
+    pauses: list[float] = []
+    monkeypatch.setattr(embed_module.time, "sleep", pauses.append)
+    alone = embedder.embed(ids)
+    assert sizes == [3] and pauses == [], (sizes, pauses)
+    generating.set()
+    np.testing.assert_allclose(embedder.embed(ids), alone, atol=1e-6)
+    assert embed_module.BESIDE_TOKENS < 80
+    assert sizes == [3, 1, 1, 1] and len(pauses) == 3 and min(pauses) > 0, (sizes, pauses)
     embedder.close()

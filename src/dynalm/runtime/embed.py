@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -33,6 +34,11 @@ OUTPUT = "embeddings"  # the graph output an embedding model has
 # The longest input embedded: a step holds a whole input, so the buffers are sized by it
 # (encoders are trained for 512 to 8192 positions; a file claiming millions is not believed).
 MAX_LENGTH = 8192
+# A step's token budget while generation runs beside (``beside``): a step holds the kernels'
+# worker pool, which the generation steps share, for its whole length, so a decode step
+# waits for at most one such step (SmolLM2-135M on 2 shared cores: ~0.1-0.2 s for 64 tokens,
+# ~1 s for 512; benchmarks/embed_concurrency.py --beside-generation).
+BESIDE_TOKENS = 64
 
 
 def is_embedding_model(model: LoadedModel) -> bool:
@@ -70,6 +76,7 @@ class Embedder:
         mode: str = "auto",
         threads: int | None = None,
         max_tokens: int = 512,
+        beside: Callable[[], bool] | None = None,
     ) -> None:
         if not is_embedding_model(model):
             raise UnsupportedModel(
@@ -89,6 +96,8 @@ class Embedder:
         capacity = max(max_tokens, self.max_length)
         self._executor = Executor(model.graph, self.device, model.weights, capacity)
         self._kv = self.device.kv_storage(_scratch_kv(model, capacity))
+        # whether generation runs on the same device now: the steps then yield to it
+        self.beside = beside or (lambda: False)
         self._queue: deque[tuple[_Job, int]] = deque()  # inputs waiting: (request, index)
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -154,7 +163,12 @@ class Embedder:
             self._worker.join()
 
     def _work(self) -> None:
+        """Steps while inputs wait. While generation runs beside (``beside()``), a step
+        packs at most ``BESIDE_TOKENS`` and is followed by a pause as long as itself: the
+        generation steps get the device at least half the time, and wait for at most one
+        short embedding step, instead of an embedding request's steps back to back."""
         while (step := self._next_step()) is not None:
+            started = time.perf_counter()
             try:
                 vectors = self._step([list(job.inputs[i]) for job, i in step])
             except BaseException as e:  # noqa: BLE001 - handed to each waiting request
@@ -166,11 +180,14 @@ class Embedder:
                 job.left -= 1
                 if job.left == 0:
                     _settle(job.future, Future.set_result, job.out)
+            if self.beside():
+                time.sleep(time.perf_counter() - started)
 
     def _next_step(self) -> list[tuple[_Job, int]] | None:
-        """The inputs of the next step from the queue's head: as many as fit in
-        ``max_tokens`` (at least one, however long), those of requests already failed or
-        cancelled dropped; None once closed with the queue empty."""
+        """The inputs of the next step from the queue's head: as many as fit in the budget
+        (``max_tokens``, or ``BESIDE_TOKENS`` beside generation; at least one, however
+        long), those of requests already failed or cancelled dropped; None once closed with
+        the queue empty."""
         with self._wake:
             while True:
                 while not self._queue and not self._closed:
@@ -179,10 +196,11 @@ class Embedder:
                     return None
                 step: list[tuple[_Job, int]] = []
                 total = 0
+                budget = min(self.max_tokens, BESIDE_TOKENS) if self.beside() else self.max_tokens
                 while self._queue:
                     job, i = self._queue[0]
                     n = len(job.inputs[i])
-                    if step and total + n > self.max_tokens:
+                    if step and total + n > budget:
                         break
                     self._queue.popleft()
                     if not job.future.done():
