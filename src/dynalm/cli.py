@@ -629,7 +629,10 @@ def serve(
         int, typer.Option(parser=MaxNumSeqs, help="Most requests in one batch.")
     ] = 16,
     max_num_batched_tokens: Annotated[
-        int, typer.Option(parser=Int(1, MAX_TOKENS), help="Token budget of a step.")
+        int,
+        typer.Option(
+            parser=Int(1, MAX_TOKENS), help="Token budget of a step (an embedding model's too)."
+        ),
     ] = 512,
     max_queue: Annotated[
         int,
