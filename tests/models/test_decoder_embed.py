@@ -18,7 +18,7 @@ from tiny_models import reference_embeddings
 from transformers import PreTrainedModel
 
 from dynalm.core.cpu_device import CpuDevice
-from dynalm.errors import UnsupportedModel
+from dynalm.errors import QueueFull, UnsupportedModel
 from dynalm.ir.lumen.tree import LumenError
 from dynalm.models.loader import load_model
 from dynalm.runtime import embed as embed_module
@@ -146,8 +146,27 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_run(case) -> None:
         embedder.embed([[5, 6, 7]])
     assert embedder.embed([[5, 6, 7]]).shape == (1, 64)
     embedder.close()
-    with pytest.raises(RuntimeError, match="the embedder is closed"):
+    with pytest.raises(QueueFull, match="the embedding model .* is shutting down"):
         embedder.submit([[5]])
+
+
+def test_closing_without_drain_fails_the_waiting_requests(case) -> None:
+    """``close(drain=False)`` (a server's shutdown): the step running ends and its request
+    gets its vectors; the requests still queued get QueueFull (a 503) at once."""
+    _, path, _ = case
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact")
+    sizes, go = _gated(embedder)
+    running = embedder.submit([[5, 6]])
+    while embedder._queue:  # the worker has taken it into its (gated) step
+        threading.Event().wait(0.01)
+    waiting = embedder.submit([[7, 8]])
+    closing = threading.Thread(target=embedder.close, kwargs={"drain": False})
+    closing.start()
+    with pytest.raises(QueueFull, match="is shutting down"):
+        waiting.result(60)
+    go.set()
+    closing.join(60)
+    assert running.result(60).shape == (1, 64) and sizes == [1], sizes
 
 
 def test_a_cancelled_request_is_not_embedded(case) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from dynalm.core.device import Device
 from dynalm.core.devices import select_device
 from dynalm.core.kv_storage import AttentionBatch, KVGeometry
-from dynalm.errors import InvalidRequest, UnsupportedModel
+from dynalm.errors import InvalidRequest, QueueFull, UnsupportedModel
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
 from dynalm.models.loader import LoadedModel
@@ -146,7 +146,7 @@ class Embedder:
             return job.future
         with self._wake:
             if self._closed:
-                raise RuntimeError("the embedder is closed")
+                raise QueueFull(f"the embedding model {self.model.name} is shutting down")
             self._queue.extend((job, i) for i in range(len(inputs)))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="embedder", daemon=True)
@@ -154,10 +154,17 @@ class Embedder:
             self._wake.notify()
         return job.future
 
-    def close(self) -> None:
-        """Stop the worker thread once the queue is empty."""
+    def close(self, drain: bool = True) -> None:
+        """Stop the worker thread: once the queue is empty (``drain``), else after the step
+        running now, the inputs still waiting failing their requests with ``QueueFull``
+        (a 503: a server shutting down, its clients may retry elsewhere)."""
         with self._wake:
             self._closed = True
+            if not drain:
+                gone = QueueFull(f"the embedding model {self.model.name} is shutting down")
+                for job, _ in self._queue:
+                    _settle(job.future, Future.set_exception, gone)
+                self._queue.clear()
             self._wake.notify()
         if self._worker is not None:
             self._worker.join()

@@ -119,7 +119,8 @@ class EmbeddingService(ServedModel):
         ]
 
     def shutdown(self, drain: bool = False) -> None:
-        self.embedder.close()
+        """Stop the embedder's worker; without ``drain`` the requests waiting get a 503."""
+        self.embedder.close(drain=drain)
 
     async def respond(self, req: EmbeddingRequest) -> dict[str, Any]:
         """The answer to ``req``: its inputs join the embedder's queue, where they share
