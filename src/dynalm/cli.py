@@ -697,7 +697,7 @@ def serve(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
-        from dynalm.runtime.embed import Embedder, is_embedding_model
+        from dynalm.runtime.embed import Embedder, is_embedding_model, scratch_bytes
         from dynalm.runtime.engine.build import build_engine, plan_engine
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.engine.memory_plan import available_memory
@@ -714,10 +714,12 @@ def serve(
             path = store.resolve(given.get(name, name), pull=name in given)
             loaded = load_model(path, _pooling(pooling))
             names = [name] if path.stem == name else [name, path.stem]
-            if is_embedding_model(loaded):  # an encoder: /v1/embeddings, no engine
-                # its size is its weights as mapped (its step buffers are small beside them)
+            if is_embedding_model(loaded):  # /v1/embeddings, no engine
+                # its size: its weights as mapped and a decoder's scratch KV pool (its step
+                # buffers are small beside them)
                 files = [path] if path.is_file() else list(path.glob("*.safetensors"))
                 size = sum(f.stat().st_size for f in files)
+                size += scratch_bytes(loaded, max_num_batched_tokens)
                 return _Prepared(size, lambda: EmbeddingService(
                     Embedder(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
                              threads=threads, max_tokens=max_num_batched_tokens,

@@ -240,3 +240,14 @@ def test_beside_generation_steps_are_short_and_pause(case, monkeypatch) -> None:
     assert embed_module.BESIDE_TOKENS < 80
     assert sizes == [3, 1, 1, 1] and len(pauses) == 3 and min(pauses) > 0, (sizes, pauses)
     embedder.close()
+
+
+def test_scratch_bytes_are_what_the_embedder_allocates(case) -> None:
+    """``scratch_bytes`` (what dynalm serve adds to an embedding model's size) is the KV
+    pool the Embedder holds: f32 K and V of every layer for a step of the maximum length."""
+    _, path, _ = case
+    model = load_model(path)
+    embedder = Embedder(model, backend="cpu", mode="exact", max_tokens=40)
+    hp = model.hparams
+    want = hp.n_layers * 2 * hp.n_kv_heads * hp.head_dim * 4 * max(40, embedder.max_length)
+    assert embed_module.scratch_bytes(model, 40) == embedder._kv.nbytes == want

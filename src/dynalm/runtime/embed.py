@@ -14,6 +14,7 @@ sequences' bounds.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -52,6 +53,22 @@ def _scratch_kv(model: LoadedModel, tokens: int) -> KVGeometry:
         return KVGeometry(0, 1, 1, 1, tokens, "f32")
     hp = model.hparams
     return KVGeometry(hp.n_layers, hp.n_kv_heads, hp.head_dim, tokens, 1, "f32")
+
+
+def _capacity(model: LoadedModel, max_tokens: int) -> int:
+    """The tokens a step's buffers hold: the budget, or one input of the maximum length."""
+    return max(max_tokens, min(model.hparams.n_ctx_train, MAX_LENGTH))
+
+
+def scratch_bytes(model: LoadedModel, max_tokens: int = 512) -> int:
+    """The bytes of the scratch KV pool an ``Embedder(model, max_tokens=...)`` allocates
+    (none for an encoder; a decoder's f32 slots for a step of the maximum length: ~380 MB for
+    SmolLM2-135M's 8192), which a server's memory budget counts beside the weights."""
+    kv = _scratch_kv(model, _capacity(model, max_tokens))
+    return sum(
+        layers * math.prod(shape) * np.dtype(dtype).itemsize
+        for layers, shape, dtype in kv.arrays().values()
+    )
 
 
 class _Job:
@@ -93,7 +110,7 @@ class Embedder:
         # step holds the kernels' worker pool, which a generation model's steps share, for
         # its whole length); the buffers hold one input of the maximum length, run alone.
         self.max_tokens = max_tokens
-        capacity = max(max_tokens, self.max_length)
+        capacity = _capacity(model, max_tokens)
         self._executor = Executor(model.graph, self.device, model.weights, capacity)
         self._kv = self.device.kv_storage(_scratch_kv(model, capacity))
         # whether generation runs on the same device now: the steps then yield to it
