@@ -113,6 +113,16 @@ def _gated(embedder: Embedder) -> tuple[list[int], threading.Event]:
     return sizes, go
 
 
+def _in_gated_step(embedder: Embedder, ids: list[list[int]]):
+    """``ids`` submitted and taken by the worker into its first step, which waits for
+    ``go``: (their future, the steps' sizes, go)."""
+    sizes, go = _gated(embedder)
+    future = embedder.submit(ids)
+    while embedder._queue:
+        threading.Event().wait(0.01)
+    return future, sizes, go
+
+
 def test_requests_waiting_share_a_step(case) -> None:
     """The inputs of requests submitted while a step runs are packed into the next step
     together (not one step each), and get what they get one at a time."""
@@ -155,10 +165,7 @@ def test_closing_without_drain_fails_the_waiting_requests(case) -> None:
     gets its vectors; the requests still queued get QueueFull (a 503) at once."""
     _, path, _ = case
     embedder = Embedder(load_model(path), backend="cpu", mode="exact")
-    sizes, go = _gated(embedder)
-    running = embedder.submit([[5, 6]])
-    while embedder._queue:  # the worker has taken it into its (gated) step
-        threading.Event().wait(0.01)
+    running, sizes, go = _in_gated_step(embedder, [[5, 6]])
     waiting = embedder.submit([[7, 8]])
     closing = threading.Thread(target=embedder.close, kwargs={"drain": False})
     closing.start()
@@ -192,10 +199,7 @@ def test_a_request_cancelled_during_its_step_leaves_the_worker_running(case) -> 
     answered (the worker thread lives on)."""
     _, path, _ = case
     embedder = Embedder(load_model(path), backend="cpu", mode="exact")
-    sizes, go = _gated(embedder)
-    gone = embedder.submit([[5, 6]])
-    while embedder._queue:  # the worker has taken it into its (gated) step
-        threading.Event().wait(0.01)
+    gone, sizes, go = _in_gated_step(embedder, [[5, 6]])
     assert gone.cancel()
     go.set()
     assert embedder.embed([[7, 8]]).shape == (1, 64)
