@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from dynalm.models.loader import LoadedModel
     from dynalm.runtime.engine.build import EngineSpec
     from dynalm.runtime.engine.config import EngineConfig
-    from dynalm.runtime.engine.engine import Engine
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
@@ -240,28 +239,6 @@ NumDraftTokens = Annotated[
 MaxNumSeqs = Int(1, MAX_NUM_SEQS)
 
 
-def _engine(
-    model: LoadedModel,
-    config: EngineConfig,
-    backend: Backend,
-    cpu: bool,
-    gpu: bool,
-    mode: Mode,
-    threads: int | None,
-    draft: str | None = None,
-    speculative: str | None = None,
-) -> Engine:
-    """The engine of these flags (``build_engine``): on the device --backend/--cpu/--gpu,
-    --mode and --threads choose (a GPU only if it runs and holds ``model`` with ``config``),
-    with the drafter --draft (a model of the store, loaded here) or --speculative asks for.
-    --verbose logs its memory plan."""
-    from dynalm.runtime.engine.build import build_engine
-
-    return build_engine(
-        _engine_spec(model, config, backend, cpu, gpu, mode, threads, draft, speculative)
-    )
-
-
 def _engine_spec(
     model: LoadedModel,
     config: EngineConfig,
@@ -273,7 +250,11 @@ def _engine_spec(
     draft: str | None = None,
     speculative: str | None = None,
 ) -> EngineSpec:
-    """What `_engine` builds (a server plans it before it builds it)."""
+    """The engine these flags ask for, as ``build_engine`` takes it (a server plans it
+    before it builds it): on the device --backend/--cpu/--gpu, --mode and --threads choose
+    (a GPU only if it runs and holds ``model`` with ``config``), with the drafter --draft (a
+    model of the store, loaded here) or --speculative asks for. --verbose logs its memory
+    plan."""
     from dynalm.models.loader import load_model
     from dynalm.runtime.engine.build import EngineSpec
     from dynalm.runtime.engine.config import check_num_draft_tokens
@@ -572,7 +553,11 @@ def run(
         loaded = load_model(ModelStore().resolve(model))
         t1 = time.perf_counter()
         config = generator_config(_context(ctx, loaded), kv_cache_dtype.value, num_draft_tokens)
-        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+        from dynalm.runtime.engine.build import build_engine
+
+        engine = build_engine(
+            _engine_spec(loaded, config, backend, cpu, gpu, mode, threads, draft, speculative)
+        )
         generator, device = Generator(engine), engine.device
         if verbose:  # binding repacks the weights once; the rest is kernels and buffers
             err.print(
@@ -697,13 +682,20 @@ def serve(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
-        from dynalm.runtime.embed import Embedder, is_embedding_model, scratch_bytes
+        from dynalm.runtime.embed import (
+            Embedder,
+            Reranker,
+            is_embedding_model,
+            is_reranker,
+            scratch_bytes,
+        )
         from dynalm.runtime.engine.build import build_engine, plan_engine
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.engine.memory_plan import available_memory
         from dynalm.runtime.serve import server
         from dynalm.runtime.serve.embeddings import EmbeddingService
         from dynalm.runtime.serve.models import ModelManager, ModelService
+        from dynalm.runtime.serve.rerank import RerankService
         from dynalm.store.catalog import ModelStore, is_local_path
 
         store = ModelStore()
@@ -714,16 +706,20 @@ def serve(
             path = store.resolve(given.get(name, name), pull=name in given)
             loaded = load_model(path, _pooling(pooling))
             names = [name] if path.stem == name else [name, path.stem]
-            if is_embedding_model(loaded):  # /v1/embeddings, no engine
+            if is_embedding_model(loaded) or is_reranker(loaded):  # no engine
                 # its size: its weights as mapped and a decoder's scratch KV pool (its step
                 # buffers are small beside them)
                 files = [path] if path.is_file() else list(path.glob("*.safetensors"))
                 size = sum(f.stat().st_size for f in files)
                 size += scratch_bytes(loaded, max_num_batched_tokens)
-                return _Prepared(size, lambda: EmbeddingService(
-                    Embedder(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
-                             threads=threads, max_tokens=max_num_batched_tokens,
-                             beside=lambda: manager.generating()),
+                # /v1/embeddings, or /v1/rerank for a cross-encoder
+                rerank = is_reranker(loaded)
+                kind, service = (Reranker, RerankService) if rerank else (
+                    Embedder, EmbeddingService)
+                return _Prepared(size, lambda: service(
+                    kind(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
+                         threads=threads, max_tokens=max_num_batched_tokens,
+                         beside=lambda: manager.generating()),
                     names,
                     size,
                 ))  # fmt: skip
@@ -907,6 +903,60 @@ def embed(
 
 
 @app.command()
+def rerank(
+    model: Annotated[str, typer.Argument(help="Catalog name or GGUF path of a reranker")],
+    query: Annotated[str, typer.Argument(help="The query the documents are ranked against")],
+    documents: Annotated[
+        list[str], typer.Argument(help="Documents to rank ('-': one per line of stdin)")
+    ],
+    json_output: Annotated[
+        bool, typer.Option("--json", help="One JSON object, as /v1/rerank answers.")
+    ] = False,
+    truncate: Annotated[
+        bool, typer.Option(help="Cut a document whose pair is past the maximum length.")
+    ] = False,
+    threads: Threads = None,
+    mode: ModeOption = Mode.auto,
+    backend: BackendOption = Backend.auto,
+    cpu: CpuFlag = False,
+    gpu: GpuFlag = False,
+    verbose: Verbose = False,
+) -> None:
+    """Rank documents by their relevance to a query with a reranker (a cross-encoder): one
+    line per document, best first: its relevance score (the sigmoid of the model's logit,
+    as /v1/rerank gives it), its index among the documents given, and its text."""
+    _configure(verbose, threads)
+    with user_errors(verbose):
+        import json
+
+        from dynalm.errors import InvalidRequest
+        from dynalm.models.loader import load_model
+        from dynalm.runtime.embed import Reranker, relevance
+        from dynalm.store.catalog import ModelStore
+
+        if documents == ["-"]:
+            documents = sys.stdin.read().splitlines()
+        loaded = load_model(ModelStore().resolve(model))
+        reranker = Reranker(
+            loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
+        )
+        docs = [_utf8(d, f"document {i + 1}") for i, d in enumerate(documents)]
+        if not docs:
+            raise InvalidRequest("no documents to rank")
+        logits = reranker.score(_utf8(query, "the query"), docs, truncate)
+        order = sorted(range(len(docs)), key=lambda i: -float(logits[i]))
+        results = [
+            {"index": i, "relevance_score": relevance(float(logits[i])), "document": docs[i]}
+            for i in order
+        ]
+        if json_output:
+            typer.echo(json.dumps({"model": loaded.name, "results": results}))
+        else:
+            for r in results:
+                typer.echo(f"{r['relevance_score']:.6f}\t{r['index']}\t{r['document']}")
+
+
+@app.command()
 def perplexity(
     model: Annotated[str, typer.Argument(help="Catalog name (smollm2:135m) or GGUF path")],
     text_file: Annotated[str, typer.Argument(help="UTF-8 text file to score ('-': stdin)")],
@@ -953,7 +1003,9 @@ def perplexity(
         config = EngineConfig(
             ctx=ctx + 1, kv_cache_dtype=kv_cache_dtype.value, enable_prefix_caching=False
         )
-        engine = _engine(loaded, config, backend, cpu, gpu, mode, threads)
+        from dynalm.runtime.engine.build import build_engine
+
+        engine = build_engine(_engine_spec(loaded, config, backend, cpu, gpu, mode, threads))
         ids = tok.encode(text, add_special=False)
         bos = tok.bos_id if tok.add_bos else None
         columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())

@@ -94,6 +94,9 @@ def test_ops_of_the_table(rows: int, width: int):
         assert (np.abs(out - expected) <= 16 * U * (np.abs(expected) + np.abs(x))).all()
         elementwise.gated(gated, x, ones, activation)()
         np.testing.assert_array_equal(out, gated)
+    big = x * 30  # tanh (a reranker's head): saturates to +-1 without overflow, else ~1 ulp
+    elementwise.activation(out, big, "tanh")()
+    np.testing.assert_allclose(out, np.tanh(big.astype(np.float64)), rtol=0, atol=8 * U)
     wide = rand(rows, 2 * width + 3, seed=23)
     for start in (0, 3, width + 3):  # a split of a wider buffer, into a view of another
         target = np.full((rows, width + 5), np.nan, np.float32)

@@ -166,6 +166,7 @@ def test_grid_elementwise_is_the_cpu_kernel() -> None:
         "mul": lambda out, be: elementwise.mul(out, dense, dense[::-1].copy(), backend=be),
         "scale": lambda out, be: elementwise.scale(out, dense, 0.1, backend=be),
         "act": lambda out, be: elementwise.activation(out, dense, "gelu_tanh", backend=be),
+        "tanh": lambda out, be: elementwise.activation(out, dense, "tanh", backend=be),
         "bias": lambda out, be: elementwise.bias(out, dense, w, backend=be),
         "columns": lambda out, be: elementwise.columns(out, x, 29, backend=be),  # a split
         "gather": lambda out, be: elementwise.columns(out, x, 0, perm, backend=be),

@@ -132,11 +132,16 @@ def test_bad_ids_are_refused(bert_files) -> None:
 
 
 def test_unsupported_pooling_type_is_refused(bert, tmp_path: Path) -> None:
-    """llama.cpp's pooling numbers 0 (none) and 4 (rank) give no sentence vector here."""
-    path = tiny_bert.write_gguf(bert, tmp_path / "rank.gguf", metadata={"bert.pooling_type": 4})
+    """llama.cpp's pooling numbers 0 (none) and 5 give no sentence vector here; 4 (rank)
+    needs a classification head (tests/models/test_reranker.py)."""
+    path = tiny_bert.write_gguf(bert, tmp_path / "none.gguf", metadata={"bert.pooling_type": 5})
     with pytest.raises(LumenError, match=r"bert\.lum:\d+:\d+: pool\(x, logit_rows, mode = "
-                       r"pooling_type\): pooling mode 4 is not one of 1 \(mean\), 2 \(cls\), "
+                       r"pooling_type\): pooling mode 5 is not one of 1 \(mean\), 2 \(cls\), "
                        r"3 \(last\)"):  # fmt: skip
+        load_model(path)
+    path = tiny_bert.write_gguf(bert, tmp_path / "rank.gguf", metadata={"bert.pooling_type": 4})
+    with pytest.raises(ModelFormatError, match=r"bert\.lum:\d+:\d+: the model has no tensor "
+                       "'cls.output.weight'"):  # fmt: skip
         load_model(path)
 
 

@@ -104,10 +104,10 @@ def _gated(embedder: Embedder) -> tuple[list[int], threading.Event]:
     sizes: list[int] = []
     go, step = threading.Event(), embedder._step
 
-    def gated_step(seqs: list[list[int]]) -> np.ndarray:
+    def gated_step(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
         go.wait(30)
         sizes.append(len(seqs))
-        return step(seqs)
+        return step(seqs, types)
 
     embedder._step = gated_step  # type: ignore[method-assign]
     return sizes, go
@@ -145,11 +145,11 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_run(case) -> None:
     embedder = Embedder(load_model(path), backend="cpu", mode="exact")
     step, calls = embedder._step, []
 
-    def failing_once(seqs: list[list[int]]) -> np.ndarray:
+    def failing_once(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
         calls.append(len(seqs))
         if len(calls) == 1:
             raise MemoryError("out of memory in the step")
-        return step(seqs)
+        return step(seqs, types)
 
     embedder._step = failing_once  # type: ignore[method-assign]
     with pytest.raises(MemoryError, match="out of memory in the step"):

@@ -34,6 +34,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.memory_plan import plan_memory
+from dynalm.runtime.serve import models as models_module
 from dynalm.runtime.serve.models import ModelManager, ModelService
 
 A, B, C = "smollm2:135m", "smollm2:copy", "smollm2:third"
@@ -247,6 +248,38 @@ def test_an_unknown_model_is_404_listing_the_stores_models(smollm2: LoadedModel)
         # with no model named at start, a request must name one
         r = server.http().post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         assert r.status_code == 400 and "name one in 'model'" in r.json()["error"]["message"]
+
+
+def test_the_stores_listing_is_read_once_per_ttl_not_per_request(smollm2: LoadedModel, monkeypatch):
+    listings = []
+
+    def catalog() -> list[str]:
+        listings.append(time.monotonic())
+        return list(STORE)
+
+    manager = ModelManager(Store(smollm2).prepare, catalog=catalog)
+    for _ in range(50):
+        assert manager.lookup(A) is None and A in manager.available()
+    assert len(listings) == 1
+    monkeypatch.setattr(models_module, "CATALOG_TTL_S", 0.0)  # a pull shows at the next look
+    manager.available()
+    assert len(listings) == 2
+
+
+def test_a_given_model_unloaded_by_request_is_503_not_reloaded(smollm2: LoadedModel):
+    service = Store(smollm2).prepare(A).load()
+    with live_models(ModelManager.of([service])) as server:
+        assert complete(server, A, keep_alive=0).status_code == 200
+        wait_until(lambda: loaded(server) == [])
+        r = complete(server, A)
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert error["code"] == "model_unloaded"
+        assert error["message"] == (
+            f"the model '{A}' was unloaded and this server cannot load it again "
+            "(it was given to it loaded): restart the server"
+        )
+        assert server.http().get("/health").status_code == 200  # and it keeps serving
 
 
 def test_models_named_at_start_are_the_only_ones_and_the_first_is_the_default(

@@ -101,6 +101,10 @@ def gelu_tanh(out: np.ndarray, x: np.ndarray) -> None:
     out *= 0.5
 
 
+def tanh(out: np.ndarray, x: np.ndarray) -> None:
+    np.tanh(x, out=out)
+
+
 _ERF = np.frompyfunc(math.erf, 1, 1)
 
 

@@ -159,9 +159,10 @@ def activation(
     *,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """``out = act(x)``, ``kind`` "silu" or "gelu_tanh" (the gated kernels' activation)."""
+    """``out = act(x)``, ``kind`` "silu" or "gelu_tanh" (the gated kernels' activation), or
+    "tanh" (a reranker's classification head)."""
     _same("out x", out, x)
-    require(kind in ("silu", "gelu_tanh"), f"unknown activation {kind!r}")
+    require(kind in ("silu", "gelu_tanh", "tanh"), f"unknown activation {kind!r}")
     return _bind("act", backend, {"activation": kind}, out.size, (out, x), block)
 
 

@@ -10,16 +10,24 @@ from dynalm.ir.graph import Dim, Graph, GraphError, Node, TensorType, Value, Wei
 from dynalm.ir.ops import check_attrs, infer, op_def
 
 
-def check_weight_shape(w: Weight, shape: tuple[Dim | None, ...]) -> None:
+def check_weight_shape(w: Weight, shape: tuple[Dim | None, ...]) -> Weight:
     """A model tensor must have ``shape`` (None: any size on that axis), so that a file whose
-    tensors disagree with its hyper-parameters is refused before any kernel is bound."""
+    tensors disagree with its hyper-parameters is refused before any kernel is bound. A
+    tensor of fewer dimensions is read as ggml reads it, the outer ones it lacks being 1
+    where ``shape`` allows it (converters that squeeze write a one-label classifier's
+    ``[1, d]`` as ``[d]``): the weight returned is then of ``shape``'s rank."""
     actual = w.type.shape
+    missing = len(shape) - len(actual)
+    if missing > 0 and all(d in (None, 1) for d in shape[:missing]):
+        actual = (1,) * missing + tuple(actual)
+        w = Weight(w.name, TensorType(w.type.dtype, actual))
     fits = len(actual) == len(shape)
     if not fits or any(e not in (None, a) for e, a in zip(shape, actual, strict=True)):
         expected = ", ".join("?" if d is None else str(d) for d in shape)
         raise ModelFormatError(
             f"tensor '{w.name}' has shape [{', '.join(map(str, actual))}], expected [{expected}]"
         )
+    return w
 
 
 MAX_DIM = 2**31 - 1  # kernels index rows and columns with int32
@@ -70,9 +78,7 @@ class GraphBuilder:
         if name not in self._weight_types:
             raise ModelFormatError(f"the model has no tensor '{name}'")
         w = Weight(name, self._weight_types[name])
-        if shape:
-            check_weight_shape(w, shape)
-        return w
+        return check_weight_shape(w, shape) if shape else w
 
     def has_weight(self, name: str) -> bool:
         return name in self._weight_types

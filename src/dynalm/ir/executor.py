@@ -14,7 +14,7 @@ source's columns, which rope and attention read with a row stride.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -70,6 +70,16 @@ class Executor:
             for weight, key in zip(node.weights, ("parts", "bias_parts"), strict=False):
                 if key in node.attrs:
                     self._parts[weight.name] = tuple(node.attrs[key])
+        # A weight the graph reads at more dimensions than the file gives (ggml's implicit
+        # outer 1s: ``builder.check_weight_shape``): name -> the graph's shape.
+        self._widened = {
+            w.name: tuple(w.type.shape)
+            for node in graph.nodes
+            for w in node.weights
+            if w is not None
+            and w.name not in self._parts  # (a merged weight: no tensor of the file)
+            and len(w.type.shape) > len(weights.tensor_shape(w.name))
+        }
         # seconds spent binding and compiling (a new step shape, grown buffers or rope
         # tables): what timing a step's own cost leaves out
         self.setup_seconds = 0.0
@@ -226,6 +236,10 @@ class Executor:
         w = self.weights
         parts = self._parts.get(name)
         if parts is None:
+            if name in self._widened:  # the same bytes, with outer dimensions of 1
+                shape = self._widened[name]
+                raw = w.raw(name)
+                return raw.reshape(shape[:-1] + raw.shape[-1:]), w.tensor_type(name), shape
             return w.raw(name), w.tensor_type(name), tuple(w.tensor_shape(name))
         shapes = [tuple(w.tensor_shape(p)) for p in parts]
         raw = lambda: np.concatenate([w.raw(p) for p in parts], axis=0)  # noqa: E731
@@ -239,9 +253,11 @@ class Executor:
         positions: np.ndarray,
         logit_rows: np.ndarray,
         batch: AttentionBatch,
+        extra: Mapping[str, np.ndarray] | None = None,
     ) -> np.ndarray:
         """One forward step over a flat batch; returns logits ``[len(logit_rows), vocab]``
-        (a view into a planned buffer, valid until the next step)."""
+        (a view into a planned buffer, valid until the next step). ``extra``: the graph's
+        other inputs of one value per token, by name (bert.lum's token_types)."""
         n_tokens, n_logits = len(tokens), len(logit_rows)
         if n_tokens > self.capacity:
             self._reserve(n_tokens)
@@ -251,6 +267,9 @@ class Executor:
         ins["tokens"][:n_tokens] = tokens
         ins["positions"][:n_tokens] = positions
         ins["logit_rows"][:n_logits] = logit_rows
+        for name, values in (extra or {}).items():
+            if name in ins:  # a graph that reads no such input has none
+                ins[name][:n_tokens] = values
         self._kv = batch.kv
         self.binder.begin_step(batch, ins["positions"])
         if self._shape != (n_tokens, n_logits):

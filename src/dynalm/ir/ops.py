@@ -262,6 +262,7 @@ _TABLE = (
     OpDef("pool", (X, Operand("last", "i32")), _pool, attrs=(Attr("mode", int, min=1),),
           kernel="jit", doc="per sequence: the mean of its rows (1), its first (2), last (3)"),
     OpDef("l2_norm", (X,), _same, kernel="jit", doc="x / |x| per row"),
+    OpDef("tanh", (X,), _same, doc="tanh (a reranker's classification head)"),
     OpDef("select_rows", (X, Operand("rows", "i32")), _select_rows,
           doc="the rows listed (each sequence's last token)"),
     OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32", use="index"),),

@@ -380,6 +380,7 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
         (ew["scale"], {"factor": 24.0}),
         (ew["act"], {"activation": "silu"}),
         (ew["act"], {"activation": "gelu_tanh"}),
+        (ew["act"], {"activation": "tanh"}),  # a reranker's head
         (ew["gated"], {"activation": "silu"}),
         (ew["gated"], {"activation": "gelu_tanh"}),
         (ew["bias"], {"width": 576}),

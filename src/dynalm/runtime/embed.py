@@ -1,6 +1,8 @@
 """Sentence embeddings from an embedding model (a family whose graph's output is
 ``embeddings``: ``bert.lum``, or a decoder family's file with a pooling type), for
-``dynalm embed`` and ``POST /v1/embeddings``.
+``dynalm embed`` and ``POST /v1/embeddings``; and relevance scores from a reranker (a
+cross-encoder: an encoder family with a classification head, whose output is ``scores``),
+for ``dynalm rerank`` and ``POST /v1/rerank``.
 
 An encoder step needs no KV cache: its attention sees only the step's own tokens, each
 sequence attending within itself. A decoder's causal attention reads its keys and values
@@ -32,6 +34,7 @@ from dynalm.ir.lower import unsupported
 from dynalm.models.loader import LoadedModel
 
 OUTPUT = "embeddings"  # the graph output an embedding model has
+SCORES = "scores"  # a reranker's: one logit per label for each [CLS] query [SEP] doc [SEP]
 # The longest input embedded: a step holds a whole input, so the buffers are sized by it
 # (encoders are trained for 512 to 8192 positions; a file claiming millions is not believed).
 MAX_LENGTH = 8192
@@ -44,6 +47,17 @@ BESIDE_TOKENS = 64
 
 def is_embedding_model(model: LoadedModel) -> bool:
     return OUTPUT in model.graph.outputs
+
+
+def is_reranker(model: LoadedModel) -> bool:
+    return SCORES in model.graph.outputs
+
+
+def model_kind(model: LoadedModel) -> str:
+    """What a model is, as a refusal names it."""
+    if is_reranker(model):
+        return "a reranker"
+    return "an embedding model" if is_embedding_model(model) else "a generation model"
 
 
 def _scratch_kv(model: LoadedModel, tokens: int) -> KVGeometry:
@@ -72,17 +86,26 @@ def scratch_bytes(model: LoadedModel, max_tokens: int = 512) -> int:
 
 
 class _Job:
-    """One request's inputs, its vectors as they come and the future that hands them over."""
+    """One request's inputs (and their token types, if given), its vectors as they come and
+    the future that hands them over."""
 
-    def __init__(self, inputs: list[Sequence[int]], out: np.ndarray) -> None:
-        self.inputs, self.out, self.left = inputs, out, len(inputs)
+    def __init__(
+        self, inputs: list[Sequence[int]], types: list[Sequence[int]] | None, out: np.ndarray
+    ) -> None:
+        self.inputs, self.types, self.out, self.left = inputs, types, out, len(inputs)
         self.future: Future[np.ndarray] = Future()
+
+    def type_ids(self, i: int) -> Sequence[int]:
+        return [0] * len(self.inputs[i]) if self.types is None else self.types[i]
 
 
 class Embedder:
     """One embedding model bound to a device; ``embed`` and ``submit`` are safe to call
     from many threads: one worker thread runs the steps, packing the inputs of all the
     requests waiting into each."""
+
+    output = OUTPUT  # the graph output it reads
+    needs = "embedding output"
 
     def __init__(
         self,
@@ -95,14 +118,19 @@ class Embedder:
         max_tokens: int = 512,
         beside: Callable[[], bool] | None = None,
     ) -> None:
-        if not is_embedding_model(model):
+        if self.output not in model.graph.outputs:
+            kind = model_kind(model)
+            hint = (  # a decoder embeds with its hidden states when asked to
+                " (--pooling last or mean embeds with its hidden states)"
+                if self.output == OUTPUT and kind == "a generation model"
+                else ""
+            )
             raise UnsupportedModel(
-                f"{model.name} is a generation model ({model.hparams.arch}); it has no "
-                "embedding output (--pooling last or mean embeds with its hidden states)"
+                f"{model.name} is {kind} ({model.hparams.arch}); it has no {self.needs}{hint}"
             )
         self.model = model
         self.max_length = min(model.hparams.n_ctx_train, MAX_LENGTH)  # position table's rows
-        self.dimensions = model.graph.outputs[OUTPUT].type.shape[1]
+        self.dimensions = model.graph.outputs[self.output].type.shape[1]
         self.device = device or select_device(
             backend, mode, threads, unsupported=lambda d: unsupported(d, model.graph)
         )
@@ -148,16 +176,22 @@ class Embedder:
             ids = ids[: self.max_length - len(tail)] + tail
         return ids
 
-    def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+    def embed(
+        self, inputs: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None = None
+    ) -> np.ndarray:
         """One vector per input of checked ids (``check``): ``[len(inputs), dimensions]``,
-        float32, L2-normalised as the model's graph does."""
-        return self.submit(inputs).result()
+        float32, L2-normalised as the model's graph does (a reranker's: its scores).
+        ``types``: each input's token types (sentence A 0, B 1), else all 0."""
+        return self.submit(inputs, types).result()
 
-    def submit(self, inputs: Sequence[Sequence[int]]) -> Future[np.ndarray]:
+    def submit(
+        self, inputs: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None = None
+    ) -> Future[np.ndarray]:
         """``embed``'s vectors, later: the inputs join the queue that the worker thread packs
         into steps of at most ``max_tokens`` tokens, with those of every other request
         waiting, first come first served (as the engine's scheduler drains its queue)."""
-        job = _Job(list(inputs), np.empty((len(inputs), self.dimensions), np.float32))
+        out = np.empty((len(inputs), self.dimensions), np.float32)
+        job = _Job(list(inputs), None if types is None else list(types), out)
         if not inputs:
             job.future.set_result(job.out)
             return job.future
@@ -194,7 +228,12 @@ class Embedder:
         while (step := self._next_step()) is not None:
             started = time.perf_counter()
             try:
-                vectors = self._step([list(job.inputs[i]) for job, i in step])
+                vectors = self._step(
+                    [list(job.inputs[i]) for job, i in step],
+                    None  # all 0, unless an input of the step has types
+                    if all(job.types is None for job, _ in step)
+                    else [job.type_ids(i) for job, i in step],
+                )
             except BaseException as e:  # noqa: BLE001 - handed to each waiting request
                 for job, _ in step:
                     _settle(job.future, Future.set_exception, e)
@@ -233,9 +272,10 @@ class Embedder:
                 if step:
                     return step
 
-    def _step(self, seqs: list[list[int]]) -> np.ndarray:
+    def _step(self, seqs: list[list[int]], types: Sequence[Sequence[int]] | None) -> np.ndarray:
         lengths = np.array([len(s) for s in seqs], np.int64)
         tokens = np.concatenate([np.asarray(s, np.int64) for s in seqs])
+        extra = {} if types is None else {"token_types": np.concatenate(types, dtype=np.int64)}
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         starts = np.concatenate([[0], np.cumsum(lengths)])
         batch = AttentionBatch(
@@ -246,7 +286,77 @@ class Embedder:
             page_tables=[np.arange(starts[s], starts[s + 1]) for s in range(len(seqs))],
             slots=np.arange(len(tokens), dtype=np.int64),
         )
-        return self._executor.run(tokens, positions, starts[1:] - 1, batch).copy()
+        return self._executor.run(tokens, positions, starts[1:] - 1, batch, extra).copy()
+
+
+class Reranker(Embedder):
+    """A cross-encoder: each (query, document) pair read as ``[CLS] query [SEP] document
+    [SEP]`` (token types 0 then 1, as transformers' BERT tokenizer gives a pair), scored by
+    the model's classification head."""
+
+    output = SCORES
+    needs = "classification head (it is no reranker)"
+
+    def __init__(self, model: LoadedModel, device: Device | None = None, **kwargs) -> None:
+        super().__init__(model, device, **kwargs)
+        if self.dimensions != 1:
+            raise UnsupportedModel(
+                f"{model.name}'s classification head has {self.dimensions} labels; a reranker "
+                "gives one score (1 label)"
+            )
+        # a table of one row (type_vocab_size 1, as XLM-RoBERTa's) has no sentence B
+        shape = model.gguf.tensors.get("token_types.weight")
+        self.type_b = 1 if shape is not None and shape.shape[0] >= 2 else 0
+
+    def pairs(
+        self, query: str, documents: Sequence[str], truncate: bool = False
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Each document paired with ``query``: the ids and token types of each pair. A pair
+        longer than the maximum length: its document is cut to fit when ``truncate``, else
+        an ``InvalidRequest`` naming the document's index."""
+        if not query:
+            raise InvalidRequest("query is an empty string: there is nothing to rank against")
+        tok = self.model.tokenizer
+        head = tok.encode(query)  # [CLS] query [SEP]
+        sep = [] if tok.eos_id is None else [tok.eos_id]
+        room = self.max_length - len(head) - len(sep)  # for a document's own tokens
+        if room < 1:
+            raise InvalidRequest(
+                f"query has {len(head)} tokens, which leaves no room for a document within "
+                f"the model's maximum length {self.max_length}"
+            )
+        ids, types = [], []
+        for i, doc in enumerate(documents):
+            if not doc:
+                raise InvalidRequest(f"documents[{i}] is an empty string: there is no text to rank")
+            body = tok.encode(doc, add_special=False)
+            if len(body) > room:
+                if not truncate:
+                    raise InvalidRequest(
+                        f"documents[{i}] with the query has {len(head) + len(body) + len(sep)} "
+                        f"tokens, more than the model's maximum length {self.max_length} (ask "
+                        "for truncate to cut the document)"
+                    )
+                body = body[:room]
+            tail = body + sep
+            ids.append(head + tail)  # the tokenizer's ids: in the vocabulary
+            types.append([0] * len(head) + [self.type_b] * len(tail))
+        return ids, types
+
+    def score(self, query: str, documents: Sequence[str], truncate: bool = False) -> np.ndarray:
+        """The head's logit for each document (float32 ``[len(documents)]``)."""
+        ids, types = self.pairs(query, documents, truncate)
+        return self.embed(ids, types)[:, 0]
+
+
+def relevance(logit: float) -> float:
+    """A reranker's relevance score: the sigmoid of its logit, in [0, 1] (as vLLM,
+    sentence-transformers' CrossEncoder, Cohere and Jina give it; llama-server gives the
+    logit). It saturates at 1 for logits past ~37, so results are ordered by the logit."""
+    if logit >= 0:
+        return 1.0 / (1.0 + math.exp(-logit))
+    e = math.exp(logit)  # no overflow for a very negative logit
+    return e / (1.0 + e)
 
 
 def _settle(future: Future[np.ndarray], how: Callable[..., None], value: object) -> None:

@@ -277,3 +277,25 @@ def test_show_graph_file_on_a_binary_file_is_a_clear_error(tmp_path: Path):
     result = CliRunner().invoke(app, ["show", "--graph-file", str(path)])
     assert result.exit_code == 1
     assert f"error: {path}: not UTF-8 text (byte 0x80 at offset 128)" in result.output
+
+
+def test_a_vector_weight_reads_as_a_matrix_only_with_outer_ones():
+    """ggml's implicit outer dimensions (builder.check_weight_shape): "norm" [8] declared
+    [?, 8] or [1, 8] is a [1, 8] weight (a squeezed one-label classifier); declared [2, 8]
+    it is refused, and a missing inner dimension is never supplied."""
+    from dynalm.ir.builder import GraphBuilder
+
+    b = GraphBuilder("t", WEIGHTS)
+    assert b.weight("norm", None, D).type == TensorType("f32", (1, D))
+    assert b.weight("norm", 1, D).type == TensorType("f32", (1, D))
+    assert b.weight("norm", 1, 1, D).type == TensorType("f32", (1, 1, D))
+    for shape, expected in (((2, D), f"[2, {D}]"), ((D, None), f"[{D}, ?]")):
+        with pytest.raises(DynaError) as e:
+            b.weight("norm", *shape)
+        assert str(e.value) == f"tensor 'norm' has shape [{D}], expected {expected}"
+    program = load_program(
+        HEAD + forward(f'let h = matmul(embed(tokens, w"embd"), w"norm": [2, {D}])'), "toy.lum"
+    )
+    with pytest.raises(DynaError) as e:
+        Elaborator(program, "toy", {}, WEIGHTS).run()
+    assert str(e.value) == f"toy.lum:4:40: tensor 'norm' has shape [{D}], expected [2, {D}]"

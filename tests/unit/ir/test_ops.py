@@ -43,6 +43,7 @@ GOOD = {
                           "scale": 0.25}),
     "pool": ([X, t("i32", "S")], [], {"mode": 1}),
     "l2_norm": ([t("f32", "S", 64)], [], {}),
+    "tanh": ([t("f32", "S", 64)], [], {}),
 }  # fmt: skip
 BAD = [
     ("embed", ([X], [t("q8_0", 300, 64)], {}), "operand ids is i32, found tensor<f32, [T, 64]>"),

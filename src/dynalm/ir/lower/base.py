@@ -36,6 +36,7 @@ BIND_METHODS: dict[str, str] = {op: f"_{op}" for op in OPS} | {
     "head_rms_norm": "_norm",
     "silu": "_activation",
     "gelu_tanh": "_activation",
+    "tanh": "_activation",
     **dict.fromkeys(GATES, "_gated"),
 }
 Prepare = Callable[[str, str], object]  # (weight name, use) -> the weight as the device keeps it

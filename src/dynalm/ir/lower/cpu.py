@@ -239,7 +239,7 @@ class CpuBinder(Binder):
         v, args, o, out, ins, rows, _ = self._operands(node)
         if self._native:
             return self._kernel(elementwise.activation, out, ins[0], node.op, rows=rows)
-        reference = {"silu": cpu_ops.silu, "gelu_tanh": cpu_ops.gelu_tanh}[node.op]
+        reference = getattr(cpu_ops, node.op)  # silu, gelu_tanh, tanh: the op's own name
         return lambda: reference(v[o], v[args[0]])
 
     # -- the encoder's ops (bert.lum) -----------------------------------------------

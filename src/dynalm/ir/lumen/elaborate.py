@@ -319,7 +319,7 @@ class Elaborator:
                 shape = [
                     None if isinstance(d, Tok) else self.int(self.eval(d, env), d) for d in dims
                 ]
-                check_weight_shape(w, tuple(shape))
+                w = check_weight_shape(w, tuple(shape))
         except GraphError as err:
             raise self.p.error(e, str(err)) from None
         except DynaError as err:

@@ -148,9 +148,14 @@ class Engine:
         (``build_engine`` made it choosing the device), else planned here."""
         config = config or EngineConfig()
         if "logits" not in model.graph.outputs:  # an encoder: no logits, no KV, whole inputs
+            kind, command, endpoint = (
+                ("a reranker", "rerank", "rerank")  # a cross-encoder (runtime.embed.SCORES)
+                if "scores" in model.graph.outputs
+                else ("an embedding model", "embed", "embeddings")
+            )
             raise UnsupportedModel(
-                f"{model.name} is an embedding model ({model.hparams.arch}): it cannot generate "
-                "text (dynalm embed, or /v1/embeddings of dynalm serve)"
+                f"{model.name} is {kind} ({model.hparams.arch}): it cannot generate text "
+                f"(dynalm {command}, or /v1/{endpoint} of dynalm serve)"
             )
         self.spec_stats = SpecStats()  # (zero without a drafter)
         self.planner = None if drafter is None else DraftPlanner(drafter, config, self.spec_stats)

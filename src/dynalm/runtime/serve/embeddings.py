@@ -67,17 +67,18 @@ class EmbeddingMetrics:
     """What ``/metrics`` shows of an embedding model (it has no engine): its own registry,
     labelled by model name, as the generation models' `ServerMetrics`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, kind: str = "embedding") -> None:
         self.registry = CollectorRegistry()
 
         def counter(what: str, doc: str) -> Any:
             return Counter(
-                f"dynalm:embedding_{what}", doc, ["model_name"], registry=self.registry
+                f"dynalm:{kind}_{what}", doc, ["model_name"], registry=self.registry
             ).labels(name)
 
-        self.requests = counter("requests", "Embedding requests answered.")
-        self.inputs = counter("inputs", "Inputs embedded.")
-        self.tokens = counter("tokens", "Tokens embedded.")
+        # a reranker's (kind "rerank"): requests, documents and their pairs' tokens
+        self.requests = counter("requests", f"{kind.capitalize()} requests answered.")
+        self.inputs = counter("inputs", f"Inputs of {kind} requests.")
+        self.tokens = counter("tokens", f"Tokens of {kind} requests.")
 
 
 class EmbeddingService(ServedModel):

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: 5 minutes
 REAP_INTERVAL_S = 0.25  # how often expired idle models are looked for
+CATALOG_TTL_S = 2.0  # how long the store's listing is reused by a server of the whole store
 
 
 class ServedModel:
@@ -239,6 +240,7 @@ class ModelManager:
         self._prepare = prepare
         self._names = None if names is None else list(dict.fromkeys(names))
         self._catalog = catalog
+        self._catalog_seen: tuple[float, list[str]] | None = None  # (when, names)
         self.keep_alive = keep_alive
         self.max_memory = max_memory
         self.max_loaded = max_loaded
@@ -259,7 +261,13 @@ class ModelManager:
             raise ValueError("a server needs at least one model")
 
         def unknown(name: str) -> PreparedModel:
-            raise AssertionError(f"{name} is not one of the models given")
+            # only a model unloaded on request (`dynalm stop`) is looked for again
+            raise APIError(
+                503,
+                f"the model '{name}' was unloaded and this server cannot load it again "
+                "(it was given to it loaded): restart the server",
+                code="model_unloaded",
+            )
 
         manager = cls(unknown, [s.name for s in services], keep_alive=-1)
         for service in services:
@@ -271,8 +279,17 @@ class ModelManager:
     def available(self) -> list[str]:
         """Every name a request may use: the models served, or the store's, and the loaded
         models' other names (a file's stem)."""
-        names = self._catalog() if self._names is None else list(self._names)
-        return list(dict.fromkeys([*names, *(n for s in self.loaded() for n in s.names)]))
+        return list(dict.fromkeys([*self._served(), *(n for s in self.loaded() for n in s.names)]))
+
+    def _served(self) -> list[str]:
+        """The names given at start, or the store's: its listing reads a directory on the
+        event loop, so it is kept for CATALOG_TTL_S (a model pulled meanwhile shows then)."""
+        if self._names is not None:
+            return self._names
+        now = time.monotonic()
+        if self._catalog_seen is None or now - self._catalog_seen[0] > CATALOG_TTL_S:
+            self._catalog_seen = (now, self._catalog())
+        return self._catalog_seen[1]
 
     @property
     def default(self) -> ServedModel | None:
@@ -295,7 +312,7 @@ class ModelManager:
         for key, service in self._loaded.items():
             if name in service.names:
                 return key
-        if name in (self._catalog() if self._names is None else self._names):
+        if name in self._served():
             return name
         known = self.available()
         raise APIError(

@@ -70,6 +70,7 @@ from dynalm.runtime.serve.metrics import render as render_metrics
 from dynalm.runtime.serve.models import ModelManager, ModelService, ServedModel
 from dynalm.runtime.serve.ollama import install_ollama
 from dynalm.runtime.serve.prompt_format import PromptEcho
+from dynalm.runtime.serve.rerank import install_rerank
 from dynalm.store.catalog import ModelStore
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class OpenAIServer:
 
         install_ollama(app, self, guarded)
         install_embeddings(app, self.serving, guarded)
+        install_rerank(app, self.serving, guarded)
         install_chat_page(app)
         return app
 
