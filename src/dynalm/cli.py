@@ -181,6 +181,27 @@ CpuFlag = Annotated[bool, typer.Option("--cpu", help="Same as --backend cpu.")]
 GpuFlag = Annotated[bool, typer.Option("--gpu", help="Same as --backend gpu.")]
 
 
+class Pooling(str, Enum):
+    mean = "mean"
+    cls = "cls"
+    last = "last"
+
+
+POOLING_TYPES = {Pooling.mean: 1, Pooling.cls: 2, Pooling.last: 3}  # llama.cpp's numbers
+PoolingOption = Annotated[
+    Pooling | None,
+    typer.Option(
+        help="Embed with this pooling (mean | cls | last), whatever the file says: a "
+        "generation model becomes an embedding model (last: Qwen3-Embedding's; vLLM's "
+        "--task embed).",
+    ),
+]
+
+
+def _pooling(pooling: Pooling | None) -> int | None:
+    return None if pooling is None else POOLING_TYPES[pooling]
+
+
 KVCacheDtype = Enum("KVCacheDtype", {name: name for name in KV_FORMATS}, type=str)  # type: ignore[misc]
 
 
@@ -593,7 +614,10 @@ def serve(
         int, typer.Option(parser=MaxNumSeqs, help="Most requests in one batch.")
     ] = 16,
     max_num_batched_tokens: Annotated[
-        int, typer.Option(parser=Int(1, MAX_TOKENS), help="Token budget of a step.")
+        int,
+        typer.Option(
+            parser=Int(1, MAX_TOKENS), help="Token budget of a step (an embedding model's too)."
+        ),
     ] = 512,
     max_queue: Annotated[
         int,
@@ -645,6 +669,7 @@ def serve(
             "the memory available at start less 10%, at least 512MiB).",
         ),
     ] = None,
+    pooling: PoolingOption = None,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -657,7 +682,13 @@ def serve(
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
-        from dynalm.runtime.embed import Embedder, Reranker, is_embedding_model, is_reranker
+        from dynalm.runtime.embed import (
+            Embedder,
+            Reranker,
+            is_embedding_model,
+            is_reranker,
+            scratch_bytes,
+        )
         from dynalm.runtime.engine.build import build_engine, plan_engine
         from dynalm.runtime.engine.config import EngineConfig
         from dynalm.runtime.engine.memory_plan import available_memory
@@ -673,19 +704,22 @@ def serve(
 
         def prepare(name: str) -> _Prepared:
             path = store.resolve(given.get(name, name), pull=name in given)
-            loaded = load_model(path)
+            loaded = load_model(path, _pooling(pooling))
             names = [name] if path.stem == name else [name, path.stem]
-            if is_embedding_model(loaded) or is_reranker(loaded):  # an encoder: no engine
-                # its size is its weights as mapped (its step buffers are small beside them)
+            if is_embedding_model(loaded) or is_reranker(loaded):  # no engine
+                # its size: its weights as mapped and a decoder's scratch KV pool (its step
+                # buffers are small beside them)
                 files = [path] if path.is_file() else list(path.glob("*.safetensors"))
                 size = sum(f.stat().st_size for f in files)
+                size += scratch_bytes(loaded, max_num_batched_tokens)
                 # /v1/embeddings, or /v1/rerank for a cross-encoder
                 rerank = is_reranker(loaded)
                 kind, service = (Reranker, RerankService) if rerank else (
                     Embedder, EmbeddingService)
                 return _Prepared(size, lambda: service(
                     kind(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
-                         threads=threads),
+                         threads=threads, max_tokens=max_num_batched_tokens,
+                         beside=lambda: manager.generating()),
                     names,
                     size,
                 ))  # fmt: skip
@@ -829,6 +863,7 @@ def embed(
     truncate: Annotated[
         bool, typer.Option(help="Cut a text longer than the model's maximum length to it.")
     ] = False,
+    pooling: PoolingOption = None,
     threads: Threads = None,
     mode: ModeOption = Mode.auto,
     backend: BackendOption = Backend.auto,
@@ -836,7 +871,8 @@ def embed(
     gpu: GpuFlag = False,
     verbose: Verbose = False,
 ) -> None:
-    """Embed texts with an encoder model (bert): one L2-normalised vector per text, one line
+    """Embed texts with an embedding model (bert, or a decoder with a pooling type, or any
+    decoder with --pooling): one L2-normalised vector per text, one line
     each (numbers separated by spaces), in the order given."""
     _configure(verbose, threads)
     with user_errors(verbose):
@@ -848,7 +884,7 @@ def embed(
 
         if texts == ["-"]:
             texts = sys.stdin.read().splitlines()
-        loaded = load_model(ModelStore().resolve(model))
+        loaded = load_model(ModelStore().resolve(model), _pooling(pooling))
         embedder = Embedder(
             loaded, backend=_backend(backend, cpu, gpu), mode=mode.value, threads=threads
         )

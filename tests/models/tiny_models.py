@@ -207,8 +207,11 @@ def write_gguf(
     spec: TinySpec,
     path: Path,
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    pooling_type: gguf.PoolingType | None = None,
 ) -> Path:
-    """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``."""
+    """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``; with a
+    ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
+    writes Qwen3-Embedding's)."""
     cfg = model.config
     arch = gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
     writer = gguf.GGUFWriter(path, arch)
@@ -227,6 +230,8 @@ def write_gguf(
         writer.add_rope_dimension_count(cfg.head_dim)
     if spec.family == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
+    if pooling_type is not None:
+        writer.add_pooling_type(pooling_type)
     writer.add_file_type(
         gguf.LlamaFileType.MOSTLY_Q8_0
         if qtype == GGMLQuantizationType.Q8_0
@@ -291,3 +296,18 @@ def write_hf_dir(model: PreTrainedModel, path: Path, **save: object) -> Path:
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+def reference_embeddings(
+    model: PreTrainedModel, ids: list[list[int]], pooling: gguf.PoolingType
+) -> np.ndarray:
+    """A decoder's sentence embeddings as sentence-transformers makes Qwen3-Embedding's:
+    transformers' last hidden state (the final norm's output) of the last token, or its
+    mean over the tokens, L2-normalised (float64)."""
+    out = []
+    for s in ids:
+        with torch.no_grad():
+            h = model.model(torch.tensor([s])).last_hidden_state[0].double().numpy()
+        v = h[-1] if pooling == gguf.PoolingType.LAST else h.mean(0)
+        out.append(v / np.linalg.norm(v))
+    return np.array(out)

@@ -19,6 +19,7 @@ from dynalm.models.loader import load_model
 from dynalm.runtime.embed import Embedder
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.serve.embeddings import EmbeddingService
 from dynalm.runtime.serve.models import ModelManager, ModelService
 from dynalm.runtime.serve.server import OpenAIServer
@@ -218,3 +219,21 @@ def test_the_official_ollama_client_embeds(client: TestClient, bert, tmp_path: P
         got = ollama.Client(host=server.url).embed(model="tiny-bert", input=["hello", "cat"])
     want = client.post(URL, json={"model": "tiny-bert", "input": ["hello", "cat"]}).json()
     assert [list(v) for v in got.embeddings] == [d["embedding"] for d in want["data"]]
+
+
+
+def test_the_manager_says_when_generation_runs(tmp_path: Path) -> None:
+    """``ModelManager.generating`` (what ``dynalm serve`` gives an embedder as ``beside``):
+    true while a generation model's engine holds a request, false once it is done."""
+    spec = tiny_models.SPECS["qwen3"]
+    decoder = load_model(
+        tiny_models.write_gguf(tiny_models.reference_model(spec), spec, tmp_path / "qwen3.gguf")
+    )
+    engine = Engine(decoder, CpuDevice(), EngineConfig(ctx=64))
+    manager = ModelManager.of([ModelService(engine, decoder, ["tiny-qwen3"])])
+    assert not manager.generating()
+    engine.add_request("beside", [5, 6, 7], SamplingParams(max_tokens=2))
+    assert manager.generating()
+    while engine.has_unfinished():
+        engine.step()
+    assert not manager.generating()

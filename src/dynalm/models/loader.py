@@ -141,15 +141,19 @@ def _hf_tokenizer(d: HFDirectory, n_vocab: int) -> tuple[Tokenizer, ChatTemplate
     return tokenizer, ChatTemplate.from_hf_directory(d.path, config, d.arch, tokenizer)
 
 
-def load_model(path: str | os.PathLike) -> LoadedModel:
+def load_model(path: str | os.PathLike, pooling: int | None = None) -> LoadedModel:
     """Read and check a GGUF file or a SafeTensors model directory. Everything it says is
     checked here (metadata types and ranges, hyper-parameters against the tensor shapes,
     the tokenizer), before any kernel or buffer is sized from it; an error names the file
-    and what in it is wrong."""
+    and what in it is wrong. ``pooling`` (llama.cpp's numbers: 1 mean, 2 first, 3 last
+    token) stands for the file's ``{arch}.pooling_type``: a decoder loaded so is an
+    embedding model (``--pooling``)."""
     gguf = HFDirectory(path) if Path(path).is_dir() else GGUFFile(path)
     try:
         meta = gguf.metadata
         family_file(gguf.architecture)  # refuse unknown architectures before anything else
+        if pooling is not None:
+            meta[f"{gguf.architecture}.pooling_type"] = pooling
         hp = read_hparams(meta, {name: t.shape for name, t in gguf.tensors.items()})
         graph = optimize(model_graph(gguf, hp))  # fused ops for the executor
         if isinstance(gguf, HFDirectory):

@@ -1,26 +1,34 @@
-"""Sentence embeddings from an encoder model (a family whose graph's output is
-``embeddings``: ``bert.lum``), for ``dynalm embed`` and ``POST /v1/embeddings``; and
-relevance scores from a reranker (a cross-encoder: the same family with a classification
-head, whose output is ``scores``), for ``dynalm rerank`` and ``POST /v1/rerank``.
+"""Sentence embeddings from an embedding model (a family whose graph's output is
+``embeddings``: ``bert.lum``, or a decoder family's file with a pooling type), for
+``dynalm embed`` and ``POST /v1/embeddings``; and relevance scores from a reranker (a
+cross-encoder: an encoder family with a classification head, whose output is ``scores``),
+for ``dynalm rerank`` and ``POST /v1/rerank``.
 
 An encoder step needs no KV cache: its attention sees only the step's own tokens, each
-sequence attending within itself. The inputs are packed whole, one after another, into
-steps of at most ``max_tokens`` tokens (no padding); ``logit_rows`` holds each sequence's
-last row, where the graph's attention and pooling find the sequences' bounds.
+sequence attending within itself. A decoder's causal attention reads its keys and values
+from a KV pool: a scratch pool of one step's tokens, overwritten by the next step (nothing
+is kept after a request). The inputs are packed whole, one after another, into steps of at
+most ``max_tokens`` tokens (no padding; a longer input is a step alone); ``logit_rows``
+holds each sequence's last row, where the graph's attention and pooling find the
+sequences' bounds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
 from dynalm.core.device import Device
 from dynalm.core.devices import select_device
-from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
-from dynalm.errors import InvalidRequest, UnsupportedModel
+from dynalm.core.kv_storage import AttentionBatch, KVGeometry
+from dynalm.errors import InvalidRequest, QueueFull, UnsupportedModel
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
 from dynalm.models.hf_dir import MAX_LENGTH_KEY
@@ -32,6 +40,11 @@ SCORES = "scores"  # a reranker's: one logit per label for each [CLS] query [SEP
 # The longest input embedded: a step holds a whole input, so the buffers are sized by it
 # (encoders are trained for 512 to 8192 positions; a file claiming millions is not believed).
 MAX_LENGTH = 8192
+# A step's token budget while generation runs beside (``beside``): a step holds the kernels'
+# worker pool, which the generation steps share, for its whole length, so a decode step
+# waits for at most one such step (SmolLM2-135M on 2 shared cores: ~0.1-0.2 s for 64 tokens,
+# ~1 s for 512; benchmarks/embed_concurrency.py --beside-generation).
+BESIDE_TOKENS = 64
 
 
 def is_embedding_model(model: LoadedModel) -> bool:
@@ -49,9 +62,49 @@ def model_kind(model: LoadedModel) -> str:
     return "an embedding model" if is_embedding_model(model) else "a generation model"
 
 
+def _scratch_kv(model: LoadedModel, tokens: int) -> KVGeometry:
+    """A step's KV pool: none for an encoder; for a decoder, f32 (as exact as the
+    activations) slots for the step's ``tokens``, one slot a page."""
+    if not any(n.op == "attention" for n in model.graph.nodes):
+        return KVGeometry(0, 1, 1, 1, tokens, "f32")
+    hp = model.hparams
+    return KVGeometry(hp.n_layers, hp.n_kv_heads, hp.head_dim, tokens, 1, "f32")
+
+
+def _capacity(model: LoadedModel, max_tokens: int) -> int:
+    """The tokens a step's buffers hold: the budget, or one input of the maximum length."""
+    return max(max_tokens, min(model.hparams.n_ctx_train, MAX_LENGTH))
+
+
+def scratch_bytes(model: LoadedModel, max_tokens: int = 512) -> int:
+    """The bytes of the scratch KV pool an ``Embedder(model, max_tokens=...)`` allocates
+    (none for an encoder; a decoder's f32 slots for a step of the maximum length: ~380 MB for
+    SmolLM2-135M's 8192), which a server's memory budget counts beside the weights."""
+    kv = _scratch_kv(model, _capacity(model, max_tokens))
+    return sum(
+        layers * math.prod(shape) * np.dtype(dtype).itemsize
+        for layers, shape, dtype in kv.arrays().values()
+    )
+
+
+class _Job:
+    """One request's inputs (and their token types, if given), its vectors as they come and
+    the future that hands them over."""
+
+    def __init__(
+        self, inputs: list[Sequence[int]], types: list[Sequence[int]] | None, out: np.ndarray
+    ) -> None:
+        self.inputs, self.types, self.out, self.left = inputs, types, out, len(inputs)
+        self.future: Future[np.ndarray] = Future()
+
+    def type_ids(self, i: int) -> Sequence[int]:
+        return [0] * len(self.inputs[i]) if self.types is None else self.types[i]
+
+
 class Embedder:
-    """One encoder model bound to a device; ``embed`` is safe to call from many threads
-    (the steps run one at a time)."""
+    """One embedding model bound to a device; ``embed`` and ``submit`` are safe to call
+    from many threads: one worker thread runs the steps, packing the inputs of all the
+    requests waiting into each."""
 
     output = OUTPUT  # the graph output it reads
     needs = "embedding output"
@@ -65,11 +118,17 @@ class Embedder:
         mode: str = "auto",
         threads: int | None = None,
         max_tokens: int = 512,
+        beside: Callable[[], bool] | None = None,
     ) -> None:
         if self.output not in model.graph.outputs:
+            kind = model_kind(model)
+            hint = (  # a decoder embeds with its hidden states when asked to
+                " (--pooling last or mean embeds with its hidden states)"
+                if self.output == OUTPUT and kind == "a generation model"
+                else ""
+            )
             raise UnsupportedModel(
-                f"{model.name} is {model_kind(model)} ({model.hparams.arch}); it has no "
-                f"{self.needs}"
+                f"{model.name} is {kind} ({model.hparams.arch}); it has no {self.needs}{hint}"
             )
         self.model = model
         # the position table's rows, or less where the model was trained shorter
@@ -80,10 +139,19 @@ class Embedder:
         self.device = device or select_device(
             backend, mode, threads, unsupported=lambda d: unsupported(d, model.graph)
         )
-        self.max_tokens = max(max_tokens, self.max_length)
-        self._executor = Executor(model.graph, self.device, model.weights, self.max_tokens)
-        self._kv = HostKVStorage(KVGeometry(0, 1, 1, 1, self.max_tokens, "f32"))
-        self._lock = threading.Lock()
+        # A step's token budget: what it packs, as the engine's max_num_batched_tokens (a
+        # step holds the kernels' worker pool, which a generation model's steps share, for
+        # its whole length); the buffers hold one input of the maximum length, run alone.
+        self.max_tokens = max_tokens
+        capacity = _capacity(model, max_tokens)
+        self._executor = Executor(model.graph, self.device, model.weights, capacity)
+        self._kv = self.device.kv_storage(_scratch_kv(model, capacity))
+        # whether generation runs on the same device now: the steps then yield to it
+        self.beside = beside or (lambda: False)
+        self._queue: deque[tuple[_Job, int]] = deque()  # inputs waiting: (request, index)
+        self._wake = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
 
     def tokenize(self, text: str, index: int = 0, truncate: bool = False) -> list[int]:
         """``[CLS] text [SEP]`` as ids; longer than the model's maximum length: cut to it
@@ -119,20 +187,95 @@ class Embedder:
         """One vector per input of checked ids (``check``): ``[len(inputs), dimensions]``,
         float32, L2-normalised as the model's graph does (a reranker's: its scores).
         ``types``: each input's token types (sentence A 0, B 1), else all 0."""
+        return self.submit(inputs, types).result()
+
+    def submit(
+        self, inputs: Sequence[Sequence[int]], types: Sequence[Sequence[int]] | None = None
+    ) -> Future[np.ndarray]:
+        """``embed``'s vectors, later: the inputs join the queue that the worker thread packs
+        into steps of at most ``max_tokens`` tokens, with those of every other request
+        waiting, first come first served (as the engine's scheduler drains its queue)."""
         out = np.empty((len(inputs), self.dimensions), np.float32)
-        start = 0
-        with self._lock:
-            while start < len(inputs):
-                end, total = start, 0
-                while end < len(inputs) and total + len(inputs[end]) <= self.max_tokens:
-                    total += len(inputs[end])
-                    end += 1
-                out[start:end] = self._step(
-                    [list(s) for s in inputs[start:end]],
-                    None if types is None else types[start:end],
+        job = _Job(list(inputs), None if types is None else list(types), out)
+        if not inputs:
+            job.future.set_result(job.out)
+            return job.future
+        with self._wake:
+            if self._closed:
+                raise QueueFull(f"the embedding model {self.model.name} is shutting down")
+            self._queue.extend((job, i) for i in range(len(inputs)))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="embedder", daemon=True)
+                self._worker.start()
+            self._wake.notify()
+        return job.future
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the worker thread: once the queue is empty (``drain``), else after the step
+        running now, the inputs still waiting failing their requests with ``QueueFull``
+        (a 503: a server shutting down, its clients may retry elsewhere)."""
+        with self._wake:
+            self._closed = True
+            if not drain:
+                gone = QueueFull(f"the embedding model {self.model.name} is shutting down")
+                for job, _ in self._queue:
+                    _settle(job.future, Future.set_exception, gone)
+                self._queue.clear()
+            self._wake.notify()
+        if self._worker is not None:
+            self._worker.join()
+
+    def _work(self) -> None:
+        """Steps while inputs wait. While generation runs beside (``beside()``), a step
+        packs at most ``BESIDE_TOKENS`` and is followed by a pause as long as itself: the
+        generation steps get the device at least half the time, and wait for at most one
+        short embedding step, instead of an embedding request's steps back to back."""
+        while (step := self._next_step()) is not None:
+            started = time.perf_counter()
+            try:
+                vectors = self._step(
+                    [list(job.inputs[i]) for job, i in step],
+                    None  # all 0, unless an input of the step has types
+                    if all(job.types is None for job, _ in step)
+                    else [job.type_ids(i) for job, i in step],
                 )
-                start = end
-        return out
+            except BaseException as e:  # noqa: BLE001 - handed to each waiting request
+                for job, _ in step:
+                    _settle(job.future, Future.set_exception, e)
+                continue
+            for (job, i), v in zip(step, vectors, strict=True):
+                job.out[i] = v
+                job.left -= 1
+                if job.left == 0:
+                    _settle(job.future, Future.set_result, job.out)
+            if self.beside():
+                time.sleep(time.perf_counter() - started)
+
+    def _next_step(self) -> list[tuple[_Job, int]] | None:
+        """The inputs of the next step from the queue's head: as many as fit in the budget
+        (``max_tokens``, or ``BESIDE_TOKENS`` beside generation; at least one, however
+        long), those of requests already failed or cancelled dropped; None once closed with
+        the queue empty."""
+        with self._wake:
+            while True:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return None
+                step: list[tuple[_Job, int]] = []
+                total = 0
+                budget = min(self.max_tokens, BESIDE_TOKENS) if self.beside() else self.max_tokens
+                while self._queue:
+                    job, i = self._queue[0]
+                    n = len(job.inputs[i])
+                    if step and total + n > budget:
+                        break
+                    self._queue.popleft()
+                    if not job.future.done():
+                        step.append((job, i))
+                        total += n
+                if step:
+                    return step
 
     def _step(self, seqs: list[list[int]], types: Sequence[Sequence[int]] | None) -> np.ndarray:
         lengths = np.array([len(s) for s in seqs], np.int64)
@@ -144,7 +287,8 @@ class Embedder:
             self._kv,
             query_start=starts,
             seq_lens=lengths,
-            page_tables=[np.zeros(1, np.int64)] * len(seqs),
+            # pages of one slot: sequence s owns the step's rows starts[s]:starts[s + 1]
+            page_tables=[np.arange(starts[s], starts[s + 1]) for s in range(len(seqs))],
             slots=np.arange(len(tokens), dtype=np.int64),
         )
         return self._executor.run(tokens, positions, starts[1:] - 1, batch, extra).copy()
@@ -218,3 +362,11 @@ def relevance(logit: float) -> float:
         return 1.0 / (1.0 + math.exp(-logit))
     e = math.exp(logit)  # no overflow for a very negative logit
     return e / (1.0 + e)
+
+
+def _settle(future: Future[np.ndarray], how: Callable[..., None], value: object) -> None:
+    """``how(future, value)`` unless the future is done already: failed by an earlier step,
+    or cancelled meanwhile by its caller (``asyncio.wrap_future`` cancels it from the event
+    loop's thread when the client goes away), which must not end the worker thread."""
+    with contextlib.suppress(InvalidStateError):
+        how(future, value)

@@ -1,12 +1,15 @@
-"""``POST /v1/embeddings``: OpenAI's embeddings endpoint over an encoder model
-(``runtime.embed.Embedder``), and the `EmbeddingService` that stands for such a model in the
-server's `ModelManager` beside the generation models.
+"""``POST /v1/embeddings``: OpenAI's embeddings endpoint over an embedding model
+(``runtime.embed.Embedder``: an encoder, or a decoder with a pooling type), and the
+`EmbeddingService` that stands for such a model in the server's `ModelManager` beside the
+generation models.
 
 A request's ``input`` is a string, a list of strings, a list of token ids or a list of such
 lists; each becomes ``[CLS] text [SEP]`` ids (token ids are taken as given), checked (not
 empty, in the vocabulary, at most the model's maximum length unless ``truncate``) and
-embedded in packed steps off the event loop. ``encoding_format`` ``base64`` gives each vector
-as the base64 of its little-endian float32 bytes, as OpenAI's clients decode it.
+embedded off the event loop, packed into steps with the inputs of every other request
+waiting (the embedder's one worker thread drains its queue up to a token budget a step).
+``encoding_format`` ``base64`` gives each vector as the base64 of its little-endian float32
+bytes, as OpenAI's clients decode it.
 ``dimensions`` asks for shorter vectors, which only models trained for it (Matryoshka) give:
 none of the families here says so, so any other number than the model's own is a 400.
 """
@@ -95,7 +98,7 @@ class EmbeddingService(ServedModel):
         self.embedder = embedder
         self.metrics = EmbeddingMetrics(self.name)
 
-    # --- embeddings (blocking: called through asyncio.to_thread)
+    # --- embeddings (`inputs` blocks: called through asyncio.to_thread)
 
     def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
         """The request's inputs as checked ids, one list per input."""
@@ -116,7 +119,13 @@ class EmbeddingService(ServedModel):
             for i, x in enumerate(items)
         ]
 
-    def respond(self, req: EmbeddingRequest) -> dict[str, Any]:
+    def shutdown(self, drain: bool = False) -> None:
+        """Stop the embedder's worker; without ``drain`` the requests waiting get a 503."""
+        self.embedder.close(drain=drain)
+
+    async def respond(self, req: EmbeddingRequest) -> dict[str, Any]:
+        """The answer to ``req``: its inputs join the embedder's queue, where they share
+        steps with the other requests' (``Embedder.submit``)."""
         dims = self.embedder.dimensions
         if req.dimensions is not None and req.dimensions != dims:
             raise APIError(
@@ -126,18 +135,19 @@ class EmbeddingService(ServedModel):
                 f"leave dimensions out or ask for {dims}",
                 param="dimensions",
             )
-        ids = self.inputs(req)
-        vectors = self.embedder.embed(ids)
+        ids = await asyncio.to_thread(self.inputs, req)
+        vectors = await asyncio.wrap_future(self.embedder.submit(ids))
         tokens = sum(map(len, ids))
         self.metrics.requests.inc()
         self.metrics.inputs.inc(len(ids))
         self.metrics.tokens.inc(tokens)
-        data = [
-            Embedding(index=i, embedding=_encode(v, req.encoding_format))
-            for i, v in enumerate(vectors)
-        ]
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
-        return EmbeddingResponse(data=data, model=self.name, usage=usage).model_dump(mode="json")
+        return await asyncio.to_thread(_answer, vectors, req.encoding_format, self.name, usage)
+
+
+def _answer(vectors: np.ndarray, fmt: str, model: str, usage: EmbeddingUsage) -> dict[str, Any]:
+    data = [Embedding(index=i, embedding=_encode(v, fmt)) for i, v in enumerate(vectors)]
+    return EmbeddingResponse(data=data, model=model, usage=usage).model_dump(mode="json")
 
 
 def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
@@ -158,7 +168,7 @@ def install_embeddings(
         """OpenAI's embeddings: one vector per input, of an embedding model."""
 
         async def work(service: EmbeddingService) -> Response:
-            return JSONResponse(await asyncio.to_thread(service.respond, body))
+            return JSONResponse(await service.respond(body))
 
         return await serving(body.model, work, kind=EmbeddingService)
 

@@ -330,6 +330,13 @@ class ModelManager:
     def loaded(self) -> list[ServedModel]:
         return list(self._loaded.values())
 
+    def generating(self) -> bool:
+        """Whether a loaded generation model has requests in its engine (from any thread:
+        an embedding model's steps yield to them, see ``Embedder.beside``)."""
+        return any(
+            isinstance(s, ModelService) and s.engine.has_unfinished() for s in self.loaded()
+        )
+
     # --- holding a model
 
     async def acquire(self, name: str | None, keep_alive: float | None = None) -> ServedModel:

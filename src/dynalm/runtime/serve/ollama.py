@@ -806,7 +806,7 @@ class OllamaAPI:
             body = EmbeddingRequest(
                 model=req.model, input=req.input, truncate=req.truncate, dimensions=req.dimensions
             )
-            out = await asyncio.to_thread(service.respond, body)
+            out = await service.respond(body)
             return JSONResponse({
                 "model": req.model,
                 "embeddings": [d["embedding"] for d in out["data"]],
@@ -822,7 +822,7 @@ class OllamaAPI:
 
         async def work(service: EmbeddingService, _: float) -> Response:
             body = EmbeddingRequest(model=req.model, input=req.prompt, truncate=True)
-            out = await asyncio.to_thread(service.respond, body)
+            out = await service.respond(body)
             return JSONResponse({"embedding": out["data"][0]["embedding"]})
 
         return await self._serving(req, work, EmbeddingService)

@@ -77,6 +77,10 @@ class RerankService(ServedModel):
         self.reranker = reranker
         self.metrics = EmbeddingMetrics(self.name, "rerank")
 
+    def shutdown(self, drain: bool = False) -> None:
+        """Stop the reranker's worker; without ``drain`` the requests waiting get a 503."""
+        self.reranker.close(drain=drain)
+
     def respond(self, req: RerankRequest) -> dict[str, Any]:
         """The answer to ``req`` (blocking: called through asyncio.to_thread)."""
         docs = [d if isinstance(d, str) else d.text for d in req.documents]
