@@ -7,8 +7,9 @@ addresses replaced by the device copies' (``CudaDevice.address``); matmul and at
 blocks are written here from the programs' argument layouts (``kernel.matmul_programs.A_*``,
 ``kernel.attention_program.A_*``). The blocks are rows of one table in device memory,
 uploaded when a step shape or the KV storage changes. The executor writes a step's inputs on
-the host: positions are uploaded by ``begin_step``, the embedding rows are looked up on the
-host and copied in.
+the host; ``begin_step`` uploads them (token ids, positions, logit rows) and the attention
+layout, and from there the step is device work: the embedding rows and ``select_rows`` are
+row-gather kernels (``elementwise.rows``), until ``end_step`` copies the logits back.
 
 A step is one submission: its launches in graph order on the default stream, each over the
 grid ``nvptx.Entry.grid`` gives its rows, then the logits copied back (which waits for them).
@@ -135,18 +136,10 @@ class CudaBinder(Binder):
         return full[node.out.id], [full[x.id] for x in node.args], str(node.out.type.shape[0])
 
     # The op table (``base.BIND_METHODS``): each op this device has kernels for.
-    def _embed(self, node: Node) -> Call:
-        bufs = self.buffers
-        lookup = self.prepare(node.weights[0].name, "embedding")
-        ids, out = bufs.view_of[node.args[0].id], bufs.view_of[node.out.id]
-        copy, offset = self.device.device_view(bufs.full[node.out.id])
-
-        def embed() -> None:  # rows looked up on the host, copied in
-            rows = bufs.views[out]
-            lookup(bufs.views[ids], rows)
-            self._context.copy_in(copy, rows, offset)
-
-        return embed
+    def _embed(self, node: Node) -> _Kernels:
+        out, (ids,), rows = self._values(node)
+        table = self.prepare(node.weights[0].name, "embedding")  # dense, on the device
+        return self._elementwise(elementwise.rows, out, table, ids, rows=rows)
 
     def _matmul(self, node: Node) -> _Kernels:
         out, (x, *rest), _ = self._values(node)
@@ -283,27 +276,22 @@ class CudaBinder(Binder):
 
         return _Kernels(self.device, plan)
 
-    def _select_rows(self, node: Node) -> Call:
-        bufs = self.buffers
-        out, (x, _), _ = self._values(node)
-        rows = bufs.view_of[node.args[1].id]
-        (dst, dst_at), (src, src_at) = map(self.device.device_view, (out, x))
-        n = x.strides[0]
-
-        def select_rows() -> None:  # a device copy per row
-            for i, row in enumerate(bufs.views[rows].tolist()):
-                self._context.copy_within(dst, dst_at + i * n, src, src_at + row * n, n)
-
-        return select_rows
+    def _select_rows(self, node: Node) -> _Kernels:
+        out, (x, index), rows = self._values(node)
+        return self._elementwise(elementwise.rows, out, x, index, rows=rows)
 
     # -- running -------------------------------------------------------------------
     def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
-        """Upload the step's positions and its attention layout."""
+        """Upload the step's inputs (token ids, positions, logit rows: the whole buffers, a
+        few KiB) and its attention layout: all a captured step reads that changes."""
         P = attention_program  # noqa: N806
         n = len(batch.slots)
         check_layout(batch, n)
+        for value in self.graph.inputs.values():  # token ids, positions, logit rows
+            host = self.buffers.full[value.id]
+            copy, offset = self.device.device_view(host)
+            self._context.copy_in(copy, host, offset)
         copy, offset = self.device.device_view(positions)
-        self._context.copy_in(copy, positions[:n], offset)
         pages, seq_of, *per_seq = batch.kernel_tables
         arrays = [pages, seq_of, np.ascontiguousarray(batch.slots, np.int64), *per_seq]
         packed = np.concatenate([a.ravel() for a in arrays]).astype(np.int64, copy=False)
