@@ -14,9 +14,10 @@ Every op of the op table has a kernel (the CPU's element-wise programs: the same
 on both devices); what the device cannot take is a matmul weight without a JIT kernel of its
 format (``supports`` says so before a model loads, and ``--backend auto`` picks the CPU).
 A step is device work only between the upload of its inputs and the download of its logits
-(the embedding table is a dense fp32 copy, its rows gathered by a kernel). Not in the
-preview: ``--mode safe`` is the CPU's oracle; the repack cache; a launch is a driver call
-from Python (no CUDA graphs); attention stores the step's keys on one GPU thread per layer.
+(the embedding table is a dense fp32 copy, its rows gathered by a kernel), captured once per
+step shape as a CUDA graph (``ir.lower.cuda``; a prefill longer than the executor keeps is
+launched kernel by kernel). Not in the preview: ``--mode safe`` is the CPU's oracle; the
+repack cache; attention stores the step's keys on one GPU thread per layer.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class CudaDevice(Device):
         threads: int | None = None,
         driver: cuda_driver.Driver | None = None,
         index: int = 0,
+        graphs: bool = True,
     ) -> None:
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
@@ -81,6 +83,10 @@ class CudaDevice(Device):
                 f"sm_{''.join(map(str, MIN_COMPUTE_CAPABILITY))} or later"
             )
         self.mode = mode
+        self.graphs = graphs  # a step is one captured CUDA graph (else its launches one by one)
+        # per step shape (tokens, logit rows) bound: (driver launch calls a step of that
+        # shape makes, kernels it runs); ``dynalm bench --gpu`` and gpu_check report it
+        self.submitted: dict[tuple[int, int], tuple[int, int]] = {}
         self.threads = threads or physical_cores()  # host threads (repacking weights)
         self.backend = nvptx.NVPTX
         # the host's view of the same kernels: which matmul a weight gets and its bytes

@@ -11,8 +11,11 @@ the host; ``begin_step`` uploads them (token ids, positions, logit rows) and the
 layout, and from there the step is device work: the embedding rows and ``select_rows`` are
 row-gather kernels (``elementwise.rows``), until ``end_step`` copies the logits back.
 
-A step is one submission: its launches in graph order on the default stream, each over the
-grid ``nvptx.Entry.grid`` gives its rows, then the logits copied back (which waits for them).
+A step is one submission: its launches in graph order, each over the grid
+``nvptx.Entry.grid`` gives its rows, captured once per step shape as a CUDA graph and
+replayed by one ``cuGraphLaunch`` (the shapes the executor keeps, up to ``cached_rows``
+tokens; a longer prefill runs once, launched kernel by kernel); then the logits copied back
+(which waits for them).
 """
 
 from __future__ import annotations
@@ -62,11 +65,12 @@ class _Kernels:
     def __init__(self, device: CudaDevice, plan: Callable[[], list[Launch]]) -> None:
         self._device, self.plan = device, plan
 
-    def launches(self) -> list[Call]:
+    def launches(self, stream: object = None) -> list[Call]:
+        """The launches, on ``stream`` (the default stream when None)."""
         calls = []
         for program, spec, entry, args, rows in self.plan():
             fn, where = self._device.function(program, spec, entry)
-            launch = self._device.context.launch
+            launch = functools.partial(self._device.context.launch, stream=stream)
             calls.append(functools.partial(launch, fn, where.grid(rows), (args, rows)))
         return calls
 
@@ -90,6 +94,7 @@ class CudaBinder(Binder):
         self._arena: DeviceArray | None = None  # the step layout's arrays
         self._kv: object = None
         self._shape = (0, 0)
+        self._stream: object = None  # the stream the step graphs are captured on
 
     # -- binding ---------------------------------------------------------------------
     def reserve(self, rows: int, widest: int) -> None:
@@ -317,11 +322,31 @@ class CudaBinder(Binder):
         self._context.copy_in(self._table_copy, self._table[: self._used])
 
     def submission(self, calls: list[Call]) -> list[Call]:
-        """The step's launches in order (their PTX lowered and loaded first) and the host
-        parts between them."""
-        steps: list[Call] = []
-        for call in calls:
-            steps += call.launches() if isinstance(call, _Kernels) else [call]
+        """The step's launches (their PTX lowered and loaded first) captured as one CUDA
+        graph on the binder's stream: one ``cuGraphLaunch`` a step. The capture holds this
+        shape's launches (grids, row counts, argument-block addresses); everything a step
+        changes is device memory they read (the inputs, the layout block, the blocks'
+        counts), so a step of the same shape replays it. A shape of more than
+        ``cached_rows`` tokens (a long prefill: the executor does not keep its submission, so
+        a graph would be instantiated to run once), or ``device.graphs`` off: the launches
+        one by one on the default stream."""
+        if not self.device.graphs or self._shape[0] > self.cached_rows:
+            steps: list[Call] = []
+            for call in calls:
+                steps += call.launches() if isinstance(call, _Kernels) else [call]
+            kernels = len(steps)
+        else:
+            if self._stream is None:
+                self._stream = self._context.stream(owner=self)
+            launches = [launch for call in calls for launch in call.launches(self._stream)]  # type: ignore[attr-defined]
+
+            def record() -> None:
+                for launch in launches:
+                    launch()
+
+            graph = self._context.capture(self._stream, record)
+            steps, kernels = [functools.partial(graph.launch, self._stream)], len(launches)
+        self.device.submitted[self._shape] = (len(steps), kernels)
         # the blocks as this shape and KV storage bind them
         self._context.copy_in(self._table_copy, self._table[: self._used])
         return steps
