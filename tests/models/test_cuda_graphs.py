@@ -11,6 +11,7 @@ driver calls of each step are counted through a wrapper around the emulated driv
 from __future__ import annotations
 
 import gc
+import json
 from collections import Counter
 
 import numpy as np
@@ -200,3 +201,19 @@ def test_a_capture_refuses_host_work_and_ends():
     gc.collect()
     assert gpu.streams == gpu.executables == {}
 
+
+def test_bench_gpu_reports_launches_per_step(llama, monkeypatch):
+    """``dynalm bench MODEL --gpu``: each step shape's driver launches (one) and kernels."""
+    from dynalm.bench import bench_command, parse_tests
+
+    gpu = EmulatedLibcuda()
+    monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
+    kw = {"threads": 1, "repetitions": 1, "mode": "auto", "vs": None, "backend": "gpu"}
+    out = json.loads(
+        bench_command(llama.path, parse_tests("8", "4"), **kw, as_json=True, profile=False)
+    )
+    steps = {s["tokens"]: s for s in out["gpu_steps"]}
+    assert steps[1]["launches"] == 1 and steps[1]["kernels"] > 4 * llama.hparams.n_layers
+    assert all(s["launches"] == 1 for s in out["gpu_steps"])
+    text = bench_command(llama.path, parse_tests("8", "4"), **kw, as_json=False, profile=False)
+    assert f"1 token(s): 1 launch(es), {steps[1]['kernels']} kernels" in text
