@@ -18,7 +18,8 @@ the logits lie within two fp32 passes' rounding (``tests/tolerances.forward_boun
 they are within 1e-3 is printed beside. A model the GPU cannot run (an op or a weight format
 its kernels do not take, ``ir.lower.unsupported``, or a refusal while binding) is one line
 naming the model and the reason, and the check goes on to the next; any such model or
-failed comparison makes the exit status 1. Decode speed on the GPU:
+failed comparison makes the exit status 1. Per mode, the driver launches a decode step makes
+(one: a CUDA graph) and the kernels it runs. Decode speed on the GPU:
 ``dynalm bench MODEL --gpu``.
 
 ``--assemble``: lowers every kernel the device needs (``nvptx.device_kernels``) and
@@ -238,6 +239,15 @@ def fidelity(model_paths: list[str], emulate: bool) -> int:
     return 1 if failed else 0
 
 
+def step_launches(device: CudaDevice) -> str:
+    """What a batch-1 decode step costs in driver calls: one CUDA graph launch."""
+    if (1, 1) not in device.submitted:
+        return "decode step: not run"
+    launches, kernels = device.submitted[1, 1]
+    how = "one CUDA graph" if launches < kernels else "launched one by one"
+    return f"decode step: {launches} launch(es) per step, {kernels} kernels ({how})"
+
+
 def compare_model(model_path: str, emulate: bool) -> int:
     """The rows of ``fidelity``'s table for one model; the number of failed rows."""
     _tests_on_path()
@@ -271,6 +281,7 @@ def compare_model(model_path: str, emulate: bool) -> int:
             print(f"{mode:<6} {text[:28]!r:<28} {top1:7.1%} {diff.max():9.2e} "
                   f"{(diff / bound).max():9.2f} {str(diff.max() <= 1e-3):>7} "
                   f"{t1 - t0:7.2f} {t2 - t1:7.2f}{'' if ok else '  FAIL'}")  # fmt: skip
+        print(f"{mode:<6} {step_launches(gpu)}")
     return failed
 
 

@@ -8,7 +8,10 @@ maps memory; counts, strides and f64 bit patterns fall outside) point into devic
 host address reaching a kernel would crash a real GPU, so it fails here. A loaded PTX module
 is recognised as one the NVPTX backend lowered in this process, and its entries run as the
 backend's host twin (``nvptx.host_twin``: the same programs at the same width and integer
-sums, every thread of the launch's grid in turn). What it cannot show: the GPU's own
+sums, every thread of the launch's grid in turn). Streams capture launches into CUDA graphs
+(recorded in order with their parameters by value, replayed by ``cuGraphLaunch``, each
+replayed launch checked as a direct one is); a synchronous copy, or a default-stream launch,
+while a stream captures fails as CUDA's would. What it cannot show: the GPU's own
 arithmetic (the float order of reductions) and timing.
 """
 
@@ -23,7 +26,12 @@ from dynalm.kernel import nvptx
 SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, INVALID_PTX, NOT_FOUND, ILLEGAL_ADDRESS = (
     0, 1, 2, 218, 500, 700
 )  # fmt: skip
+CAPTURE_UNSUPPORTED = 900  # a call a capturing thread may not make (a synchronous copy)
 ERRORS = {
+    CAPTURE_UNSUPPORTED: (
+        b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        b"operation not permitted when stream is capturing",
+    ),
     INVALID_VALUE: (b"CUDA_ERROR_INVALID_VALUE", b"invalid argument"),
     OUT_OF_MEMORY: (b"CUDA_ERROR_OUT_OF_MEMORY", b"out of memory"),
     INVALID_PTX: (b"CUDA_ERROR_INVALID_PTX", b"a PTX JIT compilation failed"),
@@ -44,7 +52,11 @@ class EmulatedLibcuda:
         self.allocations: dict[int, np.ndarray] = {}  # address -> its bytes
         self.modules: dict[int, tuple[str, dict]] = {}
         self.functions: dict[int, nvptx.HostEntry] = {}
-        self.launches = 0
+        self.launches = 0  # kernels run (one by one or replayed from a graph)
+        self.graph_launches = 0
+        self.streams: dict[int, list | None] = {}  # stream -> its capture's launches, or None
+        self.graphs: dict[int, list] = {}  # graph (and executable) -> its launches
+        self.executables: dict[int, list] = {}
         self.error: str | None = None  # why the last failing call failed
 
     # -- errors and devices --------------------------------------------------------------
@@ -124,6 +136,8 @@ class EmulatedLibcuda:
         return SUCCESS
 
     def _copy(self, dst: int, src: int, nbytes: int, device: tuple[int, ...]) -> int:
+        if self._capturing():
+            return self._fail(CAPTURE_UNSUPPORTED, "a synchronous copy while a stream captures")
         for address in device:
             if not self._inside(address, nbytes):
                 why = f"{nbytes} bytes at {address:#x} are not device memory"
@@ -183,7 +197,23 @@ class EmulatedLibcuda:
         params,
         extra,  # noqa: ANN001
     ) -> int:
+        if (gy, gz, by, bz) != (1, 1, 1, 1):
+            return self._fail(INVALID_VALUE, "the kernels launch along x only")
+        # the parameters are read now, by value (a capture keeps them, as CUDA's does)
         args, rows = (ctypes.c_uint64.from_address(params[i]).value for i in range(2))
+        launch = (function.value, gx, bx, args, rows)
+        stream = _handle(stream)
+        if stream:
+            if stream not in self.streams:
+                return self._fail(INVALID_VALUE, f"launch on {stream}: not a stream")
+            if self.streams[stream] is not None:
+                self.streams[stream].append(launch)  # type: ignore[union-attr]
+                return SUCCESS
+        elif self._capturing():
+            return self._fail(CAPTURE_UNSUPPORTED, "a launch on the default stream while capturing")
+        return self._run(*launch)
+
+    def _run(self, function: int, gx: int, bx: int, args: int, rows: int) -> int:
         if not self._inside(args, 8):
             return self._fail(ILLEGAL_ADDRESS, f"argument block at {args:#x} is not device memory")
         for i in range(_ARG_WORDS):
@@ -193,8 +223,74 @@ class EmulatedLibcuda:
             if 1 << 32 <= word < 1 << 47 and not self._inside(word, 1):
                 why = f"argument word {i} ({word:#x}) points outside device memory"
                 return self._fail(ILLEGAL_ADDRESS, why)
-        if (gy, gz, by, bz) != (1, 1, 1, 1):
-            return self._fail(INVALID_VALUE, "the kernels launch along x only")
-        self.functions[function.value].launch(args, rows, (gx, bx))
+        self.functions[function].launch(args, rows, (gx, bx))
         self.launches += 1
         return SUCCESS
+
+    # -- streams and graphs: a capture records a stream's launches in order, an
+    # instantiated graph replays them (each checked as it runs, as a launch is) --------
+    def _capturing(self) -> bool:
+        return any(launches is not None for launches in self.streams.values())
+
+    def cuStreamCreate(self, stream: object, flags: int) -> int:  # noqa: N802
+        stream._obj.value = 0x5000 + len(self.streams) + 1  # never a device address
+        self.streams[stream._obj.value] = None
+        return SUCCESS
+
+    def cuStreamDestroy_v2(self, stream: object) -> int:  # noqa: N802
+        stream = _handle(stream)
+        if stream not in self.streams or self.streams[stream] is not None:
+            return self._fail(INVALID_VALUE, "destroy of a stream that is not one, or captures")
+        del self.streams[stream]
+        return SUCCESS
+
+    def cuStreamSynchronize(self, stream: object) -> int:  # noqa: N802
+        return SUCCESS  # launches ran when they were made
+
+    def cuStreamBeginCapture_v2(self, stream: object, mode: int) -> int:  # noqa: N802
+        stream = _handle(stream)
+        if self.streams.get(stream, 0) is not None:  # the default stream cannot capture
+            return self._fail(INVALID_VALUE, f"capture on {stream}: not an idle stream")
+        self.streams[stream] = []
+        return SUCCESS
+
+    def cuStreamEndCapture(self, stream: object, graph: object) -> int:  # noqa: N802
+        launches = self.streams.get(_handle(stream))
+        if launches is None:
+            return self._fail(INVALID_VALUE, "end of a capture that did not begin")
+        self.streams[_handle(stream)] = None
+        graph._obj.value = 0x6000 + len(self.graphs) + 1
+        self.graphs[graph._obj.value] = launches
+        return SUCCESS
+
+    def cuGraphInstantiateWithFlags(self, executable: object, graph: object, flags: object) -> int:  # noqa: N802
+        launches = self.graphs.get(_handle(graph))
+        if launches is None:
+            return self._fail(INVALID_VALUE, "instantiate of a graph that is not one")
+        executable._obj.value = 0x7000 + len(self.executables) + 1
+        self.executables[executable._obj.value] = list(launches)
+        return SUCCESS
+
+    def cuGraphLaunch(self, executable: object, stream: object) -> int:  # noqa: N802
+        launches = self.executables.get(_handle(executable))
+        if launches is None:
+            return self._fail(INVALID_VALUE, "launch of a graph that is not instantiated")
+        self.graph_launches += 1
+        for launch in launches:
+            code = self._run(*launch)
+            if code != SUCCESS:
+                return code
+        return SUCCESS
+
+    def cuGraphExecDestroy(self, executable: object) -> int:  # noqa: N802
+        found = self.executables.pop(_handle(executable), None) is not None
+        return SUCCESS if found else self._fail(INVALID_VALUE, "destroy of no executable")
+
+    def cuGraphDestroy(self, graph: object) -> int:  # noqa: N802
+        found = self.graphs.pop(_handle(graph), None) is not None
+        return SUCCESS if found else self._fail(INVALID_VALUE, "destroy of no graph")
+
+
+def _handle(value: object) -> int:
+    """A handle passed as a ctypes value, an int or None (0)."""
+    return getattr(value, "value", value) or 0

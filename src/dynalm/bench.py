@@ -463,6 +463,7 @@ def bench_command(
     }
     summary = {"model": model.name, "file": str(path), "threads": device.threads, "mode": mode}
     summary["load"] = load
+    submitted = getattr(device, "submitted", None)  # the CUDA device's launches per step shape
     if profile:
         for test in tests:  # warm-up: JIT compiles, first binding of each step shape
             profile_test(ours, test, n_vocab)
@@ -492,6 +493,11 @@ def bench_command(
     weights, file_bytes = ours.engine.memory_plan.weights, file_decode_bytes(path)
     if as_json:
         extra = {} if spec is None else {"acceptance_rate": spec.acceptance_rate}
+        if submitted is not None:
+            extra["gpu_steps"] = [
+                {"tokens": t, "logit_rows": s, "launches": n, "kernels": k}
+                for (t, s), (n, k) in sorted(submitted.items())
+            ]
         return json.dumps(
             {
                 **summary,
@@ -517,4 +523,8 @@ def bench_command(
         table += f"\n\n{bandwidth}"
     if spec is not None:
         table += f"\n\n{spec.summary()}"
+    if submitted:
+        shapes = sorted(submitted.items())
+        steps = ", ".join(f"{t} token(s): {n} launch(es), {k} kernels" for (t, _), (n, k) in shapes)
+        loaded += f"\nGPU driver launches per step ({steps})"
     return f"{table}\n\n{memory.line()}\n{loaded}"

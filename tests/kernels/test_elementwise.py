@@ -106,6 +106,14 @@ def test_ops_of_the_table(rows: int, width: int):
     index = np.random.default_rng(24).permutation(width).astype(np.int32)
     elementwise.columns(out, x, 0, index)()
     np.testing.assert_array_equal(out, x[:, index])
+    # row gathers (the embedding lookup, select_rows): repeated and out-of-order ids, from
+    # a strided view into one; an id past the table reads its last row, never past it
+    table = np.repeat(wide, 2, axis=0)[:, 3 : 3 + width]  # 2 * rows rows
+    ids = np.resize([2 * rows - 1, 0, 2 * rows - 1, 1, 2 * rows + 7], rows).astype(np.int64)
+    target = np.full((rows, width + 5), np.nan, np.float32)
+    elementwise.rows(target[:, 5:], table, ids)()
+    np.testing.assert_array_equal(target[:, 5:], table[np.minimum(ids, len(table) - 1)])
+    assert np.isnan(target[:, :5]).all()
 
 
 def test_rms_norm_per_head_is_a_norm_of_head_rows():
@@ -221,6 +229,8 @@ def test_bindings_refuse_buffers_the_kernel_would_overrun():
             lambda: elementwise.columns(x, x, 0, np.arange(63, dtype=np.int32)),
             r"index: expected int32 \[64\]",
         ),
+        (lambda: elementwise.rows(x, x, np.arange(3)), r"index: expected int64 \[4\]"),
+        (lambda: elementwise.rows(x, rand(9, 63), np.arange(4)), r"x: expected float32"),
     ]
     for bind, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -170,7 +170,9 @@ def test_grid_elementwise_is_the_cpu_kernel() -> None:
         "bias": lambda out, be: elementwise.bias(out, dense, w, backend=be),
         "columns": lambda out, be: elementwise.columns(out, x, 29, backend=be),  # a split
         "gather": lambda out, be: elementwise.columns(out, x, 0, perm, backend=be),
+        "rows": lambda out, be: elementwise.rows(out, x[:, 8:56], ids, backend=be),
     }  # fmt: skip
+    ids = rng.integers(0, rows, rows).astype(np.int64)
     perm = rng.permutation(80)[:48].astype(np.int32)
     for kind, bind in cases.items():
         want = np.empty((rows, heads * head_dim), np.float32)
@@ -181,7 +183,7 @@ def test_grid_elementwise_is_the_cpu_kernel() -> None:
         entry = nvptx.host_twin(program, bound._params)[program.name.removeprefix("ew_")]
         run_grid(entry, bound.block.ctypes.data, int(bound.block[0]))
         np.testing.assert_array_equal(got, want, err_msg=kind)
-    np.testing.assert_array_equal(got, x[:, perm])  # the gather is x[:, index]
+    np.testing.assert_array_equal(got, x[ids, 8:56])  # the row gather is x[index]
 
 
 def test_sampling_reduction() -> None:

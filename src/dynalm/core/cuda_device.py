@@ -13,9 +13,11 @@ tables are mirrors too, uploaded once.
 Every op of the op table has a kernel (the CPU's element-wise programs: the same definition
 on both devices); what the device cannot take is a matmul weight without a JIT kernel of its
 format (``supports`` says so before a model loads, and ``--backend auto`` picks the CPU).
-Not in the preview: ``--mode safe`` is the CPU's oracle; the repack cache; a launch is a
-driver call from Python (no CUDA graphs); attention stores the step's keys on one GPU thread
-per layer.
+A step is device work only between the upload of its inputs and the download of its logits
+(the embedding table is a dense fp32 copy, its rows gathered by a kernel), captured once per
+step shape as a CUDA graph (``ir.lower.cuda``; a prefill longer than the executor keeps is
+launched kernel by kernel). Not in the preview: ``--mode safe`` is the CPU's oracle; the
+repack cache; attention stores the step's keys on one GPU thread per layer.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class CudaDevice(Device):
         threads: int | None = None,
         driver: cuda_driver.Driver | None = None,
         index: int = 0,
+        graphs: bool = True,
     ) -> None:
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
@@ -80,10 +83,13 @@ class CudaDevice(Device):
                 f"sm_{''.join(map(str, MIN_COMPUTE_CAPABILITY))} or later"
             )
         self.mode = mode
+        self.graphs = graphs  # a step is one captured CUDA graph (else its launches one by one)
+        # per step shape (tokens, logit rows) bound: (driver launch calls a step of that
+        # shape makes, kernels it runs); ``dynalm bench --gpu`` and gpu_check report it
+        self.submitted: dict[tuple[int, int], tuple[int, int]] = {}
         self.threads = threads or physical_cores()  # host threads (repacking weights)
         self.backend = nvptx.NVPTX
-        # the host's view of the same kernels: embedding rows looked up, which matmul a weight
-        # gets and the bytes it takes
+        # the host's view of the same kernels: which matmul a weight gets and its bytes
         self._host = CpuDevice(mode, 1)
         self._mirrors: dict[int, tuple[int, DeviceArray]] = {}  # host address -> (bytes, copy)
         self._modules: dict[tuple, cuda_driver.Module] = {}
@@ -172,7 +178,9 @@ class CudaDevice(Device):
         return self._host.matmul_kernel(ggml_type, shape)
 
     def prepared_bytes(self, ggml_type: int, shape: tuple[int, ...], use: str) -> int:
-        return self._host.prepared_bytes(ggml_type, shape, use)  # embedding rows: on the host
+        if use == "embedding":  # the dense fp32 table (``embedding``)
+            return 4 * int(np.prod(shape))
+        return self._host.prepared_bytes(ggml_type, shape, use)
 
     # -- weights -------------------------------------------------------------------
     def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -181,8 +189,12 @@ class CudaDevice(Device):
 
     def embedding(
         self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int], **how: object
-    ) -> Callable[[np.ndarray, np.ndarray], None]:
-        return self._host.embedding(raw, ggml_type, shape, **how)  # type: ignore[arg-type]
+    ) -> np.ndarray:
+        """The table dequantised to fp32 once, in device memory: the step looks its rows up
+        with the row-gather kernel (``elementwise.rows``), so no host work lies between the
+        upload of the token ids and the download of the logits. (The same values as the
+        CPU's per-step dequantisation: it is row by row.)"""
+        return self.vector(raw, ggml_type, shape)
 
     def matmul(
         self,

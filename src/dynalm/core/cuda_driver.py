@@ -7,7 +7,8 @@ load PTX (``kernel.nvptx``) and run it.
 (``cuGetErrorName`` / ``cuGetErrorString``). :class:`Context` holds the primary context of
 one device: PTX modules (``cuModuleLoadDataEx`` with an error log buffer, so a PTX the
 driver rejects is reported with the driver's log), functions, device memory, copies,
-launches and synchronisation.
+launches, synchronisation, and CUDA graphs (``capture``: a stream's launches recorded once,
+replayed by one ``cuGraphLaunch``).
 
 Nothing here has run on a GPU (no NVIDIA driver where DynaLM was built): it is a preview.
 CI runs it against an emulated driver (``tests/cuda_emulator.py``, behind
@@ -17,7 +18,8 @@ CI runs it against an emulated driver (``tests/cuda_emulator.py``, behind
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +31,8 @@ _JIT_INFO_LOG_BUFFER, _JIT_INFO_LOG_BUFFER_SIZE_BYTES = 3, 4
 _JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
 # CUdevice_attribute values
 _CC_MAJOR, _CC_MINOR = 75, 76
+# CUstreamCaptureMode: only this thread's calls are checked while it captures
+_CAPTURE_THREAD_LOCAL = 1
 
 
 class CudaError(RuntimeError):
@@ -253,16 +257,53 @@ class Context:
         size = ctypes.c_size_t(array.nbytes)
         self.driver.call("cuMemsetD8_v2", ctypes.c_uint64(array.ptr), 0, size)
 
+    def stream(self, owner: object) -> ctypes.c_void_p:
+        """A new stream (blocking: ordered with the default stream's copies), destroyed
+        when ``owner`` is garbage."""
+        handle = ctypes.c_void_p()
+        self.driver.call("cuStreamCreate", ctypes.byref(handle), 0)
+        destroy = ctypes.c_void_p(handle.value)
+        finalize = weakref.finalize(owner, self.driver.call, "cuStreamDestroy_v2", destroy)
+        finalize.atexit = False  # the driver may be gone at exit
+        return handle
+
+    def capture(self, stream: ctypes.c_void_p, record: Callable[[], None]) -> Graph:
+        """The launches ``record()`` queues on ``stream`` as an instantiated CUDA graph
+        (nothing runs while capturing; their parameters are captured by value, so what
+        changes from one replay to the next must be in device memory they point to)."""
+        self.driver.call("cuStreamBeginCapture_v2", stream, _CAPTURE_THREAD_LOCAL)
+        graph = ctypes.c_void_p()
+        try:
+            record()
+        except BaseException:
+            # end the capture all the same (or the stream stays capturing); a capture a
+            # failed call invalidated ends with an error and no graph, which is expected
+            code = self.driver.lib.cuStreamEndCapture(stream, ctypes.byref(graph))
+            if code == 0 and graph.value:
+                self.driver.call("cuGraphDestroy", graph)
+            raise
+        self.driver.call("cuStreamEndCapture", stream, ctypes.byref(graph))
+        try:
+            executable = ctypes.c_void_p()
+            self.driver.call(
+                "cuGraphInstantiateWithFlags", ctypes.byref(executable), graph, ctypes.c_uint64(0)
+            )
+        except CudaError:
+            self.driver.call("cuGraphDestroy", graph)
+            raise
+        return Graph(self.driver, graph, executable)
+
     def launch(
         self,
         function: ctypes.c_void_p,
         grid: tuple[int, int],
         params: Sequence[int],
         shared_bytes: int = 0,
+        stream: ctypes.c_void_p | None = None,
     ) -> None:
         """Launch ``function`` on ``grid`` = (blocks, threads per block) along x with
-        64-bit parameters ``params`` (device pointers and integers), on the default
-        stream."""
+        64-bit parameters ``params`` (device pointers and integers), on ``stream`` (the
+        default stream when None)."""
         words = [ctypes.c_uint64(p) for p in params]
         pointers = (ctypes.c_void_p * len(words))(
             *(ctypes.cast(ctypes.byref(w), ctypes.c_void_p) for w in words)
@@ -274,10 +315,28 @@ class Context:
             blocks, 1, 1,
             threads, 1, 1,
             shared_bytes,
-            None,
+            stream,
             pointers,
             None,
         )  # fmt: skip
 
     def synchronize(self) -> None:
         self.driver.call("cuCtxSynchronize")
+
+
+class Graph:
+    """An instantiated CUDA graph: ``launch(stream)`` replays its captured launches with one
+    driver call. Its executable and graph are destroyed when it is no longer referenced."""
+
+    def __init__(self, driver: Driver, graph: ctypes.c_void_p, executable: ctypes.c_void_p) -> None:
+        self.driver, self.executable = driver, executable
+        finalize = weakref.finalize(self, _destroy_graph, driver, graph.value, executable.value)
+        finalize.atexit = False  # the driver may be gone at exit
+
+    def launch(self, stream: ctypes.c_void_p) -> None:
+        self.driver.call("cuGraphLaunch", self.executable, stream)
+
+
+def _destroy_graph(driver: Driver, graph: int, executable: int) -> None:
+    driver.call("cuGraphExecDestroy", ctypes.c_void_p(executable))
+    driver.call("cuGraphDestroy", ctypes.c_void_p(graph))

@@ -251,6 +251,31 @@ def columns(
     return _bind("columns", backend, params, rows, arrays, block)
 
 
+def rows(
+    out: np.ndarray,
+    x: np.ndarray,
+    index: np.ndarray,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """``out[r] = x[index[r]]`` for each row of ``out`` (``index`` int64, one per row of
+    ``out``): the embedding lookup from a dense table and ``select_rows``. The rows of
+    ``x`` and ``out`` may be strided; an index outside ``x``'s rows reads its last row
+    (the kernel's guard; callers check ids first)."""
+    n, width = check("out", out, np.float32, (None, None), strided_rows=True).shape
+    check("x", x, np.float32, (None, width), strided_rows=True)
+    check("index", index, np.int64, (n,))
+    require(len(x) > 0, "a row gather from an empty table")
+    params = {
+        "width": width,
+        "src_stride": x.strides[0] // 4,
+        "dst_stride": out.strides[0] // 4,
+        "n_src": len(x),
+    }
+    return _bind("rows", backend, params, n, (out, x, index), block)
+
+
 def gated(
     out: np.ndarray,
     gate: np.ndarray,

@@ -1,8 +1,9 @@
 """Element-wise programs: RMSNorm, RoPE, SwiGLU / GeGLU, add, and the rest of the op table's
-element-wise ops (mul, scale, SiLU / GELU alone, a matmul's bias, column copies and gathers),
-so that every device runs one definition of each op; and the encoder's (``bert.lum``):
-LayerNorm with bias, GELU (erf), bidirectional attention within each sequence, pooling
-(mean / CLS / last) and L2 normalisation.
+element-wise ops (mul, scale, SiLU / GELU alone, a matmul's bias, column copies and gathers,
+row gathers: the embedding lookup and ``select_rows``), so that every device runs one
+definition of each op; and the encoder's (``bert.lum``): LayerNorm with bias, GELU (erf),
+bidirectional attention within each sequence, pooling (mean / CLS / last) and L2
+normalisation.
 
 Each is specialised on its constant shapes (row width, head size, eps, rope layout) and
 written as explicit vector loops of the backend's width (``target.lanes``) plus a 1-lane
@@ -26,7 +27,7 @@ from dynalm.kernel.backends import Program
 from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
 
 ARRAYS = {
-    "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3,
+    "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3, "rows": 3,
     "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
     "encoder_attention": 5,
 }  # fmt: skip  # addresses after the count
@@ -54,6 +55,16 @@ def _floats(k: Kernel, array: ir.Value, i: ir.Value, w: int) -> ir.Value:
 
 def _put(k: Kernel, value: ir.Value, array: ir.Value, i: ir.Value) -> None:
     k.store(value, k.index(array, i, F32), align=4)
+
+
+def _copy(k: Kernel, out: ir.Value, dst: ir.Value, x: ir.Value, src: ir.Value, n: int) -> None:
+    """``out[dst : dst + n] = x[src : src + n]`` at the backend's width."""
+    k.lanes(
+        k.i64(0),
+        k.i64(n),
+        k.target.lanes,
+        lambda j, w: _put(k, _floats(k, x, k.add(src, j), w), out, k.add(dst, j)),
+    )
 
 
 def _elementwise(module: Module, kind: str, body: Callable[..., ir.Value]) -> None:
@@ -146,12 +157,26 @@ def _build_columns(
 
             k.loop(0, width, 1, column)
         else:
-            k.lanes(
-                k.i64(0),
-                k.i64(width),
-                k.target.lanes,
-                lambda j, w: _put(k, _floats(k, x, k.add(src, j), w), out, k.add(dst, j)),
-            )
+            _copy(k, out, dst, x, src, width)
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _build_rows(module: Module, width: int, src_stride: int, dst_stride: int, n_src: int) -> None:
+    """Per output row ``r``: ``width`` floats of ``x``'s row ``index[r]`` (int64; rows
+    ``src_stride`` floats apart, ``n_src`` of them) into ``out``'s row ``r`` (``dst_stride``
+    apart): the embedding lookup (``x`` the dense table, ``index`` the token ids) and
+    ``select_rows`` (``x`` the hidden states, ``index`` the rows whose logits are wanted).
+    The ids are checked on the host; an index outside ``[0, n_src)`` reads row ``n_src - 1``
+    (unsigned min) rather than memory outside ``x``."""
+    k, rows, (out, x, index) = _kernel(module, "rows")
+
+    def row(r: ir.Value) -> None:
+        at = k.load(I64, k.index(index, r, I64), align=8)
+        last = k.i64(n_src - 1)
+        at = k.select(k.b.icmp_unsigned("<", at, last), at, last)
+        _copy(k, out, k.mul(r, dst_stride), x, k.mul(at, src_stride), width)
 
     k.loop(0, rows, 1, row)
     k.ret()
@@ -560,6 +585,7 @@ PROGRAMS = {
     "gated": Program("ew_gated", _build_gated),
     "bias": Program("ew_bias", _build_bias),
     "columns": Program("ew_columns", _build_columns),
+    "rows": Program("ew_rows", _build_rows),
     "rms_norm": Program("ew_rms_norm", _build_rms_norm),
     "rope": Program("ew_rope", _build_rope),
     "layer_norm": Program("ew_layer_norm", _build_layer_norm),

@@ -66,6 +66,7 @@ ROW_BYTES: dict[str, Callable[[Mapping[str, object]], tuple[int, ...]]] = {
     "ew_gated": lambda spec: (4, 4, 4),
     "ew_bias": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
     "ew_columns": lambda spec: (4 * int(spec["dst_stride"]), 4 * int(spec["src_stride"]), 0),
+    "ew_rows": lambda spec: (4 * int(spec["dst_stride"]), 0, 8),
     "ew_rms_norm": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
     "ew_rope": lambda spec: (
         4 * int(spec["n_heads"]) * int(spec["head_dim"]),
@@ -386,6 +387,7 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
         (ew["bias"], {"width": 576}),
         (ew["columns"], {"width": 64, "src_stride": 960, "dst_stride": 64, "gather": False}),
         (ew["columns"], {"width": 576, "src_stride": 576, "dst_stride": 576, "gather": True}),
+        (ew["rows"], {"width": 576, "src_stride": 576, "dst_stride": 576, "n_src": 49152}),
         (ew["rms_norm"], {"width": 576, "eps": 1e-5}),
         (ew["rope"], {"n_heads": 9, "head_dim": 64, "rope_dim": 64, "neox": False, "stride": 576}),
         (ew["rope"], {"n_heads": 4, "head_dim": 64, "rope_dim": 32, "neox": True, "stride": 320}),

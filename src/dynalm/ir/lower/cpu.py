@@ -280,7 +280,9 @@ class CpuBinder(Binder):
         return lambda: cpu_ops.encoder_attention(v[o], v[q], v[k], v[vv], v[last], head_dim, scale)
 
     def _select_rows(self, node: Node) -> Call:
-        v, args, o, *_ = self._operands(node)
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        if self._native:  # the GPU's row gather
+            return self._kernel(elementwise.rows, out, ins[0], ins[1], rows=rows)
         return lambda: np.take(v[args[0]], v[args[1]], axis=0, out=v[o])
 
     def _gather_cols(self, node: Node) -> Call:

@@ -7,11 +7,15 @@ addresses replaced by the device copies' (``CudaDevice.address``); matmul and at
 blocks are written here from the programs' argument layouts (``kernel.matmul_programs.A_*``,
 ``kernel.attention_program.A_*``). The blocks are rows of one table in device memory,
 uploaded when a step shape or the KV storage changes. The executor writes a step's inputs on
-the host: positions are uploaded by ``begin_step``, the embedding rows are looked up on the
-host and copied in.
+the host; ``begin_step`` uploads them (token ids, positions, logit rows) and the attention
+layout, and from there the step is device work: the embedding rows and ``select_rows`` are
+row-gather kernels (``elementwise.rows``), until ``end_step`` copies the logits back.
 
-A step is one submission: its launches in graph order on the default stream, each over the
-grid ``nvptx.Entry.grid`` gives its rows, then the logits copied back (which waits for them).
+A step is one submission: its launches in graph order, each over the grid
+``nvptx.Entry.grid`` gives its rows, captured once per step shape as a CUDA graph and
+replayed by one ``cuGraphLaunch`` (the shapes the executor keeps, up to ``cached_rows``
+tokens; a longer prefill runs once, launched kernel by kernel); then the logits copied back
+(which waits for them).
 """
 
 from __future__ import annotations
@@ -61,11 +65,12 @@ class _Kernels:
     def __init__(self, device: CudaDevice, plan: Callable[[], list[Launch]]) -> None:
         self._device, self.plan = device, plan
 
-    def launches(self) -> list[Call]:
+    def launches(self, stream: object = None) -> list[Call]:
+        """The launches, on ``stream`` (the default stream when None)."""
         calls = []
         for program, spec, entry, args, rows in self.plan():
             fn, where = self._device.function(program, spec, entry)
-            launch = self._device.context.launch
+            launch = functools.partial(self._device.context.launch, stream=stream)
             calls.append(functools.partial(launch, fn, where.grid(rows), (args, rows)))
         return calls
 
@@ -89,6 +94,7 @@ class CudaBinder(Binder):
         self._arena: DeviceArray | None = None  # the step layout's arrays
         self._kv: object = None
         self._shape = (0, 0)
+        self._stream: object = None  # the stream the step graphs are captured on
 
     # -- binding ---------------------------------------------------------------------
     def reserve(self, rows: int, widest: int) -> None:
@@ -135,18 +141,10 @@ class CudaBinder(Binder):
         return full[node.out.id], [full[x.id] for x in node.args], str(node.out.type.shape[0])
 
     # The op table (``base.BIND_METHODS``): each op this device has kernels for.
-    def _embed(self, node: Node) -> Call:
-        bufs = self.buffers
-        lookup = self.prepare(node.weights[0].name, "embedding")
-        ids, out = bufs.view_of[node.args[0].id], bufs.view_of[node.out.id]
-        copy, offset = self.device.device_view(bufs.full[node.out.id])
-
-        def embed() -> None:  # rows looked up on the host, copied in
-            rows = bufs.views[out]
-            lookup(bufs.views[ids], rows)
-            self._context.copy_in(copy, rows, offset)
-
-        return embed
+    def _embed(self, node: Node) -> _Kernels:
+        out, (ids,), rows = self._values(node)
+        table = self.prepare(node.weights[0].name, "embedding")  # dense, on the device
+        return self._elementwise(elementwise.rows, out, table, ids, rows=rows)
 
     def _matmul(self, node: Node) -> _Kernels:
         out, (x, *rest), _ = self._values(node)
@@ -283,27 +281,22 @@ class CudaBinder(Binder):
 
         return _Kernels(self.device, plan)
 
-    def _select_rows(self, node: Node) -> Call:
-        bufs = self.buffers
-        out, (x, _), _ = self._values(node)
-        rows = bufs.view_of[node.args[1].id]
-        (dst, dst_at), (src, src_at) = map(self.device.device_view, (out, x))
-        n = x.strides[0]
-
-        def select_rows() -> None:  # a device copy per row
-            for i, row in enumerate(bufs.views[rows].tolist()):
-                self._context.copy_within(dst, dst_at + i * n, src, src_at + row * n, n)
-
-        return select_rows
+    def _select_rows(self, node: Node) -> _Kernels:
+        out, (x, index), rows = self._values(node)
+        return self._elementwise(elementwise.rows, out, x, index, rows=rows)
 
     # -- running -------------------------------------------------------------------
     def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
-        """Upload the step's positions and its attention layout."""
+        """Upload the step's inputs (token ids, positions, logit rows: the whole buffers, a
+        few KiB) and its attention layout: all a captured step reads that changes."""
         P = attention_program  # noqa: N806
         n = len(batch.slots)
         check_layout(batch, n)
+        for value in self.graph.inputs.values():  # token ids, positions, logit rows
+            host = self.buffers.full[value.id]
+            copy, offset = self.device.device_view(host)
+            self._context.copy_in(copy, host, offset)
         copy, offset = self.device.device_view(positions)
-        self._context.copy_in(copy, positions[:n], offset)
         pages, seq_of, *per_seq = batch.kernel_tables
         arrays = [pages, seq_of, np.ascontiguousarray(batch.slots, np.int64), *per_seq]
         packed = np.concatenate([a.ravel() for a in arrays]).astype(np.int64, copy=False)
@@ -329,11 +322,31 @@ class CudaBinder(Binder):
         self._context.copy_in(self._table_copy, self._table[: self._used])
 
     def submission(self, calls: list[Call]) -> list[Call]:
-        """The step's launches in order (their PTX lowered and loaded first) and the host
-        parts between them."""
-        steps: list[Call] = []
-        for call in calls:
-            steps += call.launches() if isinstance(call, _Kernels) else [call]
+        """The step's launches (their PTX lowered and loaded first) captured as one CUDA
+        graph on the binder's stream: one ``cuGraphLaunch`` a step. The capture holds this
+        shape's launches (grids, row counts, argument-block addresses); everything a step
+        changes is device memory they read (the inputs, the layout block, the blocks'
+        counts), so a step of the same shape replays it. A shape of more than
+        ``cached_rows`` tokens (a long prefill: the executor does not keep its submission, so
+        a graph would be instantiated to run once), or ``device.graphs`` off: the launches
+        one by one on the default stream."""
+        if not self.device.graphs or self._shape[0] > self.cached_rows:
+            steps: list[Call] = []
+            for call in calls:
+                steps += call.launches() if isinstance(call, _Kernels) else [call]
+            kernels = len(steps)
+        else:
+            if self._stream is None:
+                self._stream = self._context.stream(owner=self)
+            launches = [launch for call in calls for launch in call.launches(self._stream)]  # type: ignore[attr-defined]
+
+            def record() -> None:
+                for launch in launches:
+                    launch()
+
+            graph = self._context.capture(self._stream, record)
+            steps, kernels = [functools.partial(graph.launch, self._stream)], len(launches)
+        self.device.submitted[self._shape] = (len(steps), kernels)
         # the blocks as this shape and KV storage bind them
         self._context.copy_in(self._table_copy, self._table[: self._used])
         return steps
