@@ -36,6 +36,7 @@ from tiny_models import SPECS, reference_model, write_hf_dir
 from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
 from dynalm.models import tokenizer
 from dynalm.models.hf_dir import HFDirectory
+from dynalm.models.hparams import MAX_VOCAB
 from dynalm.models.loader import load_model
 from dynalm.models.safetensors_file import SafeTensorsFile
 
@@ -312,6 +313,37 @@ def test_a_tokenizer_json_larger_than_the_embedding_is_refused_before_it_is_buil
         f"{d / 'tokenizer.json'}: model.vocab has 100256 entries, more than 300 "
         "(the embedding's 300 rows)",
     )
+
+
+def test_a_tokenizer_json_of_22m_values_is_refused_before_it_is_parsed(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: tokenizer.json was parsed whole (up to its 128 MiB bound) before its tables
+    were counted: 22M merges under the byte bound make json.loads build ~1.4 GB. Its values
+    are counted first (by their separators) against what a tokenizer of the embedding's rows
+    holds: refused in a child allowed 1 GiB, in seconds, naming the file and the bound."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["model"]["merges"] = ["@MERGES@"]
+    head, tail = json.dumps(spec).encode().split(b'"@MERGES@"')
+    n = (tokenizer.MAX_TOKENIZER_JSON_BYTES - len(head) - len(tail)) // 6
+    data = head + b'"a b",' * (n - 1) + b'"a b"' + tail
+    (d / "tokenizer.json").write_bytes(data)
+    found = sum(data.count(c) for c in (b",", b":", b"[")) + 1  # n + the tiny one's
+    bound = 18 * 300 + 3 * MAX_VOCAB + 65536
+    worker = FuzzWorker(tiny_dir, memory_mib=1024)
+    try:
+        t0 = time.monotonic()
+        result = worker.check(d)
+    finally:
+        worker.close()
+    assert result["status"] == "refused", result
+    assert result["message"] == (
+        f"{d / 'tokenizer.json'}: up to {found} JSON values (by its separators), more than "
+        f"a tokenizer of the embedding's 300 rows holds ({bound}: 18 a row, 3 for each of up "
+        f"to {MAX_VOCAB} merges, 65536 besides)"
+    )
+    assert time.monotonic() - t0 < 10
 
 
 def test_an_embedding_of_30m_rows_is_refused_before_any_table_is_built(
