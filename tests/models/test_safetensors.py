@@ -274,16 +274,28 @@ def test_config_key_of_the_wrong_json_type_is_named(
         _refused(d, error, "rope_scaling", "not an object")
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "chat_template.jinja"])
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("config.json", "not a regular file"),
+        ("tokenizer.json", "not a regular file"),
+        ("chat_template.jinja", "not a regular file"),
+        ("model.safetensors.index.json", "not a regular file"),
+        ("tokenizer_config.json", "not a regular file"),
+        ("generation_config.json", "not a regular file"),
+        ("model.safetensors", "truncated: 0 bytes"),  # (mapped, never read as a stream)
+    ],
+)
 def test_a_fifo_in_place_of_a_directory_file_is_refused_not_waited_on(
-    name: str, tiny_dir: Path, tmp_path: Path
+    name: str, needle: str, tiny_dir: Path, tmp_path: Path
 ) -> None:
     """Issue 25: a FIFO named config.json, tokenizer.json or chat_template.jinja hung the
-    loader (opened and read with no writer); files are opened only as regular files."""
+    loader (opened and read with no writer); files are opened only as regular files (the
+    index and the other JSON files too, issue 25 part 2)."""
     d = _copy(tiny_dir, tmp_path / "d")
     d.joinpath(name).unlink(missing_ok=True)
     os.mkfifo(d / name)
-    _refused(d, DynaError, str(d / name), "not a regular file")
+    _refused(d, DynaError, str(d / name), needle)
 
 
 def test_an_oversized_tokenizer_json_is_refused_by_its_size(
