@@ -469,9 +469,56 @@ def test_gptq_part_of_a_wrong_shape_is_named(
     """Issue 25: a scalar g_idx and a qweight narrower than its group were IndexError /
     ValueError from numpy; every part's dtype and shape is checked against the others when
     the directory is opened, naming the file, the tensor, what it is and what it should be."""
+    _refused_part(gptq_dir, part, edit, needle, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path_factory.mktemp("awq") / "llama")
+    write_quantized(reference, path, "awq", 32)
+    return path
+
+
+AWQ_LAYER = "a 64 x 128 weight in groups of 32 (qweight [128, 8])"  # [in, out / 8]
+
+
+@pytest.mark.parametrize(
+    ("part", "edit", "needle"),
+    [
+        ("qweight", lambda a: a[0], "qweight is I32 [8], expected [in, out / 8]"),
+        (
+            "qweight",
+            lambda a: a[:16],
+            "qweight is I32 [16, 8] ([in, out / 8]): 64 x 16, expected a multiple of 32 "
+            "input columns and of 8 output rows",
+        ),
+        ("qweight", lambda a: a[:64], "qzeros is I32 [4, 8], expected [2, 8] for a 64 x 64"),
+        ("qzeros", lambda a: a[0], "qzeros is I32 [8], expected [4, 8] for " + AWQ_LAYER),
+        ("scales", lambda a: a[:, :32], "scales is F16 [4, 32], expected [4, 64] for " + AWQ_LAYER),
+    ],
+    ids=[
+        "qweight 1-D",
+        "qweight narrower than its group",
+        "qweight half the inputs of scales",
+        "qzeros 1-D",
+        "scales half the outputs",
+    ],
+)
+def test_awq_part_of_a_wrong_shape_is_named(
+    part: str, edit, needle: str, awq_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25 names GPTQ/AWQ: AWQ's transposed layout ([in, out / 8]) goes through the
+    same checks, each bad part one line naming the file, the tensor and the shape wanted."""
+    _refused_part(awq_dir, part, edit, needle, tmp_path)
+
+
+def _refused_part(base: Path, part: str, edit, needle: str, tmp_path: Path) -> None:
+    """A copy of ``base`` with ``DOWN``'s ``part`` replaced by ``edit(part)`` is refused
+    naming the file, the tensor and ``needle``."""
     from safetensors.numpy import load_file, save_file
 
-    d = _copy(gptq_dir, tmp_path / "d")
+    d = _copy(base, tmp_path / "d")
     tensors = load_file(str(d / "model.safetensors"))
     tensors[f"{DOWN}.{part}"] = np.array(edit(tensors[f"{DOWN}.{part}"]), order="C")
     save_file(tensors, str(d / "model.safetensors"))
