@@ -34,7 +34,7 @@ from test_gguf_fuzz import FIXED_SEED, problem
 from tiny_models import SPECS, reference_model, write_hf_dir
 
 from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
-from dynalm.models import tokenizer
+from dynalm.models import chat_template, hf_dir, tokenizer
 from dynalm.models.hf_dir import HFDirectory
 from dynalm.models.hparams import MAX_VOCAB
 from dynalm.models.loader import load_model
@@ -296,6 +296,26 @@ def test_a_fifo_in_place_of_a_directory_file_is_refused_not_waited_on(
     d.joinpath(name).unlink(missing_ok=True)
     os.mkfifo(d / name)
     _refused(d, DynaError, str(d / name), needle)
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [
+        ("config.json", hf_dir.MAX_JSON_BYTES),
+        ("model.safetensors.index.json", hf_dir.MAX_JSON_BYTES),
+        ("chat_template.jinja", chat_template.MAX_TEMPLATE_BYTES),
+    ],
+)
+def test_a_directory_file_past_its_bound_is_refused_by_its_size(
+    name: str, bound: int, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25 part 2: config, index and template are read only up to a stated size, the
+    size checked before any parser runs (the file here is sparse: one byte past the bound
+    costs no disk, and a reader that read it would hold it all)."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    with open(d / name, "wb") as f:
+        f.truncate(bound + 1)
+    _refused(d, DynaError, str(d / name), f"{bound + 1} bytes, more than the {bound} allowed")
 
 
 def test_an_oversized_tokenizer_json_is_refused_by_its_size(
