@@ -98,6 +98,15 @@ def _config_cases(config: dict) -> Iterator[Case]:
             REFUSE if required else EITHER,
             edited(lambda c, k=key: c.pop(k)),
         )
+    # rope_scaling is absent from the tiny config: each JSON type too (issue 25: a string,
+    # list or int was an AttributeError); an object may be read, a false value is taken as
+    # absent (as transformers does), the rest is refused
+    for label, v in VALUES:
+        yield Case(
+            f"config rope_scaling = {label}",
+            EITHER if not v else REFUSE,
+            edited(lambda c, v=v: c.__setitem__("rope_scaling", v)),
+        )
     for heads, kv in ((3, 3), (5, 1), (4, 3), (7, 7), (64, 64), (128, 2)):
         change = {"num_attention_heads": heads, "num_key_value_heads": kv}
         yield Case(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -24,11 +25,11 @@ from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.cuda_device import CudaDevice, CudaKVStorage
 from dynalm.core.devices import select_device
 from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
-from dynalm.errors import DeviceUnavailable, InvalidRequest
+from dynalm.errors import DeviceUnavailable, InvalidRequest, ModelFormatError
 from dynalm.ir.executor import Executor
 from dynalm.ir.lower import unsupported
 from dynalm.ir.lower.cuda import CudaBinder
-from dynalm.models.loader import LoadedModel, model_graph
+from dynalm.models.loader import LoadedModel, load_model, model_graph
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.engine.kv_cache import PagePool
@@ -190,6 +191,33 @@ def test_what_the_preview_cannot_run_is_named(model, gpu, monkeypatch):
     with pytest.raises(InvalidRequest, match="no matmul kernel for IQ2_XXS .* --cpu"):
         device.matmul(np.zeros((4, 66), np.uint8), 16, (4, 256))
     assert "cuda" in [kind.name for kind in devices.GPU_KINDS]
+
+
+def test_nan_block_scales_are_refused_by_the_cuda_repack_naming_the_tensor(
+    smollm2_gguf, gpu, tmp_path
+):
+    """Issue 31: the CPU's repack refuses a weight whose block scales are NaN or infinite
+    (the JIT kernels swallow them, and the model answers fluently); the CUDA device repacked
+    its weights itself, unchecked. Both go through `QuantMatmul.checked_repack` now."""
+    path = tmp_path / "nan-scales.gguf"
+    path.write_bytes(smollm2_gguf.read_bytes())
+    name = "blk.0.ffn_down.weight"
+    info = next(t for t in gguf.GGUFReader(smollm2_gguf).tensors if t.name == name)
+    assert info.tensor_type == GGMLQuantizationType.Q4_1  # d at byte 0 of 20
+    data = np.memmap(path, np.uint8, "r+", offset=info.data_offset, shape=(info.n_bytes,))
+    data.reshape(-1, 20)[5:9, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
+    data.flush()
+    del data
+    model = load_model(path)
+    with pytest.raises(ModelFormatError) as e:
+        forward(model, cuda(gpu), encode(model, "Hi"))
+    assert str(e.value) == (
+        f"tensor {name}: q4_1 block 5 of row 0 has a non-finite scale (nan; 4 such fields)"
+    )
+    rows = np.zeros((8, 20 * 8), np.uint8)  # the device's own entry: a Q4_1 [8, 256]
+    rows[2, 20 * 7 : 20 * 7 + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    with pytest.raises(ModelFormatError, match=r"^q4_1 block 7 of row 2 has a non-finite"):
+        cuda(gpu).matmul(rows, GGMLQuantizationType.Q4_1, (8, 256))
 
 
 def test_auto_runs_on_the_cpu_what_the_gpu_cannot(model, gpu, monkeypatch, caplog):

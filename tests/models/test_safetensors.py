@@ -34,8 +34,9 @@ from test_gguf_fuzz import FIXED_SEED, problem
 from tiny_models import SPECS, reference_model, write_hf_dir
 
 from dynalm.errors import DynaError, ModelFormatError, ModelNotFound, UnsupportedModel
-from dynalm.models import tokenizer
+from dynalm.models import chat_template, hf_dir, tokenizer
 from dynalm.models.hf_dir import HFDirectory
+from dynalm.models.hparams import MAX_VOCAB
 from dynalm.models.loader import load_model
 from dynalm.models.safetensors_file import SafeTensorsFile
 
@@ -273,16 +274,48 @@ def test_config_key_of_the_wrong_json_type_is_named(
         _refused(d, error, "rope_scaling", "not an object")
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "chat_template.jinja"])
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("config.json", "not a regular file"),
+        ("tokenizer.json", "not a regular file"),
+        ("chat_template.jinja", "not a regular file"),
+        ("model.safetensors.index.json", "not a regular file"),
+        ("tokenizer_config.json", "not a regular file"),
+        ("generation_config.json", "not a regular file"),
+        ("model.safetensors", "truncated: 0 bytes"),  # (mapped, never read as a stream)
+    ],
+)
 def test_a_fifo_in_place_of_a_directory_file_is_refused_not_waited_on(
-    name: str, tiny_dir: Path, tmp_path: Path
+    name: str, needle: str, tiny_dir: Path, tmp_path: Path
 ) -> None:
     """Issue 25: a FIFO named config.json, tokenizer.json or chat_template.jinja hung the
-    loader (opened and read with no writer); files are opened only as regular files."""
+    loader (opened and read with no writer); files are opened only as regular files (the
+    index and the other JSON files too, issue 25 part 2)."""
     d = _copy(tiny_dir, tmp_path / "d")
     d.joinpath(name).unlink(missing_ok=True)
     os.mkfifo(d / name)
-    _refused(d, DynaError, str(d / name), "not a regular file")
+    _refused(d, DynaError, str(d / name), needle)
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [
+        ("config.json", hf_dir.MAX_JSON_BYTES),
+        ("model.safetensors.index.json", hf_dir.MAX_JSON_BYTES),
+        ("chat_template.jinja", chat_template.MAX_TEMPLATE_BYTES),
+    ],
+)
+def test_a_directory_file_past_its_bound_is_refused_by_its_size(
+    name: str, bound: int, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25 part 2: config, index and template are read only up to a stated size, the
+    size checked before any parser runs (the file here is sparse: one byte past the bound
+    costs no disk, and a reader that read it would hold it all)."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    with open(d / name, "wb") as f:
+        f.truncate(bound + 1)
+    _refused(d, DynaError, str(d / name), f"{bound + 1} bytes, more than the {bound} allowed")
 
 
 def test_an_oversized_tokenizer_json_is_refused_by_its_size(
@@ -312,6 +345,37 @@ def test_a_tokenizer_json_larger_than_the_embedding_is_refused_before_it_is_buil
         f"{d / 'tokenizer.json'}: model.vocab has 100256 entries, more than 300 "
         "(the embedding's 300 rows)",
     )
+
+
+def test_a_tokenizer_json_of_22m_values_is_refused_before_it_is_parsed(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25: tokenizer.json was parsed whole (up to its 128 MiB bound) before its tables
+    were counted: 22M merges under the byte bound make json.loads build ~1.4 GB. Its values
+    are counted first (by their separators) against what a tokenizer of the embedding's rows
+    holds: refused in a child allowed 1 GiB, in seconds, naming the file and the bound."""
+    d = _copy(tiny_dir, tmp_path / "d")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["model"]["merges"] = ["@MERGES@"]
+    head, tail = json.dumps(spec).encode().split(b'"@MERGES@"')
+    n = (tokenizer.MAX_TOKENIZER_JSON_BYTES - len(head) - len(tail)) // 6
+    data = head + b'"a b",' * (n - 1) + b'"a b"' + tail
+    (d / "tokenizer.json").write_bytes(data)
+    found = sum(data.count(c) for c in (b",", b":", b"[")) + 1  # n + the tiny one's
+    bound = 18 * 300 + 3 * MAX_VOCAB + 65536
+    worker = FuzzWorker(tiny_dir, memory_mib=1024)
+    try:
+        t0 = time.monotonic()
+        result = worker.check(d)
+    finally:
+        worker.close()
+    assert result["status"] == "refused", result
+    assert result["message"] == (
+        f"{d / 'tokenizer.json'}: up to {found} JSON values (by its separators), more than "
+        f"a tokenizer of the embedding's 300 rows holds ({bound}: 18 a row, 3 for each of up "
+        f"to {MAX_VOCAB} merges, 65536 besides)"
+    )
+    assert time.monotonic() - t0 < 10
 
 
 def test_an_embedding_of_30m_rows_is_refused_before_any_table_is_built(
@@ -425,9 +489,56 @@ def test_gptq_part_of_a_wrong_shape_is_named(
     """Issue 25: a scalar g_idx and a qweight narrower than its group were IndexError /
     ValueError from numpy; every part's dtype and shape is checked against the others when
     the directory is opened, naming the file, the tensor, what it is and what it should be."""
+    _refused_part(gptq_dir, part, edit, needle, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reference = reference_model(SPECS["llama"])
+    path = write_hf_dir(reference, tmp_path_factory.mktemp("awq") / "llama")
+    write_quantized(reference, path, "awq", 32)
+    return path
+
+
+AWQ_LAYER = "a 64 x 128 weight in groups of 32 (qweight [128, 8])"  # [in, out / 8]
+
+
+@pytest.mark.parametrize(
+    ("part", "edit", "needle"),
+    [
+        ("qweight", lambda a: a[0], "qweight is I32 [8], expected [in, out / 8]"),
+        (
+            "qweight",
+            lambda a: a[:16],
+            "qweight is I32 [16, 8] ([in, out / 8]): 64 x 16, expected a multiple of 32 "
+            "input columns and of 8 output rows",
+        ),
+        ("qweight", lambda a: a[:64], "qzeros is I32 [4, 8], expected [2, 8] for a 64 x 64"),
+        ("qzeros", lambda a: a[0], "qzeros is I32 [8], expected [4, 8] for " + AWQ_LAYER),
+        ("scales", lambda a: a[:, :32], "scales is F16 [4, 32], expected [4, 64] for " + AWQ_LAYER),
+    ],
+    ids=[
+        "qweight 1-D",
+        "qweight narrower than its group",
+        "qweight half the inputs of scales",
+        "qzeros 1-D",
+        "scales half the outputs",
+    ],
+)
+def test_awq_part_of_a_wrong_shape_is_named(
+    part: str, edit, needle: str, awq_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 25 names GPTQ/AWQ: AWQ's transposed layout ([in, out / 8]) goes through the
+    same checks, each bad part one line naming the file, the tensor and the shape wanted."""
+    _refused_part(awq_dir, part, edit, needle, tmp_path)
+
+
+def _refused_part(base: Path, part: str, edit, needle: str, tmp_path: Path) -> None:
+    """A copy of ``base`` with ``DOWN``'s ``part`` replaced by ``edit(part)`` is refused
+    naming the file, the tensor and ``needle``."""
     from safetensors.numpy import load_file, save_file
 
-    d = _copy(gptq_dir, tmp_path / "d")
+    d = _copy(base, tmp_path / "d")
     tensors = load_file(str(d / "model.safetensors"))
     tensors[f"{DOWN}.{part}"] = np.array(edit(tensors[f"{DOWN}.{part}"]), order="C")
     save_file(tensors, str(d / "model.safetensors"))
@@ -486,7 +597,7 @@ def test_mutated_headers_never_crash(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def test_fuzz_hf_directory(tiny_dir: Path, gptq_dir: Path, tmp_path: Path) -> None:
-    """Issue 25 (5): 300 of ~870 mutated directories (`hf_fuzz`: config.json keys with every
+    """Issue 25 (5): 300 of ~880 mutated directories (`hf_fuzz`: config.json keys with every
     JSON type and bad sizes, header dtypes/shapes/offsets, GPTQ parts and
     quantization_config), two thirds drawn with a fixed seed and the rest with a random one
     (printed; ``DYNALM_FUZZ_SEED`` replays it, ``DYNALM_FUZZ_CASES=all`` runs all), each

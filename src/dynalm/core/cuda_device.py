@@ -36,9 +36,8 @@ from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.kv_storage import PAGE_ARRAYS, KVGeometry
 from dynalm.core.matmul import QuantMatmul
 from dynalm.errors import DeviceUnavailable, InvalidRequest
-from dynalm.kernel import attention_program, layouts, nvptx
+from dynalm.kernel import attention_program, nvptx
 from dynalm.kernel.backends import Program, Spec
-from dynalm.kernel.formats import UNPACKS
 from dynalm.kernel.matmul_programs import MatmulKernels
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the PTX targets sm_80 (kernel.nvptx.SM)
@@ -213,10 +212,10 @@ class CudaDevice(Device):
                 f"weights [{n_rows}, {n_cols}]; run this model with --cpu"
             )
         rows = raw() if callable(raw) else raw
-        u = UNPACKS[ggml_type]
-        QuantMatmul.check_rows(u, rows, n_cols, n_rows)
         kernels = MatmulKernels(ggml_type, kernel.removeprefix("jit-"), self.backend, n_cols)
-        packed = layouts.repack(u, rows, n_cols, kernels.layout, release_rows)
+        packed = QuantMatmul.checked_repack(
+            ggml_type, rows, n_cols, n_rows, kernels.layout, release_rows
+        )
         prepared = CudaMatmul(kernels, self.alloc(packed.nbytes), n_rows, n_cols)
         self.free_with(prepared, prepared.weights)
         self.context.copy_in(prepared.weights, packed)

@@ -175,11 +175,9 @@ class QuantMatmul:
         self._kernels = programs.MatmulKernels(ggml_type, self.mode, self.backend, n_cols)
         layout = self._kernels.layout
 
-        def repack() -> np.ndarray:
+        def repack() -> np.ndarray:  # (the repack cache holds checked weights)
             rows = raw() if callable(raw) else raw
-            self.check_rows(u, rows, n_cols, n_rows)
-            quant.check_scales(rows, ggml_type)  # (the repack cache holds checked weights)
-            return layouts.repack(u, rows, n_cols, layout, release_rows)
+            return self.checked_repack(ggml_type, rows, n_cols, n_rows, layout, release_rows)
 
         if source is None:
             self._weights, self.repacked = repack(), True
@@ -205,6 +203,22 @@ class QuantMatmul:
         self._calls: list[tuple[int, int, int, int, int]] = []
         self._scratch = scratch or ActivationScratch()
         self._generation = -1  # the scratch's generation the bound addresses belong to
+
+    @staticmethod
+    def checked_repack(
+        ggml_type: int,
+        rows: np.ndarray,
+        n_cols: int,
+        n_rows: int | None,
+        layout: layouts.Layout,
+        release_rows: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
+        """A matmul weight's GGUF rows, checked (their shape; every block scale finite:
+        `quant.check_scales`) and repacked into ``layout``: how every device prepares one,
+        the CPU's kernels and the CUDA device's alike."""
+        QuantMatmul.check_rows(UNPACKS[ggml_type], rows, n_cols, n_rows)
+        quant.check_scales(rows, ggml_type)
+        return layouts.repack(UNPACKS[ggml_type], rows, n_cols, layout, release_rows)
 
     @staticmethod
     def check_rows(u: Unpack, raw: np.ndarray, n_cols: int, n_rows: int | None) -> None:

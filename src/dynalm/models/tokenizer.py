@@ -220,6 +220,31 @@ def _sentencepiece_bpe(
     return hf
 
 
+# What json.loads may build of a tokenizer.json, counted before it runs (a 128 MiB file of
+# "a b" merges is 22M strings: ~1.4 GB). Every JSON value but the first follows a ',', ':'
+# or '[', counted anywhere (inside strings too: an upper bound, C speed). A tokenizer for an
+# embedding of n rows holds at most n model.vocab entries (a key and an id: 2 separators; a
+# Unigram [piece, score]: 3) and n added_tokens (7 keys: 14), so 18 a row; up to MAX_VOCAB
+# model.merges (["a", "b"]: 3 each); and its normalizer, pre-tokenizer, post-processor and
+# decoder (SmolLM2's: 245,939 in all for 49,152 rows, 48,900 merges; the bound: 7.2M). At the
+# bound json.loads grows by ~0.5 GB (7.2M short strings or pairs: measured), ~0.8 GB for
+# Gemma 3's 262k rows: a 128 MiB file of 22M values is refused before it.
+_VALUES_PER_ROW = 18
+_VALUES_PER_MERGE = 3
+_VALUES_BESIDES = 1 << 16
+
+
+def _check_value_count(path: Path, source: str, n_vocab: int) -> None:
+    found = source.count(",") + source.count(":") + source.count("[") + 1
+    bound = _VALUES_PER_ROW * n_vocab + _VALUES_PER_MERGE * MAX_VOCAB + _VALUES_BESIDES
+    if found > bound:
+        raise ModelFormatError(
+            f"{path}: up to {found} JSON values (by its separators), more than a tokenizer "
+            f"of the embedding's {n_vocab} rows holds ({bound}: {_VALUES_PER_ROW} a row, "
+            f"{_VALUES_PER_MERGE} for each of up to {MAX_VOCAB} merges, {_VALUES_BESIDES} besides)"
+        )
+
+
 def _check_table_sizes(path: Path, spec: Any, n_vocab: int) -> None:
     """Refuse a tokenizer.json whose tables outgrow the embedding (``n_vocab`` rows, itself
     at most ``MAX_VOCAB``) before the tokenizer library builds them: under the file's byte
@@ -390,6 +415,7 @@ class Tokenizer:
         up to ``n_vocab`` (embedding rows padded for speed) become unused special tokens."""
         try:
             source = read_source(tokenizer_json, MAX_TOKENIZER_JSON_BYTES, ModelFormatError)
+            _check_value_count(tokenizer_json, source, n_vocab)
             spec = json.loads(source)
             _check_table_sizes(tokenizer_json, spec, n_vocab)
             hf = HFTokenizer.from_str(source)

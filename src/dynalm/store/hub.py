@@ -1,10 +1,10 @@
 """Hugging Face Hub repos as model sources: ``hf.co/ORG/REPO[:TAG][@REV]`` references, the
-repo's file listing (through ``huggingface_hub``), the choice of files (a GGUF by its quant
+repo's file listing (its model API), the choice of files (a GGUF by its quant
 tag, or a transformers model's SafeTensors set) and resumable, verified downloads.
 
 Nothing here knows the model store's layout; ``registry.ModelStore`` decides where files go.
-``huggingface_hub`` and ``httpx`` are imported only when the Hub is contacted: they cost
-~0.3 s of every ``dynalm run``'s start otherwise.
+``huggingface_hub`` (for the user's token) and ``httpx`` are imported only when the Hub is
+contacted: they cost ~0.3 s of every ``dynalm run``'s start otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,8 @@ CHUNK = 1 << 20
 # A model API answer: ~250 bytes a file with its hashes, so 32 MiB lists 100k+ files (the
 # largest repos hold a few thousand); more is a hostile server, refused before it is parsed.
 MAX_LISTING_BYTES = 32 << 20
+MAX_ERROR_BYTES = 64 << 10  # an error answer's body: read for its message, no more
+MAX_REDIRECTS = 10  # the Hub sends one (to its CDN)
 DEFAULT_TAG = "Q4_K_M"  # what a GGUF repo gives without a tag, as Ollama and llama.cpp pick
 
 # A Hub owner or repo name (the Hub's own rule, minus anything a path could abuse).
@@ -162,61 +165,26 @@ def _safe_repo_path(path: str) -> bool:
     )
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """The HTTP client errors of whichever client this huggingface_hub uses."""
-    errors: list[type[BaseException]] = [OSError]
-    for module in ("httpx2", "httpx", "requests"):
-        try:
-            mod = __import__(module)
-        except ImportError:
-            continue
-        errors.append(mod.RequestException if module == "requests" else mod.HTTPError)
-    return tuple(errors)
-
-
 def list_repo(repo_id: str, revision: str | None) -> Listing:
     """The repo's files (sizes and hashes) at ``revision`` (default branch if None), from the
-    Hub's model API (through ``huggingface_hub``'s session, which maps its error codes); a
-    failure or an answer of the wrong shape is a PullError naming the repo, the endpoint and
-    what was wrong."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    Hub's model API; a failure or an answer of the wrong shape is a PullError naming the
+    repo, the endpoint and what was wrong. Every byte read is bounded (`_stream`)."""
+    import httpx
 
     where = f"hf.co/{repo_id}" + (f"@{revision}" if revision else "") + f" ({endpoint()})"
     url = f"{endpoint()}/api/models/{repo_id}"
     if revision is not None:
         url += f"/revision/{quote(revision, safe='')}"
-    # No telemetry: huggingface_hub's user agent otherwise fetches a list of "agent
-    # harnesses" from the Hub (an extra request per day) and looks for torch.
-    telemetry_off = constants.HF_HUB_DISABLE_TELEMETRY
-    constants.HF_HUB_DISABLE_TELEMETRY = True
     try:
-        headers = build_hf_headers(library_name="dynalm", library_version=__version__)
-        with get_session().stream(
-            "GET", url, headers=headers, timeout=30, params={"blobs": True}
-        ) as response:
+        with (
+            client(Deadline.start()) as http,
+            _stream(http, url, params={"blobs": True}) as response,
+        ):
             if response.status_code >= 400:
-                hf_raise_for_status(response)
+                raise PullError(f"{where}: {_refusal(response, revision)}")
             body = _read_bounded(response, MAX_LISTING_BYTES, f"{where}: the Hub's answer ({url})")
-    except RevisionNotFoundError:
-        raise PullError(f"{where}: revision {revision!r} not found") from None
-    except RepositoryNotFoundError:
-        raise PullError(
-            f"{where}: repository not found (a private or gated repo? set HF_TOKEN or run "
-            "`hf auth login`)"
-        ) from None
-    except HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else "?"
-        raise PullError(f"{where}: the Hub answered HTTP {status}") from None
-    except _transport_errors() as e:
+    except httpx.HTTPError as e:
         raise PullError(f"{where}: cannot reach the Hub: {printable(str(e))}") from None
-    finally:
-        constants.HF_HUB_DISABLE_TELEMETRY = telemetry_off
     try:
         data = json.loads(body)
     except ValueError:  # not JSON, or not UTF-8
@@ -227,12 +195,58 @@ def list_repo(repo_id: str, revision: str | None) -> Listing:
         raise PullError(f"{where}: {e}") from None
 
 
+def _refusal(response: httpx.Response, revision: str | None) -> str:
+    """What an error answer of the model API means, as ``huggingface_hub`` reads the Hub's
+    ``X-Error-Code`` (a 401 is also how the Hub hides a private repo), with the server's own
+    message from at most `MAX_ERROR_BYTES` of its body."""
+    code, status = response.headers.get("x-error-code", ""), response.status_code
+    if code == "RevisionNotFound":
+        return f"revision {revision!r} not found"
+    if code in ("RepoNotFound", "GatedRepo") or status == 401:
+        return "repository not found (a private or gated repo? set HF_TOKEN or run `hf auth login`)"
+    what = f"the Hub's error answer ({response.url})"
+    try:
+        body = _read_bounded(response, MAX_ERROR_BYTES, what)
+    except PullError as e:
+        return f"the Hub answered HTTP {status}, and {e}"
+    try:
+        said = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        said = None
+    return f"the Hub answered HTTP {status}" + (
+        f": {printable(show(said, 200))}" if isinstance(said, str) and said else ""
+    )
+
+
+@contextmanager
+def _stream(
+    http: httpx.Client, url: str, headers: dict | None = None, params: dict | None = None
+) -> Iterator[httpx.Response]:
+    """``GET url`` as a stream, following up to `MAX_REDIRECTS` redirects here: httpx reads
+    a redirect's whole body before it follows it, and a hostile server's can be endless; a
+    redirect's body is never read (its connection is closed)."""
+    import httpx
+
+    request = http.build_request("GET", url, headers=headers, params=params)
+    for _ in range(MAX_REDIRECTS + 1):
+        response = http.send(request, stream=True, follow_redirects=False)
+        if response.next_request is None:
+            try:
+                yield response
+            finally:
+                response.close()
+            return
+        request = response.next_request
+        response.close()
+    raise httpx.TooManyRedirects(f"more than {MAX_REDIRECTS} redirects from {url}", request=request)
+
+
 def _read_bounded(response: httpx.Response, limit: int, what: str) -> bytes:
     """A streamed response's body, refused (PullError naming ``what`` and the limit) as
     soon as it is known to be longer than ``limit`` bytes: by its Content-Length, else by
     counting what arrives."""
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise PullError(f"{what} is {int(declared)} bytes long, more than {limit}")
     body = bytearray()
     for chunk in response.iter_bytes():
@@ -585,9 +599,9 @@ def stream_to(
 
 def client(deadline: Deadline) -> httpx.Client:
     """An HTTP client for the Hub: the user's token (HF_TOKEN or `hf auth login`), no
-    compression (byte offsets must be the file's), redirects followed (LFS files live on a
-    CDN), no read waiting past the pull's deadline. Headers built by hand: huggingface_hub's
-    probe the Hub for a telemetry list."""
+    compression (byte offsets must be the file's), no read waiting past the pull's
+    deadline; redirects are `_stream`'s. Headers built by hand: huggingface_hub's probe the
+    Hub for a telemetry list."""
     import httpx
     from huggingface_hub import get_token
 
@@ -596,7 +610,7 @@ def client(deadline: Deadline) -> httpx.Client:
         headers["authorization"] = f"Bearer {token}"
     wait = max(0.1, min(60.0, deadline.left()))
     timeout = httpx.Timeout(wait, connect=min(10.0, wait))
-    return httpx.Client(headers=headers, timeout=timeout, follow_redirects=True)
+    return httpx.Client(headers=headers, timeout=timeout)  # redirects: `_stream`
 
 
 def file_url(repo_id: str, revision: str, path: str) -> str:
@@ -638,7 +652,7 @@ def _get(
 
     headers = {"range": f"bytes={offset}-"} if offset else {}
     try:
-        with http.stream("GET", url, headers=headers) as response:
+        with _stream(http, url, headers) as response:
             if response.status_code == 416:  # the file is shorter than the leftover
                 raise BadContent("server refused to resume the partial download")
             response.raise_for_status()

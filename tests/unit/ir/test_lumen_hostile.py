@@ -267,6 +267,18 @@ def test_a_lum_file_that_is_binary_or_not_a_regular_file_is_refused(tmp_path: Pa
         load_file(fifo)  # without blocking on the open
 
 
+def test_a_lum_file_past_its_bound_is_refused_by_its_size(tmp_path: Path):
+    """Issue 25 part 2: a .lum file is read only up to MAX_FILE_BYTES, checked before the
+    parser runs (a sparse file one byte past it: nothing is written or read)."""
+    from dynalm.ir.lumen.program import MAX_FILE_BYTES
+
+    big = tmp_path / "big.lum"
+    with open(big, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)
+    with pytest.raises(DynaError, match=rf"big.lum: {MAX_FILE_BYTES + 1} bytes, more than the"):
+        load_file(big)
+
+
 def test_show_graph_file_on_a_binary_file_is_a_clear_error(tmp_path: Path):
     from typer.testing import CliRunner
 

@@ -72,7 +72,12 @@ class Hub:
     ranges: bool = True
     api: dict[str, object] = field(default_factory=dict)  # /api/... path -> JSON (or bytes)
     api_unsized: bool = False  # answer the API without a Content-Length (closing instead)
+    api_status: dict[str, int] = field(default_factory=dict)  # /api/... path -> not 200
     headers: dict[str, dict[str, str]] = field(default_factory=dict)  # path -> extra headers
+    # path -> (status, headers, sized): answered with a body of 1 GiB, sent until the client
+    # hangs up (with a Content-Length of 1 GiB, or none); `sent` counts what went out
+    endless: dict[str, tuple[int, dict[str, str], bool]] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
     requests: list[tuple[str, Message]] = field(default_factory=list)
     stalled: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -105,6 +110,9 @@ class _Handler(BaseHTTPRequestHandler):
         hub: Hub = self.server.hub  # type: ignore[attr-defined]
         path = unquote(self.path.split("?")[0])  # as the Hub does: file names are quoted
         hub.requests.append((path, self.headers))
+        if path in hub.endless:
+            self._endless(hub, path, *hub.endless[path])
+            return
         if path in hub.redirects:
             self.send_response(302)
             self.send_header("Location", hub.redirects[path])
@@ -148,6 +156,24 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.wfile.write(payload)
 
+    def _endless(
+        self, hub: Hub, path: str, status: int, headers: dict[str, str], sized: bool
+    ) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header(*(("Content-Length", str(1 << 30)) if sized else ("Connection", "close")))
+        self.end_headers()
+        self.close_connection = True
+        chunk = b"x" * (64 << 10)
+        hub.sent[path] = 0
+        try:
+            for _ in range((1 << 30) // len(chunk)):
+                self.wfile.write(chunk)
+                hub.sent[path] += len(chunk)
+        except OSError:  # the client hung up: what it should do
+            pass
+
     def _api(self, hub: Hub, path: str) -> None:
         """The Hub's model API: the JSON registered for ``path``; otherwise what the real
         Hub answers for a repo it does not know (401 + X-Error-Code: RepoNotFound) or for a
@@ -162,7 +188,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
-        self.send_response(200)
+        self.send_response(hub.api_status.get(path, 200))
         self.send_header("Content-Type", "application/json")
         if hub.api_unsized:  # the body ends where the connection does
             self.send_header("Connection", "close")

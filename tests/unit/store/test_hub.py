@@ -663,6 +663,82 @@ def test_a_listing_past_its_size_bound_is_refused(
     assert not store.root.exists()
 
 
+SENT_AT_MOST = 64 << 20  # what socket buffers may take of a 1 GiB body nobody reads
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "unsized"])
+def test_an_endless_error_body_from_the_hub_is_read_only_up_to_its_bound(
+    sized: bool,
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    """Issue 25: an error answer of the model API was read whole (by huggingface_hub, for
+    its message). Now at most ``MAX_ERROR_BYTES`` of it are read, and the error names the URL
+    and the bound; a short JSON error is shown, escaped."""
+    api = f"/api/models/{ORG_REPO}"
+    hub.endless[api] = (500, {}, sized)
+    t0 = time.monotonic()
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q4_K_M", progress=False)
+    bound = hubmod.MAX_ERROR_BYTES
+    tail = (
+        f"is {1 << 30} bytes long, more than {bound}" if sized else f"is longer than {bound} bytes"
+    )
+    assert str(e.value) == (
+        f"hf.co/{ORG_REPO} ({hub.url}): the Hub answered HTTP 500, and the Hub's error answer "
+        f"({hub.url}{api}?blobs=true) {tail}"
+    )
+    assert time.monotonic() - t0 < 10 and hub.sent[api] < SENT_AT_MOST
+    assert not store.root.exists()
+    del hub.endless[api]
+    hub.api[api] = b'{"error": "busy \\u001b[31mnow"}'
+    hub.api_status[api] = 503
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q4_K_M", progress=False)
+    assert (
+        str(e.value)
+        == f"hf.co/{ORG_REPO} ({hub.url}): the Hub answered HTTP 503: 'busy \\x1b[31mnow'"
+    )
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "unsized"])
+def test_an_endless_redirect_body_is_never_read(
+    sized: bool,
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    """Issue 25: httpx reads a redirect's whole body before it follows it (a hostile Hub's
+    can be endless). Redirects are followed by `hub._stream`, which never reads one: the
+    listing and an LFS file each come through a redirect with a 1 GiB body."""
+    publish(hub, ORG_REPO, GGUFS)
+    api = f"/api/models/{ORG_REPO}"
+    hub.api["/api/moved"] = hub.api.pop(api)
+    hub.endless[api] = (307, {"Location": "/api/moved?blobs=true"}, sized)
+    path = f"/{ORG_REPO}/resolve/{COMMIT}/tiny-Q4_K_M.gguf"
+    hub.endless[path] = (302, {"Location": hub.redirects[path]}, sized)
+    t0 = time.monotonic()
+    store.pull("acme/tiny-GGUF:Q4_K_M", progress=False)
+    assert time.monotonic() - t0 < 20
+    assert hub.sent[api] < SENT_AT_MOST and hub.sent[path] < SENT_AT_MOST
+    assert [m.name for m in store.list()] == ["hf.co/acme/tiny-GGUF:Q4_K_M"]
+
+
+def test_a_redirect_loop_is_refused_naming_the_url_and_the_bound(
+    hub: Hub,  # noqa: F811
+    store: ModelStore,
+) -> None:
+    publish(hub, ORG_REPO, GGUFS)
+    api = f"/api/models/{ORG_REPO}"
+    hub.redirects[api] = api
+    with pytest.raises(PullError) as e:
+        store.pull("acme/tiny-GGUF:Q4_K_M", progress=False)
+    assert str(e.value) == (
+        f"hf.co/{ORG_REPO} ({hub.url}): cannot reach the Hub: more than "
+        f"{hubmod.MAX_REDIRECTS} redirects from {hub.url}{api}"
+    )
+    assert len(hub.paths()) == hubmod.MAX_REDIRECTS + 1
+
+
 def test_a_listing_error_on_the_command_line_is_one_line(
     hub: Hub,  # noqa: F811
     tmp_path: Path,

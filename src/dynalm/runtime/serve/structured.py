@@ -98,9 +98,11 @@ class Constraint:
         if self.kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(self.value))
         try:  # Lark, or llama.cpp's GBNF (converted)
-            return llguidance.grammar_from("grammar", self.value)
+            lark = llguidance.grammar_from("grammar", self.value)
         except ValueError as e:
             raise InvalidRequest(f"{self.field}: {str(e).splitlines()[0]}") from None
+        check_grammar(lark, self.field)
+        return lark
 
 
 def _schema(value: dict[str, Any] | str, field: str) -> dict[str, Any]:
@@ -161,71 +163,231 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
             chain.append(target["$ref"])
 
 
-_REPEAT = re.compile(r"\{(\d+)(,(\d*))?\}")
+_REPEAT = re.compile(r"\{(\d*)(,(\d*))?\}")
+_HUGE = 10**9  # a count of 10 digits or more: past any limit (and 5,000 digits kill int())
+_CAP = 10**15  # sizes stop growing here: (a{999999999}){999999999}... stays a small int
 
 
-def check_regex(regex: str, what: str) -> None:
-    """Refuse (400 naming ``what`` and the limit) a regex whose counted repeats expand past
-    `MAX_REGEX_EXPANSION` characters (see there). A scan of the regex's structure only:
-    escapes and character classes are one character, groups nest; what is not valid is
-    left to llguidance to refuse."""
-    # one frame per open group: (size of the alternatives closed so far, of the current
-    # one, of its last atom); an atom's size is multiplied by the repeat that follows it
-    frames = [[0, 0, 0]]
+def _count(low: str, high: str) -> int:
+    return max(int(low or 0), int(high or 0)) if max(len(low), len(high)) < 10 else _HUGE
+
+
+class _Expansion:
+    """What a sequence of atoms expands to, with groups, alternation and counted repeats:
+    one frame per open group (size of the alternatives closed so far, of the current one,
+    of its last atom); an atom's size is multiplied by the repeat that follows it."""
+
+    def __init__(self) -> None:
+        self.frames = [[0, 0, 0]]
+
+    def atom(self, size: int) -> None:
+        top = self.frames[-1]
+        top[1], top[2] = min(top[1] + size, _CAP), size
+
+    def open(self) -> None:
+        self.frames.append([0, 0, 0])
+
+    def close(self) -> None:
+        if len(self.frames) > 1:
+            top = self.frames.pop()
+            self.atom(top[0] + top[1])
+
+    def alternative(self) -> None:
+        top = self.frames[-1]
+        top[0], top[1], top[2] = min(top[0] + top[1], _CAP), 0, 0
+
+    def repeat(self, count: int) -> None:
+        top = self.frames[-1]
+        top[1] = min(top[1] + top[2] * (count - 1), _CAP)
+        top[2] = min(top[2] * count, _CAP)
+
+    def total(self) -> int:
+        return min(sum(f[0] + f[1] for f in self.frames), _CAP)
+
+
+def regex_expansion(regex: str) -> int:
+    """How many characters ``regex`` spells out once its counted repeats are unrolled
+    (``x{m,n}`` counts max(m, n)). A scan of the regex's structure only: escapes and
+    character classes are one character, groups nest, anchors are none; what is not valid
+    is left to llguidance to refuse."""
+    e = _Expansion()
     i, n = 0, len(regex)
     while i < n:
-        c, top = regex[i], frames[-1]
+        c = regex[i]
         if c == "\\":
             i += 2
             if i - 1 < n and regex[i - 1] in "pPxu" and i < n and regex[i] == "{":
                 i = regex.find("}", i) + 1 or n  # \p{Greek}, \x{41}: not a repeat
-            top[1], top[2] = top[1] + 1, 1
-            continue
-        if c == "[":
+            e.atom(1)
+        elif c == "[":
             j = i + 1 + (regex[i + 1 : i + 2] == "^")
             j += regex[j : j + 1] == "]"  # a ']' first is a member
             while j < n and regex[j] != "]":
                 j += 2 if regex[j] == "\\" else 1
             i = j + 1
-            top[1], top[2] = top[1] + 1, 1
-            continue
-        if c == "(":
-            frames.append([0, 0, 0])
+            e.atom(1)
+        elif c == "(":
+            e.open()
             i += 1
             if regex.startswith("?", i):  # (?:, (?P<name>, (?i): up to the ':' or ')'
                 end = min(k for k in (regex.find(":", i), regex.find(")", i), n) if k >= 0)
                 i = end + (regex[end : end + 1] == ":")
-            continue
-        if c == ")" and len(frames) > 1:
-            frames.pop()
-            size = top[0] + top[1]
-            frames[-1][1] += size
-            frames[-1][2] = size
+        elif c == ")":
+            e.close()
             i += 1
-            continue
-        if c == "|":
-            top[0], top[1], top[2] = top[0] + top[1], 0, 0
+        elif c == "|":
+            e.alternative()
             i += 1
-            continue
-        if c == "{" and (m := _REPEAT.match(regex, i)):
-            low, high = m.group(1), m.group(3) or ""
-            # (a count of 10 digits or more is past any limit: not converted, 5,000 digits
-            # would be refused by int())
-            count = max(int(low), int(high or 0)) if max(len(low), len(high)) < 10 else 10**9
-            top[1] += top[2] * (count - 1)
-            top[2] *= count
+        elif c == "{" and (m := _REPEAT.match(regex, i)) and (m.group(1) or m.group(3)):
+            e.repeat(_count(m.group(1), m.group(3) or ""))
             i = m.end()
-            continue
-        if c not in "^$":  # (anchors match no character)
-            top[1], top[2] = top[1] + 1, 1
-        i += 1
-    total = sum(f[0] + f[1] for f in frames)
-    if total > max(MAX_REGEX_EXPANSION, n):
+        else:
+            if c not in "^$":  # (anchors match no character)
+                e.atom(1)
+            i += 1
+    return e.total()
+
+
+def check_regex(regex: str, what: str) -> None:
+    """Refuse (400 naming ``what`` and the limit) a regex whose counted repeats expand past
+    `MAX_REGEX_EXPANSION` characters (see there)."""
+    _check_expansion(
+        regex_expansion(regex), len(regex), f"{what}: its counted repeats expand the regex to"
+    )
+
+
+def _check_expansion(total: int, written: int, what: str) -> None:
+    """One limit for regexes and grammars: past `MAX_REGEX_EXPANSION` characters, unless
+    the client wrote that many itself (a long literal costs what it is)."""
+    if total > max(MAX_REGEX_EXPANSION, written):
         shown = str(total) if total < 10**12 else f"about 10^{len(str(total)) - 1}"
         raise InvalidRequest(
-            f"{what}: its counted repeats expand the regex to {shown} characters, more than "
-            f"the limit of {MAX_REGEX_EXPANSION}"
+            f"{what} {shown} characters, more than the limit of {MAX_REGEX_EXPANSION}"
         )
+
+
+# llguidance's Lark (what `llguidance.grammar_from` makes of Lark and GBNF alike), as far
+# as sizes go: a rule's head at the start of a line, directives, and the atoms of a body
+_RULE_HEAD = re.compile(r"[ \t]*[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?(?:\[[^\]\n]*\])?[ \t]*:(?!:)")
+_LARK_ATOM = re.compile(
+    r"""(?P<space>\s+|//[^\n]*)
+    |(?P<string>"(?:[^"\\\n]|\\.)*"i?)
+    |(?P<regex>/(?:[^/\\\n]|\\.)+/[a-z]*)
+    |(?P<token><\|[^|\n]*\|>|<\[[^\]\n]*\]>)
+    |(?P<directive>%\w+)
+    |(?P<repeat>\{[ \t]*(?P<low>\d*)[ \t]*(?:,[ \t]*(?P<high>\d*)[ \t]*)?\})
+    |(?P<tilde>~[ \t]*(?P<tlow>\d+)(?:[ \t]*\.\.[ \t]*(?P<thigh>\d+))?)
+    |(?P<name>[A-Za-z_][\w.]*)
+    |(?P<open>[(\[])|(?P<close>[)\]])|(?P<bar>\|)
+    |.""",
+    re.X,
+)
+
+
+def _json_end(text: str, i: int) -> int:
+    """Where the JSON value that opens with the bracket at ``i`` ends (strings skipped)."""
+    depth, quoted = 0, False
+    while i < len(text):
+        c = text[i]
+        if quoted:
+            i += c == "\\"
+            quoted = c != '"'
+        elif c == '"':
+            quoted = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return i
+
+
+def check_grammar(lark: str, what: str) -> None:
+    """Refuse (400 naming ``what``, the rule and the limit) a grammar any of whose rules
+    spells out more than `MAX_REGEX_EXPANSION` characters once counted repeats
+    (``x{m,n}``, ``x ~ m..n``) are unrolled and the rules it uses put in its place: repeats
+    nested through rules multiply, as llguidance's costs do (SmolLM2: ``x{150}`` of
+    ``y{150}`` costs each step's mask what ``a{20000}`` does, ~20 times ``a{1000}``); a
+    rule used inside itself counts once (recursion is not unrolled). Regexes count as
+    `check_regex` counts them, and each embedded ``%json`` schema goes through
+    `check_schema`."""
+    bodies: dict[str, list[tuple[str, Any]]] = {}
+    body: list[tuple[str, Any]] = []  # (atoms before the first rule: no rule's)
+    i, n = 0, len(lark)
+    while i < n:
+        line_start = i == 0 or lark[i - 1] == "\n"
+        if line_start and (head := _RULE_HEAD.match(lark, i)):
+            body = bodies.setdefault(head.group(1), [])
+            i = head.end()
+            continue
+        m = _LARK_ATOM.match(lark, i)
+        assert m is not None  # (its last alternative takes any character)
+        i, kind = m.end(), m.lastgroup
+        if kind == "directive" and m.group() == "%ignore":  # its lexemes: a rule's
+            body = bodies.setdefault("%ignore", [])
+        elif kind == "directive":  # %json {...}, %regex {...}; %import ...: its line
+            j = n - len(lark[i:].lstrip(" \t"))
+            end = _json_end(lark, j) if lark.startswith("{", j) else j
+            if m.group() == "%json":
+                check_schema(_schema(load_schema(lark[j:end], what), what), f"{what}: %json")
+                body.append(("atom", 1))
+            elif m.group() == "%regex":
+                body.append(("atom", 1))
+            elif not lark[m.start() - 1 : m.start()].strip():
+                end = lark.find("\n", end) % (n + 1)
+            i = end
+        elif kind == "string":
+            body.append(("atom", max(1, len(m.group().rstrip("i")) - 2)))
+        elif kind == "regex":
+            body.append(("atom", regex_expansion(m.group()[1 : m.group().rindex("/")])))
+        elif kind == "token":
+            body.append(("atom", 1))
+        elif kind == "repeat" and (m.group("low") or m.group("high")):
+            body.append(("repeat", _count(m.group("low"), m.group("high") or "")))
+        elif kind == "tilde":
+            body.append(("repeat", _count(m.group("tlow"), m.group("thigh") or "")))
+        elif kind in ("name", "open", "close", "bar"):
+            body.append((kind, m.group()))
+    for name, size in _rule_sizes(bodies).items():
+        _check_expansion(size, n, f"{what}: the rule {show(name, 60)} expands to")
+
+
+def _rule_sizes(bodies: dict[str, list[tuple[str, Any]]]) -> dict[str, int]:
+    """Each rule's expansion, the rules it uses expanded in place (depth first, without
+    recursion: a chain of 100,000 rules is fine); a rule that uses itself counts 1 there."""
+    sizes: dict[str, int] = {}
+    started: set[str] = set()
+    for root in bodies:
+        stack = [root]
+        while stack:
+            name = stack[-1]
+            if name not in started:
+                started.add(name)
+                stack += [
+                    v for k, v in bodies[name] if k == "name" and v in bodies and v not in started
+                ]
+                continue
+            stack.pop()
+            if name in sizes:
+                continue
+            e = _Expansion()
+            for kind, value in bodies[name]:
+                if kind == "atom":
+                    e.atom(value)
+                elif kind == "name":  # undefined or imported (common.WS): one character
+                    e.atom(sizes.get(value, 1))
+                elif kind == "repeat":
+                    e.repeat(value)
+                elif kind == "bar":
+                    e.alternative()
+                elif kind == "open":
+                    e.open()
+                else:
+                    e.close()
+            sizes[name] = e.total()
+    return sizes
 
 
 def _digits(n: int) -> int:
