@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -270,6 +270,10 @@ class _Prepared:
 
     size_bytes: int
     loader: Callable[[], ServedModel]
+    # a generation model's, for a cluster's ingress (which tokenizes but runs no engine)
+    model: Any = None
+    config: Any = None
+    names: tuple[str, ...] = ()
 
     def load(self) -> ServedModel:
         return self.loader()
@@ -665,10 +669,27 @@ def serve(
     backend: BackendOption = Backend.auto,
     cpu: CpuFlag = False,
     gpu: GpuFlag = False,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            parser=Int(1, 1024),
+            help="Serve the model from N engines on a Ray cluster behind this one endpoint "
+            "(needs dynalm[cluster]); each replica gets --threads CPUs (default 1).",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="With --replicas: an existing Ray cluster (ray://head:10001); "
+            "default: a local one on 127.0.0.1."
+        ),
+    ] = None,
     verbose: Verbose = False,
 ) -> None:
     """Serve models over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C: loaded on
     demand, unloaded when idle, as Ollama's server."""
+    if replicas is not None and threads is None:
+        threads = 1  # a replica's engine threads = its actor's CPUs
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
@@ -715,7 +736,12 @@ def serve(
             plan.check()  # beyond this machine, whatever the budget says
             return _Prepared(plan.device_bytes, lambda: ModelService(
                 build_engine(replace(spec, device=device)), loaded, names
-            ))  # fmt: skip
+            ), loaded, config, tuple(names))  # fmt: skip
+
+        if replicas is not None:
+            _serve_cluster(prepare, list(given), replicas, ray_address, threads, host, port,
+                           api_key, verbose, max_body_size, shutdown_grace)  # fmt: skip
+            return
 
         if max_memory is None:
             free = available_memory().bytes
@@ -740,6 +766,46 @@ def serve(
             max_body_bytes=max_body_size,
             shutdown_grace_s=shutdown_grace,
         )
+
+
+def _serve_cluster(
+    prepare: Callable[[str], _Prepared],
+    names: list[str],
+    replicas: int,
+    address: str | None,
+    threads: int | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    verbose: bool,
+    max_body_bytes: int,
+    shutdown_grace_s: float,
+) -> None:
+    """`serve --replicas`: one model's engines on Ray Serve, this process its endpoint."""
+    from dynalm.runtime.serve import cluster, server
+    from dynalm.runtime.serve.models import ModelManager
+
+    if len(names) != 1:
+        raise typer.BadParameter("--replicas serves exactly one model: name it")
+    cpus = threads or 1
+    cluster.connect(address, cpus * replicas)  # first: a bad address fails before any load
+    try:
+        front = prepare(names[0])  # pulls it into this node's store before any replica starts
+        if front.model is None:
+            raise typer.BadParameter("--replicas serves generation models, not embedding models")
+        handle = cluster.deploy(prepare, names[0], replicas, cpus)
+        service = cluster.ClusterModelService(front.model, front.config, front.names, handle)
+        server.serve(
+            ModelManager.of([service]),
+            host=host,
+            port=port,
+            api_key=api_key,
+            verbose=verbose,
+            max_body_bytes=max_body_bytes,
+            shutdown_grace_s=shutdown_grace_s,
+        )
+    finally:
+        cluster.shutdown()
 
 
 ServerHost = Annotated[
