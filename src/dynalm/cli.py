@@ -26,6 +26,7 @@ from typer.core import TyperGroup
 from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.flags import MAX_TOKENS, Duration, Float, Int, Size
 from dynalm.runtime.engine.config import MAX_DRAFT_TOKENS
+from dynalm.runtime.serve.routing import POLICIES
 
 if TYPE_CHECKING:
     from dynalm.models.loader import LoadedModel
@@ -92,6 +93,10 @@ class Backend(str, Enum):
     auto = "auto"
     cpu = "cpu"
     gpu = "gpu"
+
+
+# `serve --router`: routing.POLICIES's names (that module imports nothing heavy)
+Router = Enum("Router", {p.replace("-", "_"): p for p in POLICIES}, type=str)  # type: ignore[misc]
 
 
 @contextmanager
@@ -684,6 +689,14 @@ def serve(
             "default: a local one on 127.0.0.1."
         ),
     ] = None,
+    router: Annotated[
+        Router,
+        typer.Option(
+            help="With --replicas: which replica a request goes to. prefix: the one that was "
+            "sent the longest prefix of its prompt, unless loads are imbalanced; pow2: the "
+            "less loaded of two at random; round-robin: each in turn."
+        ),
+    ] = Router.prefix,  # type: ignore[attr-defined]
     verbose: Verbose = False,
 ) -> None:
     """Serve models over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C: loaded on
@@ -739,8 +752,8 @@ def serve(
             ), loaded, config, tuple(names))  # fmt: skip
 
         if replicas is not None:
-            _serve_cluster(prepare, list(given), replicas, ray_address, threads, host, port,
-                           api_key, verbose, max_body_size, shutdown_grace)  # fmt: skip
+            _serve_cluster(prepare, list(given), replicas, ray_address, router.value, threads,
+                           host, port, api_key, verbose, max_body_size, shutdown_grace)  # fmt: skip
             return
 
         if max_memory is None:
@@ -773,6 +786,7 @@ def _serve_cluster(
     names: list[str],
     replicas: int,
     address: str | None,
+    router: str,
     threads: int | None,
     host: str,
     port: int,
@@ -793,7 +807,8 @@ def _serve_cluster(
         front = prepare(names[0])  # pulls it into this node's store before any replica starts
         if front.model is None:
             raise typer.BadParameter("--replicas serves generation models, not embedding models")
-        handle = cluster.deploy(prepare, names[0], replicas, cpus)
+        tree = front.config.ctx * front.config.max_num_seqs  # the KV cache's tokens, about
+        handle = cluster.deploy(prepare, names[0], replicas, cpus, router, tree)
         service = cluster.ClusterModelService(front.model, front.config, front.names, handle)
         server.serve(
             ModelManager.of([service]),

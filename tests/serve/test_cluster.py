@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from dynalm.runtime.serve.models import ModelManager, ModelService
 try:
     import ray
 
-    from dynalm.runtime.serve import cluster
+    from dynalm.runtime.serve import cluster, routing
 except ImportError as e:  # printed by -rs: never a silent skip
     pytest.skip(
         f"Ray Serve is not installed ({e}): pip install '.[cluster]'", allow_module_level=True
@@ -124,22 +125,35 @@ def test_cluster_refuses_what_the_single_process_server_refuses(clustered: LiveS
     assert "context" in r.json()["error"]["message"]
 
 
-def _replica_actors() -> list[str]:
-    return [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::") and "replica" in a["name"]
-    ]
+def test_the_prefix_router_sends_a_repeated_prompt_where_it_went(clustered: LiveServer) -> None:
+    stats = routing.STATS[cluster.APP]
+    assert stats.policy == "prefix"
+    before = (Counter(stats.routed), stats.prompt_tokens, stats.matched_tokens)
+    prompt = "You are a terse assistant for a shipping company. " * 8 + "Where is my parcel?"
+    body = {**COMPLETION, "prompt": prompt, "max_tokens": 2}
+    for _ in range(4):  # one at a time: the loads stay balanced
+        answer(clustered, "/v1/completions", body)
+    routed = Counter(stats.routed)
+    routed.subtract(before[0])
+    assert sorted(routed.values()) == [0, 4] or list(+routed.values()) == [4], routed
+    prompt_tokens = stats.prompt_tokens - before[1]
+    # the three repeats matched the whole prompt (the first: at most what earlier tests sent)
+    assert stats.matched_tokens - before[2] >= 3 * prompt_tokens // 4
 
 
 def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     clustered: LiveServer,
 ) -> None:
-    body = {**COMPLETION, "max_tokens": 400, "ignore_eos": True}
+    stats = routing.STATS[cluster.APP]
+    before = Counter(stats.routed)
+    # two prompts no test sent before: new prefixes go to the least loaded replica, so
+    # one stream runs on each
+    prompts = ["Once upon a time, in a quiet village,", "The history of the bicycle begins"]
     streams: list[list[str]] = [[], []]
     first = [threading.Event(), threading.Event()]
 
     def run(i: int) -> None:
+        body = {**COMPLETION, "prompt": prompts[i], "max_tokens": 400, "ignore_eos": True}
         with clustered.http().stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for ln in r.iter_lines():
                 if ln.startswith("data: "):
@@ -147,10 +161,14 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
                     first[i].set()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
-        assert first[threads.index(t)].wait(60)  # the second one finds the first one busy
-    victim = _replica_actors()[0]
+        assert first[i].wait(60)
+    routed = Counter(stats.routed)
+    routed.subtract(before)
+    assert sorted(routed.values()) == [1, 1], routed
+    victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].endswith(next(iter(routed))))  # fmt: skip
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
     # requests sent now: whichever lands on the dead replica is retried on the other
     after = [answer(clustered, "/v1/completions", COMPLETION) for _ in range(3)]
@@ -161,7 +179,7 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     assert all(s[-1] == "[DONE]" for s in streams)
     errors = [json.loads(e)["error"] for e in ended if "error" in json.loads(e)]
     assert len(errors) == 1, ended
-    assert errors[0]["type"] == "ReplicaLost" or "replica" in errors[0]["message"]
+    assert "replica" in errors[0]["message"], errors
     assert len(set(after)) == 1 and after[0]
 
 

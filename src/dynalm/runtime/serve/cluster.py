@@ -31,6 +31,7 @@ from dynalm.runtime.engine.guided import GrammarCompiler
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.engine.spec_decode.stats import SpecStats
 from dynalm.runtime.serve.models import ModelService
+from dynalm.runtime.serve.routing import POLICIES
 
 APP = "dynalm"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, the box is not
@@ -247,9 +248,26 @@ class ClusterModelService(ModelService):
         pass  # the replicas are Ray Serve's: `shutdown` of this module stops them
 
 
-def deploy(prepare: Callable[[str], Any], name: str, replicas: int, cpus: int) -> Any:
-    """The model's replicas on the cluster (each ``cpus`` CPUs); their handle."""
+def deploy(
+    prepare: Callable[[str], Any],
+    name: str,
+    replicas: int,
+    cpus: int,
+    router: str = "prefix",
+    tree_tokens: int = 1 << 20,
+) -> Any:
+    """The model's replicas on the cluster (each ``cpus`` CPUs), requests routed by
+    ``router`` (a `routing.POLICIES` key; the prefix router's tree holds at most
+    ``tree_tokens`` per replica, about what its KV cache holds); their handle."""
     _, serve = ray_modules()
+    from ray.serve.config import RequestRouterConfig
+
+    if router not in POLICIES:
+        raise InvalidRequest(f"no router {router!r}: one of {', '.join(POLICIES)}")
+    routing = RequestRouterConfig(
+        request_router_class=f"dynalm.runtime.serve.cluster_routers.{POLICIES[router]}",
+        request_router_kwargs={"max_tokens": tree_tokens} if router == "prefix" else {},
+    )
     serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
         Replica,
@@ -259,5 +277,6 @@ def deploy(prepare: Callable[[str], Any], name: str, replicas: int, cpus: int) -
         max_ongoing_requests=1000,  # the engine queues (and refuses past --max-queue)
         health_check_period_s=2,
         health_check_timeout_s=30,
+        request_router_config=routing,
     )
     return serve.run(deployment.bind(prepare, name), name=APP, route_prefix=None)
