@@ -141,6 +141,34 @@ def test_the_prefix_router_sends_a_repeated_prompt_where_it_went(clustered: Live
     assert stats.matched_tokens - before[2] >= 3 * prompt_tokens // 4
 
 
+def _samples(text: str, name: str) -> list[tuple[str, float]]:
+    """``(labels, value)`` of each sample of metric ``name`` in an exposition."""
+    return [(ln[len(name) : ln.index("}") + 1], float(ln.rsplit(" ", 1)[1]))
+            for ln in text.splitlines() if ln.startswith(name + "{")]  # fmt: skip
+
+
+def test_metrics_have_each_replicas_engine_and_the_routers(clustered: LiveServer) -> None:
+    answer(clustered, "/v1/completions", COMPLETION)
+    deadline = time.monotonic() + 3 * 5 * cluster.STATS_PERIOD_S  # polls: controller, router
+    while True:
+        text = clustered.http().get("/metrics").text
+        queried = _samples(text, "dynalm:prefix_cache_queries_total")
+        if len(queried) == 2 and sum(n for _, n in queried) > 0:
+            break  # both replicas reported, after a request
+        assert time.monotonic() < deadline, text
+        time.sleep(0.5)
+    replicas = {labels.split('replica="')[1].split('"')[0] for labels, _ in queried}
+    assert len(replicas) == 2, queried
+    routed = _samples(text, "dynalm:router_requests_total")
+    stats = routing.STATS[cluster.APP]
+    assert {labels.split('replica="')[1].split('"')[0] for labels, _ in routed} == replicas
+    assert sum(n for _, n in routed) == sum(stats.routed.values())
+    assert all('policy="prefix"' in labels for labels, _ in routed)
+    (_, prompt), (_, matched) = (_samples(text, f"dynalm:router_{m}_total")[0]
+                                 for m in ("prompt_tokens", "prefix_match_tokens"))  # fmt: skip
+    assert 0 < matched < prompt
+
+
 def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     clustered: LiveServer,
 ) -> None:

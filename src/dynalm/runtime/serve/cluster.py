@@ -20,8 +20,11 @@ import asyncio
 import dataclasses
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from dynalm.errors import ClusterUnavailable, InvalidRequest, ReplicaLost
 from dynalm.models.loader import LoadedModel
@@ -30,6 +33,8 @@ from dynalm.runtime.engine.engine import EngineStats, RequestOutput
 from dynalm.runtime.engine.guided import GrammarCompiler
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.engine.spec_decode.stats import SpecStats
+from dynalm.runtime.serve import routing
+from dynalm.runtime.serve.metrics import engine_metrics
 from dynalm.runtime.serve.models import ModelService
 from dynalm.runtime.serve.routing import POLICIES
 
@@ -37,6 +42,7 @@ APP = "dynalm"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, the box is not
 CONNECT_TIMEOUT_S = 5.0
 RETRIES = 4  # attempts on other replicas for a request that had not started
+STATS_PERIOD_S = 1.0  # how often Ray Serve polls each replica's engine stats
 _QUEUED = "queued"  # a replica's first item: its engine has taken the request
 
 
@@ -142,13 +148,12 @@ class Replica:
         finally:
             task.cancel()  # the caller went away: its engine request is aborted
 
-    def stats(self) -> EngineStats:
-        return self.service.engine.stats
-
     def record_routing_stats(self) -> dict[str, float]:
-        """What the request router reads of this replica (Ray Serve polls it)."""
-        s = self.service.engine.stats
-        return {"running": s.num_running, "waiting": s.num_waiting, "kv_usage": s.kv_usage}
+        """Its engine's stats (but speculative decoding's), which Ray Serve's controller
+        polls and hands the router: the ingress's ``/metrics`` rows for this replica."""
+        stats = self.service.engine.stats
+        fields = [f.name for f in dataclasses.fields(stats) if f.name != "spec"]
+        return {name: getattr(stats, name) for name in fields}
 
     def shutdown(self) -> None:  # Ray Serve calls it when it stops the replica
         self.service.shutdown()
@@ -240,12 +245,49 @@ class ClusterModelService(ModelService):
         self, model: LoadedModel, config: EngineConfig, names: Sequence[str], handle: Any
     ) -> None:
         super().__init__(RemoteEngine(model, config, handle), model, names)  # type: ignore[arg-type]
+        # /metrics: the replicas' engines and the router, not the ingress's stand-in
+        self.metrics.registry.unregister(self.metrics.engine_collector)
+        self.metrics.registry.register(_ClusterCollector(self.names[0]))
 
     def start(self) -> None:
         self.async_engine = self.engine  # type: ignore[assignment]
 
     def shutdown(self, drain: bool = False) -> None:
         pass  # the replicas are Ray Serve's: `shutdown` of this module stops them
+
+
+class _ClusterCollector(Collector):
+    """The replicas' engine metrics (as each last reported them, within
+    ``STATS_PERIOD_S``), told apart by a ``replica`` label, and the router's own."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = routing.STATS.get(APP)
+        if stats is None:  # no request yet: Ray builds the router on the first
+            return
+        name = self.model_name
+        samples = [([name, replica], EngineStats(**row, spec=SpecStats()))
+                   for replica, row in sorted(stats.replicas.items()) if row]  # fmt: skip
+        yield from engine_metrics(["model_name", "replica"], samples, spec=False)
+        routed = CounterMetricFamily(
+            "dynalm:router_requests", "Requests routed to each replica.",
+            labels=["model_name", "replica", "policy"],
+        )  # fmt: skip
+        for replica, n in sorted(stats.routed.items()):
+            routed.add_metric([name, replica, stats.policy], n)
+        yield routed
+        for metric, doc, value in (
+            ("router_prompt_tokens", "Prompt tokens routed.", stats.prompt_tokens),
+            ("router_prefix_match_tokens", "Of those, tokens the router believed cached on "
+             "the replica it chose (a prefix it had sent there).", stats.matched_tokens),
+            ("router_load_fallbacks", "Requests the prefix router sent to the least loaded "
+             "replica, the loads being imbalanced.", stats.load_fallbacks),
+        ):  # fmt: skip
+            family = CounterMetricFamily(f"dynalm:{metric}", doc, labels=["model_name", "policy"])
+            family.add_metric([name, stats.policy], value)
+            yield family
 
 
 def deploy(
@@ -266,7 +308,8 @@ def deploy(
         raise InvalidRequest(f"no router {router!r}: one of {', '.join(POLICIES)}")
     routing = RequestRouterConfig(
         request_router_class=f"dynalm.runtime.serve.cluster_routers.{POLICIES[router]}",
-        request_router_kwargs={"max_tokens": tree_tokens} if router == "prefix" else {},
+        request_router_kwargs={"max_tokens": tree_tokens},
+        request_routing_stats_period_s=STATS_PERIOD_S,
     )
     serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
