@@ -41,6 +41,9 @@ from dynalm.runtime.serve.routing import POLICIES
 APP = "dynalm"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, the box is not
 CONNECT_TIMEOUT_S = 5.0
+# what a replica inherits: dynalm as this process imports it (a source checkout included),
+# the store, and the BLAS threads `serve --threads` set
+ENV = ("PYTHONPATH", "DYNALM_HOME", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 RETRIES = 4  # attempts on other replicas for a request that had not started
 STATS_PERIOD_S = 1.0  # how often Ray Serve polls each replica's engine stats
 _QUEUED = "queued"  # a replica's first item: its engine has taken the request
@@ -65,8 +68,7 @@ def connect(address: str | None, num_cpus: int) -> None:
     ray, _ = ray_modules()
     if address is not None:
         _reachable(address)
-    # the replicas import dynalm as this process does (a source checkout included)
-    env = {k: os.environ[k] for k in ("PYTHONPATH", "DYNALM_HOME") if k in os.environ}
+    env = {k: os.environ[k] for k in ENV if k in os.environ}
     try:
         if address is None:
             ray.init(
