@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
-    from dynalm.runtime.serve.models import ServedModel
+    from dynalm.runtime.serve.models import ModelManager, ServedModel
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
@@ -751,9 +751,20 @@ def serve(
                 build_engine(replace(spec, device=device)), loaded, names
             ), loaded, config, tuple(names))  # fmt: skip
 
+        def serving(manager: ModelManager) -> None:
+            server.serve(
+                manager,
+                host=host,
+                port=port,
+                api_key=api_key,
+                verbose=verbose,
+                max_body_bytes=max_body_size,
+                shutdown_grace_s=shutdown_grace,
+            )
+
         if replicas is not None:
-            _serve_cluster(prepare, list(given), replicas, ray_address, router.value, threads,
-                           host, port, api_key, verbose, max_body_size, shutdown_grace)  # fmt: skip
+            with _cluster(prepare, list(given), replicas, ray_address, router.value, threads) as m:
+                serving(m)
             return
 
         if max_memory is None:
@@ -770,33 +781,21 @@ def serve(
         left = manager.preload(list(given))
         if left:
             err.print(f"[dim]not loaded at start (loaded on demand): {', '.join(left)}[/]")
-        server.serve(
-            manager,
-            host=host,
-            port=port,
-            api_key=api_key,
-            verbose=verbose,
-            max_body_bytes=max_body_size,
-            shutdown_grace_s=shutdown_grace,
-        )
+        serving(manager)
 
 
-def _serve_cluster(
+@contextmanager
+def _cluster(
     prepare: Callable[[str], _Prepared],
     names: list[str],
     replicas: int,
     address: str | None,
     router: str,
     threads: int | None,
-    host: str,
-    port: int,
-    api_key: str | None,
-    verbose: bool,
-    max_body_bytes: int,
-    shutdown_grace_s: float,
-) -> None:
-    """`serve --replicas`: one model's engines on Ray Serve, this process its endpoint."""
-    from dynalm.runtime.serve import cluster, server
+) -> Iterator[ModelManager]:
+    """`serve --replicas`: one model's engines on Ray Serve; the manager of this process's
+    endpoint for them. Ray Serve and Ray (a local cluster) are stopped after."""
+    from dynalm.runtime.serve import cluster
     from dynalm.runtime.serve.models import ModelManager
 
     if len(names) != 1:
@@ -810,15 +809,7 @@ def _serve_cluster(
         tree = front.config.ctx * front.config.max_num_seqs  # the KV cache's tokens, about
         handle = cluster.deploy(prepare, names[0], replicas, cpus, router, tree)
         service = cluster.ClusterModelService(front.model, front.config, front.names, handle)
-        server.serve(
-            ModelManager.of([service]),
-            host=host,
-            port=port,
-            api_key=api_key,
-            verbose=verbose,
-            max_body_bytes=max_body_bytes,
-            shutdown_grace_s=shutdown_grace_s,
-        )
+        yield ModelManager.of([service])
     finally:
         cluster.shutdown()
 
