@@ -174,8 +174,7 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
 ) -> None:
     stats = routing.STATS[cluster.APP]
     before = Counter(stats.routed)
-    # two prompts no test sent before: new prefixes go to the least loaded replica, so
-    # one stream runs on each
+    # two prompts no test sent before (where they go: the smallest share of the tree)
     prompts = ["Once upon a time, in a quiet village,", "The history of the bicycle begins"]
     streams: list[list[str]] = [[], []]
     first = [threading.Event(), threading.Event()]
@@ -194,9 +193,10 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
         assert first[i].wait(60)
     routed = Counter(stats.routed)
     routed.subtract(before)
-    assert sorted(routed.values()) == [1, 1], routed
+    replica, running = (+routed).most_common(1)[0]  # the one running 2 streams, or 1 of 2
+    assert sum(routed.values()) == 2, routed
     victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].endswith(next(iter(routed))))  # fmt: skip
+                  if a["name"].endswith(replica))  # fmt: skip
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
     # requests sent now: whichever lands on the dead replica is retried on the other
     after = [answer(clustered, "/v1/completions", COMPLETION) for _ in range(3)]
@@ -206,7 +206,7 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     ended = [s[-2] for s in streams]
     assert all(s[-1] == "[DONE]" for s in streams)
     errors = [json.loads(e)["error"] for e in ended if "error" in json.loads(e)]
-    assert len(errors) == 1, ended
+    assert len(errors) == running, ended  # the others finished, as asked
     assert "replica" in errors[0]["message"], errors
     assert len(set(after)) == 1 and after[0]
 

@@ -45,12 +45,16 @@ def test_balanced_loads_follow_the_prefix_imbalanced_ones_the_load() -> None:
     assert order[0] == "r1"
 
 
-def test_a_new_prefix_goes_to_the_least_loaded_then_the_smallest_tree() -> None:
+def test_a_new_prefix_goes_to_the_smallest_tree_then_the_least_loaded() -> None:
     tree = PrefixTree()
     tree.insert(SYSTEM_A, "r0")
+    tree.insert(SYSTEM_A[:10], "r2")
     new = SYSTEM_B + [1]
-    assert choose_prefix(tree, new, {"r0": 0, "r1": 0, "r2": 1})[0][:2] == ["r1", "r0"]
-    assert choose_prefix(tree, new, {"r0": 0, "r1": 1, "r2": 1})[0][0] == "r0"
+    assert choose_prefix(tree, new, {"r0": 0, "r1": 1, "r2": 0})[0] == ["r1", "r2", "r0"]
+    assert choose_prefix(tree, new, {"r0": 0, "r1": 0, "r2": 0})[0][0] == "r1"
+    tree.insert(SYSTEM_B, "r1")  # r1 holds 100 tokens, as r0; r2 10
+    assert choose_prefix(tree, [7] + SYSTEM_A, {"r0": 0, "r1": 0, "r2": 2})[0][0] == "r2"
+    assert choose_prefix(tree, [7] + SYSTEM_A, {"r0": 1, "r1": 0, "r2": 0})[0][:2] == ["r2", "r1"]
     # a match under min_match of the prompt is no match: [100] of 101 shared is 1 %
     assert choose_prefix(tree, [100] + SYSTEM_B, {"r0": 0, "r1": 0}, min_match=0.1)[1] == 0
 

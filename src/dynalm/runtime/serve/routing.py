@@ -5,10 +5,11 @@
 characters): approximate because a replica's prefix cache evicts on its own and the tree
 cannot see it, and because each replica's share of the tree is capped (least recently
 used branches dropped first) at about what its KV cache holds. `choose_prefix` is the
-policy over it: the longest match when the replicas' loads are balanced, the least loaded
-when they are not, or when nothing matches well. `RouterStats` counts what the policy
-did, for ``/metrics``. The Ray Serve `RequestRouter`s that apply them are in
-`cluster_routers` (which needs Ray); `POLICIES` names them for ``--router``.
+policy over it: the longest match when the replicas' loads are balanced, the least
+loaded when they are not, the smallest share of the tree when nothing matches well.
+`RouterStats` counts what the policy did, for ``/metrics``. The Ray Serve
+`RequestRouter`s that apply them are in `cluster_routers` (which needs Ray); `POLICIES`
+names them for ``--router``.
 
 A wrong tree costs time, never correctness: a replica sent a prefix it has evicted
 prefills it again (and the tree, refreshed by that request, is right again).
@@ -178,8 +179,10 @@ def choose_prefix(
 
     Balanced loads (most minus least ≤ ``imbalance``): the replicas with the longest
     match, least loaded first, if it covers ``min_match`` of the prompt; otherwise (a new
-    prefix) the least loaded, the one holding the least of the tree first, so new
-    prefixes spread. Imbalanced: the least loaded."""
+    prefix) the one holding the least of the tree, least loaded first among equals, so
+    prefixes spread over the replicas' caches (SGLang's "smallest tenant"): a
+    difference of a request or two in flight is noise at this point, where the cache a
+    prefix lands in is not. Imbalanced: the least loaded."""
     if not loads:
         return [], 0, False
     by_load = sorted(loads, key=lambda t: (loads[t], tree.sizes.get(t, 0), str(t)))
@@ -189,4 +192,5 @@ def choose_prefix(
     if n and n >= min_match * len(tokens):
         best = sorted(holders, key=by_load.index)
         return best + [t for t in by_load if t not in best], n, False
-    return by_load, 0, False
+    by_size = sorted(loads, key=lambda t: (tree.sizes.get(t, 0), loads[t], str(t)))
+    return by_size, 0, False
