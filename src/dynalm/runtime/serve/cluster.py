@@ -304,15 +304,13 @@ def deploy(
     ``router`` (a `routing.POLICIES` key; the prefix router's tree holds at most
     ``tree_tokens`` per replica, about what its KV cache holds); their handle."""
     _, serve = ray_modules()
-    from ray.serve.config import RequestRouterConfig
-
     if router not in POLICIES:
         raise InvalidRequest(f"no router {router!r}: one of {', '.join(POLICIES)}")
-    routing = RequestRouterConfig(
-        request_router_class=f"dynalm.runtime.serve.cluster_routers.{POLICIES[router]}",
-        request_router_kwargs={"max_tokens": tree_tokens},
-        request_routing_stats_period_s=STATS_PERIOD_S,
-    )
+    router_config = {  # Ray Serve's RequestRouterConfig
+        "request_router_class": f"dynalm.runtime.serve.cluster_routers.{POLICIES[router]}",
+        "request_router_kwargs": {"max_tokens": tree_tokens},
+        "request_routing_stats_period_s": STATS_PERIOD_S,
+    }
     serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
         Replica,
@@ -322,6 +320,6 @@ def deploy(
         max_ongoing_requests=1000,  # the engine queues (and refuses past --max-queue)
         health_check_period_s=2,
         health_check_timeout_s=30,
-        request_router_config=routing,
+        request_router_config=router_config,
     )
     return serve.run(deployment.bind(prepare, name), name=APP, route_prefix=None)

@@ -14,8 +14,13 @@ import itertools
 import random
 from collections.abc import Sequence
 
-from ray.serve._private.replica_result import ReplicaResult
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from dynalm.errors import ClusterUnavailable
+
+try:  # imported by Ray itself, by path: only where Ray is
+    from ray.serve._private.replica_result import ReplicaResult
+    from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+except ImportError as e:
+    raise ClusterUnavailable(f"the cluster's routers need Ray Serve ({e})") from None
 
 from dynalm.runtime.serve.routing import (
     IMBALANCE,
