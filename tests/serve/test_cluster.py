@@ -167,6 +167,9 @@ def test_metrics_have_each_replicas_engine_and_the_routers(clustered: LiveServer
     (_, prompt), (_, matched) = (_samples(text, f"dynalm:router_{m}_total")[0]
                                  for m in ("prompt_tokens", "prefix_match_tokens"))  # fmt: skip
     assert 0 < matched < prompt
+    tree = _samples(text, "dynalm:router_tree_tokens")
+    assert {labels.split('replica="')[1].split('"')[0] for labels, _ in tree} <= replicas
+    assert sum(n for _, n in tree) > 0
 
 
 def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
@@ -195,6 +198,7 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     routed.subtract(before)
     replica, running = (+routed).most_common(1)[0]  # the one running 2 streams, or 1 of 2
     assert sum(routed.values()) == 2, routed
+    assert stats.tree_tokens[replica] > 0
     victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].endswith(replica))  # fmt: skip
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
@@ -209,6 +213,10 @@ def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     assert len(errors) == running, ended  # the others finished, as asked
     assert "replica" in errors[0]["message"], errors
     assert len(set(after)) == 1 and after[0]
+    deadline = time.monotonic() + 30  # Serve tells the router within a few seconds
+    while replica in stats.tree_tokens:  # the dead replica's prefixes, forgotten
+        assert time.monotonic() < deadline, stats.tree_tokens
+        time.sleep(0.5)
 
 
 def test_a_bad_ray_address_is_one_error_line(smollm2_gguf: Path) -> None:

@@ -23,7 +23,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dynalm.errors import ClusterUnavailable, InvalidRequest, ReplicaLost
@@ -280,6 +280,13 @@ class _ClusterCollector(Collector):
         for replica, n in sorted(stats.routed.items()):
             routed.add_metric([name, replica, stats.policy], n)
         yield routed
+        tree = GaugeMetricFamily(
+            "dynalm:router_tree_tokens", "Prompt tokens the router believes each replica holds.",
+            labels=["model_name", "replica"],
+        )  # fmt: skip
+        for replica, n in sorted(stats.tree_tokens.items()):
+            tree.add_metric([name, replica], n)
+        yield tree
         for metric, doc, value in (
             ("router_prompt_tokens", "Prompt tokens routed.", stats.prompt_tokens),
             ("router_prefix_match_tokens", "Of those, tokens the router believed cached on "

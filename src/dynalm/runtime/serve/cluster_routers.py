@@ -71,6 +71,7 @@ class _Counting(RequestRouter):
             self.stats.prompt_tokens += len(tokens)
             self.stats.matched_tokens += self.tree.match(tokens, [replica_id])[0]
             self.tree.insert(tokens, replica_id)
+            self.stats.tree_tokens[_name(replica_id)] = self.tree.sizes[replica_id]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.in_flight.get(replica_id, set()).discard(internal_request_id)
@@ -80,13 +81,17 @@ class _Counting(RequestRouter):
         # Ray Serve's controller polls `Replica.record_routing_stats` and broadcasts them
         self.stats.replicas = {_name(r.replica_id): dict(r.routing_stats) for r in replicas}
         for gone in self.tree.tenants() - self._replica_id_set:
-            self.tree.remove(gone)  # a restarted replica's cache starts empty
+            self.forget(gone)  # a restarted replica's cache starts empty
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.in_flight.pop(replica_id, None)
         self.stats.replicas.pop(_name(replica_id), None)
+        self.forget(replica_id)
+
+    def forget(self, replica_id: ReplicaID) -> None:
         self.tree.remove(replica_id)
+        self.stats.tree_tokens.pop(_name(replica_id), None)
 
 
 class PrefixRouter(_Counting):

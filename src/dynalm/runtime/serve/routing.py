@@ -162,6 +162,7 @@ class RouterStats:
     matched_tokens: int = 0  # of prompt_tokens, on the chosen replica's branch of the tree
     load_fallbacks: int = 0  # prefix: sent to the least loaded, the loads being imbalanced
     replicas: dict[str, dict] = field(default_factory=dict)  # each one's EngineStats, reported
+    tree_tokens: dict[str, int] = field(default_factory=dict)  # each one's share of the tree
 
 
 STATS: dict[str, RouterStats] = {}  # this process's routers' (a Ray Serve app's), by app
