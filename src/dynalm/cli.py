@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -26,6 +26,7 @@ from typer.core import TyperGroup
 from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.flags import MAX_TOKENS, Duration, Float, Int, Size
 from dynalm.runtime.engine.config import MAX_DRAFT_TOKENS
+from dynalm.runtime.serve.routing import POLICIES
 
 if TYPE_CHECKING:
     from dynalm.models.loader import LoadedModel
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from dynalm.runtime.engine.guided import Guide
     from dynalm.runtime.engine.sampling import SamplingParams
     from dynalm.runtime.generator import Generator
-    from dynalm.runtime.serve.models import ServedModel
+    from dynalm.runtime.serve.models import ModelManager, ServedModel
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MAX_ERROR_CHARS = 1000  # an error line never runs longer, whatever value it quotes
@@ -91,6 +92,10 @@ class Backend(str, Enum):
     auto = "auto"
     cpu = "cpu"
     gpu = "gpu"
+
+
+# `serve --router`: routing.POLICIES's names (that module imports nothing heavy)
+Router = Enum("Router", {p.replace("-", "_"): p for p in POLICIES}, type=str)  # type: ignore[misc]
 
 
 @contextmanager
@@ -272,6 +277,10 @@ class _Prepared:
 
     size_bytes: int
     loader: Callable[[], ServedModel]
+    # a generation model's, for a cluster's ingress (which tokenizes but runs no engine)
+    model: Any = None
+    config: Any = None
+    names: tuple[str, ...] = ()
 
     def load(self) -> ServedModel:
         return self.loader()
@@ -675,10 +684,35 @@ def serve(
     backend: BackendOption = Backend.auto,
     cpu: CpuFlag = False,
     gpu: GpuFlag = False,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            parser=Int(1, 1024),
+            help="Serve the model from N engines on a Ray cluster behind this one endpoint "
+            "(needs dynalm[cluster]); each replica gets --threads CPUs (default 1).",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="With --replicas: an existing Ray cluster (ray://head:10001); "
+            "default: a local one on 127.0.0.1."
+        ),
+    ] = None,
+    router: Annotated[
+        Router,
+        typer.Option(
+            help="With --replicas: which replica a request goes to. prefix: the one that was "
+            "sent the longest prefix of its prompt, unless loads are imbalanced; pow2: the "
+            "less loaded of two at random; round-robin: each in turn."
+        ),
+    ] = Router.prefix,  # type: ignore[attr-defined]
     verbose: Verbose = False,
 ) -> None:
     """Serve models over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C: loaded on
     demand, unloaded when idle, as Ollama's server."""
+    if replicas is not None and threads is None:
+        threads = 1  # a replica's engine threads = its actor's CPUs
     _configure(verbose, threads)
     with user_errors(verbose):
         from dynalm.models.loader import load_model
@@ -739,7 +773,23 @@ def serve(
             plan.check()  # beyond this machine, whatever the budget says
             return _Prepared(plan.device_bytes, lambda: ModelService(
                 build_engine(replace(spec, device=device)), loaded, names
-            ))  # fmt: skip
+            ), loaded, config, tuple(names))  # fmt: skip
+
+        def serving(manager: ModelManager) -> None:
+            server.serve(
+                manager,
+                host=host,
+                port=port,
+                api_key=api_key,
+                verbose=verbose,
+                max_body_bytes=max_body_size,
+                shutdown_grace_s=shutdown_grace,
+            )
+
+        if replicas is not None:
+            with _cluster(prepare, list(given), replicas, ray_address, router.value, threads) as m:
+                serving(m)
+            return
 
         if max_memory is None:
             free = available_memory().bytes
@@ -755,15 +805,37 @@ def serve(
         left = manager.preload(list(given))
         if left:
             err.print(f"[dim]not loaded at start (loaded on demand): {', '.join(left)}[/]")
-        server.serve(
-            manager,
-            host=host,
-            port=port,
-            api_key=api_key,
-            verbose=verbose,
-            max_body_bytes=max_body_size,
-            shutdown_grace_s=shutdown_grace,
-        )
+        serving(manager)
+
+
+@contextmanager
+def _cluster(
+    prepare: Callable[[str], _Prepared],
+    names: list[str],
+    replicas: int,
+    address: str | None,
+    router: str,
+    threads: int | None,
+) -> Iterator[ModelManager]:
+    """`serve --replicas`: one model's engines on Ray Serve; the manager of this process's
+    endpoint for them. Ray Serve and Ray (a local cluster) are stopped after."""
+    from dynalm.runtime.serve import cluster
+    from dynalm.runtime.serve.models import ModelManager
+
+    if len(names) != 1:
+        raise typer.BadParameter("--replicas serves exactly one model: name it")
+    cpus = threads or 1
+    cluster.connect(address, cpus * replicas)  # first: a bad address fails before any load
+    try:
+        front = prepare(names[0])  # pulls it into this node's store before any replica starts
+        if front.model is None:
+            raise typer.BadParameter("--replicas serves generation models, not embedding models")
+        tree = front.config.ctx * front.config.max_num_seqs  # the KV cache's tokens, about
+        handle = cluster.deploy(prepare, names[0], replicas, cpus, router, tree)
+        service = cluster.ClusterModelService(front.model, front.config, front.names, handle)
+        yield ModelManager.of([service])
+    finally:
+        cluster.shutdown()
 
 
 ServerHost = Annotated[

@@ -82,5 +82,17 @@ class QueueFull(DynaError):
     retry_after = 1  # seconds, for the Retry-After header
 
 
+class ClusterUnavailable(DynaError):
+    """``dynalm serve --replicas``: Ray is not installed, or its cluster cannot be reached."""
+
+
+class ReplicaLost(DynaError):
+    """The cluster replica running a request died after the request had produced output
+    (a request that had not started is retried on another replica instead)."""
+
+    http_status = 503
+    retry_after = 1
+
+
 class ServerUnreachable(DynaError):
     """``dynalm ps`` / ``stop``: no server answers at the address (or it is not DynaLM's)."""

@@ -33,13 +33,47 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from dynalm.runtime.engine.engine import Engine, RequestOutput
+    from dynalm.runtime.engine.engine import Engine, EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
 _E2E_BUCKETS = (0.3, 0.5, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 60, 120, 240, 480, 960, 1920)
+
+
+_ENGINE_ROWS = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+     lambda s: s.num_running),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be admitted.",
+     lambda s: s.num_waiting),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (0-1).",
+     lambda s: s.kv_usage),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.prefix_queried_tokens),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.prefix_hit_tokens),
+)  # fmt: skip
+_SPEC_ROWS = (  # speculative decoding's
+    (CounterMetricFamily, "spec_decode_num_drafts", "Drafts verified.",
+     lambda s: s.spec.num_drafts),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.",
+     lambda s: s.spec.num_draft_tokens),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     lambda s: s.spec.num_accepted_tokens),
+)  # fmt: skip
+
+
+def engine_metrics(
+    labels: Sequence[str], samples: Sequence[tuple[Sequence[str], EngineStats]], spec: bool
+) -> Iterator[Metric]:
+    """The engine's gauges and counters, a sample for each (label values, stats): one
+    engine's, or a cluster's replicas'."""
+    for family, name, doc, value in _ENGINE_ROWS + (_SPEC_ROWS if spec else ()):
+        metric = family(f"dynalm:{name}", doc, labels=list(labels))
+        for values, stats in samples:
+            metric.add_metric(list(values), value(stats))
+        yield metric
 
 
 class _EngineCollector(Collector):
@@ -51,41 +85,17 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
-        rows = [
-            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
-             stats.num_running),
-            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be admitted.",
-             stats.num_waiting),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache pages in use (0-1).",
-             stats.kv_usage),
-            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the "
-             "prefix cache.", stats.prefix_queried_tokens),
-            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             stats.prefix_hit_tokens),
-        ]  # fmt: skip
-        spec = stats.spec
-        if self.engine.planner is not None:  # speculative decoding
-            rows += [
-                (CounterMetricFamily, "spec_decode_num_drafts", "Drafts verified.",
-                 spec.num_drafts),
-                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.",
-                 spec.num_draft_tokens),
-                (CounterMetricFamily, "spec_decode_num_accepted_tokens",
-                 "Draft tokens accepted.", spec.num_accepted_tokens),
-            ]  # fmt: skip
-        for family, name, doc, value in rows:
-            metric = family(f"dynalm:{name}", doc, labels=["model_name"])
-            metric.add_metric([self.model_name], value)
-            yield metric
-        if self.engine.planner is not None:
+        spec = self.engine.planner is not None
+        yield from engine_metrics(["model_name"], [([self.model_name], stats)], spec)
+        if spec:
             lengths = HistogramMetricFamily(
                 "dynalm:spec_decode_acceptance_length",
                 "Draft tokens accepted per verified draft.",
                 labels=["model_name"],
             )
-            cumulative = np.cumsum(spec.accepted_lengths).tolist()
+            cumulative = np.cumsum(stats.spec.accepted_lengths).tolist()
             buckets = [(str(n), c) for n, c in enumerate(cumulative)] + [("+Inf", cumulative[-1])]
-            lengths.add_metric([self.model_name], buckets, spec.num_accepted_tokens)
+            lengths.add_metric([self.model_name], buckets, stats.spec.num_accepted_tokens)
             yield lengths
 
 
@@ -126,7 +136,8 @@ class ServerMetrics:
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.engine_collector: Collector = _EngineCollector(engine, model_name)
+        self.registry.register(self.engine_collector)
         label = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
