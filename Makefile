@@ -55,8 +55,12 @@ cross:
 			"sudo apt-get update && sudo apt-get install -y qemu-user gcc-aarch64-linux-gnu"; \
 	fi
 
+# Two pytest-xdist workers, a test file each at a time (--dist loadfile: a module's model and
+# server fixtures are set up once): a lone pytest keeps about one core busy, as much of a test
+# is Python, a subprocess or a server round trip. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: install-test $(TEST_MODEL) lint browser cross
-	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests
+	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install-test
 	$(BIN)/pytest tests/unit tests/kernels -m "not slow"

@@ -7,6 +7,7 @@ DYNALM_TEST_MODEL with its path; a missing model is an error, never a skip.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,13 +15,20 @@ from pathlib import Path
 import pytest
 
 _repack_dir: str | None = None
+_RUN_SEED = "DYNALM_TEST_RUN_SEED"
+_set_run_seed = False
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Repacked weights go to a directory of this session's (unless $DYNALM_REPACK_CACHE
     says where): tests load many temporary GGUF files, whose entries would otherwise pile
     up in the shared cache of `make test`."""
-    global _repack_dir
+    global _repack_dir, _set_run_seed
+    # One random seed for the whole run, drawn before pytest-xdist starts its workers (which
+    # inherit it): a test parametrised by a random draw must be collected alike by all.
+    if _RUN_SEED not in os.environ:
+        os.environ[_RUN_SEED] = str(random.SystemRandom().randrange(2**32))
+        _set_run_seed = True
     if "DYNALM_REPACK_CACHE" not in os.environ:
         _repack_dir = tempfile.mkdtemp(prefix="dynalm-repack-")
         os.environ["DYNALM_REPACK_CACHE"] = _repack_dir
@@ -30,6 +38,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _repack_dir is not None:
         shutil.rmtree(_repack_dir, ignore_errors=True)
         os.environ.pop("DYNALM_REPACK_CACHE", None)
+    if _set_run_seed:
+        os.environ.pop(_RUN_SEED, None)
 
 
 # Every test under these folders runs the real model or a real server: slow (make test-fast
