@@ -60,7 +60,7 @@ cross:
 # is Python, a subprocess or a server round trip. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: install-test $(TEST_MODEL) lint browser cross
-	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests -n $(TEST_WORKERS) --dist loadfile
+	DYNALM_TEST_MODEL=$(TEST_MODEL) $(BIN)/pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: install-test
 	$(BIN)/pytest tests/unit tests/kernels -m "not slow"
