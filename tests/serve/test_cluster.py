@@ -125,6 +125,46 @@ def test_cluster_refuses_what_the_single_process_server_refuses(clustered: LiveS
     assert "context" in r.json()["error"]["message"]
 
 
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+          "required": ["colour"], "additionalProperties": False}  # fmt: skip
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+}}}  # fmt: skip
+STRUCTURED = [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 24, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "c", "schema": COLOUR}}}),
+    ("/v1/completions", {**COMPLETION, "guided_regex": "(Paris|Lyon|Rome)[.]"}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 64, "tools": [WEATHER],
+                              "tool_choice": "required", "parallel_tool_calls": False}),
+]  # fmt: skip
+
+
+def test_structured_output_on_a_cluster_is_the_single_process_servers(
+    clustered: LiveServer, single: LiveServer
+) -> None:
+    """The grammar crosses as text and the replica compiles it: a JSON schema, a regex and
+    a required tool call answer as one process does; a bad schema is the ingress's 400."""
+    for path, body in STRUCTURED:
+        expected = single.http().post(path, json=body)
+        got = clustered.http().post(path, json=body)
+        assert expected.status_code == got.status_code == 200, (got.text, expected.text)
+        want, have = expected.json()["choices"][0], got.json()["choices"][0]
+        for choice in (want, have):  # a call's id is random: the rest is the answer
+            for call in (choice.get("message") or {}).get("tool_calls") or ():
+                call.pop("id")
+        assert have.get("message", have.get("text")) == want.get("message", want.get("text"))
+    call = have["message"]["tool_calls"][0]["function"]  # the last: one required call
+    assert call["name"] == "weather" and json.loads(call["arguments"])["city"] in ("Paris", "Rome")
+    colour = json.loads(answer(clustered, *STRUCTURED[0]))
+    assert colour["colour"] in COLOUR["properties"]["colour"]["enum"]
+    assert answer(clustered, *STRUCTURED[1]) in ("Paris.", "Lyon.", "Rome.")
+    schema = {"name": "b", "schema": {"type": 5}}
+    bad = {**CHAT, "response_format": {"type": "json_schema", "json_schema": schema}}
+    r = clustered.http().post("/v1/chat/completions", json=bad)
+    assert r.status_code == 400, r.text
+    assert r.json() == single.http().post("/v1/chat/completions", json=bad).json()
+
+
 def test_the_prefix_router_sends_a_repeated_prompt_where_it_went(clustered: LiveServer) -> None:
     stats = routing.STATS[cluster.APP]
     assert stats.policy == "prefix"

@@ -62,14 +62,19 @@ class _VocabularyView:
 
 class Guide:
     """One sequence's place in its grammar: which tokens may come next, and when it is done.
-    ``what`` names the grammar's source (a request field, a flag) for error messages."""
+    ``what`` names the grammar's source (a request field, a flag) for error messages;
+    ``grammar`` is that source (plain text: what a cluster's ingress ships to the replica,
+    which compiles its own guide)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, what: str = "the grammar") -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, what: str = "the grammar", grammar: str = ""
+    ) -> None:
         self.matcher = matcher
         self.what = what
+        self.grammar = grammar
 
     def copy(self) -> Guide:
-        return Guide(self.matcher.deep_copy(), self.what)
+        return Guide(self.matcher.deep_copy(), self.what, self.grammar)
 
     def consume(self, token: int) -> None:
         """Advance past a sampled token (one the mask allowed). A matcher that fails (over
@@ -131,7 +136,7 @@ class GrammarCompiler:
             llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error():
             raise InvalidRequest(f"{what} cannot be used: {_one_line(matcher.get_error())}")
-        return Guide(matcher, what)
+        return Guide(matcher, what, grammar)
 
 
 _SOURCE_ECHO = re.compile(r"\s*(\d+\s*\|.*|[\^~]+|\|)\s*")  # llguidance's quote of the source

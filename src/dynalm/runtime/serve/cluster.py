@@ -30,7 +30,7 @@ from dynalm.errors import ClusterUnavailable, InvalidRequest, ReplicaLost
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import EngineStats, RequestOutput
-from dynalm.runtime.engine.guided import GrammarCompiler
+from dynalm.runtime.engine.guided import GrammarCompiler, Guide
 from dynalm.runtime.engine.sampling import SamplingParams
 from dynalm.runtime.engine.spec_decode.stats import SpecStats
 from dynalm.runtime.serve import routing
@@ -128,6 +128,10 @@ class Replica:
         """``_QUEUED`` once the engine has taken the request, then its outputs."""
         engine = self.service.async_engine
         assert engine is not None
+        if (grammar := options.get("grammar")) is not None:  # structured output: see RemoteEngine
+            compile_ = self.service.engine.grammars.compile
+            options = {k: v for k, v in options.items() if k != "grammar"}
+            options["guide"] = await asyncio.to_thread(compile_, *grammar)
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump() -> None:
@@ -201,8 +205,11 @@ class RemoteEngine:
     ) -> AsyncIterator[RequestOutput]:
         """`AsyncEngine.generate` on a replica the router picks; a replica lost before the
         request's first output: the next one; after: `ReplicaLost`."""
-        if kw.get("guide") is not None:
-            raise InvalidRequest("structured output is not served by a cluster yet")
+        if (guide := kw.pop("guide", None)) is not None:
+            # llguidance's matcher is no plain data: its grammar's source crosses (checked
+            # here already, so a bad one is the ingress's 400) and the replica compiles it
+            assert isinstance(guide, Guide)
+            kw["grammar"] = (guide.grammar, guide.what)
         told = False
         for attempt in range(RETRIES):
             stream = self.handle.options(stream=True).generate.remote(

@@ -5,11 +5,16 @@
 characters): approximate because a replica's prefix cache evicts on its own and the tree
 cannot see it, and because each replica's share of the tree is capped (least recently
 used branches dropped first) at about what its KV cache holds. `choose_prefix` is the
-policy over it: the longest match when the replicas' loads are balanced, the least
-loaded when they are not, the smallest share of the tree when nothing matches well.
+policy over it: the longest match, unless the replica holding it has more requests in
+flight than the least loaded one by more than ``IMBALANCE`` (then the least loaded); the
+smallest share of the tree when nothing matches well. `choose_pow2` and
+`choose_round_robin` are the policies to compare it with. `Router` is the state a router
+keeps (requests in flight, the tree, its counters) and its choice, replicas being any
+hashable keys: the Ray Serve routers and `benchmarks/cluster_sim.py`'s simulated
+replicas run the same one.
 `RouterStats` counts what the policy did, for ``/metrics``. The Ray Serve
-`RequestRouter`s that apply them are in `cluster_routers` (which needs Ray); `POLICIES`
-names them for ``--router``.
+`RequestRouter`s that apply a `Router` are in `cluster_routers` (which needs Ray);
+`POLICIES` names them for ``--router``.
 
 A wrong tree costs time, never correctness: a replica sent a prefix it has evicted
 prefills it again (and the tree, refreshed by that request, is right again).
@@ -18,13 +23,14 @@ prefills it again (and the tree, refreshed by that request, is right again).
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = {"prefix": "PrefixRouter", "pow2": "Pow2Router", "round-robin": "RoundRobinRouter"}
-IMBALANCE = 4  # requests in flight, most loaded minus least loaded, past which load wins
+IMBALANCE = 4  # requests in flight, the target's minus the least loaded's, past which load wins
 MIN_MATCH = 0.1  # a match shorter than this fraction of the prompt is no match
 
 
@@ -178,20 +184,107 @@ def choose_prefix(
     """The replicas in order of preference for a prompt, given each one's requests in
     flight; with the tokens the first one is believed to hold and whether load decided.
 
-    Balanced loads (most minus least ≤ ``imbalance``): the replicas with the longest
-    match, least loaded first, if it covers ``min_match`` of the prompt; otherwise (a new
-    prefix) the one holding the least of the tree, least loaded first among equals, so
-    prefixes spread over the replicas' caches (SGLang's "smallest tenant"): a
-    difference of a request or two in flight is noise at this point, where the cache a
-    prefix lands in is not. Imbalanced: the least loaded."""
+    The target: the replica with the longest match, the least loaded of those, if it
+    covers ``min_match`` of the prompt; otherwise (a new prefix) the one holding the
+    least of the tree, least loaded first among equals, so prefixes spread over the
+    replicas' caches (SGLang's "smallest tenant"): a difference of a request or two in
+    flight is noise at this point, where the cache a prefix lands in is not. If the
+    target has more than ``imbalance`` requests in flight beyond the least loaded
+    replica's, the least loaded instead. (The target's load, not the spread of all the
+    loads: one busy replica among 64 must not turn every other request's routing into
+    least-loaded.)"""
     if not loads:
         return [], 0, False
     by_load = sorted(loads, key=lambda t: (loads[t], tree.sizes.get(t, 0), str(t)))
-    if max(loads.values()) - min(loads.values()) > imbalance:
-        return by_load, tree.match(tokens, by_load[:1])[0], True
+    least = loads[by_load[0]]
     n, holders = tree.match(tokens, list(loads))
     if n and n >= min_match * len(tokens):
-        best = sorted(holders, key=by_load.index)
-        return best + [t for t in by_load if t not in best], n, False
-    by_size = sorted(loads, key=lambda t: (tree.sizes.get(t, 0), loads[t], str(t)))
-    return by_size, 0, False
+        rank = {t: i for i, t in enumerate(by_load)}
+        order = sorted(holders, key=rank.__getitem__)
+        order += [t for t in by_load if t not in set(holders)]
+    else:
+        n, order = 0, sorted(loads, key=lambda t: (tree.sizes.get(t, 0), loads[t], str(t)))
+    if loads[order[0]] - least > imbalance:
+        return by_load, tree.match(tokens, by_load[:1])[0], True
+    return order, n, False
+
+
+def choose_pow2(loads: Mapping[Hashable, int], rng: random.Random) -> list[Hashable]:
+    """Two replicas at random, the less loaded first (power of two choices)."""
+    two = rng.sample(list(loads), min(2, len(loads)))
+    return sorted(two, key=lambda t: loads[t])
+
+
+def choose_round_robin(ring: Sequence[Hashable], turn: int) -> list[Hashable]:
+    """The ring, starting at the ``turn``-th replica (modulo its length)."""
+    if not ring:
+        return []
+    k = turn % len(ring)
+    return [*ring[k:], *ring[:k]]
+
+
+class Router:
+    """One router's state, without Ray: each replica's requests in flight (routed, not
+    completed), the tree of the prefixes each was sent (every policy keeps it, so their
+    hit rates compare), its counters; and its choice for a request. ``name`` turns a
+    replica's key into the label ``/metrics`` shows."""
+
+    def __init__(
+        self,
+        policy: str,
+        max_tokens: int = 1 << 20,
+        imbalance: int = IMBALANCE,
+        min_match: float = MIN_MATCH,
+        name: Callable[[Hashable], str] = str,
+        rng: random.Random | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.policy, self.imbalance, self.min_match, self.name = (
+            policy, imbalance, min_match, name
+        )  # fmt: skip
+        self.in_flight: dict[Hashable, set[str]] = {}
+        self.tree = PrefixTree(max_tokens)
+        self.stats = RouterStats(policy)
+        self.rng = rng or random.Random()
+        self.turn = itertools.count()
+
+    def loads(self, replicas: Sequence[Hashable]) -> dict[Hashable, int]:
+        return {r: len(self.in_flight.get(r, ())) for r in replicas}
+
+    def by_load(self, replicas: Sequence[Hashable]) -> list[Hashable]:
+        loads = self.loads(replicas)
+        return sorted(replicas, key=lambda r: loads[r])
+
+    def choose(self, replicas: Sequence[Hashable], tokens: Sequence[int] | None) -> list[Hashable]:
+        """The replicas to try for a request, in order (``tokens``: its prompt, if known)."""
+        if self.policy == "round-robin":
+            return choose_round_robin(sorted(replicas, key=self.name), next(self.turn))
+        if self.policy == "pow2":
+            return choose_pow2(self.loads(replicas), self.rng)
+        if tokens is None:
+            return self.by_load(replicas)
+        order, _, by_load = choose_prefix(
+            self.tree, tokens, self.loads(replicas), self.imbalance, self.min_match
+        )
+        self.stats.load_fallbacks += by_load
+        return order
+
+    def routed(self, replica: Hashable, request_id: str, tokens: Sequence[int] | None) -> None:
+        self.in_flight.setdefault(replica, set()).add(request_id)
+        self.stats.routed[self.name(replica)] += 1
+        if tokens is not None:
+            self.stats.prompt_tokens += len(tokens)
+            self.stats.matched_tokens += self.tree.match(tokens, [replica])[0]
+            self.tree.insert(tokens, replica)
+            self.stats.tree_tokens[self.name(replica)] = self.tree.sizes[replica]
+
+    def completed(self, replica: Hashable, request_id: str) -> None:
+        self.in_flight.get(replica, set()).discard(request_id)
+
+    def forget(self, replica: Hashable) -> None:
+        """A replica died or was replaced: its successor's cache starts empty."""
+        self.in_flight.pop(replica, None)
+        self.tree.remove(replica)
+        self.stats.tree_tokens.pop(self.name(replica), None)
+        self.stats.replicas.pop(self.name(replica), None)
