@@ -273,7 +273,7 @@ class CudaBinder(Binder):
             names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
             spec = {"dtype": kv.dtype, **dict(zip(names, geometry, strict=True))}
             tokens = self._shape[0]
-            launches = [(P.ATTENTION, spec, "write", at, 1)]
+            launches = [(P.ATTENTION, spec, "write_rows", at, tokens * n_kv)]  # a thread per row
             launches.append((P.ATTENTION, spec, "items", at, tokens * per_token))
             if kv.recent:
                 launches.append((P.ATTENTION, spec, "write_recent", at, 1))
