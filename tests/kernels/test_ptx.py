@@ -218,6 +218,29 @@ def test_grid_attention_write_is_a_thread_per_row(dtype: str) -> None:
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+def test_greedy_argmax_on_the_grid() -> None:
+    """``ARGMAX`` (a thread per ``ARGMAX_CHUNK`` logits, then a pick per row) gives each
+    row's first argmax, ``np.argmax``'s, across a chunk edge and in a tie between chunks;
+    -1 for a row with a NaN or only -inf (which the host's greedy sampler refuses)."""
+    rng = np.random.default_rng(1)
+    rows, vocab = 6, 2500  # 3 chunks, the last partial
+    x = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    x[1, [3, 1500]] = 60.0  # a tie across chunks: the first
+    x[2, 7] = np.nan
+    x[3, :] = -np.inf
+    x[4, [2047, 2048]] = 70.0  # a tie across the chunk edge
+    x[5, 2499] = 80.0  # the last logit
+    chunks = sampling.argmax_chunks(vocab)
+    part_max, part_arg = np.zeros(rows * chunks, np.float32), np.zeros(rows * chunks, np.int64)
+    tokens = np.zeros(rows, np.int64)
+    args = np.array([a.ctypes.data for a in (x, part_max, part_arg, tokens)], np.int64)
+    entries = nvptx.host_twin(sampling.ARGMAX, {"vocab": vocab})
+    run_grid(entries["parts"], args.ctypes.data, rows * chunks)
+    run_grid(entries["pick"], args.ctypes.data, rows)
+    np.testing.assert_array_equal(tokens, sampling.argmax_reference(x))
+    np.testing.assert_array_equal(tokens, [x[0].argmax(), 3, -1, -1, 2047, 2499])
+
+
 def test_sampling_reduction() -> None:
     """Per row: max and first argmax exactly, sum(exp(x - max)) within its rounding; run
     through the grid mapping, and on the CPU's generic backend."""
