@@ -186,6 +186,61 @@ def test_grid_elementwise_is_the_cpu_kernel() -> None:
     np.testing.assert_array_equal(got, x[ids, 8:56])  # the row gather is x[index]
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_grid_attention_write_is_a_thread_per_row(dtype: str) -> None:
+    """The device stores a step's keys and values with ``write_rows``, one thread per
+    (token, kv head) row (here in blocks of 4 threads, rows of one token on different
+    threads): the pages hold bitwise what ``PagePool.write`` stores, and nothing else."""
+    from test_attention import HEAD_DIM, HEADS, KV_HEADS, ragged_step
+
+    from dynalm.core.attention import PagedAttention, StepLayout
+    from dynalm.kernel.attention_program import ATTENTION
+
+    seqs = [([0, 1], 20, 3), ([2], 9, 1), ([3, 4], 17, 17)]  # a chunk past a page edge
+    pool, batch, positions, q, k, v = ragged_step(dtype, seqs, seed=5)
+    ref, *_ = ragged_step(dtype, seqs, seed=5)
+    n = len(batch.slots)
+    shape = (n, KV_HEADS, HEAD_DIM)
+    ref.storage.write(0, batch.slots, k.reshape(shape), v.reshape(shape))
+    step = StepLayout()
+    step.set(batch, positions)
+    out = np.empty((n, HEADS * HEAD_DIM), np.float32)
+    att = PagedAttention(step, 0, HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1, out, q, k, v)
+    args = att.records()[0][2]  # binds the pages: the layer's argument block
+    spec = {"dtype": dtype, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+    spec |= {"page": pool.page_size, "recent": pool.storage.recent}
+    entry = nvptx.host_twin(ATTENTION, spec)["write_rows"]
+    assert entry.entry.chunk == 1  # a thread per row
+    run_grid(entry, args, n * KV_HEADS)
+    stores = ("k", "v", "k_scale", "v_scale")
+    for name in stores if dtype == "q8_0" else stores[:2]:
+        got, want = getattr(pool.storage, name)[0], getattr(ref.storage, name)[0]
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_greedy_argmax_on_the_grid() -> None:
+    """``ARGMAX`` (a thread per ``ARGMAX_CHUNK`` logits, then a pick per row) gives each
+    row's first argmax, ``np.argmax``'s, across a chunk edge and in a tie between chunks;
+    -1 for a row with a NaN or only -inf (which the host's greedy sampler refuses)."""
+    rng = np.random.default_rng(1)
+    rows, vocab = 6, 2500  # 3 chunks, the last partial
+    x = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    x[1, [3, 1500]] = 60.0  # a tie across chunks: the first
+    x[2, 7] = np.nan
+    x[3, :] = -np.inf
+    x[4, [2047, 2048]] = 70.0  # a tie across the chunk edge
+    x[5, 2499] = 80.0  # the last logit
+    chunks = sampling.argmax_chunks(vocab)
+    part_max, part_arg = np.zeros(rows * chunks, np.float32), np.zeros(rows * chunks, np.int64)
+    tokens = np.zeros(rows, np.int64)
+    args = np.array([a.ctypes.data for a in (x, part_max, part_arg, tokens)], np.int64)
+    entries = nvptx.host_twin(sampling.ARGMAX, {"vocab": vocab})
+    run_grid(entries["parts"], args.ctypes.data, rows * chunks)
+    run_grid(entries["pick"], args.ctypes.data, rows)
+    np.testing.assert_array_equal(tokens, sampling.argmax_reference(x))
+    np.testing.assert_array_equal(tokens, [x[0].argmax(), 3, -1, -1, 2047, 2499])
+
+
 def test_sampling_reduction() -> None:
     """Per row: max and first argmax exactly, sum(exp(x - max)) within its rounding; run
     through the grid mapping, and on the CPU's generic backend."""

@@ -111,7 +111,8 @@ def test_buffers_and_rope_tables_grow_on_the_device(model, gpu, monkeypatch):
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
 def test_engine_tokens_equal_the_cpu(model, device, gpu, kv_dtype):
-    """Four greedy requests batched, with a shared prefix cached: the CPU's tokens. q8_0
+    """Four greedy requests batched, with a shared prefix cached: the CPU's tokens, the
+    device picking them (only token ids come back) except in steps with drafts. q8_0
     also drafts n-grams (fixed draft length): rejected drafts roll the device's recent f16
     buffers back."""
     spec = kv_dtype == "q8_0"
@@ -120,7 +121,10 @@ def test_engine_tokens_equal_the_cpu(model, device, gpu, kv_dtype):
     want = [tokens(o) for o in run(Engine(model, device, config), prompts)]
     engine = Engine(model, cuda(gpu), config, NgramDrafter() if spec else None)
     assert isinstance(engine.pool.storage, CudaKVStorage)
+    steps, executor_run = [], engine.executor.run  # greedy: tokens picked on the device
+    engine.executor.run = lambda *a, **kw: steps.append(kw["greedy"]) or executor_run(*a, **kw)
     assert [tokens(o) for o in run(engine, prompts)] == want
+    assert any(steps) and (not spec or not all(steps))  # steps with drafts need logits
     drafted = engine.spec_stats
     assert not spec or drafted.num_draft_tokens > drafted.num_accepted_tokens > 0
     again = run(engine, prompts[:1])[0]  # its prefix from the cache, on the device

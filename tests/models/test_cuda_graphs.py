@@ -43,6 +43,8 @@ class CountingLibcuda:
 
         def counted(*args: object) -> int:
             self.calls[name] += 1
+            if name == "cuMemcpyDtoH_v2":
+                self.calls["bytes down"] += args[2].value  # (dst, src, size_t nbytes)
             return function(*args)
 
         return counted
@@ -61,9 +63,16 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(path)
 
 
-def greedy(model: LoadedModel, device: object, steps: int, after_step=None) -> np.ndarray:  # noqa: ANN001
+def greedy(
+    model: LoadedModel,
+    device: object,
+    steps: int,
+    after_step=None,  # noqa: ANN001
+    on_device: bool = False,
+) -> np.ndarray:
     """Logits of a prefill of ``IDS`` and of ``steps`` greedy decode steps (one sequence,
-    f32 KV); ``after_step(i)`` is called after step ``i`` (0: the prefill)."""
+    f32 KV); ``after_step(i)`` is called after step ``i`` (0: the prefill). ``on_device``:
+    the steps' tokens instead, picked on the device (``Executor.run(greedy=True)``)."""
     hp = model.hparams
     ex = Executor(model.graph, device, model.weights, max_tokens=32)
     n_pages = -(-(len(IDS) + steps) // 16)
@@ -77,11 +86,11 @@ def greedy(model: LoadedModel, device: object, steps: int, after_step=None) -> n
             pool.slots(pages, start, end),
         )  # fmt: skip
         rows = np.array([len(tokens) - 1])
-        logits = ex.run(np.array(tokens), np.arange(start, end), rows, batch).copy()
-        out.append(logits)
+        got = ex.run(np.array(tokens), np.arange(start, end), rows, batch, greedy=on_device)
+        out.append(got.copy())
         if after_step is not None:
             after_step(i)
-        tokens, start = [int(logits[-1].argmax())], end
+        tokens, start = [int(got[-1] if on_device else got[-1].argmax())], end
     return np.concatenate(out)
 
 
@@ -105,6 +114,7 @@ def test_a_decode_step_is_one_graph_launch(llama, monkeypatch):
     assert first["cuLaunchKernel"] == kernels
     # the inputs (token ids, positions, logit rows), the layout arena, the layout block
     replay = Counter({"cuMemcpyHtoD_v2": 5, "cuGraphLaunch": 1, "cuMemcpyDtoH_v2": 1})
+    replay["bytes down"] = 4 * VOCAB  # one row of f32 logits
     assert per_step[2:] == [replay] * 3
     assert gpu.graph_launches == 5 and len(gpu.executables) == 2  # prefill's, decode's
 
@@ -113,6 +123,27 @@ def test_a_decode_step_is_one_graph_launch(llama, monkeypatch):
     assert plain.submitted[1, 1] == (kernels, kernels)
     monkeypatch.setenv("DYNALM_ISA", "generic")
     np.testing.assert_array_equal(got, greedy(llama, CpuDevice("auto"), 4))
+
+
+def test_greedy_tokens_come_back_instead_of_logits(llama):
+    """``run(greedy=True)``: the same graph (it ends with the argmax kernels: a partial
+    per ``ARGMAX_CHUNK`` logits, a pick per row) then a download of one int64 token per
+    row instead of the row's logits. The tokens are the logits' argmax; a CPU executor
+    has no such path and says so."""
+    counting = CountingLibcuda(EmulatedLibcuda())
+    device = CudaDevice("auto", driver=cuda_driver.Driver(counting))
+    want = greedy(llama, device, 3).argmax(axis=1)
+    per_step: list[Counter[str]] = []
+    counting.take()
+    got = greedy(llama, device, 3, lambda i: per_step.append(counting.take()), on_device=True)
+    np.testing.assert_array_equal(got, want)
+    replay = Counter({"cuMemcpyHtoD_v2": 5, "cuGraphLaunch": 1, "cuMemcpyDtoH_v2": 1})
+    replay["bytes down"] = 8  # one token id
+    assert per_step[2:] == [replay] * 2  # (step 1 captured the decode shape's graph)
+    ex = Executor(llama.graph, CpuDevice("auto"), llama.weights, max_tokens=8)
+    assert not ex.greedy_on_device
+    with pytest.raises(ValueError, match="CpuBinder has no greedy tokens on its device"):
+        ex.run(np.array(IDS), np.arange(8), np.array([7]), None, greedy=True)  # type: ignore[arg-type]
 
 
 def test_a_repeated_prefill_shape_replays_its_graph(llama):

@@ -254,10 +254,16 @@ class Executor:
         logit_rows: np.ndarray,
         batch: AttentionBatch,
         extra: Mapping[str, np.ndarray] | None = None,
+        greedy: bool = False,
     ) -> np.ndarray:
         """One forward step over a flat batch; returns logits ``[len(logit_rows), vocab]``
         (a view into a planned buffer, valid until the next step). ``extra``: the graph's
-        other inputs of one value per token, by name (bert.lum's token_types)."""
+        other inputs of one value per token, by name (bert.lum's token_types). ``greedy``
+        (where ``greedy_on_device``): returns each logit row's first argmax instead (int64,
+        -1 where the row holds a NaN or an infinite max), computed on the device; the
+        logits do not come back."""
+        if greedy and not self.greedy_on_device:
+            raise ValueError(f"{type(self.binder).__name__} has no greedy tokens on its device")
         n_tokens, n_logits = len(tokens), len(logit_rows)
         if n_tokens > self.capacity:
             self._reserve(n_tokens)
@@ -281,8 +287,13 @@ class Executor:
                 call()
         else:
             self._run_profiled(self.profile)
-        self.binder.end_step()
-        return self.buffers.views[self._logits]
+        tokens = self.binder.end_step(greedy)
+        return tokens if greedy else self.buffers.views[self._logits]
+
+    @property
+    def greedy_on_device(self) -> bool:
+        """Whether ``run(greedy=True)`` can bring back tokens instead of logits."""
+        return self.binder.device_greedy
 
     def _run_profiled(self, profile: dict[str, float]) -> None:
         clock = time.perf_counter

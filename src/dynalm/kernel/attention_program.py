@@ -11,7 +11,8 @@ key. Items are independent, so the result of a token never depends on what else 
 batch, and the native pool splits items across threads.
 
 The same module stores the step's keys and values into their pages first (``write``:
-f32, f16 or q8_0 exactly as ``PagePool.write`` does).
+f32, f16 or q8_0 exactly as ``PagePool.write`` does), one (token, kv head) row at a time
+through the row-range ``write_rows``, which a GPU runs as a thread per row.
 q8_0 keys are stored Walsh-Hadamard rotated per 32 values (see ``kv_cache``), so an item
 rotates its queries once the same way and scales scores by 1/32 more. With q8_0 pages, the
 keys within the recent window of a query are read in f16 instead, from the sequence's
@@ -51,7 +52,7 @@ Q8_BLOCK = 32
 # Query heads per work item at most: more would crowd the loops' registers and leave
 # fewer items to split over threads.
 MAX_ITEM_HEADS = 4
-FUNCTIONS = ("items", "write", "write_recent", "run")
+FUNCTIONS = ("items", "write_rows", "write", "write_recent", "run")
 
 _VEC = vec(F32, LANES)
 _STORE = {"f32": F32, "f16": F16, "q8_0": I8}
@@ -146,10 +147,13 @@ def _quantise(k: Kernel, xs: list[ir.Value], scales: ir.Value, at: ir.Value) -> 
 
 
 def _write(k: Kernel, dtype: str, n_kv_heads: int, head_dim: int) -> None:
-    """Store the step's keys and values at their slots, as ``PagePool.write`` does: cast
-    to f16, or q8_0 (scale ``max|x| / 127`` per 32 values, ``rint(x / scale)``, keys
-    rotated first)."""
+    """Rows ``lo..hi-1`` of the step's keys and values, row ``r`` token ``r // n_kv_heads``'s
+    kv head ``r % n_kv_heads``, stored at their slots as ``PagePool.write`` does: cast to
+    f16, or q8_0 (scale ``max|x| / 127`` per 32 values, ``rint(x / scale)``, keys rotated
+    first). Rows are disjoint (a head's q8_0 blocks lie in its row), so any split of the
+    range stores the same bytes: the GPU runs a thread per row."""
     a, s = _blocks(k)
+    lo, hi = k.args[1], k.args[2]
     slots, ty = k.pointer(s[S_SLOTS]), _STORE[dtype]
     chunk = Q8_BLOCK if dtype == "q8_0" else LANES  # values converted together
     pairs = [
@@ -160,25 +164,25 @@ def _write(k: Kernel, dtype: str, n_kv_heads: int, head_dim: int) -> None:
         )
     ]
 
-    def token(t: ir.Value) -> None:
+    def row(r: ir.Value) -> None:
+        t, h = k.udiv(r, n_kv_heads), k.b.urem(r, k.i64(n_kv_heads))
         slot = _word(k, slots, t)
         for new, stride, store, scales, rotate in pairs:
-            for h in range(n_kv_heads):
-                src = k.add(k.mul(t, stride), h * head_dim)
-                dst = k.mul(k.add(k.mul(slot, n_kv_heads), h), head_dim)
-                for c in range(0, head_dim, chunk):
-                    xs = [
-                        k.load(_VEC, k.index(new, k.add(src, i), F32), align=4)
-                        for i in range(c, c + chunk, LANES)
-                    ]
-                    if dtype == "q8_0":
-                        xs = _quantise(k, _hadamard(k, xs) if rotate else xs, scales, k.add(dst, c))
-                    elif dtype == "f16":
-                        xs = [k.convert(x, F16) for x in xs]
-                    for i, x in enumerate(xs):
-                        k.store(x, k.index(store, k.add(dst, c + i * LANES), ty))
+            src = k.add(k.mul(t, stride), k.mul(h, head_dim))
+            dst = k.mul(k.add(k.mul(slot, n_kv_heads), h), head_dim)
+            for c in range(0, head_dim, chunk):
+                xs = [
+                    k.load(_VEC, k.index(new, k.add(src, i), F32), align=4)
+                    for i in range(c, c + chunk, LANES)
+                ]
+                if dtype == "q8_0":
+                    xs = _quantise(k, _hadamard(k, xs) if rotate else xs, scales, k.add(dst, c))
+                elif dtype == "f16":
+                    xs = [k.convert(x, F16) for x in xs]
+                for i, x in enumerate(xs):
+                    k.store(x, k.index(store, k.add(dst, c + i * LANES), ty))
 
-    k.loop(0, s[S_TOKENS], 1, token)
+    k.loop(lo, hi, 1, row)
 
 
 @dataclass
@@ -464,16 +468,21 @@ def _write_recent(k: Kernel, n_kv_heads: int, head_dim: int, recent: int) -> Non
 def _build(
     module: Module, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int, recent: int
 ) -> None:
-    """``items(args, lo, hi)``: work items lo..hi-1; ``write(args)``: store the step's keys
-    and values in their pages; ``write_recent(args)``: in the recent buffers (after the
+    """``items(args, lo, hi)``: work items lo..hi-1; ``write_rows(args, lo, hi)``: store
+    rows lo..hi-1 (token, kv head) of the step's keys and values in their pages,
+    ``write(args)`` all of them; ``write_recent(args)``: in the recent buffers (after the
     items, which read the buffers' earlier tokens); ``run(args)``: all three, over all items
     of the step."""
     name = module.ir.name
     items = module.kernel(f"{name}_items", (PTR, I64, I64))
     _items(items, dtype, n_heads, n_kv_heads, head_dim, page, recent)
     items.ret()
+    write_rows = module.kernel(f"{name}_write_rows", (PTR, I64, I64))
+    _write(write_rows, dtype, n_kv_heads, head_dim)
+    write_rows.ret()
     write = module.kernel(f"{name}_write", (PTR,))
-    _write(write, dtype, n_kv_heads, head_dim)
+    _, s = _blocks(write)
+    write.b.call(write_rows.fn, [write.args[0], write.i64(0), write.mul(s[S_TOKENS], n_kv_heads)])
     write.ret()
     write_recent = module.kernel(f"{name}_write_recent", (PTR,))
     if recent:

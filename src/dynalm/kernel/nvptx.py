@@ -3,10 +3,10 @@
 The same programs the CPU backends lower (``kernel.matmul_programs``' MATMUL for every
 format of the table in ``exact`` and ``auto``, ``kernel.attention_program``'s paged
 attention, ``kernel.elementwise_programs``' kernels, ``kernel.sampling_program``'s row
-reductions) are built for the ``nvptx64-nvidia-cuda`` triple at the generic backend's width
-(8 fp32 lanes, so the weight layouts and every program's float order are those of the CPU's
-8-lane backends) and compiled by LLVM's NVPTX target to PTX text, which ``core.cuda_driver``
-loads.
+reductions and greedy argmax) are built for the ``nvptx64-nvidia-cuda`` triple at the
+generic backend's width (8 fp32 lanes, so the weight layouts and every program's float
+order are those of the CPU's 8-lane backends) and compiled by LLVM's NVPTX target to PTX
+text, which ``core.cuda_driver`` loads.
 
 The grid: each function a program exports with the row-range signature
 ``void f(i64 *args, i64 lo, i64 hi)`` gets an entry kernel ``f_grid(i64 *args, i64 rows)``
@@ -17,8 +17,11 @@ auto matmul's lane groups (8 weight rows), the exact matmul's row groups (4), el
 The element-wise programs take ``void f(i64 *args)`` with a count first; their entry
 builds each thread's own argument block (count ``hi - lo``, each array advanced by ``lo``
 rows of its stride, ``ROW_BYTES``) so they split the same way. The attention program's
-``write``/``write_recent``/``run`` (not row ranges) get single-thread entries
-(``Entry.chunk == 0``): correct, serial.
+``write_rows`` (a (token, kv head) row of the step's keys and values per thread) and
+``items`` are row ranges; its ``write``/``write_recent``/``run`` (not row ranges) get
+single-thread entries (``Entry.chunk == 0``): correct, serial. The CUDA device launches
+``write_rows`` rather than ``write``, and ``write_recent`` (q8_0 pages only) still on one
+thread per layer: two tokens of a step may share a recent-buffer row, the later must win.
 
 ISA primitives: ``dot_u8s8`` is ``dp4a`` (``llvm.nvvm.idp4a.u.s``: 4 u8 x s8 products
 into an int32, sm_61 and later) per lane; the others are the portable integer IR. The
@@ -353,7 +356,8 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
     """Every (program, spec) a model step on the GPU needs, at SmolLM2-like shapes: the
     matmuls of every format of the table in both modes (each batch bucket's tile and the
     activations' quantiser; K = 32 * ``k_blocks``, a multiple of the K-quants' 256), paged
-    attention per KV storage, the element-wise kernels and the sampling reductions."""
+    attention per KV storage, the element-wise kernels, the sampling reductions and the
+    greedy argmax."""
     from dynalm.kernel import (
         attention_program,
         elementwise_programs,
@@ -392,5 +396,6 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
         (ew["rope"], {"n_heads": 9, "head_dim": 64, "rope_dim": 64, "neox": False, "stride": 576}),
         (ew["rope"], {"n_heads": 4, "head_dim": 64, "rope_dim": 32, "neox": True, "stride": 320}),
         (sampling_program.ROW_REDUCE, {"vocab": 49152}),
+        (sampling_program.ARGMAX, {"vocab": 49152}),  # greedy tokens on the device
     ]
     return out

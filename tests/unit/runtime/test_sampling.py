@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from dynalm.errors import InvalidRequest, NonFiniteLogits
-from dynalm.runtime.engine.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
+from dynalm.runtime.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    StopMatcher,
+    device_greedy,
+    sample_rows,
+)
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, -1.0, 2.9], np.float32)
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
@@ -22,6 +28,20 @@ def draws(params: SamplingParams, n: int = 400, history: tuple[int, ...] = ()) -
 
 def test_greedy_is_argmax():
     assert draws(SamplingParams(temperature=0, **OFF)) == {1}
+
+
+def test_argmax_only_is_greedy_with_nothing_changing_the_logits():
+    """What the device may pick (``Executor.run(greedy=True)``): greedy, no penalty, no
+    bias; a token the device marks -1 (a NaN or infinite max) is refused as on the host."""
+    assert Sampler(SamplingParams(temperature=0, **OFF)).argmax_only
+    assert not Sampler(SamplingParams(temperature=0.7, **OFF)).argmax_only
+    for changed in ({"repeat_penalty": 1.1}, {"presence_penalty": 0.5},
+                    {"frequency_penalty": 0.5}, {"logit_bias": {3: 2.0}}):  # fmt: skip
+        params = SamplingParams(temperature=0, **{**OFF, **changed})
+        assert not Sampler(params).argmax_only, changed
+    assert device_greedy(np.array([4, 0])).tolist() == [4, 0]
+    with pytest.raises(NonFiniteLogits, match="not finite"):
+        device_greedy(np.array([4, -1]))
 
 
 def test_top_k_keeps_the_k_best():

@@ -127,6 +127,13 @@ class Binder(ABC):
     def submission(self, calls: list[Call]) -> list[Call]:
         """The step's calls as few submissions as the device can (kernels lowered first)."""
 
-    def end_step(self) -> None:  # noqa: B027 - nothing to do where the host holds them
+    # whether ``end_step(greedy=True)`` returns the greedy tokens computed on the device
+    device_greedy = False
+
+    def end_step(self, greedy: bool = False) -> np.ndarray | None:  # noqa: B027
         """The step's calls have run: its logits must be readable on the host when this
-        returns (a GPU copies them back)."""
+        returns (a GPU copies them back), or with ``greedy`` (only where
+        ``device_greedy``) only each logit row's first argmax, returned (int64, -1 where
+        the row holds a NaN or its max is infinite), and the logits stay on the device.
+        Nothing to do where the host holds the logits."""
+        return None

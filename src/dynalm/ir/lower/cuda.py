@@ -36,7 +36,7 @@ from dynalm.errors import InvalidRequest
 from dynalm.ir.graph import Graph, Node
 from dynalm.ir.lower.base import Binder, Buffers, Call, Prepare
 from dynalm.ir.ops import GATES
-from dynalm.kernel import attention_program
+from dynalm.kernel import attention_program, sampling_program
 from dynalm.kernel.backends import Program, Spec
 from dynalm.kernel.formats import QK
 from dynalm.kernel.matmul_programs import (
@@ -95,6 +95,8 @@ class CudaBinder(Binder):
         self._kv: object = None
         self._shape = (0, 0)
         self._stream: object = None  # the stream the step graphs are captured on
+        # the greedy tokens: the logits buffer they are of, their launches and device array
+        self._greedy: tuple[np.ndarray, _Kernels, DeviceArray] | None = None
 
     # -- binding ---------------------------------------------------------------------
     def reserve(self, rows: int, widest: int) -> None:
@@ -273,7 +275,7 @@ class CudaBinder(Binder):
             names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
             spec = {"dtype": kv.dtype, **dict(zip(names, geometry, strict=True))}
             tokens = self._shape[0]
-            launches = [(P.ATTENTION, spec, "write", at, 1)]
+            launches = [(P.ATTENTION, spec, "write_rows", at, tokens * n_kv)]  # a thread per row
             launches.append((P.ATTENTION, spec, "items", at, tokens * per_token))
             if kv.recent:
                 launches.append((P.ATTENTION, spec, "write_recent", at, 1))
@@ -321,6 +323,34 @@ class CudaBinder(Binder):
             resize(n_tokens, n_logits)
         self._context.copy_in(self._table_copy, self._table[: self._used])
 
+    device_greedy = True
+
+    def _argmax(self) -> tuple[_Kernels, DeviceArray]:
+        """The greedy tokens of the logit rows (``sampling_program.ARGMAX``: a partial per
+        ``ARGMAX_CHUNK`` logits, then a pick per row), launched at the end of every step
+        (two launches, a few microseconds on a GPU), so that ``end_step(greedy=True)``
+        downloads 8 bytes a row instead of the vocabulary's floats."""
+        logits = self.buffers.full[self.graph.outputs["logits"].id]
+        capacity, vocab = logits.shape
+        if self._greedy is not None and self._greedy[0] is logits:
+            return self._greedy[1:]
+        chunks = sampling_program.argmax_chunks(vocab)
+        # freed with the logits buffer (a new capacity plans new buffers)
+        parts = self.device.alloc(12 * capacity * chunks, owner=logits)  # i64 index, f32 max
+        tokens = self.device.alloc(8 * capacity, owner=logits)
+        block = self.device.alloc(8 * sampling_program.G_WORDS, owner=logits)
+        words = (self.device.address(logits), parts.ptr + 8 * capacity * chunks, parts.ptr)
+        self._context.copy_in(block, np.array((*words, tokens.ptr), np.int64))
+        spec, program = {"vocab": vocab}, sampling_program.ARGMAX
+
+        def plan() -> list[Launch]:
+            rows = self._shape[1]
+            parts = (program, spec, "parts", block.ptr, rows * chunks)  # a thread each
+            return [parts, (program, spec, "pick", block.ptr, rows)]
+
+        self._greedy = (logits, _Kernels(self.device, plan), tokens)
+        return self._greedy[1:]
+
     def submission(self, calls: list[Call]) -> list[Call]:
         """The step's launches (their PTX lowered and loaded first) captured as one CUDA
         graph on the binder's stream: one ``cuGraphLaunch`` a step. The capture holds this
@@ -329,7 +359,8 @@ class CudaBinder(Binder):
         counts), so a step of the same shape replays it. A shape of more than
         ``cached_rows`` tokens (a long prefill: the executor does not keep its submission, so
         a graph would be instantiated to run once), or ``device.graphs`` off: the launches
-        one by one on the default stream."""
+        one by one on the default stream. The greedy tokens' launches end every step."""
+        calls = [*calls, self._argmax()[0]]
         if not self.device.graphs or self._shape[0] > self.cached_rows:
             steps: list[Call] = []
             for call in calls:
@@ -351,8 +382,12 @@ class CudaBinder(Binder):
         self._context.copy_in(self._table_copy, self._table[: self._used])
         return steps
 
-    def end_step(self) -> None:
-        """Copy the step's logits back (the copy waits for the launches)."""
+    def end_step(self, greedy: bool = False) -> np.ndarray | None:
+        """Copy the step's logits back, or with ``greedy`` its greedy tokens (the copy
+        waits for the launches)."""
+        if greedy:
+            tokens = np.empty(self._shape[1], np.int64)
+            return self._context.copy_out(self._argmax()[1], tokens)
         bufs, logits = self.buffers, self.graph.outputs["logits"].id
         copy, offset = self.device.device_view(bufs.full[logits])
         self._context.copy_out(copy, bufs.views[bufs.view_of[logits]], offset)

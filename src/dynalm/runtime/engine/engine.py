@@ -46,7 +46,13 @@ from dynalm.runtime.engine.kv_cache import PagePool
 from dynalm.runtime.engine.memory_plan import MemoryPlan, plan_memory
 from dynalm.runtime.engine.prompt_logprobs import PromptRows, ScoredLogprob, prompt_rows, score_rows
 from dynalm.runtime.engine.radix_cache import RadixCache
-from dynalm.runtime.engine.sampling import Sampler, SamplingParams, StopMatcher, sample_rows
+from dynalm.runtime.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    StopMatcher,
+    device_greedy,
+    sample_rows,
+)
 from dynalm.runtime.engine.scheduler import (
     KVCacheManager,
     Request,
@@ -92,6 +98,9 @@ class RequestOutput:
     # finish_reason "error": why the request failed (its grammar gave up), never "stop"
     # with text that does not match
     error: DynaError | None = None
+
+
+_NO_ROW = np.zeros(0, np.float32)  # a token's logits row where none came back (see step)
 
 
 @dataclass
@@ -301,25 +310,34 @@ class Engine:
             self._masks = self._masks or MaskWorker(self.model.hparams.n_vocab)
             masks = self._masks.start([streams[i].guide for i in guided])  # type: ignore[misc]
         saved = {c.request.request_id: self.scheduler.kv.save_recent(c) for c in sampling}
-        scoring, logits = self._run(sched.chunks)
+        # greedy tokens picked on the device (only they come back) when no sequence needs
+        # its logits: no penalties, bias, mask, logprobs or draft
+        greedy = bool(streams) and self.executor.greedy_on_device and not guided
+        greedy = greedy and all(not c.n_draft for c in sampling)
+        greedy = greedy and all(s.sampler.argmax_only and s.logprobs is None for s in streams)
+        scoring, logits = self._run(sched.chunks, greedy)
         with self._lock:
             self.scheduler.advance(sched)
             if scoring.spans:  # prompt log-probs from the raw logits, before any mask
                 self._score_prompts(scoring, logits)
                 logits = logits[len(scoring.rows) :]
-            # a sequence's rows: its last token's, then one per draft token
-            first = np.cumsum([0] + [1 + c.n_draft for c in sampling])
-            for stream, at in zip(streams, first.tolist(), strict=False):
-                req, n_prompt = stream.request, len(stream.request.prompt_ids)
-                for j in range(len(req.draft) + 1):  # each row's history: the draft before it
-                    history = req.token_ids + req.draft[:j] if j else req.token_ids
-                    stream.sampler.penalize(logits[at + j], history, n_prompt)
-            plain = [i for i, c in enumerate(sampling) if not c.n_draft]
-            rows = logits[: len(plain)] if len(plain) == len(sampling) else logits[first[plain]]
-            if guided:  # (constrained requests never draft)
-                apply_masks(rows, [plain.index(i) for i in guided], masks.result())
-            tokens = sample_rows([streams[i].sampler for i in plain], rows)
-            sampled = dict(zip(plain, zip(rows, tokens.tolist(), strict=True), strict=True))
+            if greedy and not scoring.spans:  # (prompt log-probs need the logits)
+                tokens = device_greedy(logits)
+                sampled = {i: (_NO_ROW, token) for i, token in enumerate(tokens.tolist())}
+            else:
+                # a sequence's rows: its last token's, then one per draft token
+                first = np.cumsum([0] + [1 + c.n_draft for c in sampling])
+                for stream, at in zip(streams, first.tolist(), strict=False):
+                    req, n_prompt = stream.request, len(stream.request.prompt_ids)
+                    for j in range(len(req.draft) + 1):  # each row's history: the draft before it
+                        history = req.token_ids + req.draft[:j] if j else req.token_ids
+                        stream.sampler.penalize(logits[at + j], history, n_prompt)
+                plain = [i for i, c in enumerate(sampling) if not c.n_draft]
+                rows = logits[: len(plain)] if len(plain) == len(sampling) else logits[first[plain]]
+                if guided:  # (constrained requests never draft)
+                    apply_masks(rows, [plain.index(i) for i in guided], masks.result())
+                tokens = sample_rows([streams[i].sampler for i in plain], rows)
+                sampled = dict(zip(plain, zip(rows, tokens.tolist(), strict=True), strict=True))
             for i, stream in enumerate(streams):
                 if i in sampled:
                     if self.planner is not None:
@@ -350,11 +368,14 @@ class Engine:
         self.scheduler.kv.accept_draft(req, len(kept) - 1, saved)
         return outputs
 
-    def _run(self, chunks: list[ScheduledChunk]) -> tuple[PromptRows, np.ndarray]:
+    def _run(
+        self, chunks: list[ScheduledChunk], greedy: bool = False
+    ) -> tuple[PromptRows, np.ndarray]:
         """The rows scoring prompt tokens, and the logits: those rows first, then the
         step's sampling rows (a speculative sequence's last token's and its draft's); a
         view of the executor's buffer, which the sampler penalises in place (the next step
-        overwrites it)."""
+        overwrites it). ``greedy`` and no prompt rows to score: the rows' greedy tokens
+        from the device instead of the logits."""
         tokens, positions, batch = flat_batch(self.pool, chunks)
         last_rows = batch.query_start[1:] - 1
         rows = np.concatenate(
@@ -368,7 +389,8 @@ class Engine:
         scoring = prompt_rows(chunks, batch.query_start)
         if scoring.spans:
             rows = np.concatenate([scoring.rows, rows])
-        return scoring, self.executor.run(tokens, positions, rows, batch)
+        greedy = greedy and not scoring.spans
+        return scoring, self.executor.run(tokens, positions, rows, batch, greedy=greedy)
 
     def _score_prompts(self, scoring: PromptRows, logits: np.ndarray) -> None:
         at = 0

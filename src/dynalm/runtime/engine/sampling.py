@@ -116,6 +116,19 @@ class Sampler:
         # below this, logits / temperature overflow float32: sample greedily, as vLLM does
         return self.params.temperature < 1e-5
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes the logits first (penalties, logit bias): the
+        token is the raw logits' first argmax, which the device can pick
+        (``Executor.run(greedy=True)``)."""
+        p = self.params
+        repeats = p.repeat_penalty != 1 and p.repeat_last_n
+        return (
+            self.greedy
+            and not (repeats or p.presence_penalty or p.frequency_penalty)
+            and (not self._bias_ids.size)
+        )
+
     def truncates(self, n_vocab: int) -> bool:
         """Whether top-k, top-p or min-p cut the distribution (else: the plain softmax)."""
         p = self.params
@@ -212,6 +225,13 @@ class Sampler:
         if p.min_p > 0:
             keep = min(keep, max(1, int(np.count_nonzero(weights >= p.min_p * weights[0]))))
         return order[:keep], weights[:keep]
+
+
+def device_greedy(tokens: np.ndarray) -> np.ndarray:
+    """The device's greedy tokens (``Executor.run(greedy=True)``), refused as
+    ``sample_rows`` refuses a row whose max is not finite (the device marks it -1)."""
+    _check(bool((tokens >= 0).all()))
+    return tokens
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:
