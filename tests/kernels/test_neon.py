@@ -78,8 +78,8 @@ def _modes(ggml_type: T) -> list[str]:
     return sorted({programs.effective_mode(ggml_type, m) for m in ("exact", "auto")})
 
 
-def _tile(backend: backends.Backend, mode: str, t_rows: int) -> int:
-    return max(s.mr for s in programs.buckets(mode, backend) if s.mr <= t_rows)
+def _tile(backend: backends.Backend, ggml_type: T, mode: str, t_rows: int) -> int:
+    return max(s.mr for s in programs.buckets(mode, backend, ggml_type) if s.mr <= t_rows)
 
 
 @dataclass
@@ -107,7 +107,7 @@ def _matmul_calls(h: Harness, b: backends.Backend, run: Run) -> dict:
             for t_rows in T_ROWS:
                 x = activations(t_rows, K)
                 xp, y = arena.put(x), arena.alloc(t_rows * N * 4)
-                fn = h.add(b, programs.MATMUL, {**spec, "mr": _tile(b, mode, t_rows)})[""]
+                fn = h.add(b, programs.MATMUL, {**spec, "mr": _tile(b, ggml_type, mode, t_rows)})[""]
                 if mode == "exact":
                     args = arena.words([w, xp, 0, 0, y, t_rows, nb, N, 0])
                     calls = [(fn, args, N)]

@@ -91,13 +91,16 @@ class CpuDevice(Device):
         return quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
 
     def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:
-        """"numpy" (fp32 weights, dequantised at load), "jit-exact" / "jit-auto"
-        (``QuantMatmul``: repacked into its planes, ``Unpack.packed_bytes`` per row) or
-        "tiled" (the file's blocks, dequantised per row tile for BLAS: formats without a JIT
-        kernel yet, or rows not a multiple of 32 values)."""
+        """"numpy" (fp32 weights, dequantised at load: ``safe``, or F32 rows the kernels
+        cannot take), "jit-exact" / "jit-auto" (``QuantMatmul``: repacked into its planes,
+        ``Unpack.packed_bytes`` per row) or "tiled" (the file's blocks, dequantised per row
+        tile for BLAS: formats without a JIT kernel yet, or rows not a multiple of 32
+        values). F32 weights take the JIT kernel too: BLAS's own threads spin for a while
+        after each call, on the cores the pool's next kernel needs (an F32 MiniLM's
+        attention ran at half speed after every BLAS matmul)."""
         n_rows, n_cols = shape
         n = n_rows * n_cols
-        if self.mode == "safe" or ggml_type == GGMLQuantizationType.F32:
+        if self.mode == "safe":
             return MatmulKernel("numpy", 4 * n)
         if n_cols % QK == 0:
             # auto takes the int8 kernels only where tests/models/test_auto_mode.py validated
@@ -105,6 +108,8 @@ class CpuDevice(Device):
                 return MatmulKernel("jit-auto", n_rows * UNPACKS[ggml_type].packed_bytes(n_cols))
             if QuantMatmul.supported(ggml_type, "exact"):
                 return MatmulKernel("jit-exact", n_rows * UNPACKS[ggml_type].packed_bytes(n_cols))
+        if ggml_type == GGMLQuantizationType.F32:
+            return MatmulKernel("numpy", 4 * n)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         return MatmulKernel("tiled", n // block * size)  # resident once read
 

@@ -94,11 +94,17 @@ class Shape:
 # tiles take batches of 16 rows and more (a tile product is 16 activation rows). A
 # backend's ``wide`` prefill tile (AVX2: 3 rows x 3 row groups) serves batches of
 # WIDE_ROWS and more.
-def buckets(mode: str, target: Backend) -> list[Shape]:
+def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Shape]:
     """The tiles of a mode for a backend, by batch bucket: each serves batches of
-    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV)."""
+    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV); for a
+    weight format where its tiles differ (float weights), else for quantised blocks."""
     if mode == "exact":
-        return [Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=4, nr=2, tc=32)]
+        # Float weights keep one register of each activation row live, not a block's 32
+        # lanes (see ``_exact``): 3 x 4 accumulators fit, 1.1-1.45x the 4 x 2 tile at
+        # T = 128..512 (F32, K = 384..1536, AVX2, 2 threads); quantised blocks stay 4 x 2.
+        floats = ggml_type is not None and not UNPACKS[ggml_type].has_scale
+        gemm = Shape(mr=3, nr=4, tc=30) if floats else Shape(mr=4, nr=2, tc=32)
+        return [Shape(mr=1, nr=4, tc=32, pf=8192), gemm]
     lanes = target.lanes
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if target.wide:
@@ -232,6 +238,8 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         (with two per block, the first 16 lanes take the first)."""
         return k.shuffle(v, [b * h + lane * h // 32 for lane in range(32)])
 
+    per_weight = not factored and (u.has_min or not u.has_scale)
+
     def tile(t: ir.Value, n: ir.Value) -> None:
         mr, nr = s.mr, s.nr
         accs = [[k.var(zero) for _ in range(nr)] for _ in range(mr)]
@@ -274,6 +282,31 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                     {f: p if f in side_names else k.at(p, b * u.size(f)) for f, p in at.items()}
                     for at in w_at
                 ]
+                if per_weight:
+                    # Float weights (or Q2_K's min per 16, dequantised in registers): no
+                    # factor of a block's sum, each lane's w * x goes into its accumulator.
+                    # A register of lanes at a time across the whole tile: every
+                    # accumulator takes its FMAs in the order one (i, j) at a time would
+                    # (bitwise the same sums), but only a register of each activation row
+                    # is live instead of the block's 32 lanes of every row (which spilled).
+                    ws = []
+                    for j in range(nr):
+                        w = u.lanes(k, planes[j])
+                        if u.has_min:
+                            d, m = (per_lane(v[j], g * h, b) for v in (dw, mw))
+                            # d * (q + offset) is exact in fp32: one rounding, for + m.
+                            w = k.fma(_integers(k, u, w), d, m)
+                        ws.append(w)
+                    for c in range(0, 32, aw):
+                        xc = [
+                            k.load(vec(F32, aw), a.x, k.add(xk[i], b * x_block + 4 * c))
+                            for i in range(mr)
+                        ]
+                        for j in range(nr):
+                            wc = k.part(ws[j], c, aw)
+                            for i in range(mr):
+                                accs[i][j].set(k.fma(wc, xc[i], accs[i][j].get()))
+                    continue
                 xs = []
                 for i in range(mr):
                     xv = k.load(vec(F32, 32), a.x, k.add(xk[i], b * x_block))
@@ -282,14 +315,7 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 # dequantising every weight (~15 % faster GEMV).
                 xsum = [k.total(xs[i]) for i in range(mr)] if factored else []
                 for j in range(nr):
-                    if u.has_min and not factored:
-                        d, m = (per_lane(v[j], g * h, b) for v in (dw, mw))
-                        # d * (q + offset) is exact in fp32: one rounding, for + m.
-                        w = k.fma(_integers(k, u, u.lanes(k, planes[j])), d, m)
-                    elif u.has_scale:
-                        w = _integer_floats(k, u, planes[j])
-                    else:
-                        w = u.lanes(k, planes[j])
+                    w = _integer_floats(k, u, planes[j])
                     w = [k.part(w, c, aw) for c in range(0, 32, aw)]
                     for i in range(mr):
                         acc = accs[i][j].get()
@@ -299,9 +325,6 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                                 part = k.fma(w[c], xs[i][c], part)
                             acc = k.fma(part, k.lane(dw[j], b, aw), acc)
                             acc = k.fma(xsum[i], k.lane(mw[j], b, aw), acc)
-                        elif u.has_min or not u.has_scale:
-                            for c, wc in enumerate(w):
-                                acc = k.fma(wc, xs[i][c], acc)
                         else:
                             # Without a min, d factors out of each of the block's h parts:
                             # sum q * x in fp32, then one FMA by d.
@@ -653,7 +676,7 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
     if not mr:
         _quantize(k, k_blocks)
     else:
-        shape = next(s for s in buckets(mode, module.target) if s.mr == mr)
+        shape = next(s for s in buckets(mode, module.target, ggml_type) if s.mr == mr)
         body = _auto_tiles if shape.tiles else _auto if mode == "auto" else _exact
         body(k, UNPACKS[ggml_type], shape, k_blocks)
     k.ret()
@@ -715,7 +738,7 @@ class MatmulKernels:
         self.mode = effective_mode(ggml_type, mode)
         self.backend = backend
         self.layout = layout(self.mode, backend.lanes)
-        shapes = buckets(self.mode, backend)
+        shapes = buckets(self.mode, backend, ggml_type)
         self._mrs, self._amx = [s.mr for s in shapes], [s.tiles for s in shapes]
         self._from, self._nrs = [s.serves for s in shapes], [s.nr for s in shapes]
         nb = n_cols // QK
