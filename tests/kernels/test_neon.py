@@ -107,7 +107,8 @@ def _matmul_calls(h: Harness, b: backends.Backend, run: Run) -> dict:
             for t_rows in T_ROWS:
                 x = activations(t_rows, K)
                 xp, y = arena.put(x), arena.alloc(t_rows * N * 4)
-                fn = h.add(b, programs.MATMUL, {**spec, "mr": _tile(b, ggml_type, mode, t_rows)})[""]
+                mr = _tile(b, ggml_type, mode, t_rows)
+                fn = h.add(b, programs.MATMUL, {**spec, "mr": mr})[""]
                 if mode == "exact":
                     args = arena.words([w, xp, 0, 0, y, t_rows, nb, N, 0])
                     calls = [(fn, args, N)]
