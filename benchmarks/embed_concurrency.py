@@ -10,10 +10,15 @@ streamed greedy chat of ``--gen-tokens`` tokens is timed alone, then while reque
 ``--requests`` inputs are sent back to back: inter-token gaps (p50, p95, max) and the
 embedding inputs/s meanwhile. ``--max-num-batched-tokens`` is both models' step budget.
 
+``--ttft N`` (with the same two models): the time to the first token of N new chat requests,
+each sent after a pause of 0.1-0.6 s (seeded) so that they arrive at every point of an
+embedding step, alone and then while embedding requests run back to back: p50, p95, max.
+
     python benchmarks/embed_concurrency.py --model tiny-bert.gguf
     python benchmarks/embed_concurrency.py --model SmolLM2-135M-Instruct.Q4_1.gguf --pooling last
     python benchmarks/embed_concurrency.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --beside-generation --requests 32 --rounds 2
+    python benchmarks/embed_concurrency.py --model SmolLM2-135M-Instruct.Q4_1.gguf --ttft 12
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -87,14 +93,38 @@ def gaps(samples: list[Sample]) -> dict:
     }
 
 
+def first_tokens(samples: list[Sample]) -> dict:
+    """The first tokens' times of the requests, in milliseconds."""
+    ttft = np.array([s.ttft for s in samples]) * 1e3
+    return {
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p95_ms": float(np.percentile(ttft, 95)),
+        "ttft_max_ms": float(ttft.max()),
+    }
+
+
 async def beside(url: str, generator: str, embedder: str, args: argparse.Namespace) -> dict:
-    """A generation stream's gaps alone, then with embedding requests sent back to back."""
+    """Generation alone, then with embedding requests sent back to back: a stream's gaps
+    (``--rounds`` streams of ``--gen-tokens``), or new requests' first tokens (``--ttft``)."""
     chat = Client(url, None, generator)
     sampling = {"ignore_eos": True}
     body = {"model": embedder, "input": [text(i) for i in range(args.requests)], "truncate": True}
     await chat.chat(question(0), 4)  # warm-up: both models loaded, their programs compiled
     (await chat.http.post(URL, json=body)).raise_for_status()
-    alone = [await chat.chat(question(i), args.gen_tokens, sampling) for i in range(args.rounds)]
+
+    async def generation() -> list[Sample]:
+        if not args.ttft:
+            return [
+                await chat.chat(question(i), args.gen_tokens, sampling) for i in range(args.rounds)
+            ]
+        pauses, samples = random.Random(0), []
+        for i in range(args.ttft):  # each arrives at another point of an embedding step
+            await asyncio.sleep(pauses.uniform(0.1, 0.6))
+            samples.append(await chat.chat(question(i), 2, sampling))
+        return samples
+
+    measure = first_tokens if args.ttft else gaps
+    alone = await generation()
     stop, embedded = asyncio.Event(), 0
 
     async def load() -> None:
@@ -106,14 +136,14 @@ async def beside(url: str, generator: str, embedder: str, args: argparse.Namespa
     task = asyncio.create_task(load())
     await asyncio.sleep(0.5)  # the first embedding request is in its steps
     started = time.perf_counter()
-    loaded = [await chat.chat(question(i), args.gen_tokens, sampling) for i in range(args.rounds)]
+    loaded = await generation()
     seconds = time.perf_counter() - started
     stop.set()
     await task
     await chat.http.aclose()
     return {
-        "alone": gaps(alone),
-        "beside_embeddings": {**gaps(loaded), "embed_inputs_per_s": embedded / seconds},
+        "alone": measure(alone),
+        "beside_embeddings": {**measure(loaded), "embed_inputs_per_s": embedded / seconds},
     }
 
 
@@ -126,10 +156,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--beside-generation", action="store_true")
     ap.add_argument("--gen-tokens", type=int, default=48)
+    ap.add_argument("--ttft", type=int, default=0, metavar="N")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = ap.parse_args()
     budget = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.beside_generation:
+    if args.beside_generation or args.ttft:
         with tempfile.TemporaryDirectory() as tmp:
             copy = embedding_copy(args.model, Path(tmp))
             extra = ["--cpu", *budget, str(copy)]
