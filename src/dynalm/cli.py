@@ -630,7 +630,10 @@ def serve(
     ] = 512,
     max_queue: Annotated[
         int,
-        typer.Option(parser=Int(1, MAX_QUEUE), help="Waiting requests beyond which: 503."),
+        typer.Option(
+            parser=Int(1, MAX_QUEUE),
+            help="Waiting requests beyond which: 503 (a model's; an embedding model's too).",
+        ),
     ] = 256,
     kv_cache_memory: Annotated[
         int | None,
@@ -748,12 +751,13 @@ def serve(
                 size += scratch_bytes(loaded, max_num_batched_tokens)
                 # /v1/embeddings, or /v1/rerank for a cross-encoder
                 rerank = is_reranker(loaded)
-                kind, service = (Reranker, RerankService) if rerank else (
-                    Embedder, EmbeddingService)
+                kind, service = (
+                    (Reranker, RerankService) if rerank else (Embedder, EmbeddingService)
+                )
                 return _Prepared(size, lambda: service(
                     kind(loaded, backend=_backend(backend, cpu, gpu), mode=mode.value,
                          threads=threads, max_tokens=max_num_batched_tokens,
-                         beside=lambda: manager.generating()),
+                         max_queue=max_queue, beside=manager),
                     names,
                     size,
                 ))  # fmt: skip

@@ -225,24 +225,66 @@ def test_the_step_budget_packs_short_inputs_and_runs_a_longer_one_alone(case) ->
     embedder.close()
 
 
+class Beside:
+    """What the generation models beside an embedder say (``runtime.embed.Generation``, a
+    server's ModelManager), set by the test."""
+
+    def __init__(self) -> None:
+        self.loaded, self.running, self.prompt = (threading.Event() for _ in range(3))
+
+    def generation_loaded(self) -> bool:
+        return self.loaded.is_set()
+
+    def generating(self) -> bool:
+        return self.running.is_set()
+
+    def prefilling(self) -> bool:
+        return self.prompt.is_set()
+
+
 def test_beside_generation_steps_are_short_and_pause(case, monkeypatch) -> None:
-    """While ``beside()`` says generation runs, a step packs at most BESIDE_TOKENS and the
-    worker then pauses as long as the step took (the generation steps get the worker
-    pool); otherwise the same inputs share one step and nothing pauses."""
+    """Beside a generation model, a step packs at most BESIDE_TOKENS (a new request's first
+    step waits for one short step at most); while it generates, the worker also pauses as
+    long as each step took (the generation steps get the worker pool); alone, the same
+    inputs share one step and nothing pauses."""
     _, path, _ = case
     ids = [[5 + (i + k) % 50 for i in range(40)] for k in range(3)]  # 3 x 40 tokens
-    generating = threading.Event()
-    embedder = Embedder(load_model(path), backend="cpu", mode="exact", beside=generating.is_set)
+    beside = Beside()
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact", beside=beside)
     sizes, go = _gated(embedder)
     go.set()
     pauses: list[float] = []
     monkeypatch.setattr(embed_module.time, "sleep", pauses.append)
     alone = embedder.embed(ids)
     assert sizes == [3] and pauses == [], (sizes, pauses)
-    generating.set()
+    beside.loaded.set()
     np.testing.assert_allclose(embedder.embed(ids), alone, atol=1e-6)
     assert embed_module.BESIDE_TOKENS < 80
-    assert sizes == [3, 1, 1, 1] and len(pauses) == 3 and min(pauses) > 0, (sizes, pauses)
+    assert sizes == [3, 1, 1, 1] and pauses == [], (sizes, pauses)
+    beside.running.set()
+    np.testing.assert_allclose(embedder.embed(ids), alone, atol=1e-6)
+    assert sizes == [3, 1, 1, 1, 1, 1, 1] and len(pauses) == 3 and min(pauses) > 0, pauses
+    embedder.close()
+
+
+def test_a_waiting_prompt_delays_the_next_step_not_forever(case, monkeypatch) -> None:
+    """While generation has a prompt to compute, no step starts (the request waits, still
+    queued); after ``PREFILL_WAIT_S`` a step runs even so: a stream of prompts delays
+    embeddings, never stops them."""
+    _, path, _ = case
+    beside = Beside()
+    beside.prompt.set()
+    monkeypatch.setattr(embed_module, "PREFILL_WAIT_S", 60.0)
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact", beside=beside)
+    sizes, go = _gated(embedder)
+    go.set()
+    future = embedder.submit([[5, 6, 7]])
+    assert not future.done() and sizes == [] and embedder.waiting == 1
+    beside.prompt.clear()  # computed: the step runs
+    assert future.result(60).shape == (1, 64) and sizes == [1]
+    monkeypatch.setattr(embed_module, "PREFILL_WAIT_S", 0.05)
+    beside.prompt.set()  # never computed: the step runs after the wait
+    assert embedder.embed([[8, 9]]).shape == (1, 64) and sizes == [1, 1]
     embedder.close()
 
 

@@ -5,6 +5,8 @@ transformers, and each bad input a 400 naming the problem while the server keeps
 from __future__ import annotations
 
 import base64
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from serving import live_models, server_process
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import load_model
+from dynalm.runtime import embed as embed_module
 from dynalm.runtime.embed import Embedder
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import Engine
@@ -135,8 +138,7 @@ def test_too_long_is_refused_naming_the_input_unless_truncate(client: TestClient
 def test_a_generation_model_asked_to_embed(client: TestClient) -> None:
     message = _error(client, {"model": "tiny-qwen3", "input": "cat"})
     assert (
-        message
-        == "the model 'tiny-qwen3' is a generation model (qwen3); this endpoint needs an "
+        message == "the model 'tiny-qwen3' is a generation model (qwen3); this endpoint needs an "
         "embedding model"
     )
 
@@ -221,19 +223,107 @@ def test_the_official_ollama_client_embeds(client: TestClient, bert, tmp_path: P
     assert [list(v) for v in got.embeddings] == [d["embedding"] for d in want["data"]]
 
 
-
-def test_the_manager_says_when_generation_runs(tmp_path: Path) -> None:
-    """``ModelManager.generating`` (what ``dynalm serve`` gives an embedder as ``beside``):
-    true while a generation model's engine holds a request, false once it is done."""
+def _qwen3(tmp_path: Path, **config) -> tuple[Engine, ModelManager]:
+    """A tiny generation model's engine and a manager holding it alone."""
     spec = tiny_models.SPECS["qwen3"]
     decoder = load_model(
         tiny_models.write_gguf(tiny_models.reference_model(spec), spec, tmp_path / "qwen3.gguf")
     )
-    engine = Engine(decoder, CpuDevice(), EngineConfig(ctx=64))
-    manager = ModelManager.of([ModelService(engine, decoder, ["tiny-qwen3"])])
-    assert not manager.generating()
-    engine.add_request("beside", [5, 6, 7], SamplingParams(max_tokens=2))
-    assert manager.generating()
+    engine = Engine(decoder, CpuDevice(), EngineConfig(ctx=64, **config))
+    return engine, ModelManager.of([ModelService(engine, decoder, ["tiny-qwen3"])])
+
+
+def test_the_manager_says_when_generation_runs(bert, tmp_path: Path) -> None:
+    """What ``dynalm serve`` gives an embedder as ``beside`` (``ModelManager``): a generation
+    model is loaded; its engine holds a request (until it is done); a prompt waits to be
+    computed (until the steps that compute it, chunked by the step budget, have run)."""
+    engine, manager = _qwen3(tmp_path, max_num_batched_tokens=4)
+    assert manager.generation_loaded() and not manager.generating()
+    assert not manager.prefilling()
+    engine.add_request("beside", list(range(5, 15)), SamplingParams(max_tokens=2))
+    assert manager.generating() and manager.prefilling()
+    engine.step(), engine.step()  # 8 of its 10 prompt tokens
+    assert manager.prefilling()
+    engine.step()  # the last 2, and its first token
+    assert manager.generating() and not manager.prefilling()
     while engine.has_unfinished():
         engine.step()
     assert not manager.generating()
+    encoder = load_model(tiny_bert.write_gguf(bert, tmp_path / "bert.gguf", "mean"))
+    alone = EmbeddingService(Embedder(encoder, backend="cpu"), ["tiny-bert"], 0)
+    assert not ModelManager.of([alone]).generation_loaded()
+
+
+def test_a_waiting_prompt_is_computed_before_the_next_embedding_step(
+    bert, tmp_path: Path, monkeypatch
+) -> None:
+    """Generation's prefill goes first: an embedding request submitted while a prompt waits
+    in a generation model's engine gets its step only after the engine's steps that computed
+    the prompt (three chunks of the step budget), not between them."""
+    monkeypatch.setattr(embed_module, "PREFILL_WAIT_S", 60.0)  # the order, not the cap
+    engine, manager = _qwen3(tmp_path, max_num_batched_tokens=8)
+    encoder = load_model(tiny_bert.write_gguf(bert, tmp_path / "bert.gguf", "mean"))
+    embedder = Embedder(encoder, backend="cpu", mode="exact", beside=manager)
+    log: list[str] = []
+    step = embedder._step
+
+    def logged(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+        log.append("embed")
+        return step(seqs, types)
+
+    embedder._step = logged  # type: ignore[method-assign]
+    engine.add_request("first", list(range(5, 25)), SamplingParams(max_tokens=3))
+    future = embedder.submit([[5, 6, 7]])
+    while engine.has_unfinished():
+        prefill = engine.prefilling()
+        engine.step()
+        log.append("prefill" if prefill else "decode")
+    assert future.result(60).shape == (1, 32)
+    assert log[:3] == ["prefill"] * 3 and log.count("embed") == 1, log
+    embedder.close()
+
+
+def test_a_full_queue_is_503_with_retry_after_and_serving_goes_on(bert, tmp_path: Path) -> None:
+    """``--max-queue`` bounds an embedding model's waiting requests as the engine's: past it a
+    503 at once, with Retry-After and the ``queue_full`` code (generation's answer), counted
+    in /metrics; the requests waiting then get their vectors and new ones are served."""
+    encoder = load_model(tiny_bert.write_gguf(bert, tmp_path / "bert.gguf", "mean"))
+    embedder = Embedder(encoder, backend="cpu", mode="exact", max_queue=2)
+    entered, go, step = threading.Event(), threading.Event(), embedder._step
+
+    def gated(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+        entered.set()
+        go.wait(60)
+        return step(seqs, types)
+
+    embedder._step = gated  # type: ignore[method-assign]
+    service = EmbeddingService(embedder, ["tiny-bert"], 0)
+    with live_models(ModelManager.of([service])) as server, server.http() as http:
+        statuses: list[int] = []
+
+        def post(text: str) -> None:
+            with server.http() as own:
+                statuses.append(own.post(URL, json={"input": text}).status_code)
+
+        posts = [threading.Thread(target=post, args=(t,)) for t in ("one", "two", "three")]
+        posts[0].start()  # its step runs (held): it waits no more
+        assert entered.wait(60)
+        for t in posts[1:]:
+            t.start()
+        deadline = time.monotonic() + 60
+        while embedder.waiting < 2:  # the other two wait
+            assert time.monotonic() < deadline, embedder.waiting
+            time.sleep(0.02)
+        refused = http.post(URL, json={"input": "four"})
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["Retry-After"] == "1"
+        error = refused.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "queue_full", error
+        assert error["message"] == "2 requests are waiting; retry later"
+        waiting = 'dynalm:embedding_requests_waiting{model_name="tiny-bert"} 2.0'
+        assert waiting in http.get("/metrics").text.splitlines()
+        go.set()
+        for t in posts:
+            t.join(60)
+        assert statuses == [200] * 3 and embedder.waiting == 0
+        assert http.post(URL, json={"input": "five"}).status_code == 200

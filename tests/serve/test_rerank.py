@@ -6,11 +6,15 @@ the scores against transformers, ``top_n`` and ``return_documents``, and each ba
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from serving import live_models, server_process
 
@@ -202,3 +206,54 @@ def _counter(http: httpx.Client, name: str) -> float:
     text = http.get("/metrics").text
     line = next(x for x in text.splitlines() if x.startswith(f'{name}{{model_name="tiny-rerank"}}'))
     return float(line.split()[-1])
+
+
+def test_requests_waiting_on_the_reranker_hold_no_thread(reranker_model, tmp_path: Path) -> None:
+    """Rerank requests in flight wait on the event loop, not in a thread each: with the
+    reranker's step held, N requests are all in its queue at once while the process has
+    hardly more threads than before (asyncio's executor would run at most 32 waits, and
+    tokenizing needs none of them for long); then each gets its own documents' scores."""
+    n = 40  # more requests than asyncio's default executor has threads (at most 32)
+    cross = load_model(tiny_bert.write_gguf(reranker_model, tmp_path / "rr.gguf", pooler=True))
+    reranker = Reranker(cross, backend="cpu", mode="exact")
+    entered, go, step = threading.Event(), threading.Event(), reranker._step
+    go.set()
+
+    def gated(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+        entered.set()
+        go.wait(60)
+        return step(seqs, types)
+
+    reranker._step = gated  # type: ignore[method-assign]
+    bodies = [{"query": QUERY, "documents": [DOCS[i % 4], DOCS[(i + 1) % 4]]} for i in range(n)]
+
+    async def burst(http: httpx.AsyncClient, waited: bool) -> tuple[int, list[dict]]:
+        posts = [asyncio.create_task(http.post("/v1/rerank", json=b)) for b in bodies]
+        deadline = time.monotonic() + 60
+        while waited and not (entered.is_set() and reranker.waiting == n - 1):
+            assert time.monotonic() < deadline, f"{reranker.waiting} of {n - 1} queued"
+            await asyncio.sleep(0.02)
+        threads = threading.active_count()
+        go.set()
+        replies = await asyncio.gather(*posts)
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return threads, [r.json() for r in replies]
+
+    async def main(url: str) -> tuple[int, int, list[dict]]:
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+            await burst(http, False)  # the executor's threads started, idle
+            before = threading.active_count()
+            entered.clear(), go.clear()
+            during, answers = await burst(http, True)
+        return before, during, answers
+
+    with live_models(ModelManager.of([RerankService(reranker, ["tiny-rerank"], 0)])) as server:
+        before, during, answers = asyncio.run(main(server.url))
+    assert during - before < 8, (before, during)  # not one thread per request
+    ref = dict(zip(DOCS, _reference(reranker_model, tmp_path, DOCS), strict=True))
+    for body, answer in zip(bodies, answers, strict=True):
+        docs = body["documents"]
+        got = [(docs[r["index"]], r["relevance_score"]) for r in answer["results"]]
+        assert [d for d, _ in got] == sorted(docs, key=lambda d: -ref[d]), got
+        assert all(abs(score - ref[d]) <= 1e-4 for d, score in got), got  # as one request

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
+from typing import Protocol
 
 import numpy as np
 
@@ -40,11 +41,42 @@ SCORES = "scores"  # a reranker's: one logit per label for each [CLS] query [SEP
 # The longest input embedded: a step holds a whole input, so the buffers are sized by it
 # (encoders are trained for 512 to 8192 positions; a file claiming millions is not believed).
 MAX_LENGTH = 8192
-# A step's token budget while generation runs beside (``beside``): a step holds the kernels'
-# worker pool, which the generation steps share, for its whole length, so a decode step
-# waits for at most one such step (SmolLM2-135M on 2 shared cores: ~0.1-0.2 s for 64 tokens,
-# ~1 s for 512; benchmarks/embed_concurrency.py --beside-generation).
+# A step's token budget while a generation model is served beside (``Generation``): a step
+# holds the kernels' worker pool, which the generation steps share, for its whole length, so
+# a decode step, or a new request's first, waits for at most one such step (SmolLM2-135M on 2
+# shared cores: ~0.1-0.2 s for 64 tokens, 1-2.6 s for 512; benchmarks/embed_concurrency.py
+# --beside-generation and --ttft).
 BESIDE_TOKENS = 64
+# The longest a step waits for generation's prompts (``prefilling``) to be computed first:
+# a stream of new prompts delays embeddings, never stops them.
+PREFILL_WAIT_S = 1.0
+_POLL_S = 0.005  # how often a waiting step asks again
+
+
+class Generation(Protocol):
+    """The generation models served beside an embedder (a server's `ModelManager`), which its
+    steps yield to; asked from the worker thread before each step."""
+
+    def generation_loaded(self) -> bool:
+        """Whether one is loaded: steps pack at most ``BESIDE_TOKENS``."""
+        ...
+
+    def generating(self) -> bool:
+        """Whether one has requests: each step is followed by a pause as long as itself."""
+        ...
+
+    def prefilling(self) -> bool:
+        """Whether a prompt waits to be computed: the next step waits for it first."""
+        ...
+
+
+class _Alone:
+    """No generation beside."""
+
+    def generation_loaded(self) -> bool:
+        return False
+
+    generating = prefilling = generation_loaded
 
 
 def is_embedding_model(model: LoadedModel) -> bool:
@@ -88,13 +120,14 @@ def scratch_bytes(model: LoadedModel, max_tokens: int = 512) -> int:
 
 
 class _Job:
-    """One request's inputs (and their token types, if given), its vectors as they come and
-    the future that hands them over."""
+    """One request's inputs (and their token types, if given), its vectors as they come, the
+    future that hands them over, and how many of its inputs are still queued."""
 
     def __init__(
         self, inputs: list[Sequence[int]], types: list[Sequence[int]] | None, out: np.ndarray
     ) -> None:
         self.inputs, self.types, self.out, self.left = inputs, types, out, len(inputs)
+        self.queued = len(inputs)
         self.future: Future[np.ndarray] = Future()
 
     def type_ids(self, i: int) -> Sequence[int]:
@@ -118,7 +151,8 @@ class Embedder:
         mode: str = "auto",
         threads: int | None = None,
         max_tokens: int = 512,
-        beside: Callable[[], bool] | None = None,
+        max_queue: int = 256,
+        beside: Generation | None = None,
     ) -> None:
         if self.output not in model.graph.outputs:
             kind = model_kind(model)
@@ -146,8 +180,9 @@ class Embedder:
         capacity = _capacity(model, max_tokens)
         self._executor = Executor(model.graph, self.device, model.weights, capacity)
         self._kv = self.device.kv_storage(_scratch_kv(model, capacity))
-        # whether generation runs on the same device now: the steps then yield to it
-        self.beside = beside or (lambda: False)
+        self.beside = beside or _Alone()  # generation on the same device, yielded to
+        self.max_queue = max_queue  # most requests waiting (as the engine's --max-queue)
+        self.waiting = 0  # requests with inputs in the queue
         self._queue: deque[tuple[_Job, int]] = deque()  # inputs waiting: (request, index)
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -194,7 +229,8 @@ class Embedder:
     ) -> Future[np.ndarray]:
         """``embed``'s vectors, later: the inputs join the queue that the worker thread packs
         into steps of at most ``max_tokens`` tokens, with those of every other request
-        waiting, first come first served (as the engine's scheduler drains its queue)."""
+        waiting, first come first served (as the engine's scheduler drains its queue).
+        Raises QueueFull (a 503) when ``max_queue`` requests are waiting already."""
         out = np.empty((len(inputs), self.dimensions), np.float32)
         job = _Job(list(inputs), None if types is None else list(types), out)
         if not inputs:
@@ -203,6 +239,9 @@ class Embedder:
         with self._wake:
             if self._closed:
                 raise QueueFull(f"the embedding model {self.model.name} is shutting down")
+            if self.waiting >= self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are waiting; retry later")
+            self.waiting += 1
             self._queue.extend((job, i) for i in range(len(inputs)))
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="embedder", daemon=True)
@@ -221,15 +260,16 @@ class Embedder:
                 for job, _ in self._queue:
                     _settle(job.future, Future.set_exception, gone)
                 self._queue.clear()
+                self.waiting = 0
             self._wake.notify()
         if self._worker is not None:
             self._worker.join()
 
     def _work(self) -> None:
-        """Steps while inputs wait. While generation runs beside (``beside()``), a step
-        packs at most ``BESIDE_TOKENS`` and is followed by a pause as long as itself: the
-        generation steps get the device at least half the time, and wait for at most one
-        short embedding step, instead of an embedding request's steps back to back."""
+        """Steps while inputs wait. While generation runs beside (``beside.generating()``),
+        a step is followed by a pause as long as itself: the generation steps get the device
+        at least half the time, and wait for at most one short embedding step, instead of an
+        embedding request's steps back to back."""
         while (step := self._next_step()) is not None:
             started = time.perf_counter()
             try:
@@ -248,29 +288,39 @@ class Embedder:
                 job.left -= 1
                 if job.left == 0:
                     _settle(job.future, Future.set_result, job.out)
-            if self.beside():
+            if self.beside.generating():
                 time.sleep(time.perf_counter() - started)
 
     def _next_step(self) -> list[tuple[_Job, int]] | None:
-        """The inputs of the next step from the queue's head: as many as fit in the budget
-        (``max_tokens``, or ``BESIDE_TOKENS`` beside generation; at least one, however
-        long), those of requests already failed or cancelled dropped; None once closed with
-        the queue empty."""
+        """The inputs of the next step from the queue's head, once no generation prompt
+        waits to be computed (``beside.prefilling()``, at most ``PREFILL_WAIT_S``): as many as
+        fit in the budget (``max_tokens``, or ``BESIDE_TOKENS`` beside a generation model; at
+        least one, however long), those of requests already failed or cancelled dropped;
+        None once closed with the queue empty."""
         with self._wake:
+            until = None
             while True:
                 while not self._queue and not self._closed:
                     self._wake.wait()
                 if not self._queue:
                     return None
+                until = until or time.monotonic() + PREFILL_WAIT_S
+                if time.monotonic() < until and self.beside.prefilling():
+                    self._wake.wait(_POLL_S)  # (submits still come in meanwhile)
+                    continue
                 step: list[tuple[_Job, int]] = []
                 total = 0
-                budget = min(self.max_tokens, BESIDE_TOKENS) if self.beside() else self.max_tokens
+                short = self.beside.generation_loaded()
+                budget = min(self.max_tokens, BESIDE_TOKENS) if short else self.max_tokens
                 while self._queue:
                     job, i = self._queue[0]
                     n = len(job.inputs[i])
                     if step and total + n > budget:
                         break
                     self._queue.popleft()
+                    job.queued -= 1
+                    if job.queued == 0:
+                        self.waiting -= 1
                     if not job.future.done():
                         step.append((job, i))
                         total += n

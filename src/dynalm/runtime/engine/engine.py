@@ -281,6 +281,11 @@ class Engine:
         with self._lock:
             return bool(self._streams or self._ready)
 
+    def prefilling(self) -> bool:
+        """Whether a request's prompt is still to compute (from any thread)."""
+        with self._lock:
+            return self.scheduler.prefilling()
+
     @property
     def request_ids(self) -> list[str]:
         with self._lock:

@@ -264,6 +264,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefilling(self) -> bool:
+        """Whether a request waits for admission or has more than a decode token to compute
+        (its prompt, or what a preemption dropped)."""
+        return bool(self.waiting) or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, Field
 
 from dynalm.errors import InvalidRequest
@@ -65,10 +65,17 @@ class EmbeddingResponse(BaseModel):
 
 class EmbeddingMetrics:
     """What ``/metrics`` shows of an embedding model (it has no engine): its own registry,
-    labelled by model name, as the generation models' `ServerMetrics`."""
+    labelled by model name, as the generation models' `ServerMetrics`; ``embedder``'s
+    requests waiting (what ``--max-queue`` bounds) as generation's num_requests_waiting."""
 
-    def __init__(self, name: str, kind: str = "embedding") -> None:
+    def __init__(self, name: str, embedder: Embedder, kind: str = "embedding") -> None:
         self.registry = CollectorRegistry()
+        Gauge(
+            f"dynalm:{kind}_requests_waiting",
+            f"{kind.capitalize()} requests waiting for a step.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(name).set_function(lambda: embedder.waiting)
 
         def counter(what: str, doc: str) -> Any:
             return Counter(
@@ -96,7 +103,7 @@ class EmbeddingService(ServedModel):
             ctx=embedder.max_length,
         )
         self.embedder = embedder
-        self.metrics = EmbeddingMetrics(self.name)
+        self.metrics = EmbeddingMetrics(self.name, embedder)
 
     # --- embeddings (`inputs` blocks: called through asyncio.to_thread)
 

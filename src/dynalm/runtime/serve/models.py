@@ -330,12 +330,20 @@ class ModelManager:
     def loaded(self) -> list[ServedModel]:
         return list(self._loaded.values())
 
+    # --- what an embedding model's steps yield to (``runtime.embed.Generation``; asked from
+    # its worker thread)
+
+    def generation_loaded(self) -> bool:
+        """Whether a generation model is loaded."""
+        return any(isinstance(s, ModelService) for s in self.loaded())
+
     def generating(self) -> bool:
-        """Whether a loaded generation model has requests in its engine (from any thread:
-        an embedding model's steps yield to them, see ``Embedder.beside``)."""
-        return any(
-            isinstance(s, ModelService) and s.engine.has_unfinished() for s in self.loaded()
-        )
+        """Whether a loaded generation model has requests in its engine."""
+        return any(isinstance(s, ModelService) and s.engine.has_unfinished() for s in self.loaded())
+
+    def prefilling(self) -> bool:
+        """Whether a loaded generation model has a prompt still to compute."""
+        return any(isinstance(s, ModelService) and s.engine.prefilling() for s in self.loaded())
 
     # --- holding a model
 

@@ -75,15 +75,15 @@ class RerankService(ServedModel):
             ctx=reranker.max_length,
         )
         self.reranker = reranker
-        self.metrics = EmbeddingMetrics(self.name, "rerank")
+        self.metrics = EmbeddingMetrics(self.name, reranker, "rerank")
 
     def shutdown(self, drain: bool = False) -> None:
         """Stop the reranker's worker; without ``drain`` the requests waiting get a 503."""
         self.reranker.close(drain=drain)
 
-    def respond(self, req: RerankRequest) -> dict[str, Any]:
-        """The answer to ``req`` (blocking: called through asyncio.to_thread)."""
-        docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    def pairs(self, req: RerankRequest, docs: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """The request's (query, document) pairs as ids and token types, checked (blocking:
+        called through asyncio.to_thread)."""
         if not docs:
             raise InvalidRequest("documents is an empty list: there is nothing to rank")
         if len(docs) > MAX_INPUTS:
@@ -94,8 +94,15 @@ class RerankService(ServedModel):
             raise InvalidRequest(
                 f"top_n is {req.top_n}; it must be at least 1 (leave it out for every document)"
             )
-        ids, types = self.reranker.pairs(req.query, docs, req.truncate)
-        logits = self.reranker.embed(ids, types)[:, 0]
+        return self.reranker.pairs(req.query, docs, req.truncate)
+
+    async def respond(self, req: RerankRequest) -> dict[str, Any]:
+        """The answer to ``req``: its pairs join the reranker's queue, where they share
+        steps with the other requests' (``Embedder.submit``), awaited on the event loop (no
+        thread waits for them)."""
+        docs = [d if isinstance(d, str) else d.text for d in req.documents]
+        ids, types = await asyncio.to_thread(self.pairs, req, docs)
+        logits = (await asyncio.wrap_future(self.reranker.submit(ids, types)))[:, 0]
         order = sorted(range(len(docs)), key=lambda i: -float(logits[i]))[: req.top_n]
         tokens = sum(map(len, ids))
         self.metrics.requests.inc()
@@ -129,7 +136,7 @@ def install_rerank(
         """Rank documents by their relevance to a query, with a reranker (cross-encoder)."""
 
         async def work(service: RerankService) -> Response:
-            return JSONResponse(await asyncio.to_thread(service.respond, body))
+            return JSONResponse(await service.respond(body))
 
         return await serving(body.model, work, kind=RerankService)
 
