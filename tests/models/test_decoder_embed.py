@@ -104,10 +104,12 @@ def _gated(embedder: Embedder) -> tuple[list[int], threading.Event]:
     sizes: list[int] = []
     go, step = threading.Event(), embedder._step
 
-    def gated_step(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+    def gated_step(
+        seqs: list[list[int]], types: list[list[int]] | None, first: int = 0
+    ) -> np.ndarray:
         go.wait(30)
         sizes.append(len(seqs))
-        return step(seqs, types)
+        return step(seqs, types, first)
 
     embedder._step = gated_step  # type: ignore[method-assign]
     return sizes, go
@@ -145,11 +147,13 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_run(case) -> None:
     embedder = Embedder(load_model(path), backend="cpu", mode="exact")
     step, calls = embedder._step, []
 
-    def failing_once(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+    def failing_once(
+        seqs: list[list[int]], types: list[list[int]] | None, first: int = 0
+    ) -> np.ndarray:
         calls.append(len(seqs))
         if len(calls) == 1:
             raise MemoryError("out of memory in the step")
-        return step(seqs, types)
+        return step(seqs, types, first)
 
     embedder._step = failing_once  # type: ignore[method-assign]
     with pytest.raises(MemoryError, match="out of memory in the step"):
@@ -209,9 +213,12 @@ def test_a_request_cancelled_during_its_step_leaves_the_worker_running(case) -> 
 
 def test_the_step_budget_packs_short_inputs_and_runs_a_longer_one_alone(case) -> None:
     """``max_tokens`` is what a step packs, not the longest input: an input longer than it
-    (up to the model's maximum length, which the buffers hold) is a step alone, and the
-    short ones after it share one."""
-    _, path, _ = case
+    (up to the model's maximum length, which the buffers hold) is a step alone - in chunks
+    of the budget where the decoder pools its last token, as the engine prefills (causal: a
+    chunk's keys and values stay in the scratch pool for the next), so no step is longer;
+    mean pooling needs every row in one step - and the short ones after it share one. The
+    vectors are those of the whole inputs either way."""
+    _, path, pooling = case
     ids = [[5 + i for i in range(n)] for n in (17, 12)] + [[5, 6, 7], [8, 9, 10, 11]]
     alone = np.concatenate([
         Embedder(load_model(path), backend="cpu", mode="exact").embed([s]) for s in ids
@@ -221,7 +228,9 @@ def test_the_step_budget_packs_short_inputs_and_runs_a_longer_one_alone(case) ->
     sizes, go = _gated(embedder)
     go.set()
     np.testing.assert_allclose(embedder.embed(ids), alone, atol=1e-6)
-    assert sizes == [1, 1, 2], sizes
+    chunked = [1] * 3 + [1] * 2  # 17 tokens: 8 + 8 + 1; 12: 8 + 4
+    assert sizes == (chunked if pooling == PoolingType.LAST else [1, 1]) + [2], sizes
+    assert embedder.waiting == 0
     embedder.close()
 
 

@@ -267,9 +267,9 @@ def test_a_waiting_prompt_is_computed_before_the_next_embedding_step(
     log: list[str] = []
     step = embedder._step
 
-    def logged(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+    def logged(seqs: list[list[int]], types: list[list[int]] | None, first: int = 0) -> np.ndarray:
         log.append("embed")
-        return step(seqs, types)
+        return step(seqs, types, first)
 
     embedder._step = logged  # type: ignore[method-assign]
     engine.add_request("first", list(range(5, 25)), SamplingParams(max_tokens=3))
@@ -291,10 +291,10 @@ def test_a_full_queue_is_503_with_retry_after_and_serving_goes_on(bert, tmp_path
     embedder = Embedder(encoder, backend="cpu", mode="exact", max_queue=2)
     entered, go, step = threading.Event(), threading.Event(), embedder._step
 
-    def gated(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+    def gated(seqs: list[list[int]], types: list[list[int]] | None, first: int = 0) -> np.ndarray:
         entered.set()
         go.wait(60)
-        return step(seqs, types)
+        return step(seqs, types, first)
 
     embedder._step = gated  # type: ignore[method-assign]
     service = EmbeddingService(embedder, ["tiny-bert"], 0)

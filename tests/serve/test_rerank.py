@@ -219,10 +219,10 @@ def test_requests_waiting_on_the_reranker_hold_no_thread(reranker_model, tmp_pat
     entered, go, step = threading.Event(), threading.Event(), reranker._step
     go.set()
 
-    def gated(seqs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
+    def gated(seqs: list[list[int]], types: list[list[int]] | None, first: int = 0) -> np.ndarray:
         entered.set()
         go.wait(60)
-        return step(seqs, types)
+        return step(seqs, types, first)
 
     reranker._step = gated  # type: ignore[method-assign]
     bodies = [{"query": QUERY, "documents": [DOCS[i % 4], DOCS[(i + 1) % 4]]} for i in range(n)]

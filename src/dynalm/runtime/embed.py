@@ -37,6 +37,7 @@ from dynalm.models.loader import LoadedModel
 from dynalm.models.metadata import integer
 
 OUTPUT = "embeddings"  # the graph output an embedding model has
+LAST = 3  # the pool op's mode (llama.cpp's pooling type) that reads a sequence's last row
 SCORES = "scores"  # a reranker's: one logit per label for each [CLS] query [SEP] doc [SEP]
 # The longest input embedded: a step holds a whole input, so the buffers are sized by it
 # (encoders are trained for 512 to 8192 positions; a file claiming millions is not believed).
@@ -180,6 +181,13 @@ class Embedder:
         capacity = _capacity(model, max_tokens)
         self._executor = Executor(model.graph, self.device, model.weights, capacity)
         self._kv = self.device.kv_storage(_scratch_kv(model, capacity))
+        # a decoder that pools the last token embeds an input longer than a step's budget in
+        # chunks of it, as the engine's prefill: its keys and values stay in the scratch pool
+        # (an encoder, or a mean, needs the whole input in one step)
+        self._chunks = _scratch_kv(model, 1).n_layers > 0 and any(
+            n.op == "pool" and n.attrs["mode"] == LAST for n in model.graph.nodes
+        )
+        self._at = 0  # the queue's head input's tokens computed by earlier chunks
         self.beside = beside or _Alone()  # generation on the same device, yielded to
         self.max_queue = max_queue  # most requests waiting (as the engine's --max-queue)
         self.waiting = 0  # requests with inputs in the queue
@@ -260,7 +268,7 @@ class Embedder:
                 for job, _ in self._queue:
                     _settle(job.future, Future.set_exception, gone)
                 self._queue.clear()
-                self.waiting = 0
+                self.waiting, self._at = 0, 0
             self._wake.notify()
         if self._worker is not None:
             self._worker.join()
@@ -269,21 +277,26 @@ class Embedder:
         """Steps while inputs wait. While generation runs beside (``beside.generating()``),
         a step is followed by a pause as long as itself: the generation steps get the device
         at least half the time, and wait for at most one short embedding step, instead of an
-        embedding request's steps back to back."""
-        while (step := self._next_step()) is not None:
+        embedding request's steps back to back. A step's first input may go on from
+        ``first`` (its earlier chunks), and end at ``end`` (a chunk: no vector yet)."""
+        while (taken := self._next_step()) is not None:
+            step, first, end = taken
             started = time.perf_counter()
+            cut = [slice(first, end)] + [slice(None)] * (len(step) - 1)
             try:
                 vectors = self._step(
-                    [list(job.inputs[i]) for job, i in step],
+                    [list(job.inputs[i][c]) for (job, i), c in zip(step, cut, strict=True)],
                     None  # all 0, unless an input of the step has types
                     if all(job.types is None for job, _ in step)
-                    else [job.type_ids(i) for job, i in step],
+                    else [job.type_ids(i)[c] for (job, i), c in zip(step, cut, strict=True)],
+                    first,
                 )
             except BaseException as e:  # noqa: BLE001 - handed to each waiting request
                 for job, _ in step:
                     _settle(job.future, Future.set_exception, e)
                 continue
-            for (job, i), v in zip(step, vectors, strict=True):
+            done = step if end is None else []  # a chunk's input: its vector with the last
+            for (job, i), v in zip(done, vectors[: len(done)], strict=True):
                 job.out[i] = v
                 job.left -= 1
                 if job.left == 0:
@@ -291,12 +304,13 @@ class Embedder:
             if self.beside.generating():
                 time.sleep(time.perf_counter() - started)
 
-    def _next_step(self) -> list[tuple[_Job, int]] | None:
+    def _next_step(self) -> tuple[list[tuple[_Job, int]], int, int | None] | None:
         """The inputs of the next step from the queue's head, once no generation prompt
         waits to be computed (``beside.prefilling()``, at most ``PREFILL_WAIT_S``): as many as
         fit in the budget (``max_tokens``, or ``BESIDE_TOKENS`` beside a generation model; at
-        least one, however long), those of requests already failed or cancelled dropped;
-        None once closed with the queue empty."""
+        least one; one longer, alone, or in chunks of the budget where ``_chunks``), those of
+        requests already failed or cancelled dropped; and where the first input goes on from
+        and ends (None: its end). None once closed with the queue empty."""
         with self._wake:
             until = None
             while True:
@@ -309,37 +323,48 @@ class Embedder:
                     self._wake.wait(_POLL_S)  # (submits still come in meanwhile)
                     continue
                 step: list[tuple[_Job, int]] = []
-                total = 0
+                total = first = 0
                 short = self.beside.generation_loaded()
                 budget = min(self.max_tokens, BESIDE_TOKENS) if short else self.max_tokens
                 while self._queue:
                     job, i = self._queue[0]
-                    n = len(job.inputs[i])
-                    if step and total + n > budget:
+                    at = self._at  # (the head's alone)
+                    n = len(job.inputs[i]) - at
+                    if step and (first or total + n > budget):  # a last chunk is alone
                         break
+                    if self._chunks and n > budget and not job.future.done():
+                        self._at += budget  # a chunk, alone: the input stays at the head
+                        return [(job, i)], at, self._at
                     self._queue.popleft()
+                    self._at = 0
                     job.queued -= 1
                     if job.queued == 0:
                         self.waiting -= 1
                     if not job.future.done():
+                        first = first if step else at
                         step.append((job, i))
                         total += n
                 if step:
-                    return step
+                    return step, first, None
 
-    def _step(self, seqs: list[list[int]], types: Sequence[Sequence[int]] | None) -> np.ndarray:
+    def _step(
+        self, seqs: list[list[int]], types: Sequence[Sequence[int]] | None, first: int = 0
+    ) -> np.ndarray:
+        """The vectors of ``seqs``; ``first``: the position a step of one input goes on from
+        (a decoder's input in chunks: the keys and values of the earlier ones in slots
+        0..first)."""
         lengths = np.array([len(s) for s in seqs], np.int64)
         tokens = np.concatenate([np.asarray(s, np.int64) for s in seqs])
         extra = {} if types is None else {"token_types": np.concatenate(types, dtype=np.int64)}
-        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+        positions = first + np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         starts = np.concatenate([[0], np.cumsum(lengths)])
         batch = AttentionBatch(
             self._kv,
             query_start=starts,
-            seq_lens=lengths,
+            seq_lens=first + lengths,
             # pages of one slot: sequence s owns the step's rows starts[s]:starts[s + 1]
-            page_tables=[np.arange(starts[s], starts[s + 1]) for s in range(len(seqs))],
-            slots=np.arange(len(tokens), dtype=np.int64),
+            page_tables=[np.arange(starts[s], first + starts[s + 1]) for s in range(len(seqs))],
+            slots=np.arange(first, first + len(tokens), dtype=np.int64),
         )
         return self._executor.run(tokens, positions, starts[1:] - 1, batch, extra).copy()
 
