@@ -8,7 +8,8 @@ server. The generation model is served with a copy of itself whose metadata says
 ``{arch}.pooling_type`` last (the same weights embed: a Qwen3-Embedding of its size); a
 streamed greedy chat of ``--gen-tokens`` tokens is timed alone, then while requests of
 ``--requests`` inputs are sent back to back: inter-token gaps (p50, p95, max) and the
-embedding inputs/s meanwhile. ``--max-num-batched-tokens`` is both models' step budget.
+embedding inputs/s meanwhile, and alone (``--rounds`` requests with the generation model
+loaded and idle). ``--max-num-batched-tokens`` is both models' step budget.
 
 ``--ttft N`` (with the same two models): the time to the first token of N new chat requests,
 each sent after a pause of 0.1-0.6 s (seeded) so that they arrive at every point of an
@@ -125,6 +126,10 @@ async def beside(url: str, generator: str, embedder: str, args: argparse.Namespa
 
     measure = first_tokens if args.ttft else gaps
     alone = await generation()
+    started = time.perf_counter()  # embeddings with the generation model loaded, idle
+    for _ in range(args.rounds):
+        (await chat.http.post(URL, json=body)).raise_for_status()
+    idle = args.rounds * args.requests / (time.perf_counter() - started)
     stop, embedded = asyncio.Event(), 0
 
     async def load() -> None:
@@ -143,6 +148,7 @@ async def beside(url: str, generator: str, embedder: str, args: argparse.Namespa
     await chat.http.aclose()
     return {
         "alone": measure(alone),
+        "embeddings_generation_idle": {"embed_inputs_per_s": idle},
         "beside_embeddings": {**measure(loaded), "embed_inputs_per_s": embedded / seconds},
     }
 
