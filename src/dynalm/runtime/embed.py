@@ -8,7 +8,8 @@ An encoder step needs no KV cache: its attention sees only the step's own tokens
 sequence attending within itself. A decoder's causal attention reads its keys and values
 from a KV pool: a scratch pool of one step's tokens, overwritten by the next step (nothing
 is kept after a request). The inputs are packed whole, one after another, into steps of at
-most ``max_tokens`` tokens (no padding; a longer input is a step alone); ``logit_rows``
+most ``max_tokens`` tokens (no padding; a longer input is a step alone, or, for a decoder
+that pools its last token, steps of chunks of it, its keys and values kept); ``logit_rows``
 holds each sequence's last row, where the graph's attention and pooling find the
 sequences' bounds.
 """
