@@ -143,8 +143,10 @@ def test_requests_waiting_share_a_step(case) -> None:
 
 
 def test_a_failed_step_fails_its_requests_and_the_next_ones_run(case) -> None:
+    """A step that raises fails its requests (a long input's other chunks never run) and
+    the worker goes on with the next."""
     _, path, _ = case
-    embedder = Embedder(load_model(path), backend="cpu", mode="exact")
+    embedder = Embedder(load_model(path), backend="cpu", mode="exact", max_tokens=8)
     step, calls = embedder._step, []
 
     def failing_once(
@@ -157,8 +159,10 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_run(case) -> None:
 
     embedder._step = failing_once  # type: ignore[method-assign]
     with pytest.raises(MemoryError, match="out of memory in the step"):
-        embedder.embed([[5, 6, 7]])
-    assert embedder.embed([[5, 6, 7]]).shape == (1, 64)
+        embedder.embed([list(range(5, 25))])  # 20 tokens: a chunk of 8, or whole
+    alone = Embedder(load_model(path), backend="cpu", mode="exact").embed([[5, 6, 7]])
+    np.testing.assert_allclose(embedder.embed([[5, 6, 7]]), alone, atol=1e-6)
+    assert calls == [1, 1] and embedder.waiting == 0, calls
     embedder.close()
     with pytest.raises(QueueFull, match="the embedding model .* is shutting down"):
         embedder.submit([[5]])
