@@ -9,8 +9,9 @@ buffers (q, k and v may be column ranges of a wider merged buffer: each has a ro
 and points at one :class:`StepLayout` block that the executor fills once per step (token
 count, page tables, sequences, positions, slots). A decode step's attention is then one
 ctypes call per layer, with no per-call Python work beyond choosing threads. Work items
-are independent, so the native pool splits them across threads; the numpy
-``cpu_ops.attention`` is the reference.
+are independent, so the native pool splits them across threads, or, in a step of too few
+items (a decode), each item's split-K chunks (``parts``, then ``merge``: the same bits as
+one thread's); the numpy ``cpu_ops.attention`` is the reference.
 """
 
 from __future__ import annotations
