@@ -558,7 +558,8 @@ def _schedule(
     a, s = _blocks(k)
     out, scratch = k.pointer(a[A_OUT]), k.pointer(s[S_PARTS])
     n_items = k.mul(s[S_TOKENS], n_heads // heads)
-    first, other = (b.alloca(_VEC, size=floats // LANES) for _ in range(2))
+    if kind == "items":  # the item's running record and the next chunk's, on the stack
+        first, other = (b.alloca(_VEC, size=floats // LANES) for _ in range(2))
 
     def chunk(w: ir.Value, c: ir.Value, record: ir.Value) -> None:
         b.call(fn, [k.args[0], w, c, record])
@@ -592,16 +593,20 @@ def _schedule(
             slices = a[A_SLICES]
             w, piece = k.udiv(u, slices), b.urem(u, slices)
             it = _item(k, a, s, w, n_heads, n_kv_heads)
-            single = b.icmp_signed("==", it.n, k.i64(1))  # finished here, not merged
+            # a one-chunk item is finished here from its stored record, not merged (the
+            # record in global memory, not on the stack: a GPU thread then spills less)
+            single = b.icmp_signed("==", it.n, k.i64(1))
             count = k.udiv(k.add(k.smax(k.sub(it.n, piece), 0), k.sub(slices, 1)), slices)
 
             def one(i: ir.Value) -> None:
                 c = k.add(piece, k.mul(i, slices))
-                chunk(w, c, b.select(single, first, stored(w, c)))
+                chunk(w, c, stored(w, c))
 
             k.loop(0, count, 1, one)
             only = b.and_(single, b.icmp_signed("==", piece, k.i64(0)))
-            k.branch(only, lambda: _finish(k, first, out, it, n_heads, heads, head_dim))
+            k.branch(
+                only, lambda: _finish(k, stored(w, k.i64(0)), out, it, n_heads, heads, head_dim)
+            )
 
     k.loop(lo, hi, 1, row)
 
