@@ -25,12 +25,13 @@ def ragged_step(
     kv_heads: int = KV_HEADS,
     head_dim: int = HEAD_DIM,
     kv=lambda k, v: (k, v),
+    n_pages: int = 32,
 ):
     """A pool whose sequences (pages, context length, new tokens) hold random earlier keys,
     plus the step's random q/k/v for the new tokens (keys and values passed through ``kv``).
     With recent buffers (q8_0), each sequence's earlier keys count as a prefix-cache hit."""
     rng = np.random.default_rng(seed)
-    pool = PagePool(1, kv_heads, head_dim, 32, PAGE, dtype, n_seqs=len(seqs))
+    pool = PagePool(1, kv_heads, head_dim, n_pages, PAGE, dtype, n_seqs=len(seqs))
 
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
@@ -274,3 +275,63 @@ def test_binding_refuses_buffers_the_kernel_would_overrun():
     batch.seq_lens[0] = 33  # longer than its two pages
     with pytest.raises(ValueError, match="longer than its pages"):
         StepLayout().set(batch, positions)
+
+
+# Contexts of 600 keys (3 split-K chunks, the last partial), 257 (a chunk and one key) and
+# 256 (exactly one chunk: the unsplit online softmax), each a decode token.
+LONG = [(list(range(0, 38)), 600, 1), (list(range(38, 55)), 257, 1), (list(range(55, 71)), 256, 1)]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_split_k_long_contexts_match_numpy_and_every_schedule(dtype: str, window: int):
+    """Past ``CHUNK`` keys an item's keys are split into chunks whose partial softmaxes are
+    folded in chunk order. The fold's rounding stays inside `attention_bound`: per chunk
+    of 256 keys it rescales the running sums by two exps (about 1 ulp each) with one
+    multiply and one add, about 6 u, or 6/256 u a key, while the blocks of 16 inside a
+    chunk already take about 4 u of rescale per 16 keys; both are far below the n u of
+    the bound's sum term. The chunks and the fold are the same whichever schedule runs
+    them: one thread (``run``: an item's chunks in turn), items split over 2 threads, and
+    one decode token's chunks spread over 2 threads (``parts`` + ``merge``) are bitwise
+    equal."""
+    from dynalm.kernel.attention_program import CHUNK, chunks
+
+    assert [chunks(n) for _, n, _ in LONG] == [3, 2, 1] and CHUNK == 256
+    pool, batch, positions, q, k, v = ragged_step(dtype, LONG, n_pages=72)
+    ref = np.zeros_like(q)
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, window)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry)
+    outs = []
+    for threads in (1, 2):  # 9 items: on 2 threads the items split, not their chunks
+        _, ours, *_ = ragged_step(dtype, LONG, n_pages=72)
+        outs.append(attend(ours, positions, q, k, v, *geometry, threads))
+    assert_close(outs[0], ref, attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125))
+    assert np.array_equal(outs[0], outs[1])
+    for i in range(len(LONG)):  # each alone: 3 items, split-K over 2 threads
+        at = slice(i, i + 1)
+        recent = [x[at] if x is not None else None for x in (ours.recent, ours.recent_from)]
+        alone = AttentionBatch(
+            ours.kv, np.array([0, 1]), ours.seq_lens[at], ours.page_tables[at], ours.slots[at],
+            *recent,
+        )  # fmt: skip
+        got = attend(alone, positions[at].copy(), q[at], k[at], v[at], *geometry, 2)
+        assert np.array_equal(got, outs[0][at])
+
+
+def test_split_k_prefill_equals_decode_of_each_token():
+    """A prefill chunk of 8 tokens at 593..600 keys (24 items: split over 2 threads, each
+    item's chunks in turn) gives each token bitwise what a decode step of that token alone
+    gives (3 items: its chunks split over 2 threads): the split depends on a token's own
+    context only, never on the step."""
+    seqs = [(list(range(38)), 600, 8)]
+    _, batch, positions, q, k, v = ragged_step("f16", seqs, n_pages=38)
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 2)
+    together = attend(batch, positions, q, k, v, *geometry)
+    for t in (0, 7):  # after the step, the pool holds every token's keys
+        n = 600 - 7 + t
+        decode = AttentionBatch(
+            batch.kv, np.array([0, 1]), np.array([n]), [np.arange(38)], batch.slots[t : t + 1]
+        )
+        at = slice(t, t + 1)
+        alone = attend(decode, positions[at].copy(), q[at], k[at], v[at], *geometry)
+        assert np.array_equal(alone, together[at])

@@ -218,6 +218,43 @@ def test_grid_attention_write_is_a_thread_per_row(dtype: str) -> None:
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_grid_split_k_attention_is_the_cpu_kernel(dtype: str) -> None:
+    """The device's split-K attention: ``parts`` on a thread per (item, chunk) of a pool's
+    longest context, threads past an item's chunks idle, then ``merge`` a thread per item.
+    Its outputs are bitwise the CPU generic backend's at contexts of 600, 257 and 256 keys
+    (3, 2 and 1 chunks), whichever schedule the CPU ran."""
+    from test_attention import HEAD_DIM, HEADS, KV_HEADS, LONG, attend, ragged_step
+
+    from dynalm.core.attention import PagedAttention, StepLayout
+    from dynalm.kernel.attention_program import A_SLICES, ATTENTION, N_ARGS, chunks, parts_bytes
+
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0)
+    _, batch, positions, q, k, v = ragged_step(dtype, LONG, seed=2, n_pages=72)
+    want = attend(batch, positions, q, k, v, *geometry, 1, backend=backends.GENERIC)
+    pool, batch, *_ = ragged_step(dtype, LONG, seed=2, n_pages=72)
+    step = StepLayout()
+    step.set(batch, positions)
+    out = np.full_like(want, np.nan)
+    att = PagedAttention(step, 0, *geometry, 1, out, q, k, v, backend=backends.GENERIC)
+    args = att.records()[0][2]  # binds the pages: the layer's argument block
+    block = np.ctypeslib.as_array((ctypes.c_int64 * N_ARGS).from_address(args))
+    capacity = pool.storage.geometry.slot_shape[0]
+    slices = block[A_SLICES] = chunks(capacity)  # 72 pages of 16: 5 chunks
+    items = len(LONG) * HEADS // 3  # 3 query heads an item
+    step.reserve(parts_bytes(items, capacity, HEADS, KV_HEADS, HEAD_DIM))
+    spec = {"dtype": dtype, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+    entries = nvptx.host_twin(
+        ATTENTION, {**spec, "page": pool.page_size, "recent": pool.storage.recent}
+    )
+    run_grid(entries["write_rows"], args, len(LONG) * KV_HEADS)
+    run_grid(entries["parts"], args, items * slices)
+    run_grid(entries["merge"], args, items)
+    if pool.storage.recent:
+        run_grid(entries["write_recent"], args, 1)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_greedy_argmax_on_the_grid() -> None:
     """``ARGMAX`` (a thread per ``ARGMAX_CHUNK`` logits, then a pick per row) gives each
     row's first argmax, ``np.argmax``'s, across a chunk edge and in a tie between chunks;

@@ -69,16 +69,17 @@ def greedy(
     steps: int,
     after_step=None,  # noqa: ANN001
     on_device: bool = False,
+    prompt: list[int] = IDS,
 ) -> np.ndarray:
-    """Logits of a prefill of ``IDS`` and of ``steps`` greedy decode steps (one sequence,
+    """Logits of a prefill of ``prompt`` and of ``steps`` greedy decode steps (one sequence,
     f32 KV); ``after_step(i)`` is called after step ``i`` (0: the prefill). ``on_device``:
     the steps' tokens instead, picked on the device (``Executor.run(greedy=True)``)."""
     hp = model.hparams
     ex = Executor(model.graph, device, model.weights, max_tokens=32)
-    n_pages = -(-(len(IDS) + steps) // 16)
+    n_pages = -(-(len(prompt) + steps) // 16)
     pool = PagePool(hp.n_layers, hp.n_kv_heads, hp.head_dim, n_pages, 16, "f32", device=device)
     pages = pool.allocate(n_pages)
-    tokens, start, out = list(IDS), 0, []
+    tokens, start, out = list(prompt), 0, []
     for i in range(steps + 1):
         end = start + len(tokens)
         batch = AttentionBatch(
@@ -123,6 +124,26 @@ def test_a_decode_step_is_one_graph_launch(llama, monkeypatch):
     assert plain.submitted[1, 1] == (kernels, kernels)
     monkeypatch.setenv("DYNALM_ISA", "generic")
     np.testing.assert_array_equal(got, greedy(llama, CpuDevice("auto"), 4))
+
+
+def test_decode_across_split_k_chunks_replays_one_graph(llama, monkeypatch):
+    """Decode steps whose context grows from 761 to 770 keys, across a split-K chunk edge
+    (768): the graph captured at three chunks replays at four (its attention runs a thread
+    per item and chunk of the pool's longest context; threads past a context's chunks
+    idle, and the merge reads each context's count), with the CPU generic backend's logits
+    bitwise (whose decode steps split the same chunks over its threads). The first decode
+    step grows the rope tables past the prompt's 760 positions: it captures anew."""
+    prompt = [(7 * i + 3) % VOCAB for i in range(760)]
+    counting = CountingLibcuda(EmulatedLibcuda())
+    device = CudaDevice("auto", driver=cuda_driver.Driver(counting))
+    per_step: list[Counter[str]] = []
+    counting.take()
+    got = greedy(llama, device, 10, lambda i: per_step.append(counting.take()), prompt=prompt)
+    replay = Counter({"cuMemcpyHtoD_v2": 5, "cuGraphLaunch": 1, "cuMemcpyDtoH_v2": 1})
+    replay["bytes down"] = 4 * VOCAB
+    assert per_step[2:] == [replay] * 9  # no new capture, no launch from Python
+    monkeypatch.setenv("DYNALM_ISA", "generic")
+    np.testing.assert_array_equal(got, greedy(llama, CpuDevice("auto"), 10, prompt=prompt))
 
 
 def test_greedy_tokens_come_back_instead_of_logits(llama):

@@ -9,8 +9,9 @@ buffers (q, k and v may be column ranges of a wider merged buffer: each has a ro
 and points at one :class:`StepLayout` block that the executor fills once per step (token
 count, page tables, sequences, positions, slots). A decode step's attention is then one
 ctypes call per layer, with no per-call Python work beyond choosing threads. Work items
-are independent, so the native pool splits them across threads; the numpy
-``cpu_ops.attention`` is the reference.
+are independent, so the native pool splits them across threads, or, in a step of too few
+items (a decode), each item's split-K chunks (``parts``, then ``merge``: the same bits as
+one thread's); the numpy ``cpu_ops.attention`` is the reference.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dynalm.kernel.attention_program import (
     A_Q,
     A_Q_STRIDE,
     A_SCALE,
+    A_SLICES,
     A_STEP,
     A_V,
     A_V_NEW,
@@ -45,7 +47,9 @@ from dynalm.kernel.attention_program import (
     FUNCTIONS,
     N_ARGS,
     N_STEP,
+    S_PARTS,
     item_heads,
+    parts_bytes,
     supported,
 )
 
@@ -100,6 +104,14 @@ class StepLayout:
         self.kv: HostKVStorage | None = None
         self.tokens = 0
         self._arrays: tuple[np.ndarray, ...] = ()
+        self._parts = np.zeros(0, np.float32)
+
+    def reserve(self, nbytes: int) -> None:
+        """At least ``nbytes`` of split-K scratch (the partials of ``parts``, shared by the
+        layers, which run one after another)."""
+        if nbytes > self._parts.nbytes:
+            self._parts = np.zeros(-(-nbytes // 4), np.float32)
+            self._block[S_PARTS] = _addr(self._parts)
 
     def set(self, batch: AttentionBatch, positions: np.ndarray) -> None:
         """The layout of ``batch``, whose tokens are at ``positions`` (int64, C order; may
@@ -112,7 +124,7 @@ class StepLayout:
         check_layout(batch, n)
         self._arrays = (pages, seq_of, positions, slots, *per_seq)  # alive while kernels run
         words = (n, _addr(pages), pages.shape[1], _addr(seq_of), _addr(positions), _addr(slots))
-        self._block[:] = (*words, *map(_addr, per_seq))
+        self._block[:S_PARTS] = (*words, *map(_addr, per_seq))
         self.kv, self.tokens = batch.kv, n
 
 
@@ -179,9 +191,15 @@ class PagedAttention:
         backend, program, spec = self._request(kv)
         done = backend.lower(program, spec)
         self._fns = {kind: done.addresses[kind] for kind in FUNCTIONS}
-        self._write, self._run, self._write_recent = (
-            done.cfunc(f, ctypes.c_void_p) for f in ("write", "run", "write_recent")
-        )
+        self._calls = {
+            done.addresses[f]: done.cfunc(f, ctypes.c_void_p, *extra)
+            for f, extra in (
+                ("write", ()),
+                ("run", ()),
+                ("write_recent", ()),
+                ("merge", (ctypes.c_int64, ctypes.c_int64)),
+            )
+        }
         layer, (_, n_kv_heads, head_dim) = self._layer, self._geometry
         require(supported(head_dim, kv.dtype), f"no {kv.dtype} attention for heads of {head_dim}")
         require(0 <= layer < len(kv.k), f"layer {layer} of a KV pool of {len(kv.k)} layers")
@@ -202,37 +220,45 @@ class PagedAttention:
             self._args[at] = _addr(array)
         self._kv = kv
 
-    def _plan(self) -> tuple[int, int] | None:
-        """Bind the step's KV storage; (items, chunk) when this step's items are split over
-        the pool, else None: with two items per thread (a T=1 decode of 3 items gains at
-        most 1.5x and measured slower)."""
+    def _plan(self) -> list[tuple[int, int, int, int, int]]:
+        """Bind the step's KV storage; this step's calls as ``pool.Program`` records (valid
+        while the step's token count and KV storage stay the same). One thread: ``run``.
+        With two items per thread or more, the items split over the pool. Fewer (a decode
+        step: a T=1 decode of 3 items gains at most 1.5x from items alone): split-K,
+        ``4 x threads`` slices an item (the pool's guided grabs even out a long item's
+        chunks; a short context's items are one slice each), then ``merge``."""
         if self._step.kv is not self._kv:
             self._bind_kv(self._step.kv)
         require(self._step.tokens <= self._rows, f"{self._step.tokens} tokens in {self._rows} rows")
-        items, threads = self._step.tokens * self._per_token, self._threads
-        if threads > 1 and items >= 2 * threads:
-            return items, max(1, items // (4 * threads))
-        return None
-
-    def records(self) -> list[tuple[int, int, int, int, int]]:
-        """This step's calls as ``pool.Program`` records (valid while the step's token
-        count and KV storage stay the same): store k/v, the items, the recent buffers."""
-        split = self._plan()
-        if split is None:
-            return [(pool.PLAIN, self._fns["run"], self._ptr, 0, 0)]
-        records = [
-            (pool.PLAIN, self._fns["write"], self._ptr, 0, 0),
-            (pool.SPLIT, self._fns["items"], self._ptr, *split),
-        ]
+        items, threads, fns, ptr = (
+            self._step.tokens * self._per_token,
+            self._threads,
+            self._fns,
+            self._ptr,
+        )
+        if threads == 1:
+            return [(pool.PLAIN, fns["run"], ptr, 0, 0)]
+        records = [(pool.PLAIN, fns["write"], ptr, 0, 0)]
+        if items >= 2 * threads:
+            records.append((pool.SPLIT, fns["items"], ptr, items, max(1, items // (4 * threads))))
+        else:
+            slices = self._args[A_SLICES] = 4 * threads
+            n_heads, n_kv_heads, head_dim = self._geometry
+            capacity = self._kv.geometry.slot_shape[0]
+            self._step.reserve(parts_bytes(items, capacity, n_heads, n_kv_heads, head_dim))
+            records.append((pool.SPLIT, fns["parts"], ptr, items * slices, 1))
+            records.append((pool.RANGE, fns["merge"], ptr, items, 1))
         if self._kv.recent:
-            records.append((pool.PLAIN, self._fns["write_recent"], self._ptr, 0, 0))
+            records.append((pool.PLAIN, fns["write_recent"], ptr, 0, 0))
         return records
 
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        """This step's calls as ``pool.Program`` records (see ``_plan``)."""
+        return self._plan()
+
     def __call__(self) -> None:
-        split = self._plan()
-        if split is None:
-            self._run(self._ptr)
-        else:
-            self._write(self._ptr)
-            pool.pool(self._threads).run(self._fns["items"], self._ptr, *split)
-            self._write_recent(self._ptr)
+        for kind, fn, args, total, chunk in self._plan():
+            if kind == pool.SPLIT:
+                pool.pool(self._threads).run(fn, args, total, chunk)
+            else:
+                self._calls[fn](args, *((0, total) if kind == pool.RANGE else ()))

@@ -10,6 +10,14 @@ the heads) before the weighted value sum, instead of two libm calls and a serial
 key. Items are independent, so the result of a token never depends on what else is in the
 batch, and the native pool splits items across threads.
 
+Split-K (flash-decoding): an item's keys are walked in chunks of ``CHUNK`` keys from its
+window start, each chunk an online softmax of its own (its maximum, sum of exps and
+weighted value sums per head), folded into the first chunk's in chunk order. The chunks
+and the fold are the arithmetic; where they run is a schedule (``items``: all of an
+item's chunks on one thread; ``parts`` + ``merge``: chunks on different threads, or GPU
+threads, through a scratch of partials), so every schedule gives the same bits, and a
+context of one chunk is exactly the unsplit online softmax.
+
 The same module stores the step's keys and values into their pages first (``write``:
 f32, f16 or q8_0 exactly as ``PagePool.write`` does), one (token, kv head) row at a time
 through the row-range ``write_rows``, which a GPU runs as a thread per row.
@@ -40,19 +48,25 @@ from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, Kernel, Module, cons
 # output, the step's new keys and values, the layer's KV pages (and q8_0 scales and recent
 # buffers), the window, the scale (f64 bits) and the address of the step's layout block.
 A_Q, A_Q_STRIDE, A_OUT, A_K_NEW, A_K_STRIDE, A_V_NEW, A_V_STRIDE = range(7)
-A_K, A_V, A_KS, A_VS, A_KR, A_VR, A_WINDOW, A_SCALE, A_STEP, N_ARGS = range(7, 17)
+A_K, A_V, A_KS, A_VS, A_KR, A_VR, A_WINDOW, A_SCALE, A_STEP, A_SLICES, N_ARGS = range(7, 18)
+# ``A_SLICES``: the slices of an item ``parts`` runs (see split-K below).
 # The step's layout block: token count, page tables ``[S, MAX_PAGES]``, each token's
-# sequence, position and KV slot, and per sequence its first row in the step, its recent
-# buffer's first row and the first position the buffer holds.
+# sequence, position and KV slot, per sequence its first row in the step, its recent
+# buffer's first row and the first position the buffer holds, and the partial results'
+# scratch of ``parts`` (``records(...)`` per item and chunk).
 S_TOKENS, S_PAGES, S_MAX_PAGES, S_SEQ_OF, S_POS, S_SLOTS = range(6)
-S_FIRST_ROW, S_RECENT_ROW, S_RECENT_FROM, N_STEP = range(6, 10)
+S_FIRST_ROW, S_RECENT_ROW, S_RECENT_FROM, S_PARTS, N_STEP = range(6, 11)
 LANES = 8  # f32 lanes of the program's vectors
 BLOCK = 2 * LANES  # keys per online-softmax step
 Q8_BLOCK = 32
 # Query heads per work item at most: more would crowd the loops' registers and leave
 # fewer items to split over threads.
 MAX_ITEM_HEADS = 4
-FUNCTIONS = ("items", "write_rows", "write", "write_recent", "run")
+# Split-K (flash-decoding): an item's keys, from its window start, in chunks of ``CHUNK``;
+# each chunk's softmax partial (max, sum of exps, weighted value sums per head) is folded
+# into the first in chunk order. A context of one chunk is the unsplit computation.
+CHUNK = 256
+FUNCTIONS = ("items", "parts", "merge", "write_rows", "write", "write_recent", "run")
 
 _VEC = vec(F32, LANES)
 _STORE = {"f32": F32, "f16": F16, "q8_0": I8}
@@ -68,6 +82,23 @@ def supported(head_dim: int, dtype: str) -> bool:
 def item_heads(group: int) -> int:
     """Query heads per work item: the largest divisor of the group within the cap."""
     return max(d for d in range(1, MAX_ITEM_HEADS + 1) if group % d == 0)
+
+
+def chunks(context: int) -> int:
+    """Split-K chunks of an item over ``context`` keys (at least one)."""
+    return max(1, -(-context // CHUNK))
+
+
+def record_floats(n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """A partial result's floats: its heads' maxima and sums (a vector each, head ``g`` in
+    lane ``g``), then each head's weighted value sums."""
+    return 2 * LANES + item_heads(n_heads // n_kv_heads) * head_dim
+
+
+def parts_bytes(items: int, capacity: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """The ``S_PARTS`` scratch ``parts`` needs for ``items`` work items over a KV pool of
+    ``capacity`` slots (no sequence is longer): a record per item and chunk."""
+    return 4 * items * chunks(capacity) * record_floats(n_heads, n_kv_heads, head_dim)
 
 
 def _row_sums(k: Kernel, rows: list[ir.Value]) -> ir.Value:
@@ -197,17 +228,50 @@ class _Segment:
     rotated: bool
 
 
-def _items(
+@dataclass
+class _Item:
+    """A work item's query token, first query head, kv head, position and sequence, its
+    keys ``jlo..end-1`` and their split-K chunk count."""
+
+    t: ir.Value
+    h0: ir.Value
+    kh: ir.Value
+    p: ir.Value
+    seq: ir.Value
+    jlo: ir.Value
+    end: ir.Value
+    n: ir.Value
+
+
+def _item(
+    k: Kernel, a: list[ir.Value], s: list[ir.Value], w: ir.Value, n_heads: int, n_kv_heads: int
+) -> _Item:
+    """Work item ``w`` of the step: its keys are from ``max(0, p - window + 1)`` (0 without
+    a window) to its position ``p``."""
+    b, group = k.b, n_heads // n_kv_heads
+    per_token = n_heads // item_heads(group)
+    t = k.udiv(w, per_token)
+    h0 = k.mul(b.urem(w, k.i64(per_token)), item_heads(group))
+    p, seq = _word(k, k.pointer(s[S_POS]), t), _word(k, k.pointer(s[S_SEQ_OF]), t)
+    win = k.add(k.sub(p, a[A_WINDOW]), 1)
+    win = k.select(b.icmp_signed(">", a[A_WINDOW], k.i64(0)), win, 0)
+    jlo, end = k.smax(win, 0), k.add(p, 1)
+    n = k.udiv(k.add(k.sub(end, jlo), CHUNK - 1), CHUNK)
+    return _Item(t, h0, k.udiv(h0, group), p, seq, jlo, end, n)
+
+
+def _chunk(
     k: Kernel, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int, recent: int
 ) -> None:
-    """Work items ``lo..hi-1``: each a query token's group of heads over its keys. With
-    ``recent``, the keys within ``recent`` positions of the query (and computed by its
+    """``chunk(args, w, c, record)``: work item ``w`` (a query token's group of heads) over
+    its keys' chunk ``c``, its partial result stored at ``record`` (``record_floats``).
+    With ``recent``, the keys within ``recent`` positions of the query (and computed by its
     sequence since ``recent_from``) are read in f16, from the sequence's recent buffer for
     earlier steps' tokens and from the step's f32 keys rounded to f16 for its own, the same
     values either way: each is staged in f32 on the stack, so a result does not depend on
     where the step's chunk starts. Older keys come from the pages."""
     b = k.b
-    lo, hi = k.args[1], k.args[2]
+    w, chunk, record = k.args[1], k.args[2], k.args[3]
     group = n_heads // n_kv_heads
     heads = item_heads(group)
     n_vec, halves = head_dim // LANES, BLOCK // LANES
@@ -222,11 +286,9 @@ def _items(
         k.store(value, slot, align=_VEC_ALIGN if value.type == _VEC else 4)
 
     a, s = _blocks(k)
-    q, out, kp, vp, ks, vs, kr, vr = (
-        k.pointer(a[i]) for i in (A_Q, A_OUT, A_K, A_V, A_KS, A_VS, A_KR, A_VR)
-    )
+    q, kp, vp, ks, vs, kr, vr = (k.pointer(a[i]) for i in (A_Q, A_K, A_V, A_KS, A_VS, A_KR, A_VR))
     k_new, v_new = k.pointer(a[A_K_NEW]), k.pointer(a[A_V_NEW])
-    pages, seq_of, pos = (k.pointer(s[i]) for i in (S_PAGES, S_SEQ_OF, S_POS))
+    pages, pos = (k.pointer(s[i]) for i in (S_PAGES, S_POS))
     first_row, recent_row, recent_from = (
         k.pointer(s[i]) for i in (S_FIRST_ROW, S_RECENT_ROW, S_RECENT_FROM)
     )
@@ -248,17 +310,10 @@ def _items(
         staged_k, staged_v = (b.alloca(_VEC, size=BLOCK * n_vec) for _ in range(2))
 
     def item(w: ir.Value) -> None:
-        t = k.udiv(w, n_heads // heads)
-        h0 = k.mul(b.urem(w, k.i64(n_heads // heads)), heads)  # first query head
-        kh = k.udiv(h0, group)
-        p, seq = _word(k, pos, t), _word(k, seq_of, t)
+        it = _item(k, a, s, w, n_heads, n_kv_heads)
+        t, h0, kh, p, seq, jlo = it.t, it.h0, it.kh, it.p, it.seq, it.jlo
         table = k.index(pages, k.mul(seq, s[S_MAX_PAGES]), I64)
-        # keys from max(0, p - window + 1) (0 without a window) to p
-        win = k.add(k.sub(p, a[A_WINDOW]), 1)
-        win = k.select(b.icmp_signed(">", a[A_WINDOW], k.i64(0)), win, 0)
-        jlo = k.smax(win, 0)
         qbase = k.add(k.mul(t, a[A_Q_STRIDE]), k.mul(h0, head_dim))
-        obase = k.mul(k.add(k.mul(t, n_heads), h0), head_dim)
         for g in range(heads):
             put(neg_inf, m[g])
             put(const(F32, 0.0), total[g])
@@ -392,7 +447,7 @@ def _items(
             return _load_vec(k, dtype, vp, vs, k.add(row, col))
 
         in_pages = _Segment(page_key, page_rows, page_value, rotated=dtype == "q8_0")
-        end = k.add(p, 1)
+        end = it.end
         segments = [(in_pages, jlo, end)]
         if recent:
             start = _word(k, pos, _word(k, first_row, seq))  # the sequence's first this step
@@ -431,15 +486,129 @@ def _items(
             near = k.smax(k.smax(jlo, k.sub(p, recent - 1)), _word(k, recent_from, seq))
             in_f16 = _Segment(near_key, near_rows, near_value, rotated=False)
             segments = [(in_pages, jlo, near), (in_f16, near, end)]
+        # this chunk's keys of each segment (its blocks start at the chunk's first key)
+        lo = k.add(jlo, k.mul(chunk, CHUNK))
+        hi = k.smin(k.add(lo, CHUNK), end)
         for keys, first, stop in segments:
-            segment(keys, first, stop)
+            segment(keys, k.smax(first, lo), k.smin(stop, hi))
+        maxima, sums = zero, zero
         for g in range(heads):
-            inv = k.splat(k.b.fdiv(const(F32, 1.0), get(total[g], F32)), LANES)
-            for c in range(n_vec):
-                y = k.mul(get(vec_at(acc, g * n_vec + c)), inv)
-                k.store(y, k.index(out, k.add(obase, g * head_dim + c * LANES), F32), align=4)
+            maxima = b.insert_element(maxima, get(m[g], F32), const(I32, g))
+            sums = b.insert_element(sums, get(total[g], F32), const(I32, g))
+        k.store(maxima, record, 0, 4)
+        k.store(sums, record, 4 * LANES, 4)
+        for i in range(heads * n_vec):
+            k.store(get(vec_at(acc, i)), record, 4 * (2 + i) * LANES, 4)
 
-    k.loop(lo, hi, 1, item)
+    item(w)
+
+
+def _fold(k: Kernel, into: ir.Value, part: ir.Value, heads: int, n_vec: int) -> None:
+    """The partial result at ``into`` merged with the one at ``part`` (the next chunk's),
+    in place: ``m = max(m, m')``, ``l = l e^(m_old - m) + l' e^(m' - m)``, and the value
+    sums alike. Plain multiplies and adds (nothing fused), so every backend rounds the
+    same; a one-chunk item never folds, so its result is the unsplit one."""
+    b = k.b
+    m_into, m_part = (k.load(_VEC, x, 0, 4) for x in (into, part))
+    m = k.call("llvm.maxnum.v8f32", _VEC, m_into, m_part)
+    old, new = k.exp(k.sub(m_into, m)), k.exp(k.sub(m_part, m))
+    l_into, l_part = (k.load(_VEC, x, 4 * LANES, 4) for x in (into, part))
+    k.store(m, into, 0, 4)
+    k.store(k.add(k.mul(l_into, old), k.mul(l_part, new)), into, 4 * LANES, 4)
+    for g in range(heads):
+        f_old, f_new = (k.splat(b.extract_element(x, const(I32, g)), LANES) for x in (old, new))
+        for c in range(n_vec):
+            at = 4 * (2 + g * n_vec + c) * LANES
+            y, y_part = (k.load(_VEC, x, at, 4) for x in (into, part))
+            k.store(k.add(k.mul(y, f_old), k.mul(y_part, f_new)), into, at, 4)
+
+
+def _finish(
+    k: Kernel, record: ir.Value, out: ir.Value, it: _Item, n_heads: int, heads: int, head_dim: int
+) -> None:
+    """Item ``it``'s output rows: its value sums over its sum of exps."""
+    sums = k.load(_VEC, record, 4 * LANES, 4)
+    obase = k.mul(k.add(k.mul(it.t, n_heads), it.h0), head_dim)
+    for g in range(heads):
+        total = k.b.extract_element(sums, const(I32, g))
+        inv = k.splat(k.b.fdiv(const(F32, 1.0), total), LANES)
+        for c in range(head_dim // LANES):
+            y = k.mul(k.load(_VEC, record, 4 * (2 + g * (head_dim // LANES) + c) * LANES, 4), inv)
+            k.store(y, k.index(out, k.add(obase, g * head_dim + c * LANES), F32), align=4)
+
+
+# The three schedules of the same chunks and folds, so their results are bitwise equal:
+# ``items`` runs an item's chunks in order on one thread, folding each into the first on
+# the stack (no scratch: what a long prefill needs); ``parts`` spreads the chunks over
+# threads, writing each partial to the step's scratch, and ``merge`` (a second small
+# launch, since the chunks of an item finish on different threads, or GPU blocks, with no
+# barrier between them) folds them in chunk order. A one-chunk item is finished by
+# ``parts`` itself and skipped by ``merge``.
+
+
+def _schedule(
+    k: Kernel, fn: ir.Function, n_heads: int, n_kv_heads: int, head_dim: int, kind: str
+) -> None:
+    """``items``, ``parts`` or ``merge`` (``kind``) over rows ``lo..hi-1``, calling the
+    chunk function ``fn``."""
+    b = k.b
+    lo, hi = k.args[1], k.args[2]
+    heads = item_heads(n_heads // n_kv_heads)
+    n_vec, floats = head_dim // LANES, record_floats(n_heads, n_kv_heads, head_dim)
+    a, s = _blocks(k)
+    out, scratch = k.pointer(a[A_OUT]), k.pointer(s[S_PARTS])
+    n_items = k.mul(s[S_TOKENS], n_heads // heads)
+    if kind == "items":  # the item's running record and the next chunk's, on the stack
+        first, other = (b.alloca(_VEC, size=floats // LANES) for _ in range(2))
+
+    def chunk(w: ir.Value, c: ir.Value, record: ir.Value) -> None:
+        b.call(fn, [k.args[0], w, c, record])
+
+    def stored(w: ir.Value, c: ir.Value) -> ir.Value:  # chunk c's record of item w
+        return k.index(scratch, k.mul(k.add(k.mul(c, n_items), w), floats), F32)
+
+    # Each schedule calls the chunk function at one site (it is inlined: the PTX checker
+    # wants entries without calls, and two copies of the walk are enough code).
+    def row(u: ir.Value) -> None:
+        if kind == "items":  # chunk 0 into ``first``, the others into ``other``, folded
+            it = _item(k, a, s, u, n_heads, n_kv_heads)
+
+            def one(c: ir.Value) -> None:
+                later = b.icmp_signed(">", c, k.i64(0))
+                chunk(u, c, b.select(later, other, first))
+                k.branch(later, lambda: _fold(k, first, other, heads, n_vec))
+
+            k.loop(0, it.n, 1, one)
+            _finish(k, first, out, it, n_heads, heads, head_dim)
+        elif kind == "merge":
+            it = _item(k, a, s, u, n_heads, n_kv_heads)
+
+            def fold_all() -> None:
+                into = stored(u, k.i64(0))
+                k.loop(1, it.n, 1, lambda c: _fold(k, into, stored(u, c), heads, n_vec))
+                _finish(k, into, out, it, n_heads, heads, head_dim)
+
+            k.branch(b.icmp_signed(">", it.n, k.i64(1)), fold_all)
+        else:  # parts: row u is slice u % slices of item u / slices: chunks slice, +slices...
+            slices = a[A_SLICES]
+            w, piece = k.udiv(u, slices), b.urem(u, slices)
+            it = _item(k, a, s, w, n_heads, n_kv_heads)
+            # a one-chunk item is finished here from its stored record, not merged (the
+            # record in global memory, not on the stack: a GPU thread then spills less)
+            single = b.icmp_signed("==", it.n, k.i64(1))
+            count = k.udiv(k.add(k.smax(k.sub(it.n, piece), 0), k.sub(slices, 1)), slices)
+
+            def one(i: ir.Value) -> None:
+                c = k.add(piece, k.mul(i, slices))
+                chunk(w, c, stored(w, c))
+
+            k.loop(0, count, 1, one)
+            only = b.and_(single, b.icmp_signed("==", piece, k.i64(0)))
+            k.branch(
+                only, lambda: _finish(k, stored(w, k.i64(0)), out, it, n_heads, heads, head_dim)
+            )
+
+    k.loop(lo, hi, 1, row)
 
 
 def _write_recent(k: Kernel, n_kv_heads: int, head_dim: int, recent: int) -> None:
@@ -468,15 +637,25 @@ def _write_recent(k: Kernel, n_kv_heads: int, head_dim: int, recent: int) -> Non
 def _build(
     module: Module, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int, recent: int
 ) -> None:
-    """``items(args, lo, hi)``: work items lo..hi-1; ``write_rows(args, lo, hi)``: store
+    """``items(args, lo, hi)``: work items lo..hi-1, each chunk after chunk;
+    ``parts(args, lo, hi)``: rows lo..hi-1 of the split-K schedule (``A_SLICES`` rows an
+    item), ``merge(args, lo, hi)``: items lo..hi-1's partials folded (both see
+    ``_schedule``); ``write_rows(args, lo, hi)``: store
     rows lo..hi-1 (token, kv head) of the step's keys and values in their pages,
     ``write(args)`` all of them; ``write_recent(args)``: in the recent buffers (after the
     items, which read the buffers' earlier tokens); ``run(args)``: all three, over all items
     of the step."""
     name = module.ir.name
-    items = module.kernel(f"{name}_items", (PTR, I64, I64))
-    _items(items, dtype, n_heads, n_kv_heads, head_dim, page, recent)
-    items.ret()
+    chunk = module.kernel(f"{name}_chunk", (PTR, I64, I64, PTR), private=True)
+    chunk.fn.attributes.add("alwaysinline")
+    _chunk(chunk, dtype, n_heads, n_kv_heads, head_dim, page, recent)
+    chunk.ret()
+    for kind in ("items", "parts", "merge"):
+        fn = module.kernel(f"{name}_{kind}", (PTR, I64, I64))
+        _schedule(fn, chunk.fn, n_heads, n_kv_heads, head_dim, kind)
+        fn.ret()
+        if kind == "items":
+            items = fn
     write_rows = module.kernel(f"{name}_write_rows", (PTR, I64, I64))
     _write(write_rows, dtype, n_kv_heads, head_dim)
     write_rows.ret()

@@ -17,11 +17,12 @@ auto matmul's lane groups (8 weight rows), the exact matmul's row groups (4), el
 The element-wise programs take ``void f(i64 *args)`` with a count first; their entry
 builds each thread's own argument block (count ``hi - lo``, each array advanced by ``lo``
 rows of its stride, ``ROW_BYTES``) so they split the same way. The attention program's
-``write_rows`` (a (token, kv head) row of the step's keys and values per thread) and
-``items`` are row ranges; its ``write``/``write_recent``/``run`` (not row ranges) get
-single-thread entries (``Entry.chunk == 0``): correct, serial. The CUDA device launches
-``write_rows`` rather than ``write``, and ``write_recent`` (q8_0 pages only) still on one
-thread per layer: two tokens of a step may share a recent-buffer row, the later must win.
+``write_rows`` (a (token, kv head) row of the step's keys and values per thread),
+``items``, ``parts`` (split-K: a thread per item and chunk) and ``merge`` are row ranges;
+its ``write``/``write_recent``/``run`` (not row ranges) get single-thread entries
+(``Entry.chunk == 0``): correct, serial. The CUDA device launches ``write_rows`` rather
+than ``write``, and ``write_recent`` (q8_0 pages only) still on one thread per layer: two
+tokens of a step may share a recent-buffer row, the later must win.
 
 ISA primitives: ``dot_u8s8`` is ``dp4a`` (``llvm.nvvm.idp4a.u.s``: 4 u8 x s8 products
 into an int32, sm_61 and later) per lane; the others are the portable integer IR. The

@@ -83,6 +83,9 @@ class CudaBinder(Binder):
     """One graph's ops bound on a ``CudaDevice`` (see the module docstring)."""
 
     cached_rows = CACHED_ROWS
+    # Steps of at most this many tokens run split-K attention (a decode batch, a short
+    # prefill chunk: too few items to fill a GPU); longer ones a thread per item.
+    split_rows = 16
 
     def __init__(self, device: CudaDevice, graph: Graph, prepare: Prepare) -> None:
         super().__init__(device, graph, prepare)
@@ -91,6 +94,7 @@ class CudaBinder(Binder):
         self._scratch: DeviceArray | None = None  # auto matmuls' quantised activations
         self._scratch_at = (0, 0, 0, 0)  # offsets of the quants, scales, sums, key sums
         self._step = device.alloc(8 * attention_program.N_STEP, owner=self)  # layout block
+        self._parts: DeviceArray | None = None  # split-K attention's partials
         self._arena: DeviceArray | None = None  # the step layout's arrays
         self._kv: object = None
         self._shape = (0, 0)
@@ -275,13 +279,32 @@ class CudaBinder(Binder):
             names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
             spec = {"dtype": kv.dtype, **dict(zip(names, geometry, strict=True))}
             tokens = self._shape[0]
+            items = tokens * per_token
             launches = [(P.ATTENTION, spec, "write_rows", at, tokens * n_kv)]  # a thread per row
-            launches.append((P.ATTENTION, spec, "items", at, tokens * per_token))
+            if tokens <= self.split_rows:  # split-K: a thread per item and chunk, then merge
+                capacity = kv.geometry.slot_shape[0]
+                block[P.A_SLICES] = P.chunks(capacity)
+                self._reserve_parts(P.parts_bytes(items, capacity, n_heads, n_kv, head_dim))
+                launches.append((P.ATTENTION, spec, "parts", at, items * P.chunks(capacity)))
+                launches.append((P.ATTENTION, spec, "merge", at, items))
+            else:  # a long prefill: a thread per item (its chunks in turn), no scratch
+                launches.append((P.ATTENTION, spec, "items", at, items))
             if kv.recent:
                 launches.append((P.ATTENTION, spec, "write_recent", at, 1))
             return launches
 
         return _Kernels(self.device, plan)
+
+    def _reserve_parts(self, nbytes: int) -> None:
+        """At least ``nbytes`` of split-K scratch (shared by the layers, whose launches run
+        in order), its address in the layout block."""
+        if self._parts is not None and self._parts.nbytes >= nbytes:
+            return
+        if self._parts is not None:
+            self.device.free(self._parts)
+        self._parts = self.device.alloc(nbytes)
+        word = np.array([self._parts.ptr], np.int64)
+        self._context.copy_in(self._step, word, 8 * attention_program.S_PARTS)
 
     def _select_rows(self, node: Node) -> _Kernels:
         out, (x, index), rows = self._values(node)
@@ -314,6 +337,7 @@ class CudaBinder(Binder):
         )  # fmt: skip
         words[P.S_POS], words[P.S_SLOTS] = copy.ptr + offset, starts[2]
         words[[P.S_FIRST_ROW, P.S_RECENT_ROW, P.S_RECENT_FROM]] = starts[3:6]
+        words[P.S_PARTS] = self._parts.ptr if self._parts is not None else 0
         self._context.copy_in(self._step, words)
         self._kv = batch.kv
 
