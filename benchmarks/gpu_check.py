@@ -5,12 +5,13 @@
     PYTHONPATH=src python benchmarks/gpu_check.py --assemble          # anywhere with ptxas
     ... --emulate                     # either check on this CPU (tests/cuda_emulator.py)
 
-Default: loads the PTX (``kernel.nvptx``) of the Q4_1 matmuls (auto and exact; GEMV and a
-5-row batch), RMSNorm and the sampling reductions through ``core.cuda_device``, runs them
-on random inputs in device memory and compares with the CPU's generic backend (same
-8-lane programs): ``auto`` matmuls must be bitwise equal (exact integer sums, the same
-fma/mul order), the others within 1e-3 of the largest |reference| value; prints a table
-with the time per launch. Exits 2 with the reason when no CUDA device is usable.
+Default: loads the PTX (``kernel.nvptx``) of the Q4_1 matmuls (auto and exact; GEMV, a
+5-row batch and a 21-row one: auto's tensor-core mma tiles), RMSNorm and the sampling
+reductions through ``core.cuda_device``, runs them on random inputs in device memory and
+compares with the CPU's generic backend (same 8-lane programs): ``auto`` matmuls must be
+bitwise equal (exact integer sums, the same fma/mul order), the others within 1e-3 of
+the largest |reference| value; prints a table with the time per launch. Exits 2 with the
+reason when no CUDA device is usable.
 
 ``--fidelity MODEL [MODEL ...]``: each model's logits on the GPU (``CudaDevice``) and the
 CPU, per mode, at every position of three prompts and one decode step: top-1 must agree and
@@ -198,7 +199,7 @@ def kernels(emulate: bool) -> int:
             functools.partial(matmul_case, gpu, mode, t, 1536, 576),
         )
         for mode in ("auto", "exact")
-        for t in (1, 5)
+        for t in (1, 5, 21)  # 21 rows: auto's tensor-core mma tiles (16 and more)
     ] + [
         ("rms_norm 8x576", "1e-3", lambda: rms_norm_case(gpu, 8, 576)),
         ("sample_reduce 4x49152", "1e-3", lambda: sampling_case(gpu, 4, 49152)),

@@ -54,6 +54,7 @@ class EmulatedLibcuda:
         self.functions: dict[int, nvptx.HostEntry] = {}
         self.launches = 0  # kernels run (one by one or replayed from a graph)
         self.graph_launches = 0
+        self.warp_launches = 0  # of ``launches``: warp-cooperative kernels (the mma tiles)
         self.streams: dict[int, list | None] = {}  # stream -> its capture's launches, or None
         self.graphs: dict[int, list] = {}  # graph (and executable) -> its launches
         self.executables: dict[int, list] = {}
@@ -223,8 +224,14 @@ class EmulatedLibcuda:
             if 1 << 32 <= word < 1 << 47 and not self._inside(word, 1):
                 why = f"argument word {i} ({word:#x}) points outside device memory"
                 return self._fail(ILLEGAL_ADDRESS, why)
-        self.functions[function].launch(args, rows, (gx, bx))
+        entry = self.functions[function]
+        width = entry.entry.width  # a warp-cooperative kernel: blocks of whole warps
+        if bx % width:
+            why = f"{entry.entry.name}: blocks of {bx} threads, not whole warps of {width}"
+            return self._fail(INVALID_VALUE, why)
+        entry.launch(args, rows, (gx, bx))
         self.launches += 1
+        self.warp_launches += width > 1
         return SUCCESS
 
     # -- streams and graphs: a capture records a stream's launches in order, an

@@ -21,7 +21,8 @@ from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import backends, nvptx, ptx_check, spirv
 from dynalm.kernel import elementwise_programs as ew_programs
 from dynalm.kernel import sampling_program as sampling
-from dynalm.kernel.matmul_programs import MATMUL, PAIR, UNPACKS, effective_mode
+from dynalm.kernel.backends import MMA_ROWS, WARP
+from dynalm.kernel.matmul_programs import MATMUL, PAIR, UNPACKS, MatmulKernels, effective_mode
 from dynalm.kernel.pool_program import POOL
 from tolerances import U, sum_bound
 
@@ -43,7 +44,10 @@ def test_kernel_lowers_to_valid_ptx(item: tuple) -> None:
     assert all(f.kind == "entry" for f in summary.functions)  # the bodies were inlined
     opcodes = {op for f in summary.functions for op in f.opcodes}
     if program.name == "mm" and spec.get("mode") == "auto":
-        assert any(op.startswith("dp4a") for op in opcodes)  # the int8 dot is dp4a
+        mma = spec["mr"] == MMA_ROWS  # the prefill tile: tensor cores, else dp4a
+        dot = "mma.sync.aligned.m16n8k16.row.col.s32.s8.u8.s32" if mma else "dp4a"
+        assert any(op.startswith(dot) for op in opcodes), dot
+        assert ("bar.warp.sync" in opcodes) == mma
     assert not any(op.startswith(("call", "prefetch")) for op in opcodes)
 
 
@@ -142,6 +146,87 @@ def test_grid_matmul_is_the_cpu_kernel(ggml_type: T, mode: str, t_rows: int) -> 
         spec = qm._kernels.specs[which]
         run_grid(nvptx.host_twin(MATMUL, spec)[""], args, total)
     np.testing.assert_array_equal(out, want)
+
+
+def test_twin_mma_is_the_ptx_isa_fragment_product() -> None:
+    """``mma_s8u8`` on the twin, each lane's fragments loaded as the PTX ISA lays them out
+    for m16n8k16 integer mma (lane l: g = l >> 2, q = l & 3; a0 = A[g][4q..], a1 =
+    A[g+8][4q..], b = B[4q..][g]; C/D [g][2q], [g][2q+1], [g+8][2q], [g+8][2q+1]), the
+    lanes run one after another: D = A @ B + C in int32, exactly (bytes at their extremes)."""
+    from dynalm.kernel import jit
+    from dynalm.kernel.lang import I32, I64, PTR, Module
+
+    twin = nvptx.NVPTX.twin()
+    module = Module("mma_check", twin, jit.triple())
+    k = module.kernel("mma_check", (PTR, PTR, PTR, PTR, I64))
+    a, bt, c, d, lane = k.args
+    g, q = k.lshr(lane, 2), k.and_(lane, 3)
+
+    def fragment(lane):  # A row-major 16 x 16, B as its transpose 8 x 16 (col layout)
+        g_l, q_l = k.lshr(lane, 2), k.and_(lane, 3)
+        at = [k.add(k.mul(k.add(g_l, 8 * h), 16), k.mul(q_l, 4)) for h in (0, 1)]
+        b = k.load(I32, bt, k.add(k.mul(g_l, 16), k.mul(q_l, 4)))
+        return k.load(I32, a, at[0]), k.load(I32, a, at[1]), b
+
+    cells = [(k.add(g, 8 * (e // 2)), k.add(k.shl(q, 1), e % 2)) for e in range(4)]
+    offsets = [k.mul(k.add(k.mul(r, 8), col), 4) for r, col in cells]
+    out = twin.mma_s8u8(k, lane, fragment, [k.load(I32, c, at) for at in offsets])
+    for value, at in zip(out, offsets, strict=True):
+        k.store(value, d, at)
+    k.ret()
+    addresses, _ = jit.compile_module(module.text(), module.names)
+    fn = jit.cfunc(addresses["mma_check"], None, *([ctypes.c_void_p] * 4), ctypes.c_int64)
+    rng = np.random.default_rng(16)
+    am = rng.integers(-128, 128, (16, 16)).astype(np.int8)
+    bm = rng.integers(0, 256, (16, 8)).astype(np.uint8)
+    am[0], bm[:, 0] = -128, 255  # the largest products
+    cm = rng.integers(-(2**20), 2**20, (16, 8)).astype(np.int32)
+    dm = np.zeros((16, 8), np.int32)
+    bt_m = np.ascontiguousarray(bm.T)
+    for lane in range(WARP):
+        fn(am.ctypes.data, bt_m.ctypes.data, cm.ctypes.data, dm.ctypes.data, lane)
+    want = am.astype(np.int64) @ bm.astype(np.int64) + cm
+    np.testing.assert_array_equal(dm, want)
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "n", "k_blocks", "t_rows"),
+    [(T.Q4_1, 67, 8, 21), (T.Q8_0, 13, 1, 16), (T.Q4_K, 20, 8, 37), (T.Q6_K, 9, 16, 17),
+     (T.Q5_0, 8, 3, 47)],
+    ids=str,
+)  # fmt: skip
+def test_grid_mma_matmul_is_the_cpu_kernel(ggml_type: T, n: int, k_blocks: int, t_rows: int):
+    """The prefill tile of ``auto`` on the device (``MMA_ROWS`` rows and more): a warp's
+    m16n8k16 int8 ``mma`` per key, on the host twin (each lane's D from the lanes whose
+    fragments hold its rows and columns, the warp's lanes one after another, blocks of
+    whole warps). Tokens not a multiple of 16, N not a multiple of 8, K of 1 to 16 blocks,
+    formats with one and two sub-blocks a block: bitwise the CPU generic backend's y."""
+    k = 32 * k_blocks
+    raw, x = weights(ggml_type, n, k), activations(t_rows, k)
+    want = QuantMatmul(raw, ggml_type, k, mode="auto", backend=backends.GENERIC, threads=1)(x)
+    qm = QuantMatmul(raw, ggml_type, k, mode="auto", backend=nvptx.NVPTX.twin(), threads=1)
+    out = np.full((t_rows, n), np.nan, np.float32)
+    calls = qm.kernel_calls(x, out)
+    assert [qm._kernels.specs[which]["mr"] for which, _, _ in calls[1:]] == [MMA_ROWS]
+    for which, args, total in calls:
+        entry = nvptx.host_twin(MATMUL, qm._kernels.specs[which])[""]
+        assert entry.entry.width == (WARP if which != qm._kernels.quantize else 1)
+        run_grid(entry, args, total)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_mma_tile_is_chosen_from_16_rows_on_the_device_only() -> None:
+    """The choice is ``MatmulKernels.tile_for``: dp4a below 16 rows, the warps' mma from
+    16; CPU backends have no warp tile, and a warp tile refuses a CPU call by name."""
+    device = MatmulKernels(T.Q4_1, "auto", nvptx.NVPTX, 256)
+    mrs = {t: device.specs[device.tile_for(t)]["mr"] for t in (1, 4, 15, 16, 17, 512)}
+    assert mrs == {1: 1, 4: 4, 15: 4, 16: MMA_ROWS, 17: MMA_ROWS, 512: MMA_ROWS}
+    grid = nvptx.NVPTX.lower(MATMUL, device.specs[device.tile_for(16)]).entries[""].grid
+    assert grid(67) == (3, 128) and grid(8) == (1, 32)  # a warp per 8 weight rows
+    cpu = MatmulKernels(T.Q4_1, "auto", backends.GENERIC, 256)
+    assert all(s.get("mr") != MMA_ROWS for s in cpu.specs)
+    with pytest.raises(ValueError, match="warp-cooperative"):
+        MatmulKernels(T.Q4_1, "auto", nvptx.NVPTX.twin(), 256).call(device.tile_for(16))
 
 
 def test_grid_elementwise_is_the_cpu_kernel() -> None:

@@ -38,7 +38,9 @@ from dynalm.models.loader import LoadedModel, load_model, model_graph
 from tolerances import forward_bound, logit_scale
 
 FAMILIES = sorted(SPECS)
-IDS: list[int] = np.random.default_rng(30).integers(0, VOCAB, 12).tolist()
+# 20 tokens: the auto prefill's matmuls take the warps' mma tiles (16 rows and more), a
+# whole tile of 16 and one of 4 rows past T
+IDS: list[int] = np.random.default_rng(30).integers(0, VOCAB, 20).tolist()
 Q8_0 = GGMLQuantizationType.Q8_0
 
 
@@ -95,6 +97,7 @@ def test_family_logits_equal_the_cpu(family_model, mode, monkeypatch):
     assert unsupported(device, family_model.graph) is None
     got = forward(family_model, device, IDS)
     assert gpu.launches > 0
+    assert (gpu.warp_launches > 0) == (mode == "auto")  # the prefill's tensor-core tiles
     monkeypatch.setenv("DYNALM_ISA", "generic")
     np.testing.assert_array_equal(got, forward(family_model, CpuDevice(mode), IDS))
     if mode == "exact":  # the host's best backend: its own summation order

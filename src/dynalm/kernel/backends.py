@@ -48,7 +48,7 @@ from functools import cache
 import llvmlite.ir as ir
 
 from dynalm.kernel import jit
-from dynalm.kernel.lang import I8, I16, I32, VOID, Kernel, Module, const, vec
+from dynalm.kernel.lang import I8, I16, I32, VOID, Fragment, Kernel, Module, Values, const, vec
 
 Spec = Mapping[str, object]  # the values a program is specialised on (shapes, format, ...)
 
@@ -84,6 +84,9 @@ class Backend:
     native: bool = True
     vector_isa: str | None = None  # the intrinsics lowered: "avx2", "avx512", "neon-dotprod"
     tiles: bool = False  # int8 tile products (AMX) for tall batches
+    # Warp-cooperative int8 tile products (``mma_s8u8``: the NVPTX backend's tensor-core
+    # ``mma`` on sm_80+, and its twin) for batches of >= MMA_ROWS rows.
+    warps: bool = False
     # Signed weights dot straight into int32 (``dot_s8s8``) instead of their magnitudes
     # against sign-moved activations (``sdot`` has no u8 x s8 form).
     signed_dot: bool = False
@@ -128,6 +131,7 @@ class Backend:
             accumulate=self.accumulate,
             native=False,
             tiles=self.tiles,
+            warps=self.warps,
             signed_dot=self.signed_dot,
             wide=self.wide,
         )
@@ -300,8 +304,42 @@ class Backend:
 
         k.loop(0, TILE_ROWS, 1, row)
 
+    # -- warp-collective int8 tile products (NVPTX mma) -----------------------------------
+    def mma_s8u8(self, k: Kernel, lane: ir.Value, fragment: Fragment, acc: Values) -> Values:
+        """One warp's D = A x B + C, A 16 x 16 signed bytes (rows: activation rows), B
+        16 x 8 unsigned bytes (columns: weight rows), C and D 16 x 8 int32, exactly: PTX's
+        ``mma.sync.aligned.m16n8k16.row.col.s32.s8.u8.s32``, whose fragments (PTX ISA,
+        "Matrix Fragments for mma.m16n8k16 with integer type") are, for lane ``l``, group
+        ``g = l >> 2`` and ``q = l & 3``: ``fragment(l) = (a0, a1, b)``, each an i32 of 4
+        bytes (the first in the low byte), a0 = A[g][4q .. 4q+3], a1 = A[g+8][4q .. 4q+3],
+        b = B[4q .. 4q+3][g]; ``acc`` and the result are the lane's C and D elements
+        [g][2q], [g][2q+1], [g+8][2q], [g+8][2q+1].
+
+        A warp-collective operation with its operands given as a function of the lane:
+        ``fragment`` must compute lane ``l``'s registers from ``l`` and values that are the
+        same on every lane of the warp (loads, no stores). The NVPTX backend calls it once
+        (its own lane) and the warp exchanges the registers; this portable form, where a
+        warp's lanes run one after another (the host twin), calls it for the 12 lanes
+        whose registers hold this lane's rows and columns and sums their byte products."""
+        g, q = k.lshr(lane, 2), k.and_(lane, 3)
+        rows = [fragment(k.add(k.shl(g, 2), i)) for i in range(4)]  # A's rows g and g + 8
+        cols = [
+            [fragment(k.add(k.shl(k.add(k.shl(q, 1), c), 2), i)) for i in range(4)] for c in (0, 1)
+        ]  # B's columns 2q and 2q + 1
+        out = []
+        for e, total in enumerate(acc):
+            for i in range(4):  # k = 4i .. 4i + 3: held by lanes 4g + i and 4 * col + i
+                a = k.bitcast(rows[i][e // 2], vec(I8, 4))
+                b = k.bitcast(cols[e % 2][i][2], vec(I8, 4))
+                products = k.b.mul(k.convert(a, I32), k.convert(b, I32, signed=False))
+                total = k.b.add(total, k.reduce("add", products))
+            out.append(total)
+        return out
+
 
 TILE_ROWS = 16  # activation rows of a tile product
+WARP = 32  # threads of a warp (NVPTX)
+MMA_ROWS = 16  # activation rows of a warp's mma tile (m16)
 
 
 def _tile_registers(products: int) -> tuple[list[int], list[int]]:

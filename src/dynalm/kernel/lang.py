@@ -30,6 +30,10 @@ VOID = ir.VoidType()
 
 Number = int | float
 Operand = ir.Value | Number
+Values = list[ir.Value]
+# A warp-collective primitive's operands: lane index -> that lane's registers (see
+# ``Backend.mma_s8u8``)
+Fragment = Callable[[ir.Value], tuple[ir.Value, ...]]
 
 
 def vec(elem: ir.Type, n: int) -> ir.VectorType:
@@ -69,6 +73,13 @@ class Target(Protocol):
     def pair_sums(self, k: Kernel, v: ir.Value) -> ir.Value: ...
 
     def sign_of(self, k: Kernel, x: ir.Value, q: ir.Value) -> ir.Value: ...
+
+    # Warp-collective (the NVPTX backend and its twin, ``warps``): a warp's int8 tile
+    # product, each lane's operands a function of its lane index (``Backend.mma_s8u8``),
+    # inside a warp-cooperative function ``f(args, lo, hi, lane)`` (``nvptx``'s entries).
+    warps: bool
+
+    def mma_s8u8(self, k: Kernel, lane: ir.Value, fragment: Fragment, acc: Values) -> Values: ...
 
 
 class Module:

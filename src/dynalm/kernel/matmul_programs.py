@@ -25,6 +25,11 @@ the per-format unpacks of ``kernel.formats``.
   (sub-block, scale group) sum is one product against a B holding only that key's chunks
   (the other rows zero), so C's rows are the vector kernel's int32 sums, then scaled in its
   float order: bitwise the same ``y`` again.
+* ``auto`` on a GPU's tensor cores (NVPTX, sm_80, batches of >= 16 rows) -- a warp per
+  row group of 8 weight rows and 16 activation rows at a time: each key's sums one
+  ``mma`` m16n8k16 (signed activations x unsigned weight bytes, ``Backend.mma_s8u8``)
+  started from the offset sums, each lane scaling its 4 outputs in the same float order
+  (``_auto_mma``): bitwise the same ``y``.
 
 One pattern per mode serves every batch size: the activation rows walked in L1/L2-sized
 chunks by tiles of ``mr`` rows chosen per batch bucket (``buckets``; ``mr = 1`` is the
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
-from dynalm.kernel.backends import TILE_ROWS, Backend, Executable, Program, Request
+from dynalm.kernel.backends import MMA_ROWS, TILE_ROWS, Backend, Executable, Program, Request
 from dynalm.kernel.formats import QK, SUPER, UNPACKS, Scale, Unpack, byte_lanes, nibbles
 from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
@@ -74,6 +79,7 @@ class Shape:
     tc: int  # activation rows per cache chunk
     pf: int = 0  # prefetch weights this many bytes ahead (0: none)
     tiles: bool = False  # int8 tile products (mr = TILE_ROWS)
+    warps: bool = False  # a warp's mma tile products (mr = MMA_ROWS, a row group per warp)
     rows: int = 0  # the smallest batch it serves (0: mr)
 
     @property
@@ -83,7 +89,8 @@ class Shape:
     def describe(self) -> str:
         if self.mr == 1:
             return "gemv"
-        return f"{'amx tiles' if self.tiles else 'tile'} {self.mr}x{self.nr}"
+        kind = "amx tiles" if self.tiles else "mma warp tiles" if self.warps else "tile"
+        return f"{kind} {self.mr}x{self.nr}"
 
 
 # Tiles per batch bucket, smallest T first. GEMV streams weights from memory: prefetching
@@ -114,6 +121,8 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
         gemms.append(Shape(mr=8, nr=lanes, tc=64, pf=4096))
     if target.tiles:
         gemms.append(Shape(mr=TILE_ROWS, nr=lanes, tc=64, pf=4096, tiles=True))
+    if target.warps:  # the prefill on a GPU: a warp's tensor-core mma per 16 rows
+        gemms.append(Shape(mr=MMA_ROWS, nr=lanes, tc=64, warps=True))
     return [Shape(mr=1, nr=lanes, tc=64, pf=8192), *sorted(gemms, key=lambda s: s.serves)]
 
 
@@ -396,17 +405,19 @@ class _AutoBlock:
 
         return [row_scales(u.d, n) for n in range(self.h)], (row_scales(u.m, 0) if u.m else None)
 
-    def offset_sums(self, blk: ir.Value) -> dict[tuple[int, int], ir.Value]:
+    def offset_sums(self, blk: ir.Value, width: int = 0) -> dict[tuple[int, int], ir.Value]:
         """Per key of activation block ``blk``: ``offset`` times the sum of its int8
         activations, as the i32 lanes a key's dot sum starts from (the weights are stored
-        as ``q - offset``, see ``kernel.formats``)."""
+        as ``q - offset``, see ``kernel.formats``): ``width`` lanes (0: the backend's),
+        1 an i32."""
         k, a = self.k, self.a
         sums = [k.load(I32, a.xk, k.mul(k.add(k.mul(blk, KEY_SUMS), i), 4), 4) for i in range(4)]
         out = {}
         for n in range(self.h):
             for g in range(2):
                 total = sums[2 * n + g] if self.h > 1 else k.add(sums[g], sums[2 + g])
-                out[n, g] = k.splat(k.mul(total, self.u.offset), self.lanes)
+                total = k.mul(total, self.u.offset)
+                out[n, g] = total if width == 1 else k.splat(total, width or self.lanes)
         return out
 
     def scaled(
@@ -418,8 +429,9 @@ class _AutoBlock:
         m_eff: ir.Value | None,
     ) -> ir.Value:
         """``acc`` plus activation block ``blk``'s part: ``sums(n, g)`` (fp32) scaled by the
-        activation's group scales and the rows' ``d``, then the min's ``m * sum(x)``."""
-        k, lanes = self.k, self.lanes
+        activation's group scales and the rows' ``d``, then the min's ``m * sum(x)``; lane
+        by lane (``acc``'s lanes: the backend's, or a warp lane's columns)."""
+        k, lanes = self.k, acc.type.count
         # scalar loads, so each broadcast folds into the multiply (``{1to16}``)
         dx = [
             k.splat(k.load(F32, self.a.xd, k.add(k.mul(blk, 8), 4 * g), 4), lanes) for g in (0, 1)
@@ -618,6 +630,96 @@ def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     target.tile_end(k)
 
 
+def _auto_mma(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
+    """``auto`` for ``MMA_ROWS`` activation rows at a time by a warp's tensor-core int8
+    ``mma`` (``Backend.mma_s8u8``, m16n8k16: A the rows' quantised activations, signed; B
+    a row group's unsigned weight chunks, the ``lanes`` = 8 weight rows its columns). A
+    warp-cooperative body (``f(args, lo, hi, lane)``, see ``nvptx``): the warp's lanes walk
+    the same tiles and blocks. Per block, each (sub-block, scale group) key is one mma over
+    that key's chunks only: lane ``q`` of a group gives the key's ``q``-th chunk (k =
+    4q .. 4q+3; keys of 2 chunks, with 2 sub-blocks a block, leave lanes 2 and 3 zero), C
+    starts from ``offset`` times the activations' key sums: D is the vector kernel's int32
+    sum of each (row, weight row). A lane then scales its D elements (rows g and g + 8,
+    weight rows 2q and 2q + 1) in ``_AutoBlock.scaled``'s float order, so ``y`` is bitwise
+    the dp4a kernel's. Rows past T read the last row (clamped) and are not stored."""
+    a, target = _Args(k, k_blocks), k.target
+    blocks = _AutoBlock(k, u, a, k_blocks)
+    lanes, h = target.lanes, u.halves
+    if lanes != 8:
+        raise ValueError(f"mma tiles want 8 weight rows a row group (m16n8), not {lanes}")
+    keys = [(n, g) for n in range(h) for g in range(2)]
+    key_chunks = {key: [j for j in range(8) if blocks.key(j, h) == key] for key in keys}
+    lane = k.args[3]
+    g, q = k.lshr(lane, 2), k.and_(lane, 3)
+    cols = [k.add(k.shl(q, 1), c) for c in (0, 1)]  # this lane's D columns (weight rows)
+    t_last, hi = k.add(a.t_rows, -1), k.args[2]
+    x_stride = k.mul(a.nb, QK)
+    stash = k.stack(8 * 4 * lanes)  # the block's unpacked chunks, chunk j at 4 * lanes * j
+
+    def two(v: ir.Value) -> ir.Value:
+        """This lane's two columns of a row group's ``<lanes x float>``."""
+        out = ir.Constant(vec(F32, 2), None)
+        for c, col in enumerate(cols):
+            out = k.b.insert_element(out, k.b.extract_element(v, col), ir.Constant(I32, c))
+        return out
+
+    def tile(t: ir.Value, n: ir.Value) -> None:
+        group = blocks.group(n)
+        first = [k.add(t, g), k.add(t, k.add(g, 8))]  # this lane's D rows (unclamped)
+        rows = [k.smin(r, t_last) for r in first]
+        accs = [k.var(ir.Constant(vec(F32, 2), None)) for _ in rows]
+
+        def block(b: ir.Value) -> None:
+            p = blocks.planes(group, b, 0)
+            for j, chunk in enumerate(u.chunks(k, p, lanes)):
+                k.store(chunk, stash, 4 * lanes * j, 4)
+            x_at = k.at(a.x, k.mul(b, QK))
+            blks = [k.add(k.mul(r, a.nb), b) for r in rows]
+            starts = [blocks.offset_sums(blk, 1) if u.offset else {} for blk in blks]
+            sums = {}
+            for key in keys:
+                chunks = key_chunks[key]
+
+                def fragment(lane: ir.Value, chunks: list[int] = chunks) -> tuple:
+                    g_l, q_l = k.lshr(lane, 2), k.and_(lane, 3)
+                    j = k.i64(chunks[0])
+                    for i, c in enumerate(chunks[1:], 1):
+                        j = k.select(k.b.icmp_signed("==", q_l, k.i64(i)), k.i64(c), j)
+                    a_rows = [k.smin(k.add(t, k.add(g_l, 8 * i)), t_last) for i in (0, 1)]
+                    a_regs = [k.load(I32, x_at, k.add(k.mul(r, x_stride), k.mul(j, 4)), 4)
+                              for r in a_rows]  # fmt: skip
+                    b_reg = k.load(I32, stash, k.add(k.mul(j, 4 * lanes), k.mul(g_l, 4)), 4)
+                    if len(chunks) < 4:  # lanes past the key's chunks add nothing
+                        b_reg = k.select(k.lt(q_l, len(chunks)), b_reg, ir.Constant(I32, 0))
+                    return a_regs[0], a_regs[1], b_reg
+
+                c = [starts[e // 2][key] if u.offset else ir.Constant(I32, 0) for e in range(4)]
+                sums[key] = target.mma_s8u8(k, lane, fragment, c)
+            dw, m_eff = blocks.weight_scales(p)
+            dw, m_eff = [two(d) for d in dw], (two(m_eff) if m_eff is not None else None)
+            for r in (0, 1):
+
+                def as_float(n: int, g_: int, r: int = r) -> ir.Value:
+                    d = sums[n, g_]
+                    pair = ir.Constant(vec(I32, 2), None)
+                    for c in (0, 1):
+                        pair = k.b.insert_element(pair, d[2 * r + c], ir.Constant(I32, c))
+                    return k.convert(pair, F32)
+
+                accs[r].set(blocks.scaled(accs[r].get(), as_float, blks[r], dw, m_eff))
+
+        k.loop(0, a.nb, 1, block)
+        for r in (0, 1):
+            y_row = k.mul(first[r], a.ldy)
+            for c, col in enumerate(cols):
+                value = k.b.extract_element(accs[r].get(), ir.Constant(I32, c))
+                at = k.mul(k.add(y_row, k.add(n, col)), 4)
+                inside = k.b.and_(k.lt(first[r], a.t_rows), k.lt(k.add(n, col), hi))
+                k.branch(inside, lambda value=value, at=at: k.store(value, a.y, at, 4))
+
+    _walk(k, s, a.t_rows, tile)
+
+
 def _quantize(k: Kernel, k_blocks: int) -> None:
     """Activation rows [lo, hi) of fp32 [T, K] -> int8 [T, K], per-block scales dx
     [T, nb, 2] (one per ``X_GROUPS`` group), sum(dx * q) [T, nb] and the integer sums of q
@@ -672,12 +774,22 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
     """One kernel: the matmul tile of ``mr`` activation rows of a format in a mode, or
     (``mr = 0``) the activations' quantiser (the same for every format), specialised on
     K = 32 * ``k_blocks``."""
-    k = module.kernel(module.ir.name, _PARAMS)
     if not mr:
+        k = module.kernel(module.ir.name, _PARAMS)
         _quantize(k, k_blocks)
     else:
         shape = next(s for s in buckets(mode, module.target, ggml_type) if s.mr == mr)
-        body = _auto_tiles if shape.tiles else _auto if mode == "auto" else _exact
+        # a warp's tile takes its lane too (a warp-cooperative body, see ``nvptx``)
+        k = module.kernel(module.ir.name, (*_PARAMS, I64) if shape.warps else _PARAMS)
+        body = (
+            _auto_mma
+            if shape.warps
+            else _auto_tiles
+            if shape.tiles
+            else _auto
+            if mode == "auto"
+            else _exact
+        )
         body(k, UNPACKS[ggml_type], shape, k_blocks)
     k.ret()
 
@@ -740,6 +852,7 @@ class MatmulKernels:
         self.layout = layout(self.mode, backend.lanes)
         shapes = buckets(self.mode, backend, ggml_type)
         self._mrs, self._amx = [s.mr for s in shapes], [s.tiles for s in shapes]
+        self._warps = [s.warps for s in shapes]
         self._from, self._nrs = [s.serves for s in shapes], [s.nr for s in shapes]
         nb = n_cols // QK
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
@@ -773,7 +886,9 @@ class MatmulKernels:
         return len(self._programs) - 1
 
     def tile_for(self, t_rows: int) -> int:
-        """The index of the tile for a batch of ``t_rows``: the last bucket it reaches."""
+        """The index of the tile for a batch of ``t_rows``: the last bucket it reaches (on
+        the NVPTX backend: the dp4a GEMV, the dp4a 4-row tile from 4 rows, the warps' mma
+        tiles from ``MMA_ROWS``; the CUDA binder launches this one tile over the batch)."""
         return max(i for i, rows in enumerate(self._from) if rows <= max(t_rows, 1))
 
     def cover(self, t_rows: int) -> list[tuple[int, int, int]]:
@@ -787,7 +902,7 @@ class MatmulKernels:
         row's products are the same whichever tile computes them."""
         which = self.tile_for(t_rows)
         mr = self._mrs[which]
-        if mr == 1:
+        if mr == 1 or self._warps[which]:  # (a warp's tiles clamp their last rows)
             return [(which, 0, t_rows)]
 
         def rows(i: int, n: int) -> int:  # what tile i computes for n rows
@@ -813,7 +928,8 @@ class MatmulKernels:
         def single(i: int) -> bool:
             if self._from[which] > mr:
                 return i == which
-            return i <= which or not self._amx[i] and self._from[i] == self._mrs[i]
+            vector = not self._amx[i] and not self._warps[i]
+            return i <= which or vector and self._from[i] == self._mrs[i]
 
         singles = [
             ((cost(i, t_rows), -self._mrs[i], rows(i, t_rows), 1, 0), [(i, 0, t_rows)])
@@ -848,6 +964,11 @@ class MatmulKernels:
     def call(self, which: int) -> Callable[[int, int, int], None]:
         """Kernel ``which`` through ctypes, for one thread: ``call(args, lo, hi)``."""
         fn = self._calls[which]
+        if fn is None and which < len(self._warps) and self._warps[which]:
+            raise ValueError(
+                f"{self.backend.name} tile {which} is warp-cooperative: it runs on a GPU "
+                "grid (nvptx entry kernels), not as a CPU call"
+            )
         if fn is None:
             fn = self._calls[which] = self._lowered(which).cfunc("", *_SIG)
         return fn

@@ -30,6 +30,22 @@ programs' ``llvm.prefetch`` is dropped by the NVPTX target (it has no lowering f
 stack arrays become local memory. The native pool program (futex syscalls, x86 pause,
 cycle counter) is CPU-only and has no entry here; the GPU's parallel-for is the grid.
 
+Tensor cores: the ``auto`` matmul's prefill tile (batches of ``MMA_ROWS`` = 16 rows and
+more; ``MatmulKernels.tile_for`` is the choice, dp4a below) is warp-cooperative: its body
+``f(args, lo, hi, lane)`` is run by the 32 threads of a warp together on one row group of
+8 weight rows (``Entry.width`` = 32: the grid counts warps, blocks are whole warps), and
+``mma_s8u8`` is ``mma.sync.aligned.m16n8k16.row.col.s32.s8.u8.s32`` (sm_80,
+``llvm.nvvm.mma.m16n8k16.row.col.s8.u8``) after a ``bar.warp.sync``. Why m16n8k16 s8 x u8
+and not m16n8k32 s8 x s8: the weights are stored unsigned (``q - offset``, the dp4a
+kernel's bytes) so B is u8 and A the signed activations, with no sign moving; and a
+block's integer sums are kept per (sub-block, activation scale group) key of 4 chunks of
+4 bytes (2 with two sub-blocks a block): one k16 mma per key has no zero padding for
+one-sub-block formats, where k32 would be half zeros (Q3_K/Q6_K: half with k16, three
+quarters with k32).
+The host twin runs a warp's lanes one after another: its ``mma_s8u8`` rebuilds a lane's
+D from the fragments of the 12 lanes that hold its rows and columns (``fragment`` is a
+function of the lane, see ``Backend.mma_s8u8``), so the emulator computes the GPU's sums.
+
 Numerics (what holds, from the arithmetic, not yet measured on a GPU): ``llvm.fmuladd``
 is lowered to ``fma.rn.f32`` here as on an FMA CPU, division and square root are the
 IEEE ``div.rn``/``sqrt.rn`` (LLVM's NVPTX defaults; no ``.ftz``), ``nearbyint`` is
@@ -52,8 +68,8 @@ from dataclasses import dataclass
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 
-from dynalm.kernel.backends import Backend, Program, Spec
-from dynalm.kernel.lang import I32, I64, PTR, Kernel, Module, vec
+from dynalm.kernel.backends import WARP, Backend, Program, Spec
+from dynalm.kernel.lang import I32, I64, PTR, VOID, Fragment, Kernel, Module, Values, vec
 
 TRIPLE = "nvptx64-nvidia-cuda"
 SM = "sm_80"  # Ampere and later: dp4a (sm_61+), bf16 cvt, what the preview is written for
@@ -96,14 +112,17 @@ def chunk_of(program: Program, spec: Spec) -> int:
 @dataclass(frozen=True)
 class Entry:
     name: str  # the PTX .entry symbol
-    chunk: int  # rows per thread; 0: the whole call on one thread (launch 1 x 1)
+    chunk: int  # rows per thread (per warp); 0: the whole call on one thread (launch 1 x 1)
+    width: int = 1  # threads that run one chunk together: WARP for a warp-cooperative body
 
     def grid(self, rows: int, threads: int = THREADS) -> tuple[int, int]:
-        """(blocks, threads per block) covering ``rows``."""
+        """(blocks, threads per block) covering ``rows``; whole warps where ``width`` is
+        a warp."""
         if self.chunk == 0:
             return 1, 1
-        need = max(1, -(-rows // self.chunk))
+        need = max(1, -(-rows // self.chunk)) * self.width
         threads = min(threads, need)
+        threads = max(self.width, threads - threads % self.width)
         return -(-need // threads), threads
 
 
@@ -131,8 +150,25 @@ class NvptxBackend(Backend):
         return ["a CUDA device (PTX runs on the GPU, not the host)"]
 
     def twin(self) -> Backend:
-        """The CPU program at the same width and int32 sums (``dp4a``'s exact sums)."""
-        return Backend(f"{self.name}-twin", self.isa, self.lanes, accumulate="int32", native=False)
+        """The CPU program at the same width and int32 sums (``dp4a``'s exact sums), with
+        the same warp-cooperative prefill tile (``mma_s8u8`` as plain integer IR)."""
+        return Backend(
+            f"{self.name}-twin",
+            self.isa,
+            self.lanes,
+            accumulate="int32",
+            native=False,
+            warps=self.warps,
+        )
+
+    def mma_s8u8(self, k: Kernel, lane: ir.Value, fragment: Fragment, acc: Values) -> Values:
+        """``mma.sync.aligned.m16n8k16.row.col.s32.s8.u8.s32`` (sm_80) on this lane's
+        ``fragment(lane)``; a ``bar.warp.sync`` first, so the warp is converged after any
+        per-lane branch (the instruction is ``.aligned``)."""
+        a0, a1, b = fragment(lane)
+        k.call("llvm.nvvm.bar.warp.sync", VOID, ir.Constant(I32, -1))
+        d = k.call(MMA_S8U8, ir.LiteralStructType([I32] * 4), a0, a1, b, *acc)
+        return [k.b.extract_value(d, i) for i in range(4)]
 
     def dot_u8s8(self, k: Kernel, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
         n = acc.type.count
@@ -161,7 +197,7 @@ class NvptxBackend(Backend):
             t0 = time.perf_counter()
             module = self.module(program, spec)
             ptx = emit_ptx(module.text(), self.sm, self.ptx_features)
-            entries = {short: Entry(f"{full}_grid", c) for short, full, c in module.entries}
+            entries = {short: entry for short, _, entry in module.entries}
             done = self._lowered[key] = PtxModule(ptx, entries, time.perf_counter() - t0)
         return done
 
@@ -174,8 +210,14 @@ class NvptxBackend(Backend):
 
 
 NVPTX = NvptxBackend(
-    "nvptx-sm80", "nvptx", LANES, int8_dot="dp4a (llvm.nvvm.idp4a.u.s)", accumulate="int32"
+    "nvptx-sm80",
+    "nvptx",
+    LANES,
+    int8_dot="dp4a (llvm.nvvm.idp4a.u.s); mma m16n8k16 s8.u8 for batches of >= 16 rows",
+    accumulate="int32",
+    warps=True,  # the int8 m16n8k16 mma is sm_80's, the preview's target
 )
+MMA_S8U8 = "llvm.nvvm.mma.m16n8k16.row.col.s8.u8"  # {i32 x 4} (a0, a1, b, c0..c3)
 
 
 def module_name(target: str, program: Program, spec: Spec) -> str:
@@ -204,12 +246,12 @@ def add_entries(
     convention ``cc``, ``thread(k)`` its global thread index (default: the PTX special
     registers; ``HOST_LOOP``: the entry takes a third parameter, a thread count, and runs
     threads ``0 .. count - 1`` in turn); the functions become private and always inlined.
-    ``module.entries``: (short name, symbol, chunk)."""
+    ``module.entries``: (short name, symbol, ``Entry``)."""
     prefix = module.ir.name
     entries = []
     for name in list(module.names):
-        chunk = _entry(module, program, spec, module.function(name), cc, thread or _thread)
-        entries.append((name.removeprefix(prefix).removeprefix("_"), name, chunk))
+        entry = _entry(module, program, spec, module.function(name), cc, thread or _thread)
+        entries.append((name.removeprefix(prefix).removeprefix("_"), name, entry))
     module.names = [f"{full}_grid" for _, full, _ in entries]
     module.entries = entries  # type: ignore[attr-defined]
 
@@ -221,9 +263,13 @@ def _entry(
     body: ir.Function,
     cc: str,
     thread: Callable[[Kernel], ir.Value],
-) -> int:
-    """``body``'s entry kernel ``NAME_grid(args, rows)``; returns the rows per thread (0:
-    one thread runs the call)."""
+) -> Entry:
+    """``body``'s entry kernel ``NAME_grid(args, rows)`` (chunk 0: one thread runs the
+    call). A body ``f(args, lo, hi, lane)`` is *warp-cooperative*: the ``WARP`` threads of
+    a warp run it together on the same rows ``[lo, hi)``, ``lane`` each one's index in its
+    warp (``tid.x % 32``: blocks are whole warps), so its control flow is the same on
+    every lane up to its warp-collective primitives (``Backend.mma_s8u8``); the host twin
+    runs the lanes one after another like any threads."""
     body.linkage = "private"
     body.attributes.add("alwaysinline")
     params = [str(a.type) for a in body.args]
@@ -239,12 +285,18 @@ def _entry(
         head, tail = k.b.append_basic_block("thread"), k.b.append_basic_block("done")
         k.b.cbranch(k.lt(k.i64(0), threads), head, tail)
         k.b.position_at_end(head)
-    if params == ["ptr", "i64", "i64"] or (params == ["ptr"] and row_bytes):
+    warp = params == ["ptr", "i64", "i64", "i64"]
+    width = WARP if warp else 1
+    if params == ["ptr", "i64", "i64"] or warp or (params == ["ptr"] and row_bytes):
         chunk = chunk_of(program, spec)
-        lo = k.mul(thread(k), chunk)
+        me = thread(k)
+        lo = k.mul(k.udiv(me, width) if warp else me, chunk)
 
         def run() -> None:
             hi = k.smin(k.add(lo, chunk), rows)
+            if warp:
+                k.b.call(body, [args, lo, hi, k.and_(me, WARP - 1)])
+                return
             if len(body.args) == 3:
                 k.b.call(body, [args, lo, hi])
                 return
@@ -270,7 +322,7 @@ def _entry(
         k.b.cbranch(k.lt(nxt, threads), head, tail)
         k.b.position_at_end(tail)
     k.ret()
-    return chunk
+    return Entry(f"{body.name}_grid", chunk, width)
 
 
 def _host_loop(k: Kernel) -> ir.Value:
@@ -307,9 +359,9 @@ def host_twin(program: Program, spec: Spec) -> dict[str, HostEntry]:
         add_entries(module, program, spec, cc="", thread=HOST_LOOP)
         addresses, _ = jit.compile_module(module.text(), module.names)
         done = _HOST_TWINS[key] = {}
-        for short, full, chunk in module.entries:
+        for short, full, entry in module.entries:
             fn = jit.cfunc(addresses[f"{full}_grid"], None, *_HOST_SIGNATURE)
-            done[short] = HostEntry(fn, Entry(f"{full}_grid", chunk))
+            done[short] = HostEntry(fn, entry)
     return done
 
 

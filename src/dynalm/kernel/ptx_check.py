@@ -8,10 +8,12 @@ It parses PTX as LLVM's NVPTX target writes it (one statement per line) and chec
   parenthesised list of well-formed ``.param`` declarations, a body in balanced braces
   (nested scopes allowed); ``.extern`` declarations end in ``;``;
 * in a body, every line is a brace, a label (``NAME:``), a declaration or an instruction
-  ending in ``;``; registers are declared with ``.reg`` (``%r<N>`` declares ``%r0`` ..
-  ``%r{N-1}``) before use, or are special registers; every opcode (the part before the
-  first ``.``) is a PTX instruction of ``OPCODES``; branch targets are labels of the same
-  function; names in ``[...]`` are declared parameters, locals or module variables.
+  ending in ``;`` (its operand list may go on over lines that begin with an operand,
+  ``{%r1,`` or ``%r1,``, as LLVM writes ``mma``'s); registers are declared with ``.reg``
+  (``%r<N>`` declares ``%r0`` .. ``%r{N-1}``) before use, or are special registers;
+  every opcode (the part before the first ``.``) is a PTX instruction of ``OPCODES``;
+  branch targets are labels of the same function; names in ``[...]`` are declared
+  parameters, locals or module variables.
 
 It is not ``ptxas``: types of operands against opcodes, instruction availability per
 ``.target`` and resource limits are not checked.
@@ -221,6 +223,9 @@ class Summary:
         return [f.name for f in self.functions if f.kind == "entry"]
 
 
+_OPERAND_LINE = re.compile(r"\{?%\w")  # a continued operand list: "{%r1, ..." or "%r1, ..."
+
+
 def _lines(ptx: str) -> list[tuple[int, str]]:
     """(line number, text) without comments and blank lines."""
     ptx = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), ptx, flags=re.S)
@@ -323,6 +328,11 @@ def _body(lines: list[tuple[int, str]], start: int, fn: Function, module_vars: s
         if _LABEL.match(text):
             labels.add(text[:-1])
             continue
+        # an instruction whose operand list goes on over lines (LLVM writes mma's
+        # vector operands one a line: "{%r1, %r2}," ... "{%r3};")
+        while not text.endswith(";") and i < len(lines) and _OPERAND_LINE.match(lines[i][1]):
+            text = f"{text} {lines[i][1]}"
+            i += 1
         if not text.endswith(";"):
             raise PtxError(n, f"{fn.name}: statement does not end in ';': {text!r}")
         stmt = text[:-1].strip()
