@@ -3,9 +3,11 @@ module starts its own server on it, see `serving`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serving import CLUSTER_REPLICAS
 
 from dynalm.models.loader import LoadedModel, load_model
 
@@ -13,3 +15,21 @@ from dynalm.models.loader import LoadedModel, load_model
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf: Path) -> LoadedModel:
     return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """A local Ray cluster (127.0.0.1, 2 CPUs) for this test process's `live_cluster`s,
+    started on first use and stopped at the end of the session; skipped, saying why,
+    without Ray."""
+    from dynalm.errors import ClusterUnavailable
+    from dynalm.runtime.serve import cluster
+
+    try:
+        cluster.connect(None, CLUSTER_REPLICAS)
+    except ClusterUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield
+    finally:
+        cluster.shutdown()

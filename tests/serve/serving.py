@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
@@ -65,8 +67,18 @@ class LiveServer:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
+    def settle(self) -> None:
+        """On a cluster, until the replicas' engine stats (``/metrics``, ``engine.stats``)
+        are those of now: Serve's controller polls them every second, then broadcasts."""
+        if on_cluster(self):
+            from dynalm.runtime.serve.cluster import STATS_PERIOD_S
+
+            time.sleep(3 * STATS_PERIOD_S)
+
     def wait_idle(self, timeout: float = 30) -> None:
-        """Until the engine has no running or waiting request (aborts land at a step)."""
+        """Until the engine has no running or waiting request (aborts land at a step); on
+        a cluster, the replicas' engines as they report (every second, see `cluster`)."""
+        self.settle()
         deadline = time.monotonic() + timeout
         while (s := self.engine.stats).num_running or s.num_waiting:
             assert time.monotonic() < deadline, f"engine still busy: {s}"
@@ -135,6 +147,83 @@ def live_models(
         server.should_exit = True
         thread.join(timeout=60)
         empty.cleanup()
+
+
+# ------------------------------------------------------------ the same tests on a cluster
+
+SERVERS = ["one process", "cluster"]  # a module's `server` fixture, parametrised by these
+CLUSTER_REPLICAS = 2
+
+
+@dataclass
+class _Replica:
+    """What a replica loads: a picklable stand-in of `serve`'s prepared model (the engine
+    of `live_server`, one thread)."""
+
+    path: str
+    names: list[str]
+    config: dict[str, int]
+
+    def load(self) -> ModelService:
+        from dynalm.models.loader import load_model
+
+        model = load_model(Path(self.path))
+        engine = Engine(model, CpuDevice(threads=1), EngineConfig(**self.config))
+        return ModelService(engine, model, self.names)
+
+
+@dataclass
+class ClusterPrepare:
+    """`serve`'s ``prepare`` for the replicas: every name gives the one model."""
+
+    path: str
+    names: list[str]
+    config: dict[str, int]
+
+    def __call__(self, name: str) -> _Replica:
+        return _Replica(self.path, self.names, self.config)
+
+
+@contextmanager
+def live_cluster(
+    model: LoadedModel, *, api_key: str | None = None, replicas: int = CLUSTER_REPLICAS,
+    **config: int,
+) -> Iterator[LiveServer]:  # fmt: skip
+    """`live_server` with its engine on ``replicas`` Ray Serve replicas (``dynalm serve
+    --replicas``) of the Ray cluster this process is connected to (see `ray_local`), the
+    router prefix; the app is deleted after."""
+    import ray
+    from ray import serve
+
+    from dynalm.runtime.serve import cluster, routing
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on their path
+    names = [MODEL, model.path.stem]
+    try:
+        prepare = ClusterPrepare(str(model.path), names, config)
+        handle = cluster.deploy(prepare, MODEL, replicas, 1)
+        service = cluster.ClusterModelService(model, EngineConfig(**config), names, handle)
+        with live_models(ModelManager.of([service]), api_key=api_key) as server:
+            yield server
+    finally:
+        serve.delete(cluster.APP)
+        routing.STATS.pop(cluster.APP, None)
+
+
+@contextmanager
+def served(request: pytest.FixtureRequest, model: LoadedModel, **kw: Any) -> Iterator[LiveServer]:
+    """`live_server`, or `live_cluster` when the fixture's param (one of `SERVERS`) says so."""
+    if request.param == "cluster":
+        request.getfixturevalue("ray_local")  # skips, saying why, without Ray
+        with live_cluster(model, **kw) as server:
+            yield server
+    else:
+        with live_server(model, **kw) as server:
+            yield server
+
+
+def on_cluster(server: LiveServer) -> bool:
+    return type(server.service).__name__ == "ClusterModelService"
 
 
 @dataclass

@@ -11,15 +11,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from serving import MODEL, LiveServer, live_models, live_server
+from serving import MODEL, LiveServer, live_cluster, live_server
 
-from dynalm.models.loader import LoadedModel, load_model
-from dynalm.runtime.engine.config import EngineConfig
-from dynalm.runtime.serve.models import ModelManager, ModelService
+from dynalm.models.loader import LoadedModel
 
 try:
     import ray
@@ -33,40 +30,10 @@ except ImportError as e:  # printed by -rs: never a silent skip
 CONFIG = {"ctx": 1024, "max_num_seqs": 4}
 
 
-@dataclass
-class Prepared:
-    """What the replicas load: a picklable stand-in of `serve`'s `prepare`."""
-
-    path: str
-
-    def load(self) -> ModelService:
-        from dynalm.core.cpu_device import CpuDevice
-        from dynalm.runtime.engine.engine import Engine
-
-        model = load_model(Path(self.path))
-        engine = Engine(model, CpuDevice(threads=1), EngineConfig(**CONFIG))
-        return ModelService(engine, model, [MODEL])
-
-
-@dataclass
-class Prepare:
-    path: str
-
-    def __call__(self, name: str) -> Prepared:
-        return Prepared(self.path)
-
-
 @pytest.fixture(scope="module")
-def clustered(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cluster.connect(None, 2)
-    try:
-        handle = cluster.deploy(Prepare(str(smollm2.path)), MODEL, 2, 1)
-        service = cluster.ClusterModelService(smollm2, EngineConfig(**CONFIG), [MODEL], handle)
-        with live_models(ModelManager.of([service])) as server:
-            yield server
-    finally:
-        cluster.shutdown()
+def clustered(smollm2: LoadedModel, ray_local: None) -> Iterator[LiveServer]:
+    with live_cluster(smollm2, **CONFIG) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +177,20 @@ def test_metrics_have_each_replicas_engine_and_the_routers(clustered: LiveServer
     tree = _samples(text, "dynalm:router_tree_tokens")
     assert {labels.split('replica="')[1].split('"')[0] for labels, _ in tree} <= replicas
     assert sum(n for _, n in tree) > 0
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(clustered: LiveServer) -> None:
+    """Closing the stream cancels the replica's: its engine stops at once, not after the
+    900 tokens asked (>= 9 s at this model's <= 100 tokens/s on one thread)."""
+    body = {**COMPLETION, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    clustered.wait_idle()
+    with clustered.http().stream("POST", "/v1/completions", json=body) as r:
+        assert next(ln for ln in r.iter_lines() if ln.startswith("data: "))  # it runs
+    left = time.monotonic()
+    clustered.settle()  # the replicas' stats of now: running only if it was not aborted
+    while clustered.engine.stats.num_running:
+        assert time.monotonic() - left < 6, clustered.engine.stats  # a whole run: >= 9 s
+        time.sleep(0.2)
 
 
 def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
