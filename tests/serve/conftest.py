@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serving import CLUSTER_REPLICAS
 
 from dynalm.models.loader import LoadedModel, load_model
 
@@ -20,16 +19,15 @@ def smollm2(smollm2_gguf: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[None]:
     """A local Ray cluster (127.0.0.1, 2 CPUs) for this test process's `live_cluster`s,
-    started on first use and stopped at the end of the session; skipped, saying why,
-    without Ray."""
+    started on first use (again if a test left it) and stopped at the end of the session;
+    skipped, saying why, without Ray."""
     from dynalm.errors import ClusterUnavailable
     from dynalm.runtime.serve import cluster
 
     try:
-        cluster.connect(None, CLUSTER_REPLICAS)
+        ray, _ = cluster.ray_modules()
     except ClusterUnavailable as e:
         pytest.skip(str(e))
-    try:
-        yield
-    finally:
+    yield  # `live_cluster` connects (a new local cluster) when this process is not
+    if ray.is_initialized():
         cluster.shutdown()

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +153,7 @@ def live_models(
 
 SERVERS = ["one process", "cluster"]  # a module's `server` fixture, parametrised by these
 CLUSTER_REPLICAS = 2
+_SERVER_OPTIONS = ("api_key", "max_body_bytes", "body_timeout_s", "host", "store", "head_timeout_s")
 
 
 @dataclass
@@ -186,24 +187,33 @@ class ClusterPrepare:
 
 @contextmanager
 def live_cluster(
-    model: LoadedModel, *, api_key: str | None = None, replicas: int = CLUSTER_REPLICAS,
-    **config: int,
-) -> Iterator[LiveServer]:  # fmt: skip
-    """`live_server` with its engine on ``replicas`` Ray Serve replicas (``dynalm serve
-    --replicas``) of the Ray cluster this process is connected to (see `ray_local`), the
-    router prefix; the app is deleted after."""
+    model: LoadedModel,
+    *,
+    replicas: int = CLUSTER_REPLICAS,
+    router: str = "prefix",
+    prepare: Callable[[str], Any] | None = None,
+    **kw: Any,
+) -> Iterator[LiveServer]:
+    """`live_server` (the same server options and engine config in ``kw``) with its engine
+    on ``replicas`` Ray Serve replicas (``dynalm serve --replicas``) of the Ray cluster this
+    process is connected to (see `ray_local`); the app deleted after. The replicas load
+    ``model`` (or what ``prepare``, picklable, gives)."""
     import ray
     from ray import serve
 
     from dynalm.runtime.serve import cluster, routing
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on their path
+    if not ray.is_initialized():  # the first, or a test of its own cluster ended this one
+        cluster.connect(None, CLUSTER_REPLICAS)
     names = [MODEL, model.path.stem]
+    options = {k: kw.pop(k) for k in _SERVER_OPTIONS if k in kw}
+    config: dict[str, int] = kw
     try:
-        prepare = ClusterPrepare(str(model.path), names, config)
-        handle = cluster.deploy(prepare, MODEL, replicas, 1)
+        prepare = prepare or ClusterPrepare(str(model.path), names, config)
+        handle = cluster.deploy(prepare, MODEL, replicas, 1, router)
         service = cluster.ClusterModelService(model, EngineConfig(**config), names, handle)
-        with live_models(ModelManager.of([service]), api_key=api_key) as server:
+        with live_models(ModelManager.of([service]), **options) as server:
             yield server
     finally:
         serve.delete(cluster.APP)

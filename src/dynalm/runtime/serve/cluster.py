@@ -42,8 +42,10 @@ APP = "dynalm"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, the box is not
 CONNECT_TIMEOUT_S = 5.0
 # what a replica inherits: dynalm as this process imports it (a source checkout included),
-# the store, and the BLAS threads `serve --threads` set
-ENV = ("PYTHONPATH", "DYNALM_HOME", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# the store, the Hub it pulls from and its token (on a node whose store lacks the model),
+# and the BLAS threads `serve --threads` set
+ENV = ("PYTHONPATH", "DYNALM_HOME", "HF_ENDPOINT", "HF_TOKEN", "OPENBLAS_NUM_THREADS",
+       "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
 RETRIES = 4  # attempts on other replicas for a request that had not started
 STATS_PERIOD_S = 1.0  # how often Ray Serve polls each replica's engine stats
 _NOT_SUMMED = ("kv_usage", "spec")  # EngineStats fields a cluster's sum leaves out
