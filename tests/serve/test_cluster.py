@@ -4,22 +4,28 @@ server's greedy answers; a replica killed mid-load; a cluster that cannot start.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from serving import MODEL, LiveServer, live_cluster, live_server
 
+from dynalm.errors import QueueFull
 from dynalm.models.loader import LoadedModel
+from dynalm.runtime.engine.config import EngineConfig
+from dynalm.runtime.engine.engine import RequestOutput
+from dynalm.runtime.engine.sampling import SamplingParams
 
 try:
     import ray
+    from ray.serve.exceptions import RequestCancelledError
 
     from dynalm.runtime.serve import cluster, routing
 except ImportError as e:  # printed by -rs: never a silent skip
@@ -253,3 +259,61 @@ def test_a_bad_ray_address_is_one_error_line(smollm2_gguf: Path) -> None:
         "error: no Ray cluster answers at ray://127.0.0.1:1"
     ), result.stderr
     assert time.monotonic() - t0 < 30
+
+
+class _Stream:
+    """A replica's stream as the ingress sees it: queued, one output, then nothing until
+    cancelled, when it raises as Ray Serve's does."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    def __aiter__(self) -> AsyncIterator[object]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[object]:
+        yield cluster._QUEUED
+        yield RequestOutput("r", "Hi", [1], False, None, 3, 0, 1)
+        await self.cancelled.wait()
+        raise RequestCancelledError("r")
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Handle:
+    """A deployment handle whose every call is one `_Stream`."""
+
+    def __init__(self) -> None:
+        self.streams: list[_Stream] = []
+        self.generate = self
+
+    def options(self, stream: bool) -> _Handle:
+        return self
+
+    def remote(self, *args: object) -> _Stream:
+        self.streams.append(_Stream())
+        return self.streams[-1]
+
+
+def test_abort_all_ends_each_request_with_abort_and_refuses_new_ones(
+    smollm2: LoadedModel,
+) -> None:
+    """What a server's shutdown past its grace period calls: as an engine's abort_all."""
+
+    async def run() -> None:
+        handle = _Handle()
+        engine = cluster.RemoteEngine(smollm2, EngineConfig(**CONFIG), handle)
+        stream = engine.generate("r", [1, 2, 3], SamplingParams())
+        first = await anext(stream)
+        assert first.text == "Hi" and engine.has_unfinished()
+        engine.abort_all()
+        rest = [out async for out in stream]
+        assert [(o.finished, o.finish_reason, o.completion_tokens) for o in rest] == [
+            (True, "abort", 1)
+        ]
+        assert handle.streams[0].cancelled.is_set() and not engine.has_unfinished()
+        with pytest.raises(QueueFull, match="shutting down"):
+            await anext(engine.generate("s", [1], SamplingParams()))
+
+    asyncio.run(run())
