@@ -12,13 +12,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.models.loader import LoadedModel
@@ -65,8 +67,18 @@ class LiveServer:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
+    def settle(self) -> None:
+        """On a cluster, until the replicas' engine stats (``/metrics``, ``engine.stats``)
+        are those of now: Serve's controller polls them every second, then broadcasts."""
+        if on_cluster(self):
+            from dynalm.runtime.serve.cluster import STATS_PERIOD_S
+
+            time.sleep(3 * STATS_PERIOD_S)
+
     def wait_idle(self, timeout: float = 30) -> None:
-        """Until the engine has no running or waiting request (aborts land at a step)."""
+        """Until the engine has no running or waiting request (aborts land at a step); on
+        a cluster, the replicas' engines as they report (every second, see `cluster`)."""
+        self.settle()
         deadline = time.monotonic() + timeout
         while (s := self.engine.stats).num_running or s.num_waiting:
             assert time.monotonic() < deadline, f"engine still busy: {s}"
@@ -135,6 +147,96 @@ def live_models(
         server.should_exit = True
         thread.join(timeout=60)
         empty.cleanup()
+
+
+# ------------------------------------------------------------ the same tests on a cluster
+
+SERVERS = ["one process", "cluster"]  # a module's `server` fixture, parametrised by these
+CLUSTER_REPLICAS = 2
+_SERVER_OPTIONS = ("api_key", "max_body_bytes", "body_timeout_s", "host", "store", "head_timeout_s")
+
+
+@dataclass
+class _Replica:
+    """What a replica loads: a picklable stand-in of `serve`'s prepared model (the engine
+    of `live_server`, one thread)."""
+
+    path: str
+    names: list[str]
+    config: dict[str, int]
+
+    def load(self) -> ModelService:
+        from dynalm.models.loader import load_model
+
+        model = load_model(Path(self.path))
+        engine = Engine(model, CpuDevice(threads=1), EngineConfig(**self.config))
+        return ModelService(engine, model, self.names)
+
+
+@dataclass
+class ClusterPrepare:
+    """`serve`'s ``prepare`` for the replicas: every name gives the one model."""
+
+    path: str
+    names: list[str]
+    config: dict[str, int]
+
+    def __call__(self, name: str) -> _Replica:
+        return _Replica(self.path, self.names, self.config)
+
+
+@contextmanager
+def live_cluster(
+    model: LoadedModel,
+    *,
+    replicas: int = CLUSTER_REPLICAS,
+    router: str = "prefix",
+    prepare: Callable[[str], Any] | None = None,
+    **kw: Any,
+) -> Iterator[LiveServer]:
+    """`live_server` (the same server options and engine config in ``kw``) with its engine
+    on ``replicas`` Ray Serve replicas (``dynalm serve --replicas``) of the Ray cluster this
+    process is connected to (see `ray_local`); the app deleted after. The replicas load
+    ``model`` (or what ``prepare``, picklable, gives)."""
+    import ray
+    from ray import serve
+
+    from dynalm.runtime.serve import cluster, routing
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on their path
+    if not ray.is_initialized():  # the first, or a test of its own cluster ended this one
+        cluster.connect(None, CLUSTER_REPLICAS)
+    names = [MODEL, model.path.stem]
+    options = {k: kw.pop(k) for k in _SERVER_OPTIONS if k in kw}
+    config: dict[str, int] = kw
+    try:
+        prepare = prepare or ClusterPrepare(str(model.path), names, config)
+        handle = cluster.deploy(prepare, MODEL, replicas, 1, router)
+        service = cluster.ClusterModelService(model, EngineConfig(**config), names, handle)
+        with live_models(ModelManager.of([service]), **options) as server:
+            yield server
+    finally:
+        serve.delete(cluster.APP)
+        # Ray Serve keeps this process's router for the next app of that name: its counts,
+        # what /metrics shows and the tests read, start over
+        if (stats := routing.STATS.get(cluster.APP)) is not None:
+            stats.__init__(stats.policy)  # type: ignore[misc]
+
+
+@contextmanager
+def served(request: pytest.FixtureRequest, model: LoadedModel, **kw: Any) -> Iterator[LiveServer]:
+    """`live_server`, or `live_cluster` when the fixture's param (one of `SERVERS`) says so."""
+    if request.param == "cluster":
+        request.getfixturevalue("ray_local")  # skips, saying why, without Ray
+        with live_cluster(model, **kw) as server:
+            yield server
+    else:
+        with live_server(model, **kw) as server:
+            yield server
+
+
+def on_cluster(server: LiveServer) -> bool:
+    return type(server.service).__name__ == "ClusterModelService"
 
 
 @dataclass

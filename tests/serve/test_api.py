@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving import MODEL, LiveServer, live_server
+from serving import MODEL, SERVERS, LiveServer, served
 
 from dynalm.models.loader import LoadedModel
 
@@ -22,9 +22,9 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 GREEDY = {"temperature": 0, "max_tokens": 8}
 
 
-@pytest.fixture(scope="module")
-def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    with live_server(smollm2, api_key=API_KEY, ctx=CTX) as s:
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest, smollm2: LoadedModel) -> Iterator[LiveServer]:
+    with served(request, smollm2, api_key=API_KEY, ctx=CTX) as s:
         yield s
 
 
@@ -34,13 +34,17 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 
 def metrics(server: LiveServer) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics as {(name, sorted labels without model_name): value}."""
+    """Every sample of /metrics as {(name, sorted labels without model_name): value}; a
+    cluster's replicas' rows (a ``replica`` label each) summed."""
+    server.settle()
     text = server.http().get("/metrics").text
-    return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    out: dict[tuple[str, tuple], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("model_name", "replica")))  # fmt: skip
+            out[(s.name, labels)] = out.get((s.name, labels), 0) + s.value
+    return out
 
 
 def test_chat_stream_equals_non_stream(server: LiveServer, client: openai.OpenAI) -> None:

@@ -4,25 +4,28 @@ server's greedy answers; a replica killed mid-load; a cluster that cannot start.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from serving import MODEL, LiveServer, live_models, live_server
+from serving import MODEL, LiveServer, live_cluster, live_server
 
-from dynalm.models.loader import LoadedModel, load_model
+from dynalm.errors import QueueFull
+from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
-from dynalm.runtime.serve.models import ModelManager, ModelService
+from dynalm.runtime.engine.engine import RequestOutput
+from dynalm.runtime.engine.sampling import SamplingParams
 
 try:
     import ray
+    from ray.serve.exceptions import RequestCancelledError
 
     from dynalm.runtime.serve import cluster, routing
 except ImportError as e:  # printed by -rs: never a silent skip
@@ -33,40 +36,10 @@ except ImportError as e:  # printed by -rs: never a silent skip
 CONFIG = {"ctx": 1024, "max_num_seqs": 4}
 
 
-@dataclass
-class Prepared:
-    """What the replicas load: a picklable stand-in of `serve`'s `prepare`."""
-
-    path: str
-
-    def load(self) -> ModelService:
-        from dynalm.core.cpu_device import CpuDevice
-        from dynalm.runtime.engine.engine import Engine
-
-        model = load_model(Path(self.path))
-        engine = Engine(model, CpuDevice(threads=1), EngineConfig(**CONFIG))
-        return ModelService(engine, model, [MODEL])
-
-
-@dataclass
-class Prepare:
-    path: str
-
-    def __call__(self, name: str) -> Prepared:
-        return Prepared(self.path)
-
-
 @pytest.fixture(scope="module")
-def clustered(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cluster.connect(None, 2)
-    try:
-        handle = cluster.deploy(Prepare(str(smollm2.path)), MODEL, 2, 1)
-        service = cluster.ClusterModelService(smollm2, EngineConfig(**CONFIG), [MODEL], handle)
-        with live_models(ModelManager.of([service])) as server:
-            yield server
-    finally:
-        cluster.shutdown()
+def clustered(smollm2: LoadedModel, ray_local: None) -> Iterator[LiveServer]:
+    with live_cluster(smollm2, **CONFIG) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +185,20 @@ def test_metrics_have_each_replicas_engine_and_the_routers(clustered: LiveServer
     assert sum(n for _, n in tree) > 0
 
 
+def test_a_client_that_leaves_aborts_its_request_on_the_replica(clustered: LiveServer) -> None:
+    """Closing the stream cancels the replica's: its engine stops at once, not after the
+    900 tokens asked (>= 9 s at this model's <= 100 tokens/s on one thread)."""
+    body = {**COMPLETION, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    clustered.wait_idle()
+    with clustered.http().stream("POST", "/v1/completions", json=body) as r:
+        assert next(ln for ln in r.iter_lines() if ln.startswith("data: "))  # it runs
+    left = time.monotonic()
+    clustered.settle()  # the replicas' stats of now: running only if it was not aborted
+    while clustered.engine.stats.num_running:
+        assert time.monotonic() - left < 6, clustered.engine.stats  # a whole run: >= 9 s
+        time.sleep(0.2)
+
+
 def test_a_killed_replica_ends_its_streams_and_the_rest_are_retried(
     clustered: LiveServer,
 ) -> None:
@@ -272,3 +259,61 @@ def test_a_bad_ray_address_is_one_error_line(smollm2_gguf: Path) -> None:
         "error: no Ray cluster answers at ray://127.0.0.1:1"
     ), result.stderr
     assert time.monotonic() - t0 < 30
+
+
+class _Stream:
+    """A replica's stream as the ingress sees it: queued, one output, then nothing until
+    cancelled, when it raises as Ray Serve's does."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    def __aiter__(self) -> AsyncIterator[object]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[object]:
+        yield cluster._QUEUED
+        yield RequestOutput("r", "Hi", [1], False, None, 3, 0, 1)
+        await self.cancelled.wait()
+        raise RequestCancelledError("r")
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class _Handle:
+    """A deployment handle whose every call is one `_Stream`."""
+
+    def __init__(self) -> None:
+        self.streams: list[_Stream] = []
+        self.generate = self
+
+    def options(self, stream: bool) -> _Handle:
+        return self
+
+    def remote(self, *args: object) -> _Stream:
+        self.streams.append(_Stream())
+        return self.streams[-1]
+
+
+def test_abort_all_ends_each_request_with_abort_and_refuses_new_ones(
+    smollm2: LoadedModel,
+) -> None:
+    """What a server's shutdown past its grace period calls: as an engine's abort_all."""
+
+    async def run() -> None:
+        handle = _Handle()
+        engine = cluster.RemoteEngine(smollm2, EngineConfig(**CONFIG), handle)
+        stream = engine.generate("r", [1, 2, 3], SamplingParams())
+        first = await anext(stream)
+        assert first.text == "Hi" and engine.has_unfinished()
+        engine.abort_all()
+        rest = [out async for out in stream]
+        assert [(o.finished, o.finish_reason, o.completion_tokens) for o in rest] == [
+            (True, "abort", 1)
+        ]
+        assert handle.streams[0].cancelled.is_set() and not engine.has_unfinished()
+        with pytest.raises(QueueFull, match="shutting down"):
+            await anext(engine.generate("s", [1], SamplingParams()))
+
+    asyncio.run(run())

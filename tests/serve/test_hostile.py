@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serving import MODEL, LiveServer, live_server
+from serving import MODEL, SERVERS, LiveServer, served
 
 from dynalm.errors import EngineFailure
 from dynalm.models.loader import LoadedModel
@@ -22,9 +22,9 @@ COMPLETIONS = "/v1/completions"
 LIMIT = 1 << 20  # the body limit of this module's server
 
 
-@pytest.fixture(scope="module")
-def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    with live_server(smollm2, ctx=256, max_num_seqs=4, max_queue=16, max_body_bytes=LIMIT) as s:
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest, smollm2: LoadedModel) -> Iterator[LiveServer]:
+    with served(request, smollm2, ctx=256, max_num_seqs=4, max_queue=16, max_body_bytes=LIMIT) as s:
         yield s
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from serving import MODEL, LiveServer, live_server
+from serving import MODEL, SERVERS, LiveServer, served
 from test_hostile import assert_error
 
 from dynalm.models.loader import LoadedModel
@@ -51,10 +51,10 @@ WEATHER = {
 BODY_TIMEOUT_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    with live_server(
-        smollm2, ctx=1024, max_num_seqs=4, max_queue=32, body_timeout_s=BODY_TIMEOUT_S
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest, smollm2: LoadedModel) -> Iterator[LiveServer]:
+    with served(
+        request, smollm2, ctx=1024, max_num_seqs=4, max_queue=32, body_timeout_s=BODY_TIMEOUT_S
     ) as s:
         yield s
 

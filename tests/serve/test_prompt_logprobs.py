@@ -7,17 +7,17 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from serving import MODEL, LiveServer, live_server
+from serving import MODEL, SERVERS, LiveServer, served
 
 from dynalm.models.loader import LoadedModel
 
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest, smollm2: LoadedModel) -> Iterator[LiveServer]:
     # a small step budget: a longer prompt is scored over several chunks
-    with live_server(smollm2, ctx=512, max_num_batched_tokens=16) as s:
+    with served(request, smollm2, ctx=512, max_num_batched_tokens=16) as s:
         yield s
 
 
@@ -47,8 +47,9 @@ def test_echo_returns_the_prompt_and_its_logprobs_first_null(server: LiveServer)
     spans = zip(lp["text_offset"], lp["tokens"], strict=True)
     assert [choice["text"][o : o + len(t)] for o, t in spans] == lp["tokens"]
     # echo without logprobs: the text only; without echo, no prompt
-    assert complete(server, prompt=PROMPT, max_tokens=3, echo=True)["choices"][0]["text"] == (
-        choice["text"]
+    assert (
+        complete(server, prompt=PROMPT, max_tokens=3, echo=True)["choices"][0]["text"]
+        == (choice["text"])
     )
     plain = complete(server, prompt=PROMPT, max_tokens=3)["choices"][0]
     assert PROMPT + plain["text"] == choice["text"]

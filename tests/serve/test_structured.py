@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from serving import MODEL, LiveServer, live_server
+from serving import MODEL, SERVERS, LiveServer, served
 
 from dynalm.models.loader import LoadedModel
 
@@ -146,9 +146,9 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    with live_server(smollm2, ctx=1024, max_num_seqs=16) as s:
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest, smollm2: LoadedModel) -> Iterator[LiveServer]:
+    with served(request, smollm2, ctx=1024, max_num_seqs=16) as s:
         yield s
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from serving import MODEL, LiveServer, live_server
+from serving import MODEL, SERVERS, LiveServer, served
 
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.serve import protocol as p
@@ -53,9 +53,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0, "max_tokens": 120}
 
 
-@pytest.fixture(scope="module")
-def server(smollm2: LoadedModel) -> Iterator[LiveServer]:
-    with live_server(smollm2, ctx=2048) as s:
+@pytest.fixture(scope="module", params=SERVERS)
+def server(request: pytest.FixtureRequest, smollm2: LoadedModel) -> Iterator[LiveServer]:
+    with served(request, smollm2, ctx=2048) as s:
         yield s
 
 

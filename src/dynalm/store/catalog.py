@@ -24,6 +24,7 @@ is renamed into place with its manifest once every file verified.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -454,10 +455,25 @@ class ModelStore:
                 f"{model!r} is a local path; pull takes a catalog name (name[:tag]) or a "
                 "Hugging Face repo ([hf.co/]ORG/REPO[:TAG][@REVISION])"
             )
-        deadline = hub.Deadline.start()
-        if hub.looks_like_hub_ref(model):
-            return self._pull_hub(hub.parse_hub_ref(model), progress, deadline, bar)
-        entry = self._entry(*self._key(model))
+        entry = None if hub.looks_like_hub_ref(model) else self._entry(*self._key(model))
+        # one pull of a store at a time, across processes (the replicas of `serve --replicas`
+        # that share a node start together): the one that waited finds the model present
+        with open(self._pull_lock(), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            deadline = hub.Deadline.start()
+            if entry is None:
+                return self._pull_hub(hub.parse_hub_ref(model), progress, deadline, bar)
+            return self._pull_catalog(entry, progress, deadline, bar)
+
+    def _pull_lock(self) -> Path:
+        """The file whose lock a pull into this store holds: in the temporary directory (a
+        pull that fails leaves the store as it was, not even created), one per store."""
+        key = hashlib.sha256(str(self.root.absolute()).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"dynalm-pull-{key}.lock"
+
+    def _pull_catalog(
+        self, entry: CatalogEntry, progress: bool, deadline: hub.Deadline, bar: Progress | None
+    ) -> Path:
         directory = self._dir(entry.name, entry.tag)
         final = directory / entry.filename
         if final.is_file():
@@ -527,7 +543,8 @@ class ModelStore:
                 raise PullError(f"could not pull {ref.label} from {hub.endpoint()}: {e}") from None
             primary = files[0] if selection.kind == "gguf" else None
             manifest = {
-                "name": ref.label if ref.tag or selection.kind != "gguf"
+                "name": ref.label
+                if ref.tag or selection.kind != "gguf"
                 else f"{ref.label}:{selection.variant}",
                 "kind": selection.kind,
                 "repo": ref.repo_id,

@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dynalm.errors import ClusterUnavailable, InvalidRequest, ReplicaLost
+from dynalm.errors import ClusterUnavailable, InvalidRequest, QueueFull, ReplicaLost
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.engine.engine import EngineStats, RequestOutput
@@ -42,10 +42,13 @@ APP = "dynalm"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, the box is not
 CONNECT_TIMEOUT_S = 5.0
 # what a replica inherits: dynalm as this process imports it (a source checkout included),
-# the store, and the BLAS threads `serve --threads` set
-ENV = ("PYTHONPATH", "DYNALM_HOME", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# the store, the Hub it pulls from and its token (on a node whose store lacks the model),
+# and the BLAS threads `serve --threads` set
+ENV = ("PYTHONPATH", "DYNALM_HOME", "HF_ENDPOINT", "HF_TOKEN", "OPENBLAS_NUM_THREADS",
+       "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
 RETRIES = 4  # attempts on other replicas for a request that had not started
 STATS_PERIOD_S = 1.0  # how often Ray Serve polls each replica's engine stats
+_NOT_SUMMED = ("kv_usage", "spec")  # EngineStats fields a cluster's sum leaves out
 _QUEUED = "queued"  # a replica's first item: its engine has taken the request
 
 
@@ -72,6 +75,7 @@ def connect(address: str | None, num_cpus: int) -> None:
     try:
         if address is None:
             ray.init(
+                address="local",  # a new one, even where `ray start` left an address behind
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 object_store_memory=OBJECT_STORE_BYTES,
@@ -181,6 +185,7 @@ class RemoteEngine:
     one (config, grammars, stats) and `generate`, answered by the replicas."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, handle: Any) -> None:
+        self.model = model
         self.config = config
         self.planner = None
         self.grammars = GrammarCompiler(
@@ -189,11 +194,33 @@ class RemoteEngine:
         self.device = dataclasses.make_dataclass("Device", [("name", str)])("ray")
         self.memory_plan = dataclasses.make_dataclass("Plan", [("device_bytes", int)])(0)
         self.handle = handle
+        self._streams: dict[str, Any] = {}  # request id -> its replica's stream, in flight
+        self._aborted: set[str] = set()
+        self._accepting = True
 
     @property
     def stats(self) -> EngineStats:
-        # the replicas' own figures are in their /metrics rows; the ingress runs no engine
-        return EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, SpecStats())
+        """The replicas' engines together, as each last reported them (within about two
+        ``STATS_PERIOD_S``): counts summed, KV usage over all their pages."""
+        stats = routing.STATS.get(APP)
+        rows = [EngineStats(**row, spec=SpecStats())
+                for row in (stats.replicas.values() if stats else ()) if row]  # fmt: skip
+        counts = [f.name for f in dataclasses.fields(EngineStats) if f.name not in _NOT_SUMMED]
+        total = {name: sum(getattr(r, name) for r in rows) for name in counts}
+        held = sum(r.kv_usage * r.num_pages for r in rows)
+        kv_usage = held / total["num_pages"] if total["num_pages"] else 0.0
+        return EngineStats(**total, kv_usage=kv_usage, spec=SpecStats())
+
+    def has_unfinished(self) -> bool:
+        return bool(self._streams)
+
+    def abort_all(self) -> None:
+        """Stop admitting and abort every request: each ends with finish_reason "abort"
+        (its replica's stream cancelled, which aborts it in that engine)."""
+        self._accepting = False
+        self._aborted.update(self._streams)
+        for stream in list(self._streams.values()):
+            stream.cancel()
 
     async def generate(
         self,
@@ -204,18 +231,24 @@ class RemoteEngine:
         **kw: object,
     ) -> AsyncIterator[RequestOutput]:
         """`AsyncEngine.generate` on a replica the router picks; a replica lost before the
-        request's first output: the next one; after: `ReplicaLost`."""
+        request's first output: the next one; after: `ReplicaLost`. Closing it (the client
+        went away) cancels the replica's stream, which aborts the request there."""
+        if not self._accepting:
+            raise QueueFull("the server is shutting down")
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id '{request_id}' is already in use")
         if (guide := kw.pop("guide", None)) is not None:
             # llguidance's matcher is no plain data: its grammar's source crosses (checked
             # here already, so a bad one is the ingress's 400) and the replica compiles it
             assert isinstance(guide, Guide)
             kw["grammar"] = (guide.grammar, guide.what)
         told = False
+        last: RequestOutput | None = None
         for attempt in range(RETRIES):
             stream = self.handle.options(stream=True).generate.remote(
                 request_id, prompt_ids, params, kw
             )
-            started = False
+            self._streams[request_id] = stream
             try:
                 async for item in stream:
                     if isinstance(item, str):  # _QUEUED
@@ -223,13 +256,16 @@ class RemoteEngine:
                             queued()
                         told = True
                         continue
-                    started = True
+                    last = item
                     yield item
                 return
             except Exception as e:
+                if request_id in self._aborted:  # abort_all cancelled it
+                    yield _aborted(request_id, prompt_ids, last)
+                    return
                 if not _lost(e):
                     raise _cause(e) from None
-                if started:
+                if last is not None:
                     raise ReplicaLost(
                         f"the replica running this request died after {attempt + 1} "
                         f"attempt(s) ({type(e).__name__}); retry the request"
@@ -239,6 +275,18 @@ class RemoteEngine:
                         f"no replica could run this request: {RETRIES} died in turn"
                     ) from None
                 await asyncio.sleep(0.5 * (attempt + 1))  # Serve drops the dead one meanwhile
+            finally:
+                if last is None or not last.finished:  # closed early: the replica stops too
+                    stream.cancel()
+                self._streams.pop(request_id, None)
+                self._aborted.discard(request_id)
+
+
+def _aborted(request_id: str, prompt: list[int], last: RequestOutput | None) -> RequestOutput:
+    """The output that ends an aborted request, as an engine's abort gives it."""
+    done = (last.prompt_tokens, last.cached_tokens, last.completion_tokens) if last else (
+        len(prompt), 0, 0)  # fmt: skip
+    return RequestOutput(request_id, "", [], True, "abort", *done)
 
 
 def _cause(e: Exception) -> Exception:
