@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -259,6 +260,38 @@ def test_a_bad_ray_address_is_one_error_line(smollm2_gguf: Path) -> None:
         "error: no Ray cluster answers at ray://127.0.0.1:1"
     ), result.stderr
     assert time.monotonic() - t0 < 30
+
+
+JOIN_S = 2.0  # the test's bound on ray.init (the command's is cluster.JOIN_TIMEOUT_S)
+
+
+def test_a_port_that_answers_but_is_no_ray_cluster_is_one_error_line() -> None:
+    """A listener that accepts and says nothing (Ray's ray.init would retry forever):
+    `connect` gives up after its bounded wait, with one line naming the address."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        code = (
+            "import sys, typer; from dynalm.cli import user_errors; "
+            "from dynalm.runtime.serve import cluster; "
+            f"cluster.JOIN_TIMEOUT_S = {JOIN_S}\n"
+            "try:\n"
+            "    with user_errors(False): cluster.connect(sys.argv[1], 1)\n"
+            "except typer.Exit as e: sys.exit(e.exit_code)"
+        )
+        t0 = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-c", code, address], capture_output=True, text=True, timeout=60
+        )
+        took = time.monotonic() - t0
+    assert result.returncode == 1, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        f"error: the Ray cluster at {address} did not answer within {JOIN_S:g} s: is it a Ray "
+        "head's address (GCS, port 6379, or ray:// and the client server's port, 10001)?"
+    ], result.stderr
+    # the wait, plus starting Python and importing Ray (~3 s on 2 busy cores); the process
+    # ends though ray.init's thread still waits
+    assert took < JOIN_S + 20, took
 
 
 class _Stream:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,7 +42,8 @@ from dynalm.runtime.serve.routing import POLICIES
 
 APP = "dynalm"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, the box is not
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0  # a TCP connection to --ray-address
+JOIN_TIMEOUT_S = 30.0  # ray.init on it: joining a live cluster takes seconds, ray:// included
 # what a replica inherits: dynalm as this process imports it (a source checkout included),
 # the store, the Hub it pulls from and its token (on a node whose store lacks the model),
 # and the BLAS threads `serve --threads` set
@@ -67,7 +70,9 @@ def ray_modules() -> tuple[Any, Any]:
 
 def connect(address: str | None, num_cpus: int) -> None:
     """Join the Ray cluster at ``address``, or start a local one (127.0.0.1 only, no
-    dashboard, ``num_cpus`` CPUs, a small object store)."""
+    dashboard, ``num_cpus`` CPUs, a small object store). Joining waits at most
+    `JOIN_TIMEOUT_S`: Ray's own ``ray.init`` retries forever where a port answers but no
+    Ray cluster is behind it."""
     ray, _ = ray_modules()
     if address is not None:
         _reachable(address)
@@ -85,11 +90,47 @@ def connect(address: str | None, num_cpus: int) -> None:
                 configure_logging=False,
             )
         else:
-            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+            _bounded(
+                lambda: ray.init(
+                    address=address,
+                    runtime_env={"env_vars": env},
+                    log_to_driver=False,
+                    logging_level=logging.ERROR,  # not its notes on stderr, its errors
+                ),
+                JOIN_TIMEOUT_S,
+                f"the Ray cluster at {address} did not answer within {JOIN_TIMEOUT_S:g} s: "
+                "is it a Ray head's address (GCS, port 6379, or ray:// and the client "
+                "server's port, 10001)?",
+            )
+    except ClusterUnavailable:
+        raise
     except Exception as e:  # Ray's are ConnectionError, RuntimeError, ValueError...
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ClusterUnavailable(f"could not start or join {where}: {first}") from None
+
+
+def _bounded(call: Callable[[], object], timeout_s: float, late: str) -> None:
+    """``call()`` in a thread of its own, waited for at most ``timeout_s``: its exception
+    raised here, or `ClusterUnavailable` (``late``) if it has not returned by then. (The
+    thread is a daemon, left behind: what it waits on cannot be cancelled, and the process
+    ends soon after an error like this.)"""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as e:  # handed over to the caller's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="dynalm-ray-join", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise ClusterUnavailable(late)
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def _reachable(address: str) -> None:
