@@ -9,8 +9,18 @@ prompt tokens looked up), the ideal rate (every repeat of a system prompt cached
 p50 / p99, output tokens/s, and the largest share of requests one replica got. On a small
 machine run 2 replicas of 1 thread: what it measures is routing, not throughput.
 
+The defaults are the case where routing matters: each replica's KV cache (``--ctx`` x
+``--max-num-seqs`` = 8,192 tokens, or ``--kv-cache-memory``) holds about 5 of the 8
+system prompts of 1,500 tokens, so the working set (12,000 tokens) fits the 2 replicas
+only when partitioned: a replica sent every prompt (round-robin, pow2) evicts and prefills
+them again; one sent only its half (prefix) keeps them. With caches that hold every
+prompt, every router caches well and the comparison says little. The rate, 0.5/s, keeps
+the replicas busy but not swamped: an uncached prompt is 1,500 tokens of prefill, about
+4.5 s on one thread of the development host (3 ms a token: `cluster_sim.MEASURED`), so
+round-robin's misses keep each replica about half busy.
+
     python benchmarks/cluster_load.py --model /path/model.gguf
-    python benchmarks/cluster_load.py --model M --systems 8 --system-tokens 1500 --requests 96
+    python benchmarks/cluster_load.py --model M --routers prefix,round-robin --skew 0.8
 """
 
 from __future__ import annotations
@@ -100,15 +110,20 @@ def main() -> None:
     p.add_argument("--systems", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=1500)
     p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
+    p.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
     p.add_argument("--skew", type=float, default=0.0, help="share of system prompt 0")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument(
+        "--kv-cache-memory", help="each replica's KV pool, e.g. 64MiB (default: ctx x max-num-seqs)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     extra = ["--replicas", str(args.replicas), "--threads", str(args.threads)]
+    if args.kv_cache_memory:
+        extra += ["--kv-cache-memory", args.kv_cache_memory]
     results, systems = {}, None
     for router in args.routers.split(","):
         flags = [*extra, "--router", router]
@@ -121,7 +136,8 @@ def main() -> None:
         return
     print(f"{args.replicas} replicas x {args.threads} thread(s), {args.systems} system prompts "
           f"x {args.system_tokens} tokens, {args.requests} requests at {args.rate}/s, "
-          f"skew {args.skew}")  # fmt: skip
+          f"skew {args.skew}, ctx {args.ctx} x {args.max_num_seqs} seqs, "
+          f"KV {args.kv_cache_memory or 'ctx x seqs'}")  # fmt: skip
     print(f"{'router':12} {'cached':>7} {'ideal':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'tok/s':>7} {'max share':>9} {'errors':>6}")  # fmt: skip
     for router, r in results.items():

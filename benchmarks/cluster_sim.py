@@ -24,7 +24,8 @@ Poisson arrivals at ``--rate`` per second. Printed per router: the cached-token 
 replicas' own hits / prompt tokens) against the ideal (every repeat of a system prompt
 cached), what the router's tree believed cached where it sent each request (above the
 replicas' own rate where the tree is wrong), TTFT p50 / p99, the largest share of
-requests on one replica, the prefix router's fallbacks to the least loaded.
+requests on one replica, the prefix router's fallbacks to the least loaded and its
+spreads of a hot prefix to one more replica.
 
     python benchmarks/cluster_sim.py                  # 64 replicas, 10,000 requests, uniform
     python benchmarks/cluster_sim.py --skew 0.8
@@ -221,6 +222,7 @@ def simulate(policy: str, work: Workload, args: argparse.Namespace, costs: Costs
         "ttft_p99": pct(ttft, 99),
         "max_share": max(routed.values()) / len(work.requests),
         "fallbacks": router.stats.load_fallbacks,
+        "spreads": router.stats.hot_spreads,
         "tree_matched": router.stats.matched_tokens / max(router.stats.prompt_tokens, 1),
     }
 
@@ -302,7 +304,8 @@ def main() -> None:
     print(f"{args.replicas} replicas, {args.requests} requests, {args.systems} system prompts "
           f"x {args.system_tokens} tokens, skew {args.skew}, {args.rate}/s")  # fmt: skip
     print(f"costs: {MEASURED}")
-    print("router        cached  believed   ideal  TTFT p50  TTFT p99  max share  fallbacks  wall")
+    print("router        cached  believed   ideal  TTFT p50  TTFT p99  max share  fallbacks  "
+          "spreads  wall")  # fmt: skip
     for policy in args.routers.split(","):
         t0 = time.perf_counter()
         r = simulate(policy, work, args, MEASURED)
@@ -312,7 +315,7 @@ def main() -> None:
             continue
         print(f"{policy:12} {r['cached']:6.1%}  {r['tree_matched']:8.1%}  {r['ideal']:6.1%}  "
               f"{r['ttft_p50']:7.3f}s {r['ttft_p99']:8.3f}s  {r['max_share']:8.1%}  "
-              f"{r['fallbacks']:9d}  {wall:4.1f}s")  # fmt: skip
+              f"{r['fallbacks']:9d}  {r['spreads']:7d}  {wall:4.1f}s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -706,7 +706,8 @@ def serve(
         Router,
         typer.Option(
             help="With --replicas: which replica a request goes to. prefix: the one that was "
-            "sent the longest prefix of its prompt, unless loads are imbalanced; pow2: the "
+            "sent the longest prefix of its prompt, unless loads are imbalanced (a prefix "
+            "with more than its holders' share of the traffic gets one more); pow2: the "
             "less loaded of two at random; round-robin: each in turn."
         ),
     ] = Router.prefix,  # type: ignore[attr-defined]
@@ -823,6 +824,7 @@ def _cluster(
 ) -> Iterator[ModelManager]:
     """`serve --replicas`: one model's engines on Ray Serve; the manager of this process's
     endpoint for them. Ray Serve and Ray (a local cluster) are stopped after."""
+    from dynalm.runtime.engine.memory_plan import kv_pool_size
     from dynalm.runtime.serve import cluster
     from dynalm.runtime.serve.models import ModelManager
 
@@ -834,7 +836,7 @@ def _cluster(
         front = prepare(names[0])  # pulls it into this node's store before any replica starts
         if front.model is None:
             raise typer.BadParameter("--replicas serves generation models, not embedding models")
-        tree = front.config.ctx * front.config.max_num_seqs  # the KV cache's tokens, about
+        tree = kv_pool_size(front.model.hparams, front.config)[0]  # a replica's KV tokens
         handle = cluster.deploy(prepare, names[0], replicas, cpus, router, tree)
         service = cluster.ClusterModelService(front.model, front.config, front.names, handle)
         yield ModelManager.of([service])

@@ -181,6 +181,7 @@ def test_metrics_have_each_replicas_engine_and_the_routers(clustered: LiveServer
     (_, prompt), (_, matched) = (_samples(text, f"dynalm:router_{m}_total")[0]
                                  for m in ("prompt_tokens", "prefix_match_tokens"))  # fmt: skip
     assert 0 < matched < prompt
+    assert _samples(text, "dynalm:router_hot_spreads_total")[0][1] == stats.hot_spreads
     tree = _samples(text, "dynalm:router_tree_tokens")
     assert {labels.split('replica="')[1].split('"')[0] for labels, _ in tree} <= replicas
     assert sum(n for _, n in tree) > 0

@@ -34,3 +34,29 @@ def test_a_skewed_load_spreads_over_replicas() -> None:
     prefix = run("prefix", "--skew", "0.8")
     assert prefix["max_share"] <= 0.65, prefix
     assert prefix["cached"] >= 0.9 * prefix["ideal"], prefix
+
+
+TWO = ["--replicas", "2", "--requests", "96", "--systems", "8", "--system-tokens", "1500",
+       "--ctx", "2048", "--max-num-seqs", "4", "--max-tokens", "8", "--rate", "0.5"]  # fmt: skip
+# benchmarks/cluster_load.py's defaults, simulated: 2 replicas whose caches (8,192 tokens)
+# hold 5.46 of the 8 prompts. Round-robin sends each replica all 8, so its LRU cache keeps
+# a repeat about 5.46 / 8 of the time: prefix routing (4 each, all kept) caches ~8 / 5.46
+# = 1.46x as much, under the 2x that needs caches of at most 4 prompts.
+
+
+def test_two_replicas_whose_caches_hold_5_of_8_prompts() -> None:
+    args = parser().parse_args(TWO)
+    work = workload(args)
+    prefix, rr = (simulate(p, work, args, MEASURED) for p in ("prefix", "round-robin"))
+    assert prefix["cached"] >= 0.9 * prefix["ideal"], prefix
+    assert prefix["cached"] >= 1.4 * rr["cached"], (prefix, rr)
+    assert prefix["ttft_p50"] <= 0.5 * rr["ttft_p50"], (prefix, rr)
+
+
+def test_two_replicas_spread_a_prompt_with_80_percent_of_the_traffic() -> None:
+    """Its one holder would get >= 80 % of the requests: it gets a second holder (one
+    spread) and no replica more than 65 %."""
+    args = parser().parse_args([*TWO, "--skew", "0.8"])
+    prefix = simulate("prefix", workload(args), args, MEASURED)
+    assert prefix["spreads"] == 1 and prefix["max_share"] <= 0.65, prefix
+    assert prefix["cached"] >= 0.9 * prefix["ideal"], prefix

@@ -389,6 +389,9 @@ class _ClusterCollector(Collector):
              "the replica it chose (a prefix it had sent there).", stats.matched_tokens),
             ("router_load_fallbacks", "Requests the prefix router sent to the least loaded "
              "replica, the loads being imbalanced.", stats.load_fallbacks),
+            ("router_hot_spreads", "Requests the prefix router sent to one more replica "
+             "for a prefix with more than its holders' share of the traffic.",
+             stats.hot_spreads),
         ):  # fmt: skip
             family = CounterMetricFamily(f"dynalm:{metric}", doc, labels=["model_name", "policy"])
             family.add_metric([name, stats.policy], value)
