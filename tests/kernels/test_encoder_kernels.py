@@ -41,6 +41,11 @@ def test_gelu_erf(width: int) -> None:
     elementwise.gelu(out, x)()
     cpu_ops.gelu(expected, x)
     np.testing.assert_allclose(out, expected, rtol=4 * U, atol=2e-7 * np.abs(x).max())
+    # split over the pool's threads at any element (not whole vectors): each lane alone,
+    # so bitwise the one thread's
+    split = np.empty_like(x)
+    elementwise.gelu(split, x, threads=2)()
+    np.testing.assert_array_equal(split, out)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

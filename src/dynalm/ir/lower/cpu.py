@@ -255,7 +255,8 @@ class CpuBinder(Binder):
     def _gelu(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
         if self._native:
-            return self._kernel(elementwise.gelu, out, ins[0], rows=rows)
+            bind = functools.partial(elementwise.gelu, threads=self.device.threads)
+            return self._kernel(bind, out, ins[0], rows=rows)
         return lambda: cpu_ops.gelu(v[o], v[args[0]])
 
     def _l2_norm(self, node: Node) -> Call:
