@@ -31,6 +31,13 @@ def test_layer_norm(width: int) -> None:
     elementwise.layer_norm(out, x, w, b, 1e-12 if width > 1 else 1e-5)()
     cpu_ops.layer_norm(expected, x, w, b, 1e-12 if width > 1 else 1e-5)
     np.testing.assert_allclose(out, expected, rtol=0, atol=sum_bound(width, 8.0) + 64 * U)
+    # the rows split over the pool's threads: each row alone, so bitwise one thread's
+    tall = np.repeat(x, 5, axis=0)
+    split, one = np.empty_like(tall), np.empty_like(tall)
+    elementwise.layer_norm(one, tall, w, b, 1e-12 if width > 1 else 1e-5)()
+    elementwise.layer_norm(split, tall, w, b, 1e-12 if width > 1 else 1e-5, threads=2)()
+    np.testing.assert_array_equal(split, one)
+    np.testing.assert_array_equal(one[::5], out)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

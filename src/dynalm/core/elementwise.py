@@ -362,16 +362,18 @@ def layer_norm(
     eps: float,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """LayerNorm of each row of ``x [rows, width]``, scaled by ``weight`` plus ``bias``."""
+    """LayerNorm of each row of ``x [rows, width]``, scaled by ``weight`` plus ``bias``; the
+    rows split over ``threads`` (each row alone: bitwise the same however split)."""
     rows, width = check("x", x, np.float32, (None, None)).shape
     check("out", out, np.float32, (rows, width))
     check("weight", weight, np.float32, (width,))
     check("bias", bias, np.float32, (width,))
     require(math.isfinite(eps) and eps > 0, f"layer_norm epsilon {eps} is not a positive number")
     params = {"width": width, "eps": float(np.float32(eps))}
-    return _bind("layer_norm", backend, params, rows, (out, x, weight, bias), block)
+    return _bind("layer_norm", backend, params, rows, (out, x, weight, bias), block, threads)
 
 
 def gelu(

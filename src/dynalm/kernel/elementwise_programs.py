@@ -13,8 +13,8 @@ in-place calls such as ``out += residual``). ``exp`` is the language's polynomia
 
 Kernel signature: ``void f(i64 *args)``, ``args`` a count (rows, or elements for ``add``,
 ``mul``, ``scale``, ``act``, ``gated`` and ``gelu``) followed by the arrays' addresses
-(``core.elementwise`` binds them); ``gelu`` and ``encoder_attention`` take ``(args, lo, hi)``,
-a range of the count, so the pool splits them over its threads.
+(``core.elementwise`` binds them); ``layer_norm``, ``gelu`` and ``encoder_attention`` take
+``(args, lo, hi)``, a range of the count, so the pool splits them over its threads.
 """
 
 from __future__ import annotations
@@ -292,8 +292,11 @@ def _row_sum(
 
 def _build_layer_norm(module: Module, width: int, eps: float) -> None:
     """Per row: out = (x - mean) / sqrt(var + eps) * w + b (var: the biased variance, as
-    torch's LayerNorm; two passes over the row, so no cancellation of large means)."""
-    k, rows, (out, x, weight, bias) = _kernel(module, "layer_norm")
+    torch's LayerNorm; two passes over the row, so no cancellation of large means).
+    ``fn(block, lo, hi)`` over the rows ``[lo, hi)`` (the pool splits them over its threads)."""
+    k = module.kernel(f"{module.ir.name}_layer_norm", (PTR, I64, I64))
+    block, lo, hi = k.args
+    _, out, x, weight, bias = (k.pointer(a) for a in k.words(block, 1 + ARRAYS["layer_norm"]))
     lanes, n = k.target.lanes, float(width)
 
     def row(r: ir.Value) -> None:
@@ -314,7 +317,7 @@ def _build_layer_norm(module: Module, width: int, eps: float) -> None:
 
         k.lanes(k.i64(0), k.i64(width), lanes, scale)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 

@@ -249,7 +249,8 @@ class CpuBinder(Binder):
         weight, bias = (self.prepare(name, "vector") for name in w)
         eps = node.attrs["eps"]
         if self._native:
-            return self._kernel(elementwise.layer_norm, out, ins[0], weight, bias, eps, rows=rows)
+            bind = functools.partial(elementwise.layer_norm, threads=self.device.threads)
+            return self._kernel(bind, out, ins[0], weight, bias, eps, rows=rows)
         return lambda: cpu_ops.layer_norm(v[o], v[args[0]], weight, bias, eps)
 
     def _gelu(self, node: Node) -> Call:
