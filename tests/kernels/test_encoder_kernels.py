@@ -31,6 +31,13 @@ def test_layer_norm(width: int) -> None:
     elementwise.layer_norm(out, x, w, b, 1e-12 if width > 1 else 1e-5)()
     cpu_ops.layer_norm(expected, x, w, b, 1e-12 if width > 1 else 1e-5)
     np.testing.assert_allclose(out, expected, rtol=0, atol=sum_bound(width, 8.0) + 64 * U)
+    # the rows split over the pool's threads: each row alone, so bitwise one thread's
+    tall = np.repeat(x, 5, axis=0)
+    split, one = np.empty_like(tall), np.empty_like(tall)
+    elementwise.layer_norm(one, tall, w, b, 1e-12 if width > 1 else 1e-5)()
+    elementwise.layer_norm(split, tall, w, b, 1e-12 if width > 1 else 1e-5, threads=2)()
+    np.testing.assert_array_equal(split, one)
+    np.testing.assert_array_equal(one[::5], out)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -41,6 +48,11 @@ def test_gelu_erf(width: int) -> None:
     elementwise.gelu(out, x)()
     cpu_ops.gelu(expected, x)
     np.testing.assert_allclose(out, expected, rtol=4 * U, atol=2e-7 * np.abs(x).max())
+    # split over the pool's threads at any element (not whole vectors): each lane alone,
+    # so bitwise the one thread's
+    split = np.empty_like(x)
+    elementwise.gelu(split, x, threads=2)()
+    np.testing.assert_array_equal(split, out)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

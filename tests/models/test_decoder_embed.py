@@ -238,12 +238,33 @@ def test_the_step_budget_packs_short_inputs_and_runs_a_longer_one_alone(case) ->
     embedder.close()
 
 
+class Prompt:
+    """Whether a prompt waits to be computed: set and cleared by the test; a wait for it to
+    clear is woken by ``clear`` (as an engine's step wakes ``wait_prefilled``)."""
+
+    def __init__(self) -> None:
+        self._waiting, self._changed = False, threading.Condition()
+
+    def set(self) -> None:
+        with self._changed:
+            self._waiting = True
+
+    def clear(self) -> None:
+        with self._changed:
+            self._waiting = False
+            self._changed.notify_all()
+
+    def wait_clear(self, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._waiting, timeout)
+
+
 class Beside:
     """What the generation models beside an embedder say (``runtime.embed.Generation``, a
     server's ModelManager), set by the test."""
 
     def __init__(self) -> None:
-        self.loaded, self.running, self.prompt = (threading.Event() for _ in range(3))
+        self.loaded, self.running, self.prompt = threading.Event(), threading.Event(), Prompt()
 
     def generation_loaded(self) -> bool:
         return self.loaded.is_set()
@@ -251,8 +272,8 @@ class Beside:
     def generating(self) -> bool:
         return self.running.is_set()
 
-    def prefilling(self) -> bool:
-        return self.prompt.is_set()
+    def wait_prefilled(self, timeout: float) -> bool:
+        return self.prompt.wait_clear(timeout)
 
 
 def test_beside_generation_steps_are_short_and_pause(case, monkeypatch) -> None:

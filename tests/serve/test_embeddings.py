@@ -242,10 +242,16 @@ def test_the_manager_says_when_generation_runs(bert, tmp_path: Path) -> None:
     assert not manager.prefilling()
     engine.add_request("beside", list(range(5, 15)), SamplingParams(max_tokens=2))
     assert manager.generating() and manager.prefilling()
+    assert not manager.wait_prefilled(0.01)  # no step runs: the wait gives up
+    woken: list[bool] = []  # a wait the steps wake (no polling), once the prompt is done
+    waiter = threading.Thread(target=lambda: woken.append(manager.wait_prefilled(60)))
+    waiter.start()
     engine.step(), engine.step()  # 8 of its 10 prompt tokens
     assert manager.prefilling()
     engine.step()  # the last 2, and its first token
     assert manager.generating() and not manager.prefilling()
+    waiter.join(60)
+    assert woken == [True] and manager.wait_prefilled(0)
     while engine.has_unfinished():
         engine.step()
     assert not manager.generating()

@@ -42,7 +42,7 @@ class BoundKernel:
     kernels of a step can be lowered together (``backends.lower_all``).
 
     ``block[0]`` is the count it runs over (rows, or elements for ``add``, ``mul``,
-    ``scale``, ``act`` and ``gated``); lowering it runs the kernel over a prefix of the
+    ``scale``, ``act``, ``gated`` and ``gelu``); lowering it runs the kernel over a prefix of the
     bound rows, never beyond them.
     """
 
@@ -131,14 +131,20 @@ def _bind(
     count: int,
     arrays: tuple[np.ndarray, ...],
     block: np.ndarray | None,
+    threads: int | None = None,
 ) -> BoundKernel:
+    """The kernel ``kind`` over ``count`` bound to ``arrays`` (its words written into
+    ``block``); with ``threads``, a ``RowsKernel`` whose count is split over them."""
     words = [count, *(a.__array_interface__["data"][0] for a in arrays)]
     if block is None:
         block = np.empty(len(words), np.int64)
     check("argument block", block, np.int64, (None,))
     require(block.size >= len(words), f"argument block of {block.size} words, need {len(words)}")
     block[: len(words)] = words
-    return BoundKernel(backend or backends.select(), kind, params, block, arrays)
+    backend = backend or backends.select()
+    if threads is None:
+        return BoundKernel(backend, kind, params, block, arrays)
+    return RowsKernel(backend, kind, params, block, arrays, threads=threads)
 
 
 def _same(names: str, *arrays: np.ndarray) -> tuple[int, ...]:
@@ -356,16 +362,18 @@ def layer_norm(
     eps: float,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """LayerNorm of each row of ``x [rows, width]``, scaled by ``weight`` plus ``bias``."""
+    """LayerNorm of each row of ``x [rows, width]``, scaled by ``weight`` plus ``bias``; the
+    rows split over ``threads`` (each row alone: bitwise the same however split)."""
     rows, width = check("x", x, np.float32, (None, None)).shape
     check("out", out, np.float32, (rows, width))
     check("weight", weight, np.float32, (width,))
     check("bias", bias, np.float32, (width,))
     require(math.isfinite(eps) and eps > 0, f"layer_norm epsilon {eps} is not a positive number")
     params = {"width": width, "eps": float(np.float32(eps))}
-    return _bind("layer_norm", backend, params, rows, (out, x, weight, bias), block)
+    return _bind("layer_norm", backend, params, rows, (out, x, weight, bias), block, threads)
 
 
 def gelu(
@@ -373,11 +381,13 @@ def gelu(
     x: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """``out = gelu(x)``, the erf form (same shapes; ``out`` may be ``x``)."""
+    """``out = gelu(x)``, the erf form (same shapes; ``out`` may be ``x``), the elements
+    split over ``threads`` (each lane on its own: bitwise the same however split)."""
     _same("out x", out, x)
-    return _bind("gelu", backend, {}, out.size, (out, x), block)
+    return _bind("gelu", backend, {}, out.size, (out, x), block, threads)
 
 
 def l2_norm(
@@ -426,7 +436,7 @@ def encoder_attention(
     *,
     threads: int = 1,
     backend: backends.Backend | None = None,
-) -> RowsKernel:
+) -> BoundKernel:
     """Bidirectional attention of the sequences packed in ``q``/``k``/``v`` ``[T,
     heads * head_dim]`` (dense), sequence ``s`` ending at row ``last[s]`` (see ``pool``):
     every query attends to every key of its own sequence. The count is the query rows
@@ -440,17 +450,5 @@ def encoder_attention(
     require(math.isfinite(scale), f"attention scale {scale} is not finite")
     params = {"n_heads": width // head_dim, "head_dim": head_dim,
               "scale": float(np.float32(scale)), "max_keys": rows}  # fmt: skip
-    words = [rows, *(a.__array_interface__["data"][0] for a in (out, q, k, v, last))]
-    if block is None:
-        block = np.empty(len(words), np.int64)
-    check("argument block", block, np.int64, (None,))
-    require(block.size >= len(words), f"argument block of {block.size} words, need {len(words)}")
-    block[: len(words)] = words
-    return RowsKernel(
-        backend or backends.select(),
-        "encoder_attention",
-        params,
-        block,
-        (out, q, k, v, last),
-        threads=threads,
-    )
+    arrays = (out, q, k, v, last)
+    return _bind("encoder_attention", backend, params, rows, arrays, block, threads)

@@ -12,8 +12,9 @@ in-place calls such as ``out += residual``). ``exp`` is the language's polynomia
 1 ulp), so SiLU and GELU vectorise instead of calling libm per element.
 
 Kernel signature: ``void f(i64 *args)``, ``args`` a count (rows, or elements for ``add``,
-``mul``, ``scale``, ``act`` and ``gated``) followed by the arrays' addresses
-(``core.elementwise`` binds them).
+``mul``, ``scale``, ``act``, ``gated`` and ``gelu``) followed by the arrays' addresses
+(``core.elementwise`` binds them); ``layer_norm``, ``gelu`` and ``encoder_attention`` take
+``(args, lo, hi)``, a range of the count, so the pool splits them over its threads.
 """
 
 from __future__ import annotations
@@ -291,8 +292,11 @@ def _row_sum(
 
 def _build_layer_norm(module: Module, width: int, eps: float) -> None:
     """Per row: out = (x - mean) / sqrt(var + eps) * w + b (var: the biased variance, as
-    torch's LayerNorm; two passes over the row, so no cancellation of large means)."""
-    k, rows, (out, x, weight, bias) = _kernel(module, "layer_norm")
+    torch's LayerNorm; two passes over the row, so no cancellation of large means).
+    ``fn(block, lo, hi)`` over the rows ``[lo, hi)`` (the pool splits them over its threads)."""
+    k = module.kernel(f"{module.ir.name}_layer_norm", (PTR, I64, I64))
+    block, lo, hi = k.args
+    _, out, x, weight, bias = (k.pointer(a) for a in k.words(block, 1 + ARRAYS["layer_norm"]))
     lanes, n = k.target.lanes, float(width)
 
     def row(r: ir.Value) -> None:
@@ -313,7 +317,7 @@ def _build_layer_norm(module: Module, width: int, eps: float) -> None:
 
         k.lanes(k.i64(0), k.i64(width), lanes, scale)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
@@ -337,15 +341,19 @@ def _erf(k: Kernel, z: ir.Value) -> ir.Value:
 
 
 def _build_gelu(module: Module) -> None:
-    """out = x / 2 (1 + erf(x / sqrt 2)) over ``count`` elements (BERT's exact GELU)."""
-    k, count, (out, x) = _kernel(module, "gelu")
+    """out = x / 2 (1 + erf(x / sqrt 2)) (BERT's exact GELU): ``fn(block, lo, hi)`` over the
+    elements ``[lo, hi)`` of the ``count`` (the pool splits them over its threads: an FFN's
+    T x 1536 erfs are ~5 % of an encoder step on one thread)."""
+    k = module.kernel(f"{module.ir.name}_gelu", (PTR, I64, I64))
+    block, lo, hi = k.args
+    _, out, x = (k.pointer(a) for a in k.words(block, 1 + ARRAYS["gelu"]))
 
     def body(i: ir.Value, w: int) -> None:
         v = _floats(k, x, i, w)
         y = k.mul(k.mul(v, 0.5), k.add(_erf(k, k.mul(v, 1.0 / math.sqrt(2.0))), 1.0))
         _put(k, y, out, i)
 
-    k.lanes(k.i64(0), count, k.target.lanes, body)
+    k.lanes(lo, hi, k.target.lanes, body)
     k.ret()
 
 
@@ -473,16 +481,28 @@ def _transposed_sums(k: Kernel, vectors: list[ir.Value]) -> ir.Value:
     return vectors[0]
 
 
+# Query rows of one sequence that encoder attention computes together: each key's and
+# value's slice is loaded once for both (a sequence's keys and values of one head, 64 KB at
+# 256 tokens of head_dim 32, stream from L2 for every row), with each row's sums in the
+# order one row alone takes.
+ATTENTION_ROWS = 2
+# Accumulator registers the weighted sum of the values keeps live: the head's slices are
+# taken in groups that fit them, a pass over the keys each (AVX2 has 16 registers).
+ATTENTION_ACCS = 8
+
+
 def _build_encoder_attention(
     module: Module, n_heads: int, head_dim: int, scale: float, max_keys: int
 ) -> None:
     """Bidirectional attention: each query of a sequence attends to every key of that
     sequence (no mask; sequences of different lengths packed one after another, no
     padding). ``fn(block, lo, hi)`` runs the query rows ``[lo, hi)`` (the pool splits a
-    step's rows over its threads). Per row and head: the query's slices stay in registers
-    while the scores of the sequence's keys go to a buffer of ``max_keys`` (the step's
-    rows: no sequence is longer); then their softmax weights, ``lanes`` at a time, and the
-    weighted sum of the values, accumulated in registers and stored once."""
+    step's rows over its threads). Per head, ``ATTENTION_ROWS`` rows at a time where they
+    are of one sequence (else one): the queries' slices stay in registers while the scores
+    of the sequence's keys go to a buffer of ``max_keys`` a row (the step's rows: no
+    sequence is longer); then their softmax weights, ``lanes`` at a time, and the weighted
+    sum of the values, accumulated in registers and stored once. A row's every sum is taken
+    in the same order whether it is computed alone or beside another (bitwise the same)."""
     k = module.kernel(f"{module.ir.name}_encoder_attention", (PTR, I64, I64))
     block, lo, hi = k.args
     _, *arrays = k.words(block, 1 + ARRAYS["encoder_attention"])
@@ -490,8 +510,9 @@ def _build_encoder_attention(
     lanes, width = k.target.lanes, n_heads * head_dim
     whole = head_dim - head_dim % lanes
     pieces = [(o, lanes) for o in range(0, whole, lanes)] + [(o, 1) for o in range(whole, head_dim)]
-    scores = k.stack(4 * max_keys)
+    scores = k.stack(4 * max_keys * ATTENTION_ROWS)  # row r's at r * max_keys
     seq = k.var(k.i64(0))  # rows come in order: a row's sequence is at or after the last one's
+    done = k.var(k.i64(0))  # the rows before it are computed (the second of a pair is)
 
     def lane_sum(v: ir.Value, w: int) -> ir.Value:
         if w == 1:
@@ -500,75 +521,126 @@ def _build_encoder_attention(
             f"llvm.vector.reduce.fadd.v{w}f32", F32, const(F32, 0.0), v, flags=("reassoc",)
         )
 
-    def head(h: ir.Value) -> None:
-        seq.set(k.i64(0))
+    def slices(array: ir.Value, row: ir.Value, h: ir.Value) -> list[ir.Value]:
+        at = k.add(k.mul(row, k.i64(width)), k.mul(h, k.i64(head_dim)))
+        return [_floats(k, array, k.add(at, o), w) for o, w in pieces]
 
-        def token(t: ir.Value) -> None:
-            seq.set(_sequence_of(k, last, t, seq.get()))
-            start, end = _sequence(k, last, seq.get())
-            stop, n = k.add(end, 1), k.sub(k.add(end, 1), start)
-            qa = k.add(k.mul(t, k.i64(width)), k.mul(h, k.i64(head_dim)))
-            qs = [_floats(k, q, k.add(qa, o), w) for o, w in pieces]
-            best = k.var(const(F32, -3.0e38), F32)
+    def rows(h: ir.Value, t: ir.Value, m: int, start: ir.Value, end: ir.Value) -> None:
+        """Query rows t .. t + m - 1 of the sequence [start, end]."""
+        stop, n = k.add(end, 1), k.sub(k.add(end, 1), start)
+        ts = [k.add(t, r) for r in range(m)]
+        qs = [slices(q, row, h) for row in ts]
+        # each row's largest score: a lane's own in score_block (a running vector max: a
+        # reduction per block is a serial chain of NaN-aware scalar maxes, which cost as
+        # much as the softmax), folded once the scores are done (max is exact: the same)
+        best = [k.var(const(F32, -3.0e38), F32) for _ in range(m)]
+        most = [k.var(const(vec(F32, lanes), -3.0e38)) for _ in range(m)]
 
-            def score(j: ir.Value) -> None:
-                ka = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
-                acc: dict[int, ir.Value] = {}
-                for (o, w), qv in zip(pieces, qs, strict=True):
-                    kv = _floats(k, key, k.add(ka, o), w)
-                    acc[w] = k.fma(qv, kv, acc[w]) if w in acc else k.mul(qv, kv)
-                dot = k.total([lane_sum(v, w) for w, v in acc.items()])
-                sc = k.mul(dot, scale)
-                _put(k, sc, scores, k.sub(j, start))
-                best.set(k.call("llvm.maxnum.f32", F32, best.get(), sc))
+        def at(r: int, j: ir.Value) -> ir.Value:  # key j's score of row r in the buffer
+            return k.add(k.sub(j, start), r * max_keys)
 
-            def score_block(j: ir.Value) -> None:  # keys j .. j + lanes - 1
-                dots = []
-                for b in range(lanes):
-                    ka = k.add(k.mul(k.add(j, b), k.i64(width)), k.mul(h, k.i64(head_dim)))
-                    acc = None
-                    for (o, w), qv in zip(pieces, qs, strict=True):
-                        kv = _floats(k, key, k.add(ka, o), w)
-                        acc = k.mul(qv, kv) if acc is None else k.fma(qv, kv, acc)
-                    dots.append(acc)
-                sc = k.mul(_transposed_sums(k, dots), k.splat(scale, lanes))
-                _put(k, sc, scores, k.sub(j, start))
-                most = k.call(f"llvm.vector.reduce.fmax.v{lanes}f32", F32, sc)
-                best.set(k.call("llvm.maxnum.f32", F32, best.get(), most))
+        def dot(qr: list[ir.Value], kv: list[ir.Value]) -> dict[int, ir.Value]:
+            acc: dict[int, ir.Value] = {}
+            for (_, w), qv, kp in zip(pieces, qr, kv, strict=True):
+                acc[w] = k.fma(qv, kp, acc[w]) if w in acc else k.mul(qv, kp)
+            return acc
 
-            # lanes keys at a time where the head is whole vectors (one sum of lanes dot
-            # products per lanes keys), then key by key
-            rest = start
-            if whole == head_dim and lanes > 1:
-                rest = k.loop(start, stop, lanes, score_block)
-            k.loop(rest, stop, 1, score)
+        def score(j: ir.Value) -> None:
+            kv = slices(key, j, h)
+            for r in range(m):
+                acc = dot(qs[r], kv)
+                sc = k.mul(k.total([lane_sum(v, w) for w, v in acc.items()]), scale)
+                _put(k, sc, scores, at(r, j))
+                best[r].set(k.call("llvm.maxnum.f32", F32, best[r].get(), sc))
+
+        def score_block(j: ir.Value) -> None:  # keys j .. j + lanes - 1
+            dots: list[list[ir.Value]] = [[] for _ in range(m)]
+            for b in range(lanes):
+                kv = slices(key, k.add(j, b), h)
+                for r in range(m):
+                    (acc,) = dot(qs[r], kv).values()  # (whole vectors: one width)
+                    dots[r].append(acc)
+            for r in range(m):
+                sc = k.mul(_transposed_sums(k, dots[r]), k.splat(scale, lanes))
+                _put(k, sc, scores, at(r, j))
+                most[r].set(k.call(f"llvm.maxnum.v{lanes}f32", sc.type, most[r].get(), sc))
+
+        # lanes keys at a time where the head is whole vectors (one sum of lanes dot
+        # products per lanes keys), then key by key
+        rest = start
+        if whole == head_dim and lanes > 1:
+            rest = k.loop(start, stop, lanes, score_block)
+        k.loop(rest, stop, 1, score)
+        if whole == head_dim and lanes > 1:
+            for r in range(m):
+                v = k.call(f"llvm.vector.reduce.fmax.v{lanes}f32", F32, most[r].get())
+                best[r].set(k.call("llvm.maxnum.f32", F32, best[r].get(), v))
+        inv = []
+        for r in range(m):
             sums = {w: k.var(const(vec(F32, w), 0.0)) for w in (lanes, 1)}
 
-            def weigh(i: ir.Value, w: int) -> None:
-                p = k.exp(k.sub(_floats(k, scores, i, w), k.splat(best.get(), w)))
+            def weigh(i: ir.Value, w: int, r: int = r, sums: dict = sums) -> None:
+                i = k.add(i, r * max_keys)
+                p = k.exp(k.sub(_floats(k, scores, i, w), k.splat(best[r].get(), w)))
                 _put(k, p, scores, i)
                 sums[w].set(k.add(sums[w].get(), p))
 
             k.lanes(k.i64(0), n, lanes, weigh)
             total = k.total([lane_sum(v.get(), w) for w, v in sums.items()])
-            # two sets of sums, of the even and the odd keys: two chains of FMAs, not one
-            accs = [[k.var(const(vec(F32, w), 0.0)) for _, w in pieces] for _ in range(2)]
+            inv.append(k.b.fdiv(const(F32, 1.0), total))
+        # the head's slices in groups whose accumulators fit the registers, a pass over
+        # the values each; per row two sets of sums, of the even and the odd keys: two
+        # chains of FMAs, not one
+        group = max(1, ATTENTION_ACCS // (2 * m))
+        for g in range(0, len(pieces), group):
+            part = pieces[g : g + group]
+            accs = [[[k.var(const(vec(F32, w), 0.0)) for _, w in part] for _ in range(m)]
+                    for _ in range(2)]  # fmt: skip
 
-            def gather(j: ir.Value, part: list) -> None:
-                p = k.load(F32, k.index(scores, k.sub(j, start), F32), align=4)
+            def gather(j: ir.Value, sets: list, part: list = part) -> None:
+                ps = [k.load(F32, k.index(scores, at(r, j), F32), align=4) for r in range(m)]
                 va = k.add(k.mul(j, k.i64(width)), k.mul(h, k.i64(head_dim)))
-                for (o, w), a in zip(pieces, part, strict=True):
-                    a.set(k.fma(k.splat(p, w), _floats(k, val, k.add(va, o), w), a.get()))
+                for i, (o, w) in enumerate(part):
+                    vv = _floats(k, val, k.add(va, o), w)
+                    for r in range(m):
+                        a = sets[r][i]
+                        a.set(k.fma(k.splat(ps[r], w), vv, a.get()))
 
-            def gather_pair(j: ir.Value) -> None:
+            def gather_pair(j: ir.Value, accs: list = accs, gather: Callable = gather) -> None:
                 gather(j, accs[0])
                 gather(k.add(j, 1), accs[1])
 
             rest = k.loop(start, stop, 2, gather_pair)
-            k.loop(rest, stop, 1, lambda j: gather(j, accs[0]))
-            inv = k.b.fdiv(const(F32, 1.0), total)
-            for (o, w), a, b in zip(pieces, *accs, strict=True):
-                _put(k, k.mul(k.add(a.get(), b.get()), k.splat(inv, w)), out, k.add(qa, o))
+            k.loop(rest, stop, 1, lambda j, accs=accs, gather=gather: gather(j, accs[0]))
+            for r in range(m):
+                qa = k.add(k.mul(ts[r], k.i64(width)), k.mul(h, k.i64(head_dim)))
+                for (o, w), a, b in zip(part, accs[0][r], accs[1][r], strict=True):
+                    y = k.mul(k.add(a.get(), b.get()), k.splat(inv[r], w))
+                    _put(k, y, out, k.add(qa, o))
+
+    def head(h: ir.Value) -> None:
+        seq.set(k.i64(0))
+        done.set(lo)
+
+        def token(t: ir.Value) -> None:
+            def compute() -> None:
+                seq.set(_sequence_of(k, last, t, seq.get()))
+                start, end = _sequence(k, last, seq.get())
+                step = ATTENTION_ROWS
+                # the rows t .. t + step - 1 are of one sequence and in [lo, hi)
+                together = k.b.and_(k.lt(k.add(t, step - 1), hi), k.lt(k.add(t, step - 2), end))
+
+                def many() -> None:
+                    rows(h, t, step, start, end)
+                    done.set(k.add(t, step))
+
+                def one() -> None:
+                    rows(h, t, 1, start, end)
+                    done.set(k.add(t, 1))
+
+                k.branch(together, many, one)
+
+            k.branch(k.ge(t, done.get()), compute)
 
         k.loop(lo, hi, 1, token)
 

@@ -860,6 +860,7 @@ class MatmulKernels:
         # what each index lowers: the tiles, the quantiser, then the pair of two tiles
         self._programs = [(MATMUL, spec) for spec in self._specs] + [(PAIR, {})]
         self._done: list[Executable | None] = [None] * len(self._programs)
+        self._covers: dict[int, list[tuple[int, int, int]]] = {}  # cover's, by t_rows
         self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._programs)
 
     @property
@@ -899,7 +900,14 @@ class MatmulKernels:
         groups with the rest on a smaller tile (9 rows: 8 and a GEMV of 1; 11: 8 and a
         tile of 4 over 3), the cheapest: 15 rows stay two tiles of 8. Fewer than the
         smallest tile's rows are the GEMV's (memory-bound: more rows cost it little). Every
-        row's products are the same whichever tile computes them."""
+        row's products are the same whichever tile computes them. Worked out once per
+        ``t_rows`` (an encoder's every step has a new one, asked of each matmul twice)."""
+        cover = self._covers.get(t_rows)
+        if cover is None:
+            cover = self._covers[t_rows] = self._cover(t_rows)
+        return cover
+
+    def _cover(self, t_rows: int) -> list[tuple[int, int, int]]:
         which = self.tile_for(t_rows)
         mr = self._mrs[which]
         if mr == 1 or self._warps[which]:  # (a warp's tiles clamp their last rows)

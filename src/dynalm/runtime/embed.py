@@ -52,7 +52,6 @@ BESIDE_TOKENS = 64
 # The longest a step waits for generation's prompts (``prefilling``) to be computed first:
 # a stream of new prompts delays embeddings, never stops them.
 PREFILL_WAIT_S = 1.0
-_POLL_S = 0.005  # how often a waiting step asks again
 
 
 class Generation(Protocol):
@@ -67,8 +66,9 @@ class Generation(Protocol):
         """Whether one has requests: each step is followed by a pause as long as itself."""
         ...
 
-    def prefilling(self) -> bool:
-        """Whether a prompt waits to be computed: the next step waits for it first."""
+    def wait_prefilled(self, timeout: float) -> bool:
+        """Block until no prompt waits to be computed (the next step waits for them first),
+        at most ``timeout`` seconds, woken when their steps have run; whether it happened."""
         ...
 
 
@@ -78,7 +78,10 @@ class _Alone:
     def generation_loaded(self) -> bool:
         return False
 
-    generating = prefilling = generation_loaded
+    generating = generation_loaded
+
+    def wait_prefilled(self, timeout: float) -> bool:
+        return True
 
 
 def is_embedding_model(model: LoadedModel) -> bool:
@@ -307,22 +310,20 @@ class Embedder:
 
     def _next_step(self) -> tuple[list[tuple[_Job, int]], int, int | None] | None:
         """The inputs of the next step from the queue's head, once no generation prompt
-        waits to be computed (``beside.prefilling()``, at most ``PREFILL_WAIT_S``): as many as
-        fit in the budget (``max_tokens``, or ``BESIDE_TOKENS`` beside a generation model; at
-        least one; one longer, alone, or in chunks of the budget where ``_chunks``), those of
-        requests already failed or cancelled dropped; and where the first input goes on from
-        and ends (None: its end). None once closed with the queue empty."""
-        with self._wake:
-            until = None
-            while True:
+        waits to be computed (``beside.wait_prefilled``, at most ``PREFILL_WAIT_S``): as many
+        as fit in the budget (``max_tokens``, or ``BESIDE_TOKENS`` beside a generation model;
+        at least one; one longer, alone, or in chunks of the budget where ``_chunks``), those
+        of requests already failed or cancelled dropped; and where the first input goes on
+        from and ends (None: its end). None once closed with the queue empty."""
+        while True:
+            with self._wake:
                 while not self._queue and not self._closed:
                     self._wake.wait()
                 if not self._queue:
                     return None
-                until = until or time.monotonic() + PREFILL_WAIT_S
-                if time.monotonic() < until and self.beside.prefilling():
-                    self._wake.wait(_POLL_S)  # (submits still come in meanwhile)
-                    continue
+            # outside the queue's lock: submits still come in meanwhile
+            self.beside.wait_prefilled(PREFILL_WAIT_S)
+            with self._wake:
                 step: list[tuple[_Job, int]] = []
                 total = first = 0
                 short = self.beside.generation_loaded()

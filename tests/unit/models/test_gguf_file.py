@@ -133,6 +133,20 @@ def test_tensors_shapes_bytes_and_round_trip(model: Path) -> None:
         f.raw("q8")
 
 
+def test_read_rows_in_the_order_asked_repeats_included(model: Path) -> None:
+    """``read_rows`` (pread, each distinct row once) gives the rows asked for, in the order
+    asked, repeated where ids repeat (an encoder step's positions and token types)."""
+    ids = np.array([3, 0, 3, 3, 1, 0], np.int64)
+    with GGUFFile(model) as f:
+        np.testing.assert_array_equal(f.read_rows("q8", ids), Q8[ids])
+        np.testing.assert_array_equal(
+            f.read_rows("f32", ids[ids < 3]), F32.view(np.uint8)[ids[ids < 3]]
+        )
+        assert f.read_rows("q8", np.array([], np.int64)).shape == (0, Q8.shape[1])
+        with pytest.raises(ValueError, match="row ids outside tensor 'q8'"):
+            f.read_rows("q8", np.array([4]))
+
+
 def test_custom_alignment(tmp_path: Path) -> None:
     with GGUFFile(write_model(tmp_path / "a.gguf", alignment=64)) as f:
         assert f.metadata["general.alignment"] == 64

@@ -249,13 +249,15 @@ class CpuBinder(Binder):
         weight, bias = (self.prepare(name, "vector") for name in w)
         eps = node.attrs["eps"]
         if self._native:
-            return self._kernel(elementwise.layer_norm, out, ins[0], weight, bias, eps, rows=rows)
+            bind = functools.partial(elementwise.layer_norm, threads=self.device.threads)
+            return self._kernel(bind, out, ins[0], weight, bias, eps, rows=rows)
         return lambda: cpu_ops.layer_norm(v[o], v[args[0]], weight, bias, eps)
 
     def _gelu(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
         if self._native:
-            return self._kernel(elementwise.gelu, out, ins[0], rows=rows)
+            bind = functools.partial(elementwise.gelu, threads=self.device.threads)
+            return self._kernel(bind, out, ins[0], rows=rows)
         return lambda: cpu_ops.gelu(v[o], v[args[0]])
 
     def _l2_norm(self, node: Node) -> Call:

@@ -206,6 +206,8 @@ class Engine:
         self._aborts: set[str] = set()
         self._ready: list[RequestOutput] = []  # outputs decided outside a step
         self._lock = threading.Lock()  # guards the queues against add/abort from other threads
+        # signalled after every step: what ``wait_prefilled`` waits on
+        self._stepped = threading.Condition(self._lock)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -286,6 +288,13 @@ class Engine:
         with self._lock:
             return self.scheduler.prefilling()
 
+    def wait_prefilled(self, timeout: float) -> bool:
+        """Block until no prompt is left to compute (``prefilling`` false: the steps that
+        computed it have run), at most ``timeout`` seconds; whether that happened. Woken by
+        each step's end, not by polling (from any thread but the one running the steps)."""
+        with self._lock:
+            return self._stepped.wait_for(lambda: not self.scheduler.prefilling(), timeout)
+
     @property
     def request_ids(self) -> list[str]:
         with self._lock:
@@ -294,7 +303,15 @@ class Engine:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once over the flat batch, sample; returns the outputs
-        of every request that produced tokens or finished."""
+        of every request that produced tokens or finished. Its end wakes ``wait_prefilled``
+        (once the step is whole: its outputs decided)."""
+        try:
+            return self._step()
+        finally:
+            with self._lock:
+                self._stepped.notify_all()
+
+    def _step(self) -> list[RequestOutput]:
         with self._lock:
             outputs, self._ready = self._ready, []
             for rid in self._aborts:

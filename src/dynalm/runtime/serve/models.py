@@ -345,6 +345,25 @@ class ModelManager:
         """Whether a loaded generation model has a prompt still to compute."""
         return any(isinstance(s, ModelService) and s.engine.prefilling() for s in self.loaded())
 
+    def wait_prefilled(self, timeout: float) -> bool:
+        """Block until no loaded generation model has a prompt to compute, at most
+        ``timeout`` seconds (each engine's steps wake the wait); whether that happened."""
+        until = time.monotonic() + timeout
+        while True:
+            busy = next(
+                (
+                    s.engine
+                    for s in self.loaded()
+                    if isinstance(s, ModelService) and s.engine.prefilling()
+                ),
+                None,
+            )
+            if busy is None:
+                return True
+            left = until - time.monotonic()
+            if left <= 0 or not busy.wait_prefilled(left):
+                return False
+
     # --- holding a model
 
     async def acquire(self, name: str | None, keep_alive: float | None = None) -> ServedModel:
