@@ -213,7 +213,8 @@ def test_show_system():
     result = dynalm("show", "--system")
     assert result.returncode == 0 and "cores" in result.stdout
     assert "matmul kernel by batch size T" in result.stdout
-    assert "T 1-3: gemv" in result.stdout  # both modes: T < 4 takes the GEMV
+    assert "T 1-3: gemv" in result.stdout  # auto: T < 4 takes the GEMV
+    assert "T 1-2: gemv; T >=3: tile 3x4" in result.stdout  # exact: tiles of 3 rows
     result = dynalm("show", "--system", env={"DYNALM_ISA": "generic"})
     assert "kernel backend      generic" in result.stdout
 

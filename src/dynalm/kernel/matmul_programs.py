@@ -1,11 +1,15 @@
 """Quantised matmul programs ``y[T, N] = x[T, K] @ W[N, K]^T``, one pattern per mode over
 the per-format unpacks of ``kernel.formats``.
 
-* ``exact`` -- fp32 activations and fp32 FMAs (the accuracy contract). A block's
-  ``(q + offset) * x`` is summed first and ``d`` applied once, and a min per block as
-  ``m * sum(x)`` (``d`` and ``m`` factor out; fewer multiplies); only Q2_K's per-16 mins
-  dequantise each weight in registers. A register tile of ``mr`` activation rows x ``nr``
-  weight rows with accumulators of the backend's width, over ``RowLayout`` weights.
+* ``exact`` -- fp32 activations and fp32 FMAs on the dequantised weights (the accuracy
+  contract). Each weight is dequantised to its fp32 value (``d * (q + offset)``, exact in
+  fp32; ``+ m`` its one rounding) and each output is one FMA chain over K per lane of an
+  accumulator of the backend's width (block by block, chunk by chunk), its lanes summed
+  at the end. The GEMV dequantises in registers as it streams the ``RowLayout`` weights;
+  a GEMM tile (``mr`` activation rows x ``nr`` weight rows) reads a stack panel of its
+  ``nr`` weight rows dequantised once per activation chunk (``_walk``'s ``panel``): the
+  unpack is paid once per chunk instead of once per tile, and the same values in the
+  same order keep rows bitwise independent of the batch.
 * ``auto`` -- activations quantised per 32-block to int8 (two scales ``dx`` per block and
   ``dx * sum(q)``, like ggml's Q8_1, and the integer sums ``offset`` multiplies) and integer
   dot products of unsigned weight bytes (``q - offset``, see ``kernel.formats``) by signed
@@ -101,17 +105,14 @@ class Shape:
 # tiles take batches of 16 rows and more (a tile product is 16 activation rows). A
 # backend's ``wide`` prefill tile (AVX2: 3 rows x 3 row groups) serves batches of
 # WIDE_ROWS and more.
-def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Shape]:
+def buckets(mode: str, target: Backend) -> list[Shape]:
     """The tiles of a mode for a backend, by batch bucket: each serves batches of
-    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV); for a
-    weight format where its tiles differ (float weights), else for quantised blocks."""
+    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV)."""
     if mode == "exact":
-        # Float weights keep one register of each activation row live, not a block's 32
-        # lanes (see ``_exact``): 3 x 4 accumulators fit, 1.1-1.45x the 4 x 2 tile at
-        # T = 128..512 (F32, K = 384..1536, AVX2, 2 threads); quantised blocks stay 4 x 2.
-        floats = ggml_type is not None and not UNPACKS[ggml_type].has_scale
-        gemm = Shape(mr=3, nr=4, tc=30) if floats else Shape(mr=4, nr=2, tc=32)
-        return [Shape(mr=1, nr=4, tc=32, pf=8192), gemm]
+        # The GEMM tile reads dequantised fp32 panels, so every format is a float tile:
+        # one register of each activation row live, 3 x 4 accumulators (F32 weights:
+        # 1.1-1.45x the 4 x 2 tile at T = 128..512, K = 384..1536, AVX2, 2 threads).
+        return [Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=3, nr=4, tc=30)]
     lanes = target.lanes
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if target.wide:
@@ -162,22 +163,27 @@ def _clamped(k: Kernel, first: ir.Value, count: int, last: ir.Value) -> list[ir.
 
 
 def _walk(
-    k: Kernel, s: Shape, t_rows: ir.Value, tile: Callable[[ir.Value, ir.Value], None]
+    k: Kernel,
+    s: Shape,
+    t_rows: ir.Value,
+    tile: Callable[[ir.Value, ir.Value], None],
+    panel: Callable[[ir.Value], None] | None = None,
 ) -> None:
     """Call ``tile(t, n)`` over activation chunks of ``s.tc`` rows, in each the weight rows
-    ``[lo, hi)`` ``s.nr`` at a time, in each the chunk's rows ``s.mr`` at a time."""
+    ``[lo, hi)`` ``s.nr`` at a time (first ``panel(n)``, if given), in each the chunk's
+    rows ``s.mr`` at a time."""
     lo, hi = k.args[1], k.args[2]
 
     def chunk(t0: ir.Value) -> None:
         t_next = k.add(t0, s.tc)
         t_end = k.select(k.lt(t_next, t_rows), t_next, t_rows)
-        k.loop(
-            lo,
-            hi,
-            s.nr,
-            lambda n: k.loop(t0, t_end, s.mr, lambda t: tile(t, n), partial=True),
-            partial=True,
-        )
+
+        def rows(n: ir.Value) -> None:
+            if panel is not None:
+                panel(n)
+            k.loop(t0, t_end, s.mr, lambda t: tile(t, n), partial=True)
+
+        k.loop(lo, hi, s.nr, rows, partial=True)
 
     k.loop(0, t_rows, s.tc, chunk, partial=True)
 
@@ -222,49 +228,48 @@ def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
     else:  # byte k holds elements k (low nibble) and k + 16 (high)
         wide = [k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8)]
         ints = [k.and_(w, 15) for w in wide] + [k.lshr(w, 4) for w in wide]
-    parts = [k.convert(v, F32) for v in ints]
-    if u.offset:
-        parts = [k.add(v, float(u.offset)) for v in parts]
-    return k.concat(parts)
+    if u.offset:  # in integers: the same exact values, ~1.09x the GEMV of a float add
+        ints = [k.add(v, u.offset) for v in ints]
+    return k.concat([k.convert(v, F32) for v in ints])
 
 
 def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     """``exact``: one matmul function over weight rows ``[lo, hi)`` and all T activation
-    rows, fp32 activations, weights dequantised in registers."""
+    rows, fp32 activations. Each weight is dequantised to its fp32 value (``d * (q +
+    offset)`` is exact in fp32, ``+ m`` one rounding) and each output is one chain of
+    FMAs over K per accumulator lane, block by block, then its lanes summed: the GEMV
+    dequantises in registers, the GEMM tiles once per activation chunk into a stack panel
+    of ``s.nr`` rows, which every tile of the chunk then reads (same values, same order)."""
     a = _Args(k, k_blocks)
     aw = k.target.lanes  # fp32 lanes per accumulator
     acc_ty = vec(F32, aw)
     zero = ir.Constant(acc_ty, None)
-    x_block = QK * 4  # bytes of one activation block
+    x_block = QK * 4  # bytes of one activation block (and of one dequantised block)
     h = u.halves
     n_last, t_last = k.add(k.args[2], -1), k.add(a.t_rows, -1)
     group_bytes = ROWS * u.block_bytes
     side_names = {f for f, _ in u.side}
-    factored = u.has_min and h == 1  # a min per block factors out like d (see below)
+    row_bytes = u.packed_bytes(QK * k_blocks)
 
     def per_lane(v: ir.Value, n: int, b: int) -> ir.Value:
         """Block ``b``'s scale(s) of a ``<n x float>`` of ``h`` per block, over 32 lanes
         (with two per block, the first 16 lanes take the first)."""
         return k.shuffle(v, [b * h + lane * h // 32 for lane in range(32)])
 
-    per_weight = not factored and (u.has_min or not u.has_scale)
-
-    def tile(t: ir.Value, n: ir.Value) -> None:
-        mr, nr = s.mr, s.nr
-        accs = [[k.var(zero) for _ in range(nr)] for _ in range(mr)]
-        w_rows = _clamped(k, n, nr, n_last)
-        x_rows = _clamped(k, t, mr, t_last)
+    def dequantised(
+        w_rows: list[ir.Value], use: Callable[[int, ir.Value, int, ir.Value], None]
+    ) -> None:
+        """``use(j, kb, b, w)`` for every block ``kb + b`` of weight row ``w_rows[j]`` in
+        order, ``w`` its 32 weights as fp32; scales are loaded and converted ``GROUP``
+        blocks at a time."""
         # Row r lives in row group r // ROWS at slot r % ROWS (see ``RowLayout``).
-        row_bytes = u.packed_bytes(QK * k_blocks)
         w_group = [k.at(a.w, k.mul(k.and_(r, -ROWS), row_bytes)) for r in w_rows]
         w_slot = [k.and_(r, ROWS - 1) for r in w_rows]
-        x_off = [k.mul(k.mul(r, a.nb), x_block) for r in x_rows]
 
         def group(kb: ir.Value, g: int) -> None:
-            """Blocks kb .. kb+g of the tile; scales are loaded and converted g at a time."""
             w_at, dw, mw = [], [], []
             record = _record_at(k, u, kb, group_bytes, ROWS * u.side_bytes)
-            for j in range(nr):
+            for j in range(len(w_rows)):
                 base = k.at(w_group[j], record)
                 w_at.append(
                     {
@@ -283,77 +288,83 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 if u.has_scale:
                     dw.append(_row_scales(k, u.d, w_at[j], g * h))
                     mw.append(_row_scales(k, u.m, w_at[j], g * h) if u.has_min else None)
-            xk = [k.add(o, k.mul(kb, x_block)) for o in x_off]
             for b in range(g):
-                # Each block unpacked where it is used (unpacking all g up front keeps too
-                # many registers live).
-                planes = [
-                    {f: p if f in side_names else k.at(p, b * u.size(f)) for f, p in at.items()}
-                    for at in w_at
-                ]
-                if per_weight:
-                    # Float weights (or Q2_K's min per 16, dequantised in registers): no
-                    # factor of a block's sum, each lane's w * x goes into its accumulator.
-                    # A register of lanes at a time across the whole tile: every
-                    # accumulator takes its FMAs in the order one (i, j) at a time would
-                    # (bitwise the same sums), but only a register of each activation row
-                    # is live instead of the block's 32 lanes of every row (which spilled).
-                    ws = []
-                    for j in range(nr):
-                        w = u.lanes(k, planes[j])
-                        if u.has_min:
-                            d, m = (per_lane(v[j], g * h, b) for v in (dw, mw))
-                            # d * (q + offset) is exact in fp32: one rounding, for + m.
-                            w = k.fma(_integers(k, u, w), d, m)
-                        ws.append(w)
-                    for c in range(0, 32, aw):
-                        xc = [
-                            k.load(vec(F32, aw), a.x, k.add(xk[i], b * x_block + 4 * c))
-                            for i in range(mr)
-                        ]
-                        for j in range(nr):
-                            wc = k.part(ws[j], c, aw)
-                            for i in range(mr):
-                                accs[i][j].set(k.fma(wc, xc[i], accs[i][j].get()))
-                    continue
-                xs = []
-                for i in range(mr):
-                    xv = k.load(vec(F32, 32), a.x, k.add(xk[i], b * x_block))
-                    xs.append([k.part(xv, c, aw) for c in range(0, 32, aw)])
-                # sum(w x) = d sum(q x) + m sum(x): two FMAs per block instead of
-                # dequantising every weight (~15 % faster GEMV).
-                xsum = [k.total(xs[i]) for i in range(mr)] if factored else []
-                for j in range(nr):
-                    w = _integer_floats(k, u, planes[j])
-                    w = [k.part(w, c, aw) for c in range(0, 32, aw)]
-                    for i in range(mr):
-                        acc = accs[i][j].get()
-                        if factored:
-                            part = k.mul(w[0], xs[i][0])
-                            for c in range(1, len(w)):
-                                part = k.fma(w[c], xs[i][c], part)
-                            acc = k.fma(part, k.lane(dw[j], b, aw), acc)
-                            acc = k.fma(xsum[i], k.lane(mw[j], b, aw), acc)
-                        else:
-                            # Without a min, d factors out of each of the block's h parts:
-                            # sum q * x in fp32, then one FMA by d.
-                            per = len(w) // h
-                            for half in range(h):
-                                part = k.mul(w[half * per], xs[i][half * per])
-                                for c in range(half * per + 1, (half + 1) * per):
-                                    part = k.fma(w[c], xs[i][c], part)
-                                acc = k.fma(part, k.lane(dw[j], b * h + half, aw), acc)
-                        accs[i][j].set(acc)
+                # Each block unpacked where it is used (all g up front keeps too many live).
+                for j, at in enumerate(w_at):
+                    p = {f: v if f in side_names else k.at(v, b * u.size(f)) for f, v in at.items()}
+                    if not u.has_scale:  # float weights
+                        w = u.lanes(k, p)
+                    else:
+                        # d has at most 18 significant bits (an f16 times Q6_K's int8
+                        # sub-scale) and d * (q + offset) at most 24 in every format
+                        # (Q8_0: 11 + 8): exact in fp32, the reference's dequantised value.
+                        w = k.mul(_integer_floats(k, u, p), per_lane(dw[j], g * h, b))
+                        if u.has_min:  # + m: the weight's one rounding
+                            w = k.add(w, per_lane(mw[j], g * h, b))
+                    use(j, kb, b, w)
 
         rest = k.loop(0, a.nb, GROUP, lambda kb: group(kb, GROUP))
         k.loop(rest, a.nb, 1, lambda kb: group(kb, 1))
-        for i in range(mr):
-            y_row = k.mul(x_rows[i], a.ldy)
-            for j in range(nr):
-                total = k.reduce("fadd", accs[i][j].get())
-                k.store(total, a.y, k.mul(k.add(y_row, w_rows[j]), 4), 4)
 
-    _walk(k, s, a.t_rows, tile)
+    def finish(accs: list[list[ir.Value]], x_rows: list[ir.Value], w_rows: list[ir.Value]):
+        for i, x_row in enumerate(x_rows):
+            y_row = k.mul(x_row, a.ldy)
+            for j, w_row in enumerate(w_rows):
+                total = k.reduce("fadd", accs[i][j].get())
+                k.store(total, a.y, k.mul(k.add(y_row, w_row), 4), 4)
+
+    def x_at(x_rows: list[ir.Value]) -> list[ir.Value]:
+        return [k.mul(k.mul(r, a.nb), x_block) for r in x_rows]
+
+    if s.mr == 1:  # GEMV: weights dequantised in registers, streamed once
+
+        def gemv(t: ir.Value, n: ir.Value) -> None:
+            w_rows = _clamped(k, n, s.nr, n_last)
+            accs = [[k.var(zero) for _ in w_rows]]
+            x_off = x_at([t])[0]
+
+            def use(j: int, kb: ir.Value, b: int, w: ir.Value) -> None:
+                at = k.add(x_off, k.mul(kb, x_block))
+                for c in range(0, QK, aw):
+                    xc = k.load(acc_ty, a.x, k.add(at, b * x_block + 4 * c))
+                    accs[0][j].set(k.fma(k.part(w, c, aw), xc, accs[0][j].get()))
+
+            dequantised(w_rows, use)
+            finish(accs, [t], w_rows)
+
+        _walk(k, s, a.t_rows, gemv)
+        return
+
+    # GEMM: the panel of s.nr weight rows dequantised once per activation chunk.
+    panel_row = k_blocks * x_block
+    panel = k.stack(s.nr * panel_row)
+    align = 4 * aw
+
+    def unpack(n: ir.Value) -> None:
+        def use(j: int, kb: ir.Value, b: int, w: ir.Value) -> None:
+            k.store(w, panel, k.add(k.mul(kb, x_block), j * panel_row + b * x_block), align)
+
+        dequantised(_clamped(k, n, s.nr, n_last), use)
+
+    def tile(t: ir.Value, n: ir.Value) -> None:
+        w_rows = _clamped(k, n, s.nr, n_last)
+        x_rows = _clamped(k, t, s.mr, t_last)
+        x_off = x_at(x_rows)
+        accs = [[k.var(zero) for _ in w_rows] for _ in x_rows]
+
+        def block(kb: ir.Value) -> None:
+            at = k.mul(kb, x_block)
+            for c in range(0, QK, aw):
+                xc = [k.load(acc_ty, a.x, k.add(k.add(o, at), 4 * c)) for o in x_off]
+                for j in range(s.nr):
+                    wc = k.load(acc_ty, panel, k.add(at, j * panel_row + 4 * c), align)
+                    for i in range(s.mr):
+                        accs[i][j].set(k.fma(wc, xc[i], accs[i][j].get()))
+
+        k.loop(0, a.nb, 1, block)
+        finish(accs, x_rows, w_rows)
+
+    _walk(k, s, a.t_rows, tile, unpack)
 
 
 class _AutoBlock:
@@ -778,7 +789,7 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
         k = module.kernel(module.ir.name, _PARAMS)
         _quantize(k, k_blocks)
     else:
-        shape = next(s for s in buckets(mode, module.target, ggml_type) if s.mr == mr)
+        shape = next(s for s in buckets(mode, module.target) if s.mr == mr)
         # a warp's tile takes its lane too (a warp-cooperative body, see ``nvptx``)
         k = module.kernel(module.ir.name, (*_PARAMS, I64) if shape.warps else _PARAMS)
         body = (
@@ -850,7 +861,7 @@ class MatmulKernels:
         self.mode = effective_mode(ggml_type, mode)
         self.backend = backend
         self.layout = layout(self.mode, backend.lanes)
-        shapes = buckets(self.mode, backend, ggml_type)
+        shapes = buckets(self.mode, backend)
         self._mrs, self._amx = [s.mr for s in shapes], [s.tiles for s in shapes]
         self._warps = [s.warps for s in shapes]
         self._from, self._nrs = [s.serves for s in shapes], [s.nr for s in shapes]
