@@ -383,16 +383,15 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
 
         unpacked(_clamped(k, n, s.nr, n_last), use)
 
-    def float_tile(t: ir.Value, n: ir.Value) -> None:
-        """Dequantised weights: a register of lanes at a time across the tile, so only one
-        register of each activation row is live (every accumulator takes its FMAs in
-        ``_exact_block``'s order)."""
+    def tile(t: ir.Value, n: ir.Value) -> None:
         w_rows = _clamped(k, n, s.nr, n_last)
         x_rows = _clamped(k, t, s.mr, t_last)
         x_off = x_offsets(x_rows)
         accs = [[k.var(zero) for _ in w_rows] for _ in x_rows]
 
-        def step(kb: ir.Value) -> None:
+        def dequantised(kb: ir.Value) -> None:
+            """A register of lanes at a time across the tile: one register of each
+            activation row live (each accumulator's FMAs in ``_exact_block``'s order)."""
             at = k.mul(kb, x_block)
             for c in range(0, QK, aw):
                 xc = [k.load(acc_ty, a.x, k.add(k.add(o, at), 4 * c)) for o in x_off]
@@ -401,19 +400,10 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                     for i in range(s.mr):
                         accs[i][j].set(k.fma(wc, xc[i], accs[i][j].get()))
 
-        k.loop(0, a.nb, 1, step)
-        finish(accs, x_rows, w_rows)
-
-    def tile(t: ir.Value, n: ir.Value) -> None:
-        w_rows = _clamped(k, n, s.nr, n_last)
-        x_rows = _clamped(k, t, s.mr, t_last)
-        x_off = x_offsets(x_rows)
-        accs = [[k.var(zero) for _ in w_rows] for _ in x_rows]
-
-        def step(kb: ir.Value) -> None:
+        def factored_block(kb: ir.Value) -> None:
             at = k.mul(kb, x_block)
             xs = [x_chunks(k.add(o, at)) for o in x_off]
-            xsum = [k.total(x) if factored else None for x in xs]
+            xsum = [k.total(x) for x in xs]
             for j in range(s.nr):
                 ws = [
                     k.load(acc_ty, panel, k.add(at, j * panel_row + 4 * c), align)
@@ -427,10 +417,10 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                 for i in range(s.mr):
                     block(accs[i][j], ws, xs[i], xsum[i], scale)
 
-        k.loop(0, a.nb, 1, step)
+        k.loop(0, a.nb, 1, dequantised if per_weight else factored_block)
         finish(accs, x_rows, w_rows)
 
-    _walk(k, s, a.t_rows, float_tile if per_weight else tile, unpack)
+    _walk(k, s, a.t_rows, tile, unpack)
 
 
 def _exact_block(
