@@ -235,7 +235,7 @@ def test_a_ragged_batch_runs_its_rest_on_the_rest_s_own_tile() -> None:
     assert cover(backends.AMX, "auto", 28) == [(16, 0, 28)]
     assert cover(backends.GENERIC, "auto", 6) == [(4, 0, 4), (1, 4, 2)]
     assert cover(backends.GENERIC, "auto", 7) == [(4, 0, 7)]
-    assert cover(backends.AVX512, "exact", 10) == [(3, 0, 9), (1, 9, 1)]
+    assert cover(backends.AVX512, "exact", 9) == [(4, 0, 8), (1, 8, 1)]  # Q4_1: 4 x 2
 
 
 def test_avx2_prefill_batches_run_on_the_wide_tile() -> None:

@@ -79,7 +79,7 @@ def _modes(ggml_type: T) -> list[str]:
 
 
 def _tile(backend: backends.Backend, ggml_type: T, mode: str, t_rows: int) -> int:
-    return max(s.mr for s in programs.buckets(mode, backend) if s.mr <= t_rows)
+    return max(s.mr for s in programs.buckets(mode, backend, ggml_type) if s.mr <= t_rows)
 
 
 @dataclass

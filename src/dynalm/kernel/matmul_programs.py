@@ -1,15 +1,16 @@
 """Quantised matmul programs ``y[T, N] = x[T, K] @ W[N, K]^T``, one pattern per mode over
 the per-format unpacks of ``kernel.formats``.
 
-* ``exact`` -- fp32 activations and fp32 FMAs on the dequantised weights (the accuracy
-  contract). Each weight is dequantised to its fp32 value (``d * (q + offset)``, exact in
-  fp32; ``+ m`` its one rounding) and each output is one FMA chain over K per lane of an
-  accumulator of the backend's width (block by block, chunk by chunk), its lanes summed
-  at the end. The GEMV dequantises in registers as it streams the ``RowLayout`` weights;
-  a GEMM tile (``mr`` activation rows x ``nr`` weight rows) reads a stack panel of its
-  ``nr`` weight rows dequantised once per activation chunk (``_walk``'s ``panel``): the
-  unpack is paid once per chunk instead of once per tile, and the same values in the
-  same order keep rows bitwise independent of the batch.
+* ``exact`` -- fp32 activations and fp32 FMAs (the accuracy contract). Weights are
+  dequantised to their fp32 values (``d * (q + offset)``, exact in fp32; ``+ m`` its one
+  rounding) and each output is one FMA chain over K per lane of an accumulator of the
+  backend's width, its lanes summed at the end; only a min per 32-block (Q4_1, Q5_1,
+  Q4_K, Q5_K) factors out instead: a block's ``q * x`` summed first, then ``d`` and
+  ``m * sum(x)`` in two FMAs (``_exact_block``). The GEMV unpacks in registers as it
+  streams the ``RowLayout`` weights; a GEMM tile (``mr`` activation rows x ``nr`` weight
+  rows) reads a stack panel of its ``nr`` weight rows unpacked once per activation chunk
+  (``_walk``'s ``panel``): the unpack is paid once per chunk instead of once per tile,
+  and the same values in the same order keep rows bitwise independent of the batch.
 * ``auto`` -- activations quantised per 32-block to int8 (two scales ``dx`` per block and
   ``dx * sum(q)``, like ggml's Q8_1, and the integer sums ``offset`` multiplies) and integer
   dot products of unsigned weight bytes (``q - offset``, see ``kernel.formats``) by signed
@@ -57,7 +58,7 @@ import llvmlite.ir as ir
 
 from dynalm.kernel.backends import MMA_ROWS, TILE_ROWS, Backend, Executable, Program, Request
 from dynalm.kernel.formats import QK, SUPER, UNPACKS, Scale, Unpack, byte_lanes, nibbles
-from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, const, vec
+from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, Var, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
 
 # Argument block words (one int64 array per call site).
@@ -105,14 +106,18 @@ class Shape:
 # tiles take batches of 16 rows and more (a tile product is 16 activation rows). A
 # backend's ``wide`` prefill tile (AVX2: 3 rows x 3 row groups) serves batches of
 # WIDE_ROWS and more.
-def buckets(mode: str, target: Backend) -> list[Shape]:
+def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Shape]:
     """The tiles of a mode for a backend, by batch bucket: each serves batches of
-    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV)."""
+    ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV); for a
+    weight format where its tiles differ (a factored min), else for the others."""
     if mode == "exact":
-        # The GEMM tile reads dequantised fp32 panels, so every format is a float tile:
-        # one register of each activation row live, 3 x 4 accumulators (F32 weights:
-        # 1.1-1.45x the 4 x 2 tile at T = 128..512, K = 384..1536, AVX2, 2 threads).
-        return [Shape(mr=1, nr=4, tc=32, pf=8192), Shape(mr=3, nr=4, tc=30)]
+        # Dequantised panels make a float tile: one register of each activation row live,
+        # 3 x 4 accumulators (1.1-1.45x the 4 x 2 tile at T = 128..512 on F32 weights,
+        # K = 384..1536, AVX2, 2 threads). A factored min's block sums keep 4 x 2.
+        unpack = UNPACKS[ggml_type] if ggml_type is not None else None
+        factored = unpack is not None and unpack.has_min and unpack.halves == 1
+        gemm = Shape(mr=4, nr=2, tc=32) if factored else Shape(mr=3, nr=4, tc=30)
+        return [Shape(mr=1, nr=4, tc=32, pf=8192), gemm]
     lanes = target.lanes
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if target.wide:
@@ -235,33 +240,38 @@ def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
 
 def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     """``exact``: one matmul function over weight rows ``[lo, hi)`` and all T activation
-    rows, fp32 activations. Each weight is dequantised to its fp32 value (``d * (q +
-    offset)`` is exact in fp32, ``+ m`` one rounding) and each output is one chain of
-    FMAs over K per accumulator lane, block by block, then its lanes summed: the GEMV
-    dequantises in registers, the GEMM tiles once per activation chunk into a stack panel
-    of ``s.nr`` rows, which every tile of the chunk then reads (same values, same order)."""
+    rows, fp32 activations, weights unpacked to fp32 (``_exact_block`` is the float
+    order). The GEMV unpacks each block in registers as it streams the weights; a GEMM
+    tile's weight rows are unpacked once per activation chunk into a stack panel (a
+    block's 32 values, its scales) that every tile of the chunk then reads: the same
+    values in the same order, so rows stay bitwise independent of the batch."""
     a = _Args(k, k_blocks)
     aw = k.target.lanes  # fp32 lanes per accumulator
     acc_ty = vec(F32, aw)
     zero = ir.Constant(acc_ty, None)
-    x_block = QK * 4  # bytes of one activation block (and of one dequantised block)
+    x_block = QK * 4  # bytes of one activation block (and of a block's unpacked values)
     h = u.halves
     n_last, t_last = k.add(k.args[2], -1), k.add(a.t_rows, -1)
     group_bytes = ROWS * u.block_bytes
     side_names = {f for f, _ in u.side}
     row_bytes = u.packed_bytes(QK * k_blocks)
+    # A min per block (Q4_1, Q5_1, Q4_K, Q5_K) factors out with d: sum(w x) = d sum(q x)
+    # + m sum(x), two FMAs a block where dequantising costs one a weight (the GEMV is
+    # 1.15x this way). Every other format is dequantised (``per_weight``).
+    factored = u.has_min and h == 1
+    per_weight = not factored
+    n_scales = 2 if factored else 0  # d and m beside a factored block's values
 
     def per_lane(v: ir.Value, n: int, b: int) -> ir.Value:
         """Block ``b``'s scale(s) of a ``<n x float>`` of ``h`` per block, over 32 lanes
         (with two per block, the first 16 lanes take the first)."""
         return k.shuffle(v, [b * h + lane * h // 32 for lane in range(32)])
 
-    def dequantised(
-        w_rows: list[ir.Value], use: Callable[[int, ir.Value, int, ir.Value], None]
-    ) -> None:
-        """``use(j, kb, b, w)`` for every block ``kb + b`` of weight row ``w_rows[j]`` in
-        order, ``w`` its 32 weights as fp32; scales are loaded and converted ``GROUP``
-        blocks at a time."""
+    def unpacked(w_rows: list[ir.Value], use: Callable) -> None:
+        """``use(j, kb, b, w, scales)`` for every block ``kb + b`` of weight row
+        ``w_rows[j]`` in order: ``w`` its 32 values as fp32 (``q + offset``, or the
+        weights where ``per_weight``), ``scales(e)`` its e-th scale as a scalar float.
+        Scales are loaded and converted ``GROUP`` blocks at a time."""
         # Row r lives in row group r // ROWS at slot r % ROWS (see ``RowLayout``).
         w_group = [k.at(a.w, k.mul(k.and_(r, -ROWS), row_bytes)) for r in w_rows]
         w_slot = [k.and_(r, ROWS - 1) for r in w_rows]
@@ -294,65 +304,94 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                     p = {f: v if f in side_names else k.at(v, b * u.size(f)) for f, v in at.items()}
                     if not u.has_scale:  # float weights
                         w = u.lanes(k, p)
-                    else:
+                    elif per_weight:
                         # d has at most 18 significant bits (an f16 times Q6_K's int8
                         # sub-scale) and d * (q + offset) at most 24 in every format
-                        # (Q8_0: 11 + 8): exact in fp32, the reference's dequantised value.
-                        w = k.mul(_integer_floats(k, u, p), per_lane(dw[j], g * h, b))
-                        if u.has_min:  # + m: the weight's one rounding
-                            w = k.add(w, per_lane(mw[j], g * h, b))
-                    use(j, kb, b, w)
+                        # (Q8_0: 11 + 8): exact in fp32, the reference's dequantised
+                        # value; + m (Q2_K) its one rounding (one FMA, the same).
+                        q, d = _integer_floats(k, u, p), per_lane(dw[j], g * h, b)
+                        w = k.fma(q, d, per_lane(mw[j], g * h, b)) if u.has_min else k.mul(q, d)
+                    else:
+                        w = _integer_floats(k, u, p)
+
+                    def scales(e: int, j: int = j, b: int = b) -> ir.Value:
+                        v, at = (dw[j], b * h + e) if e < h else (mw[j], b)
+                        return k.b.extract_element(v, ir.Constant(I32, at))
+
+                    use(j, kb, b, w, scales)
 
         rest = k.loop(0, a.nb, GROUP, lambda kb: group(kb, GROUP))
         k.loop(rest, a.nb, 1, lambda kb: group(kb, 1))
 
-    def finish(accs: list[list[ir.Value]], x_rows: list[ir.Value], w_rows: list[ir.Value]):
+    def x_chunks(x_at: ir.Value) -> list[ir.Value]:
+        """An activation block's 32 floats as accumulator-wide chunks."""
+        xv = k.load(vec(F32, QK), a.x, x_at)
+        return [k.part(xv, c, aw) for c in range(0, QK, aw)]
+
+    def finish(accs: list[list[Var]], x_rows: list[ir.Value], w_rows: list[ir.Value]) -> None:
         for i, x_row in enumerate(x_rows):
             y_row = k.mul(x_row, a.ldy)
             for j, w_row in enumerate(w_rows):
                 total = k.reduce("fadd", accs[i][j].get())
                 k.store(total, a.y, k.mul(k.add(y_row, w_row), 4), 4)
 
-    def x_at(x_rows: list[ir.Value]) -> list[ir.Value]:
+    def x_offsets(x_rows: list[ir.Value]) -> list[ir.Value]:
         return [k.mul(k.mul(r, a.nb), x_block) for r in x_rows]
 
-    if s.mr == 1:  # GEMV: weights dequantised in registers, streamed once
+    def block(acc: Var, w: list[ir.Value], xs: list[ir.Value], xsum, scale: Callable) -> None:
+        acc.set(_exact_block(k, acc.get(), w, xs, xsum, scale, per_weight))
+
+    if s.mr == 1:  # GEMV: weights unpacked in registers, streamed once
 
         def gemv(t: ir.Value, n: ir.Value) -> None:
             w_rows = _clamped(k, n, s.nr, n_last)
             accs = [[k.var(zero) for _ in w_rows]]
-            x_off = x_at([t])[0]
+            x_off = x_offsets([t])[0]
+            seen: dict = {}
 
-            def use(j: int, kb: ir.Value, b: int, w: ir.Value) -> None:
-                at = k.add(x_off, k.mul(kb, x_block))
-                for c in range(0, QK, aw):
-                    xc = k.load(acc_ty, a.x, k.add(at, b * x_block + 4 * c))
-                    accs[0][j].set(k.fma(k.part(w, c, aw), xc, accs[0][j].get()))
+            def use(j: int, kb: ir.Value, b: int, w: ir.Value, scales: Callable) -> None:
+                if j == 0:  # the block's activations, once for all rows
+                    xs = x_chunks(k.add(x_off, k.add(k.mul(kb, x_block), b * x_block)))
+                    seen["xs"], seen["xsum"] = xs, k.total(xs) if factored else None
+                ws = [k.part(w, c, aw) for c in range(0, QK, aw)]
 
-            dequantised(w_rows, use)
+                def scale(e: int) -> ir.Value:
+                    return k.splat(scales(e), aw)
+
+                block(accs[0][j], ws, seen["xs"], seen["xsum"], scale)
+
+            unpacked(w_rows, use)
             finish(accs, [t], w_rows)
 
         _walk(k, s, a.t_rows, gemv)
         return
 
-    # GEMM: the panel of s.nr weight rows dequantised once per activation chunk.
+    # GEMM: the panel of s.nr weight rows, unpacked once per activation chunk.
     panel_row = k_blocks * x_block
     panel = k.stack(s.nr * panel_row)
+    scale_row = k_blocks * n_scales * 4
+    scale_panel = k.stack(max(1, s.nr * scale_row))
     align = 4 * aw
 
     def unpack(n: ir.Value) -> None:
-        def use(j: int, kb: ir.Value, b: int, w: ir.Value) -> None:
-            k.store(w, panel, k.add(k.mul(kb, x_block), j * panel_row + b * x_block), align)
+        def use(j: int, kb: ir.Value, b: int, w: ir.Value, scales: Callable) -> None:
+            blk = k.add(kb, b)
+            k.store(w, panel, k.add(k.mul(blk, x_block), j * panel_row), align)
+            for e in range(n_scales):
+                at = k.add(k.mul(blk, n_scales * 4), j * scale_row + 4 * e)
+                k.store(scales(e), scale_panel, at, 4)
 
-        dequantised(_clamped(k, n, s.nr, n_last), use)
+        unpacked(_clamped(k, n, s.nr, n_last), use)
 
     def tile(t: ir.Value, n: ir.Value) -> None:
         w_rows = _clamped(k, n, s.nr, n_last)
         x_rows = _clamped(k, t, s.mr, t_last)
-        x_off = x_at(x_rows)
+        x_off = x_offsets(x_rows)
         accs = [[k.var(zero) for _ in w_rows] for _ in x_rows]
 
-        def block(kb: ir.Value) -> None:
+        def dequantised(kb: ir.Value) -> None:
+            """A register of lanes at a time across the tile: one register of each
+            activation row live (each accumulator's FMAs in ``_exact_block``'s order)."""
             at = k.mul(kb, x_block)
             for c in range(0, QK, aw):
                 xc = [k.load(acc_ty, a.x, k.add(k.add(o, at), 4 * c)) for o in x_off]
@@ -361,10 +400,54 @@ def _exact(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                     for i in range(s.mr):
                         accs[i][j].set(k.fma(wc, xc[i], accs[i][j].get()))
 
-        k.loop(0, a.nb, 1, block)
+        def factored_block(kb: ir.Value) -> None:
+            at = k.mul(kb, x_block)
+            xs = [x_chunks(k.add(o, at)) for o in x_off]
+            xsum = [k.total(x) for x in xs]
+            for j in range(s.nr):
+                ws = [
+                    k.load(acc_ty, panel, k.add(at, j * panel_row + 4 * c), align)
+                    for c in range(0, QK, aw)
+                ]
+                sc_at = k.add(k.mul(kb, n_scales * 4), j * scale_row)
+
+                def scale(e: int, sc_at: ir.Value = sc_at) -> ir.Value:
+                    return k.splat(k.load(F32, scale_panel, k.add(sc_at, 4 * e), 4), aw)
+
+                for i in range(s.mr):
+                    block(accs[i][j], ws, xs[i], xsum[i], scale)
+
+        k.loop(0, a.nb, 1, dequantised if per_weight else factored_block)
         finish(accs, x_rows, w_rows)
 
     _walk(k, s, a.t_rows, tile, unpack)
+
+
+def _exact_block(
+    k: Kernel,
+    acc: ir.Value,
+    w: list[ir.Value],
+    xs: list[ir.Value],
+    xsum: ir.Value | None,
+    scale: Callable[[int], ir.Value],
+    per_weight: bool,
+) -> ir.Value:
+    """``acc`` plus one block of one (activation row, weight row): the float order of
+    every exact kernel. ``w`` and ``xs`` are the block's values (dequantised weights, or
+    a factored block's q) and activations in accumulator-wide chunks; with a factored
+    min ``scale(0)``, ``scale(1)`` its d and m broadcast and ``xsum`` the activations'
+    chunks summed in order."""
+    if per_weight:
+        # Float weights (or Q2_K's min per 16, dequantised): each lane's w * x straight
+        # into its accumulator, chunk by chunk.
+        for wc, xc in zip(w, xs, strict=True):
+            acc = k.fma(wc, xc, acc)
+        return acc
+    # A factored min: the block's sum of q x in fp32, then one FMA by d and one by m.
+    part = k.mul(w[0], xs[0])
+    for wc, xc in zip(w[1:], xs[1:], strict=True):
+        part = k.fma(wc, xc, part)
+    return k.fma(xsum, scale(1), k.fma(part, scale(0), acc))
 
 
 class _AutoBlock:
@@ -789,7 +872,7 @@ def _build(module: Module, k_blocks: int, ggml_type: int = -1, mode: str = "", m
         k = module.kernel(module.ir.name, _PARAMS)
         _quantize(k, k_blocks)
     else:
-        shape = next(s for s in buckets(mode, module.target) if s.mr == mr)
+        shape = next(s for s in buckets(mode, module.target, ggml_type) if s.mr == mr)
         # a warp's tile takes its lane too (a warp-cooperative body, see ``nvptx``)
         k = module.kernel(module.ir.name, (*_PARAMS, I64) if shape.warps else _PARAMS)
         body = (
@@ -861,7 +944,7 @@ class MatmulKernels:
         self.mode = effective_mode(ggml_type, mode)
         self.backend = backend
         self.layout = layout(self.mode, backend.lanes)
-        shapes = buckets(self.mode, backend)
+        shapes = buckets(self.mode, backend, ggml_type)
         self._mrs, self._amx = [s.mr for s in shapes], [s.tiles for s in shapes]
         self._warps = [s.warps for s in shapes]
         self._from, self._nrs = [s.serves for s in shapes], [s.nr for s in shapes]

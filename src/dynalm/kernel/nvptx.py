@@ -424,7 +424,7 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
         for mode in ("exact", "auto"):
             if matmul.effective_mode(ggml_type, mode) != mode:
                 continue  # auto falls back to the exact kernels: nothing new to lower
-            for shape in matmul.buckets(mode, NVPTX):
+            for shape in matmul.buckets(mode, NVPTX, ggml_type):
                 spec = {"k_blocks": k_blocks, "ggml_type": int(ggml_type), "mode": mode}
                 out.append((matmul.MATMUL, {**spec, "mr": shape.mr}))
     out.append((matmul.MATMUL, {"k_blocks": k_blocks}))
