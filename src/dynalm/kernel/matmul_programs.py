@@ -116,8 +116,13 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
         # K = 384..1536, AVX2, 2 threads). A factored min's block sums keep 4 x 2.
         unpack = UNPACKS[ggml_type] if ggml_type is not None else None
         factored = unpack is not None and unpack.has_min and unpack.halves == 1
+        gemv = Shape(mr=1, nr=4, tc=32, pf=8192)
+        if target.warps:
+            # A GPU thread's stack panel would be local memory reserved for every resident
+            # thread (16 bytes per column of K): its GEMV serves every batch, same order.
+            return [gemv]
         gemm = Shape(mr=4, nr=2, tc=32) if factored else Shape(mr=3, nr=4, tc=30)
-        return [Shape(mr=1, nr=4, tc=32, pf=8192), gemm]
+        return [gemv, gemm]
     lanes = target.lanes
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if target.wide:
