@@ -299,9 +299,14 @@ def test_models_named_at_start_are_the_only_ones_and_the_first_is_the_default(
 
 
 def assert_freed(refs: list[weakref.ref]) -> None:
-    """The unloaded model's engine and KV pool are gone (nothing holds them)."""
-    gc.collect()
-    assert [r() for r in refs] == [None] * len(refs)
+    """The unloaded model's engine and KV pool are gone (nothing holds them) once its
+    shutdown, which runs in a worker thread after the model leaves the loaded list, ends."""
+
+    def freed() -> bool:
+        gc.collect()
+        return [r() for r in refs] == [None] * len(refs)
+
+    wait_until(freed, timeout=10)
 
 
 def test_an_idle_model_unloads_when_its_keep_alive_expires(smollm2: LoadedModel):
