@@ -98,6 +98,7 @@ class Shape:
     tiles: bool = False  # int8 tile products (mr = TILE_ROWS)
     warps: bool = False  # a warp's mma tile products (mr = MMA_ROWS, a row group per warp)
     rows: int = 0  # the smallest batch it serves (0: mr)
+    panel: bool = False  # auto: weights unpacked once per activation chunk (``_auto``)
 
     @property
     def serves(self) -> int:
@@ -139,7 +140,8 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if target.wide:
         mr, groups = target.wide
-        gemms.append(Shape(mr=mr, nr=groups * lanes, tc=64, pf=4096, rows=WIDE_ROWS))
+        wide = Shape(mr=mr, nr=groups * lanes, tc=64, pf=4096, rows=WIDE_ROWS, panel=True)
+        gemms.append(wide)
     if lanes >= 16:
         gemms.append(Shape(mr=8, nr=lanes, tc=64, pf=4096))
     if target.tiles:
@@ -624,25 +626,80 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     groups = s.nr // lanes  # row groups per tile: each activation broadcast serves them all
     keys = [(n, g) for n in range(h) for g in range(2)]
     zero = ir.Constant(i32_l, None)
+    chunk_bytes = 4 * lanes
 
-    def tile(t: ir.Value, n: ir.Value) -> None:
-        # Row group c of the tile starts at n + c * lanes; one past the thread's rows
-        # [lo, hi) recomputes the first (a clamped pointer) and is not stored.
+    def row_groups(n: ir.Value) -> tuple[list[ir.Value], list[ir.Value | None], list[ir.Value]]:
+        """Row group c of the tile at ``n`` starts at n + c * lanes (``starts``); one past
+        the thread's rows [lo, hi) (not ``inside``) recomputes the first (a clamped
+        pointer) and is not stored. Returns starts, inside and the groups' records."""
         starts = [n] + [k.add(n, c * lanes) for c in range(1, groups)]
         inside = [None] + [k.lt(r, k.args[2]) for r in starts[1:]]
-        row_groups = [blocks.group(n)] + [
+        records = [blocks.group(n)] + [
             blocks.group(k.select(ok, r, n)) for r, ok in zip(starts[1:], inside[1:], strict=True)
         ]
+        return starts, inside, records
+
+    def weight_chunks(p: dict[str, ir.Value]) -> list[ir.Value]:
+        chunks = u.chunks(k, p, lanes)
+        if not unsigned:  # q - offset back to q + offset = q ^ 0x80, as signed bytes
+            chunks = [k.b.xor(c, const(c.type, -128)) for c in chunks]
+        return chunks
+
+    # A ``panel`` tile (the wide prefill tile) reads its row groups' blocks from a stack
+    # panel, unpacked once per activation chunk (``_walk``'s ``panel``), not once per
+    # tile: the weight chunks and the rows' scales of block b, row group c at
+    # ``(b * groups + c) * record``. The same values: ``y`` is bitwise the same.
+    n_scales = h + (1 if u.m else 0)
+    record = 8 * chunk_bytes + n_scales * 4 * lanes
+    panel = k.stack(groups * k_blocks * record) if s.panel else None
+
+    def unpack(n: ir.Value) -> None:
+        records = row_groups(n)[2]
+
+        def block(b: ir.Value) -> None:
+            at = k.mul(b, groups * record)
+            for c, group in enumerate(records):
+                p = blocks.planes(group, b, s.pf if c == 0 else 0)
+                out = k.at(panel, k.add(at, c * record))
+                for j, chunk in enumerate(weight_chunks(p)):
+                    k.store(chunk, out, j * chunk_bytes, 32)
+                dw, m_eff = blocks.weight_scales(p)
+                for e, v in enumerate(dw if m_eff is None else [*dw, m_eff]):
+                    k.store(v, out, 8 * chunk_bytes + 4 * lanes * e, 32)
+
+        k.loop(0, a.nb, 1, block)
+
+    def from_panel(b: ir.Value) -> tuple[list[list[ir.Value]], list[tuple]]:
+        """Block ``b``'s weight chunks and scales of every row group, from the panel."""
+        at = k.mul(b, groups * record)
+        chunks, scales = [], []
+        for c in range(groups):
+            rec = k.at(panel, k.add(at, c * record))
+            chunks.append(
+                [k.load(vec(I8, chunk_bytes), rec, j * chunk_bytes, 32) for j in range(8)]
+            )
+            vs = [
+                k.load(vec(F32, lanes), rec, 8 * chunk_bytes + 4 * lanes * e, 32)
+                for e in range(n_scales)
+            ]
+            scales.append((vs[:h], vs[h] if u.m else None))
+        return chunks, scales
+
+    def tile(t: ir.Value, n: ir.Value) -> None:
+        starts, inside, records = row_groups(n)
         first = k.mul(t, a.nb)  # row t's first block; row t + i's is i * nb further
         accs = [[k.var(ir.Constant(vec(F32, lanes), None)) for _ in range(s.mr)] for _ in starts]
 
         def block(b: ir.Value) -> None:
-            ps = [
-                blocks.planes(group, b, s.pf if c == 0 else 0) for c, group in enumerate(row_groups)
-            ]
-            chunks = [u.chunks(k, p, lanes) for p in ps]
-            if not unsigned:  # q - offset back to q + offset = q ^ 0x80, as signed bytes
-                chunks = [[k.b.xor(c, const(c.type, -128)) for c in cs] for cs in chunks]
+            if panel is not None:
+                chunks, scales = from_panel(b)
+            else:
+                ps = [
+                    blocks.planes(group, b, s.pf if c == 0 else 0)
+                    for c, group in enumerate(records)
+                ]
+                chunks = [weight_chunks(p) for p in ps]
+                scales = [blocks.weight_scales(p) for p in ps]
             if moved_sign:
                 absolute = ir.Constant(ir.IntType(1), 0)
                 mags = [
@@ -677,8 +734,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
                     if not int32_sums and key in offsets[i]:
                         total = k.b.add(offsets[i][key], total)
                     floats[(i, c, *key)] = k.convert(total, F32)
-            for c, p in enumerate(ps):
-                dw, m_eff = blocks.weight_scales(p)
+            for c, (dw, m_eff) in enumerate(scales):
                 for i in range(s.mr):
 
                     def as_float(n: int, g: int, i: int = i, c: int = c) -> ir.Value:
@@ -692,7 +748,7 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
             rows = [acc.get() for acc in accs[c]]
             k.branch(inside[c], lambda rows=rows, c=c: blocks.store_rows(rows, t, starts[c]))
 
-    _walk(k, s, a.t_rows, tile)
+    _walk(k, s, a.t_rows, tile, unpack if panel is not None else None)
 
 
 def _auto_tiles(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
