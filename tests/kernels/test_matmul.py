@@ -287,20 +287,24 @@ def test_the_wide_tile_at_edge_shapes_equals_the_other_tiles(
             assert np.array_equal(mm(x[-4:].copy()), y[-4:])  # the 4-row tile
 
 
+# Q4_0 unpacks its weights in each tile, Q6_K reads them from the tile's panel
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_cut_the_wide_tile_s_row_groups(
-    monkeypatch: pytest.MonkeyPatch, threads: int
+    monkeypatch: pytest.MonkeyPatch, threads: int, ggml_type: T
 ) -> None:
     """Threads take whole wide tiles (shares of 24 rows: a share ending inside one computed
     all of it); the matrix's last tile runs past N = 203, its groups past the end are
     not stored; every job's rows are the 1-thread ones."""
     monkeypatch.setattr(matmul, "_PARALLEL_MIN_BYTES", 0)
-    raw = weights(T.Q4_0, 203, 576)
+    k = 512 if ggml_type in K_QUANTS else 576
+    raw = weights(ggml_type, 203, k)
     backend = runnable(backends.AVX2)
-    one = QuantMatmul(raw, T.Q4_0, 576, mode="auto", threads=1, backend=backend)
-    many = QuantMatmul(raw, T.Q4_0, 576, mode="auto", threads=threads, backend=backend)
-    assert programs.MatmulKernels(T.Q4_0, "auto", backend, 576).row_multiple == 24
-    x = activations(37, 576)
+    one = QuantMatmul(raw, ggml_type, k, mode="auto", threads=1, backend=backend)
+    many = QuantMatmul(raw, ggml_type, k, mode="auto", threads=threads, backend=backend)
+    assert programs.MatmulKernels(ggml_type, "auto", backend, k).row_multiple == 24
+    assert programs.buckets("auto", backend, ggml_type)[-1].panel == (ggml_type == T.Q6_K)
+    x = activations(37, k)
     expected = one(x)
     for _ in range(20):
         assert np.array_equal(many(x), expected)

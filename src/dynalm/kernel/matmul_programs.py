@@ -40,7 +40,7 @@ One pattern per mode serves every batch size: the activation rows walked in L1/L
 chunks by tiles of ``mr`` rows chosen per batch bucket (``buckets``; ``mr = 1`` is the
 GEMV, weights prefetched), each kernel specialised on K; the AVX2 ``wide`` prefill tile
 reads its weights unpacked from a stack panel built once per activation chunk, as
-``exact``'s tiles do (``Shape.panel``). Tiles over the
+``exact``'s tiles do, where that pays (``Shape.panel``). Tiles over the
 edge of the matrix repeat its last row instead of needing remainder variants (less code,
 faster compiles). Every output sums in the same order whatever the tile, so rows are
 bitwise independent of the batch.
@@ -59,7 +59,16 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from dynalm.kernel.backends import MMA_ROWS, TILE_ROWS, Backend, Executable, Program, Request
-from dynalm.kernel.formats import QK, SUPER, UNPACKS, Scale, Unpack, byte_lanes, nibbles
+from dynalm.kernel.formats import (
+    QK,
+    SUPER,
+    UNPACKS,
+    Scale,
+    Unpack,
+    byte_lanes,
+    nibble_chunks,
+    nibbles,
+)
 from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, Var, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
 
@@ -121,7 +130,7 @@ class Shape:
 # tiles take batches of 16 rows and more (a tile product is 16 activation rows). A
 # backend's ``wide`` prefill tile (AVX2: 3 rows x 3 row groups) serves batches of
 # WIDE_ROWS and more, from a panel of its weights unpacked once per activation chunk (at
-# T = 512, K = 2048..8192 on Zen 2: Q6_K 1.22-1.25x, Q4_K 1.01-1.05x, Q4_0 1.0-1.02x).
+# T = 512, K = 2048..8192 on Zen 2: Q6_K 1.22-1.25x, Q4_K 1.01-1.05x).
 def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Shape]:
     """The tiles of a mode for a backend, by batch bucket: each serves batches of
     ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV); for a
@@ -143,8 +152,13 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
     gemms = [Shape(mr=4, nr=lanes, tc=64, pf=4096)]
     if target.wide:
         mr, groups = target.wide
-        wide = Shape(mr=mr, nr=groups * lanes, tc=64, pf=4096, rows=WIDE_ROWS, panel=True)
-        gemms.append(wide)
+        # A panel pays where a block costs more to unpack than to reload: not for plain
+        # nibbles with f16 scales (Q4_0, Q4_1: equal at T = 512, slower at T = 16).
+        unpack = UNPACKS.get(ggml_type) if ggml_type is not None else None
+        plain = unpack is not None and unpack.chunks is nibble_chunks and not unpack.side
+        gemms.append(
+            Shape(mr=mr, nr=groups * lanes, tc=64, pf=4096, rows=WIDE_ROWS, panel=not plain)
+        )
     if lanes >= 16:
         gemms.append(Shape(mr=8, nr=lanes, tc=64, pf=4096))
     if target.tiles:
