@@ -57,7 +57,16 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from dynalm.kernel.backends import MMA_ROWS, TILE_ROWS, Backend, Executable, Program, Request
-from dynalm.kernel.formats import QK, SUPER, UNPACKS, Scale, Unpack, byte_lanes, nibbles
+from dynalm.kernel.formats import (
+    QK,
+    SUPER,
+    UNPACKS,
+    Scale,
+    Unpack,
+    byte_lanes,
+    nibbles,
+    six_bits,
+)
 from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, Var, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
 
@@ -229,15 +238,24 @@ def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
     """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles and
     bytes widen from memory 8 at a time (``vpmovzxbd`` / ``vpmovsxbd`` loads), which
     costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``."""
-    if u.lanes not in (nibbles, byte_lanes):
+    if u.lanes not in (nibbles, six_bits, byte_lanes):
         return _integers(k, u, u.lanes(k, p))
+
+    def widened(plane: str, at: int) -> ir.Value:
+        return k.convert(k.load(vec(I8, 8), p[plane], at), I32, signed=False)
+
     if u.lanes is byte_lanes:
-        ints = [
-            k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8, 16, 24)
-        ]
+        ints = [widened("qs", at) for at in (0, 8, 16, 24)]
     else:  # byte k holds elements k (low nibble) and k + 16 (high)
-        wide = [k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8)]
+        wide = [widened("qs", at) for at in (0, 8)]
         ints = [k.and_(w, 15) for w in wide] + [k.lshr(w, 4) for w in wide]
+    if u.lanes is six_bits:
+        # Q6_K's 2-bit highs: element e at bits 2 (e // 8) of byte e % 8 of ``q2``, so
+        # the 8 bytes widened once serve every 8 elements, moved to bits 4-5 by a shift
+        # (instead of ``u.lanes``' 32 bytes, widened after).
+        q2 = widened("q2", 0)
+        highs = [k.shl(q2, 4 - 2 * c) if c < 2 else k.lshr(q2, 2 * c - 4) for c in range(4)]
+        ints = [k.b.or_(v, k.and_(hi, 0x30)) for v, hi in zip(ints, highs, strict=True)]
     if u.offset:  # in integers: the same exact values, ~1.09x the GEMV of a float add
         ints = [k.add(v, u.offset) for v in ints]
     return k.concat([k.convert(v, F32) for v in ints])
