@@ -130,6 +130,11 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
             # A GPU thread's stack panel would be local memory reserved for every resident
             # thread (16 bytes per column of K): its GEMV serves every batch, same order.
             return [gemv]
+        if unpack is not None and unpack.lanes is six_bits:
+            # Q6_K's two planes and two scales a block spill 4 rows' registers: 2 rows a
+            # step measured 1.13x 4 (1.23x with its unpack above, vs 1.16x 3 rows; AVX2,
+            # the 1B output head; Q4_0 and Q4_K measured best or equal at 4).
+            gemv = Shape(mr=1, nr=2, tc=32, pf=8192)
         gemm = Shape(mr=4, nr=2, tc=32) if factored else Shape(mr=3, nr=4, tc=30)
         return [gemv, gemm]
     lanes = target.lanes
