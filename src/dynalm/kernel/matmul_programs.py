@@ -132,8 +132,9 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
             return [gemv]
         if unpack is not None and unpack.lanes is six_bits:
             # Q6_K's two planes and two scales a block spill 4 rows' registers: 2 rows a
-            # step measured 1.13x 4 (1.23x with its unpack above, vs 1.16x 3 rows; AVX2,
-            # the 1B output head; Q4_0 and Q4_K measured best or equal at 4).
+            # step measured 1.22x main's 4 on the 1B output head (3 rows 1.16x, 4 rows
+            # 1.09x, all with ``_integer_floats``' Q6_K unpack; AVX2, one thread). Q4_0 and
+            # Q4_K measured best, or equal, at 4.
             gemv = Shape(mr=1, nr=2, tc=32, pf=8192)
         gemm = Shape(mr=4, nr=2, tc=32) if factored else Shape(mr=3, nr=4, tc=30)
         return [gemv, gemm]
@@ -240,8 +241,8 @@ def _integers(k: Kernel, u: Unpack, q: ir.Value) -> ir.Value:
 
 
 def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
-    """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles and
-    bytes widen from memory 8 at a time (``vpmovzxbd`` / ``vpmovsxbd`` loads), which
+    """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles,
+    Q6_K's six bits and bytes widen from memory 8 at a time (``vpmovzxbd`` loads), which
     costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``."""
     if u.lanes not in (nibbles, six_bits, byte_lanes):
         return _integers(k, u, u.lanes(k, p))
