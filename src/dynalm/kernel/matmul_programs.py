@@ -133,8 +133,8 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
         if unpack is not None and unpack.lanes is six_bits:
             # Q6_K's two planes and two scales a block spill 4 rows' registers: 2 rows a
             # step measured 1.22x main's 4 on the 1B output head (3 rows 1.16x, 4 rows
-            # 1.09x, all with ``_integer_floats``' Q6_K unpack; AVX2, one thread). Q4_0 and
-            # Q4_K measured best, or equal, at 4.
+            # 1.09x, all with ``_integer_floats``' Q6_K unpack; AVX2, one thread). Q4_0 is
+            # best at 4 (3 rows equal, 2 rows 0.88x); Q4_K at 3 rows 1.0-1.06x, near noise.
             gemv = Shape(mr=1, nr=2, tc=32, pf=8192)
         gemm = Shape(mr=4, nr=2, tc=32) if factored else Shape(mr=3, nr=4, tc=30)
         return [gemv, gemm]
