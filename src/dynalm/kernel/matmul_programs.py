@@ -68,6 +68,7 @@ from dynalm.kernel.formats import (
     byte_lanes,
     nibble_chunks,
     nibbles,
+    six_bits,
 )
 from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, VOID, Kernel, Module, Var, const, vec
 from dynalm.kernel.layouts import GROUP, LaneLayout, Layout, RowLayout
@@ -146,6 +147,12 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
             # A GPU thread's stack panel would be local memory reserved for every resident
             # thread (16 bytes per column of K): its GEMV serves every batch, same order.
             return [gemv]
+        if unpack is not None and unpack.lanes is six_bits:
+            # Q6_K's two planes and two scales a block spill 4 rows' registers: 2 rows a
+            # step measured 1.22x main's 4 on the 1B output head (3 rows 1.16x, 4 rows
+            # 1.09x, all with ``_integer_floats``' Q6_K unpack; AVX2, one thread). Q4_0 is
+            # best at 4 (3 rows equal, 2 rows 0.88x); Q4_K at 3 rows 1.0-1.06x, near noise.
+            gemv = Shape(mr=1, nr=2, tc=32, pf=8192)
         gemm = Shape(mr=4, nr=2, tc=32) if factored else Shape(mr=3, nr=4, tc=30)
         return [gemv, gemm]
     lanes = target.lanes
@@ -259,16 +266,26 @@ def _integers(k: Kernel, u: Unpack, q: ir.Value) -> ir.Value:
 def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
     """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles and
     bytes widen from memory 8 at a time (``vpmovzxbd`` / ``vpmovsxbd`` loads), which
-    costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``."""
-    if u.lanes not in (nibbles, byte_lanes):
+    costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``; Q6_K's
+    six bits the same way (its GEMV 1.09x ``u.lanes``)."""
+    if u.lanes not in (nibbles, six_bits, byte_lanes):
         return _integers(k, u, u.lanes(k, p))
+
+    def widened(plane: str, at: int) -> ir.Value:
+        return k.convert(k.load(vec(I8, 8), p[plane], at), I32, signed=False)
+
     if u.lanes is byte_lanes:
-        ints = [
-            k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8, 16, 24)
-        ]
+        ints = [widened("qs", at) for at in (0, 8, 16, 24)]
     else:  # byte k holds elements k (low nibble) and k + 16 (high)
-        wide = [k.convert(k.load(vec(I8, 8), p["qs"], at), I32, signed=False) for at in (0, 8)]
+        wide = [widened("qs", at) for at in (0, 8)]
         ints = [k.and_(w, 15) for w in wide] + [k.lshr(w, 4) for w in wide]
+    if u.lanes is six_bits:
+        # Q6_K's 2-bit highs: element e at bits 2 (e // 8) of byte e % 8 of ``q2``, so
+        # the 8 bytes widened once serve every 8 elements, moved to bits 4-5 by a shift
+        # (instead of ``u.lanes``' 32 bytes, widened after).
+        q2 = widened("q2", 0)
+        highs = [k.shl(q2, 4 - 2 * c) if c < 2 else k.lshr(q2, 2 * c - 4) for c in range(4)]
+        ints = [k.b.or_(v, k.and_(hi, 0x30)) for v, hi in zip(ints, highs, strict=True)]
     if u.offset:  # in integers: the same exact values, ~1.09x the GEMV of a float add
         ints = [k.add(v, u.offset) for v in ints]
     return k.concat([k.convert(v, F32) for v in ints])
