@@ -11,12 +11,15 @@ mode, per shape and batch (T = 1: GEMV, the decode step; T = 8: a batched decode
 128 or 512: a prefill chunk): the best time of repeated calls, weight GB/s (bytes of the
 GGUF weight / time) and GMAC/s (T x N x K / time), each as a share of the host's peak
 (GB/s: of the streaming read at this thread count; GMAC/s: of the variant's backend's
-int8 multiply rate, "% mul", and multiply-and-widen rate, "% dot").
+int8 multiply rate, "% mul", multiply-and-widen rate, "% dot", and auto-cell rate, "% cell").
 
 Peaks (kernel programs of their own, ``dynalm.kernel.probes``): the streaming-read
 bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply rate
 (on AVX2 ``vpmaddubsw`` into int16) and multiply-and-widen rate (``dot_u8s8``: on AVX2
-``vpmaddubsw`` + ``vpmaddwd``) on registers, 1 and all threads. Compile time: every
+``vpmaddubsw`` + ``vpmaddwd``) on registers, 1 and all threads, and the rate of ``auto``'s
+cell arithmetic alone (``INT8_CELL``: the products, their int16 sums and widening, the
+converts and float scaling of a 32-block, no memory: what an int8 kernel with ``auto``'s
+numerics reaches at best). Compile time: every
 kernel the table used, lowered in a fresh process with an empty JIT cache (median and the
 slowest).
 
@@ -163,6 +166,9 @@ def checkout(rev: str, into: Path) -> Path:
 
 # --- peaks -----------------------------------------------------------------------------
 
+# the int8 probes' rates: multiply, multiply-and-widen, auto cell ("% mul", "% dot", "% cell")
+PEAK_KEYS = ("int8_mul_gmacs", "int8_gmacs", "int8_cell_gmacs")
+
 
 def peaks(backend_names: list[str], threads: int) -> dict:
     """Streaming-read GB/s (1 and ``threads`` threads) and int8 GMAC/s per backend."""
@@ -183,7 +189,7 @@ def peaks(backend_names: list[str], threads: int) -> dict:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    out: dict = {"stream_gbs": {}, "int8_mul_gmacs": {}, "int8_gmacs": {}}
+    out: dict = {"stream_gbs": {}, **{key: {} for key in PEAK_KEYS}}
     host = backends.select()
     buf = np.ones(256 << 20, np.uint8)
     sums = np.zeros(buf.size // probes.PAGE, np.int32)
@@ -195,13 +201,15 @@ def peaks(backend_names: list[str], threads: int) -> dict:
     result = np.zeros(threads, np.int32)
     for name in backend_names:
         b = backends.by_name(name)
-        for key, program in (("int8_mul_gmacs", probes.INT8_MUL), ("int8_gmacs", probes.INT8_DOT)):
+        for key, program in zip(
+            PEAK_KEYS, (probes.INT8_MUL, probes.INT8_DOT, probes.INT8_CELL), strict=True
+        ):
             fn = b.lower(program, {}).addresses[""]
             dot_args = np.array([0, result.ctypes.data], np.int64)
             per = {}
             for n in sorted({1, threads}):
                 seconds = run(fn, dot_args, rounds * n, n)
-                per[n] = rounds * n * probes.macs_per_round(b.lanes) / seconds / 1e9
+                per[n] = rounds * n * probes.macs_per_round(b.lanes, program) / seconds / 1e9
             out[key][b.name] = per
     return out
 
@@ -304,7 +312,11 @@ def print_report(r: dict) -> None:
     stream = ", ".join(f"{n} thread(s) {v:.1f} GB/s" for n, v in p["stream_gbs"].items())
     print(f"peaks: streaming read {stream}")
     for name, per in p["int8_mul_gmacs"].items():
-        for what, rates in (("multiply", per), ("multiply+widen", p["int8_gmacs"][name])):
+        for what, rates in (
+            ("multiply", per),
+            ("multiply+widen", p["int8_gmacs"][name]),
+            ("auto cell", p["int8_cell_gmacs"][name]),
+        ):
             each = ", ".join(f"{n} thread(s) {v:.0f}" for n, v in rates.items())
             print(f"       int8 {what} {name}: {each} GMAC/s")
     c = r["compile_ms"]
@@ -315,8 +327,7 @@ def print_report(r: dict) -> None:
         print(f"slowest {c['max']:.0f} ms")
     stream_peak = p["stream_gbs"][r["threads"]]
     int8_peaks = {
-        name: (per[r["threads"]], p["int8_gmacs"][name][r["threads"]])
-        for name, per in p["int8_mul_gmacs"].items()
+        name: tuple(p[key][name][r["threads"]] for key in PEAK_KEYS) for name in p["int8_mul_gmacs"]
     }
     best = next(iter(int8_peaks.values()))  # a baseline revision runs the host's best
     print(
@@ -326,19 +337,20 @@ def print_report(r: dict) -> None:
     )
     print(
         "| mode | shape | N x K | T | variant | us | GB/s | % stream | GMAC/s | % mul | % dot "
-        "| x first |"
+        "| % cell | x first |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     first: dict[tuple, float] = {}
     for row in r["rows"]:
         key = (row["mode"], row["shape"], row["t"])
         base = first.setdefault(key, row["us"])
-        mul, dot = int8_peaks.get(row.get("backend"), best)
+        mul, dot, cell = int8_peaks.get(row.get("backend"), best)
         print(
             f"| {row['mode']} | {row['shape']} | {row['n']}x{row['k']} | {row['t']} | "
             f"{row['variant']} | {row['us']:.1f} | {row['gbs']:.1f} | "
             f"{100 * row['gbs'] / stream_peak:.0f} | {row['gmacs']:.1f} | "
             f"{100 * row['gmacs'] / mul:.0f} | {100 * row['gmacs'] / dot:.0f} | "
+            f"{100 * row['gmacs'] / cell:.0f} | "
             f"{base / row['us']:.2f} |"
         )
 

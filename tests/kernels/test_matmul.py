@@ -370,7 +370,8 @@ def test_amx_lowers_to_tile_instructions() -> None:
 def test_int8_probes_multiply_once_per_chain_and_round() -> None:
     """kernel_bench's int8 peaks on AVX2 (assembly only, any host): the multiply probe is 8
     ``vpmaddubsw`` per round, the multiply-and-widen probe 8 ``vpmaddubsw`` + 8 ``vpmaddwd``
-    -- a probe whose chains shared their operands compiled to one of each per round."""
+    -- a probe whose chains shared their operands compiled to one of each per round -- and
+    the auto-cell probe 8 chains' 8 products, 2 widenings and 2 converts."""
     from dynalm.kernel import jit, probes
 
     features = ",".join(f"+{f}" for f in backends.AVX2.requires)
@@ -380,6 +381,11 @@ def test_int8_probes_multiply_once_per_chain_and_round() -> None:
         assert ops.count("vpmaddubsw") == probes.DOT_CHAINS, program.name
         # (the multiply probe widens its int16 sums once, after the loop)
         assert ops.count("vpmaddwd") == max(widens, 1), program.name
+    # the auto-cell probe: per chain a 32-block's products, widened once per scale group
+    asm = jit.assembly(backends.AVX2.module(probes.INT8_CELL, {}).text(), features)
+    ops = re.findall(r"^\s+(vpmaddubsw|vpmaddwd|vcvtdq2ps)\b", asm, re.M)
+    assert ops.count("vpmaddubsw") == probes.DOT_CHAINS * probes.CELL_PRODUCTS
+    assert ops.count("vpmaddwd") == ops.count("vcvtdq2ps") == 2 * probes.DOT_CHAINS
 
 
 def test_amx_needs_its_features_and_permission() -> None:

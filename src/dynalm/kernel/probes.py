@@ -11,6 +11,13 @@ machine can do at best, so a kernel's GB/s and GMAC/s can be read as a fraction 
   ``vpmaddwd`` + ``vpaddd`` per 32 MACs): the multiply-and-widen rate, what a dot that
   widened every product would reach. An int16 auto kernel widens once per several products,
   so its ceiling lies between the two.
+* ``INT8_CELL``: the arithmetic of one ``auto`` cell (a 32-block of 8 byte products
+  against one register of weight rows), nothing else: the products in the two activation
+  scale groups, each group's 4 summed in int16 and widened once (or dot into int32 where
+  the backend accumulates so), converted, and scaled by the two group scales and the
+  rows' ``d`` in 3 float ops (``_AutoBlock.scaled``). No loads, unpacks or broadcasts:
+  the ceiling of an int8 kernel that keeps ``auto``'s numerics, where the multiplies share
+  a pipe with the widening and the float ops (Zen 2: ~0.7 of ``INT8_MUL``).
 
 Each chain multiplies by its own constant bytes, the other operand made from the loop
 counter or the chain's last product: products that differ per chain and per round, so the
@@ -18,7 +25,7 @@ compiler can neither share one product between the chains nor hoist it out of th
 earlier probe fed every chain the same operands: LLVM computed one product per round and
 added it 8 times).
 
-Both take ``void f(i64 *args, i64 lo, i64 hi)`` (``args``: buffer address, result
+Each takes ``void f(i64 *args, i64 lo, i64 hi)`` (``args``: buffer address, result
 address) and write a result so that nothing is optimised away.
 """
 
@@ -27,10 +34,11 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from dynalm.kernel.backends import Program
-from dynalm.kernel.lang import I8, I16, I32, I64, PTR, Module, const, vec
+from dynalm.kernel.lang import F32, I8, I16, I32, I64, PTR, Module, const, vec
 
 PAGE = 4096  # bytes per unit of STREAM's range
 DOT_CHAINS = 8  # independent accumulators of INT8_DOT (enough to hide the latency)
+CELL_PRODUCTS = 8  # byte products per INT8_CELL cell: a 32-block, 4 bytes a lane
 
 
 def _stream(module: Module) -> None:
@@ -82,11 +90,57 @@ def _int8_chains(module: Module, widen: bool) -> None:
     k.ret()
 
 
+def _int8_cells(module: Module) -> None:
+    k = module.kernel(module.ir.name, (PTR, I64, I64))
+    out = k.pointer(k.words(k.args[0], 2)[1])
+    target = module.target
+    lanes = target.lanes
+    bytes_ty, i32_ty, f32_ty = vec(I8, 4 * lanes), vec(I32, lanes), vec(F32, lanes)
+    pairs = target.accumulate == "int16"
+    # Per chain and product its own signed bytes; scales that differ per chain.
+    s = [
+        [
+            k.bitcast(const(i32_ty, 0x01FF03FD + 0x02030405 * (j * CELL_PRODUCTS + m)), bytes_ty)
+            for m in range(CELL_PRODUCTS)
+        ]
+        for j in range(DOT_CHAINS)
+    ]
+    dx = [const(f32_ty, 0.5 + g) for g in (0, 1)]
+    accs = [k.var(const(f32_ty, float(j)), f32_ty) for j in range(DOT_CHAINS)]
+    half = CELL_PRODUCTS // 2
+
+    def group_sum(u: ir.Value, sj: list[ir.Value]) -> ir.Value:
+        """One activation scale group's integer sum, as ``auto`` forms it."""
+        if pairs:
+            part = target.pair_products(k, u, sj[0])
+            for sm in sj[1:]:
+                part = k.b.add(part, target.pair_products(k, u, sm))
+            return target.pair_sums(k, part)
+        total = ir.Constant(i32_ty, None)
+        for sm in sj:
+            total = target.dot_u8s8(k, total, u, sm)
+        return total
+
+    def rounds(i: ir.Value) -> None:
+        u = k.bitcast(k.splat(k.b.trunc(i, I32), lanes), bytes_ty)
+        u = k.and_(u, 0x0F)  # a nibble, as Q4_0's unsigned weights
+        for j, acc in enumerate(accs):
+            f = [k.convert(group_sum(u, s[j][g * half : (g + 1) * half]), F32) for g in (0, 1)]
+            both = k.fma(f[1], dx[1], k.mul(f[0], dx[0]))
+            acc.set(k.fma(both, const(f32_ty, 1.0 + j / 64), acc.get()))
+
+    k.loop(k.args[1], k.args[2], 1, rounds)
+    total = k.total([a.get() for a in accs])
+    k.store(k.reduce("fadd", total), out, 0, 4)
+    k.ret()
+
+
 STREAM = Program("probe_stream", _stream)
 INT8_MUL = Program("probe_int8_mul", lambda module: _int8_chains(module, widen=False))
 INT8_DOT = Program("probe_int8_dot", lambda module: _int8_chains(module, widen=True))
+INT8_CELL = Program("probe_int8_cell", _int8_cells)
 
 
-def macs_per_round(lanes: int) -> int:
-    """Multiply-accumulates one round of ``INT8_MUL`` or ``INT8_DOT`` does."""
-    return DOT_CHAINS * lanes * 4
+def macs_per_round(lanes: int, program: Program) -> int:
+    """Multiply-accumulates one round of ``program`` (a probe) does."""
+    return DOT_CHAINS * lanes * 4 * (CELL_PRODUCTS if program is INT8_CELL else 1)
