@@ -12,6 +12,11 @@ mode, per shape and batch (T = 1: GEMV, the decode step; T = 8: a batched decode
 GGUF weight / time) and GMAC/s (T x N x K / time), each as a share of the host's peak
 (GB/s: of the streaming read at this thread count; GMAC/s: of the variant's backend's
 int8 multiply rate, "% mul", multiply-and-widen rate, "% dot", and auto-cell rate, "% cell").
+A weight that fits in the
+L3 cache is read from it when a call repeats, so the GEMV (T = 1) is timed twice: repeated
+(row "1"), and as a decode step reads it (row "1 dram"): over enough copies of the weight,
+called in turn, to pass ``DRAM_SPAN`` times the host's L3 (sysfs), every call reading its
+copy from memory; that row's GB/s is what a decode step streams.
 
 Peaks (kernel programs of their own, ``dynalm.kernel.probes``): the streaming-read
 bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply rate
@@ -94,6 +99,7 @@ def worker() -> None:
     has_backends = "backend" in inspect.signature(QuantMatmul).parameters
     rng = np.random.default_rng(0)
     built: dict[tuple, tuple] = {}
+    raw_of: dict[tuple, tuple] = {}  # the GGUF rows and options of each built matmul
     seen: set[int] = set()
     for line in sys.stdin:
         job = json.loads(line)
@@ -108,6 +114,7 @@ def worker() -> None:
                 kw["backend"] = backends.by_name(job["isa"])
             mm = QuantMatmul(raw.reshape(job["n"], -1), job["type"], job["k"], **kw)
             built[key] = (mm, raw.nbytes, {})
+            raw_of[key] = (raw.reshape(job["n"], -1), kw)
         mm, nbytes, arrays = built[key]
         t = job["t"]
         if t not in arrays:
@@ -115,16 +122,68 @@ def worker() -> None:
             arrays[t] = (x, np.empty((t, job["n"]), np.float32))
             mm(*arrays[t])  # first call: lowers (compiles) the kernel for this batch
         x, y = arrays[t]
-        best = float("inf")
-        for _ in range(job["repeat"]):
-            t0 = time.perf_counter()
-            mm(x, y)
-            best = min(best, time.perf_counter() - t0)
+        if job.get("dram"):
+            best = from_memory(mm, raw_of[key], x, y, job, rng)
+        else:
+            best = float("inf")
+            for _ in range(job["repeat"]):
+                t0 = time.perf_counter()
+                mm(x, y)
+                best = min(best, time.perf_counter() - t0)
         # Compile times of the kernels this job lowered first (revisions with DynaKernel).
         lowered = [d for d in getattr(getattr(mm, "_kernels", None), "_done", []) if d]
         compiled = [d.compile_seconds for d in lowered if id(d) not in seen and d.compile_seconds]
         seen.update(id(d) for d in lowered)
         print(json.dumps({"seconds": best, "bytes": nbytes, "compile": compiled}), flush=True)
+
+
+# The "dram" GEMV row's copies of a weight span this many times the L3 cache, so that a
+# copy is long evicted when its turn comes again.
+DRAM_SPAN = 4
+
+
+def l3_bytes() -> int:
+    """The largest cache this CPU reports (sysfs; 32 MiB where it reports none)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def from_memory(mm, raw_kw: tuple, x: np.ndarray, y: np.ndarray, job: dict, rng) -> float:
+    """Seconds per call of ``mm``'s product when its weight comes from memory: copies of
+    the weight (repacked again, one matmul each) called in turn, best of ``repeat`` // 4
+    rounds (at least 2) over all copies. Each copy writes its own output (a shared one
+    would stay in cache for the others). As native programs where the revision has them
+    (no Python between calls, as in a decode step), else call by call."""
+    from dynalm.core.matmul import QuantMatmul
+
+    raw, kw = raw_kw
+    nbytes = raw.nbytes
+    copies = max(1, -(-DRAM_SPAN * l3_bytes() // nbytes))
+    mms = [mm] + [QuantMatmul(raw, job["type"], job["k"], **kw) for _ in range(copies - 1)]
+    outs = [y] + [np.empty_like(y) for _ in range(copies - 1)]
+    for m, out in zip(mms, outs, strict=True):
+        m(x, out)
+    try:
+        from dynalm.core import pool
+
+        records = [r for m, out in zip(mms, outs, strict=True) for r in m.records(x, out)]
+        run = pool.Program(records, job["threads"])
+    except (ImportError, AttributeError):  # a revision without native programs
+
+        def run() -> None:
+            for m, out in zip(mms, outs, strict=True):
+                m(x, out)
+
+    best = float("inf")
+    for _ in range(max(2, job["repeat"] // 4)):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best / copies
 
 
 class Worker:
@@ -262,11 +321,12 @@ def main() -> None:
         for name, n, k in shapes:
             ggml_type = output_type if name == "output" else layer_type
             kernel_mode = mode if ggml_type in AUTO_VALIDATED else "exact"
-            for t in batches:
+            runs = [(t, False) for t in batches] + [(1, True)] * (1 in batches)
+            for t, dram in runs:
                 if name == "output" and t > 1:
                     continue  # logits are taken for each sequence's last token only
                 job = {"type": ggml_type, "n": n, "k": k, "t": t, "mode": kernel_mode}
-                job |= {"threads": args.threads, "repeat": args.repeat}
+                job |= {"threads": args.threads, "repeat": args.repeat, "dram": dram}
                 results = [w.run({**job, "isa": isa}) for w, isa in variants]
                 for (w, isa), r in zip(variants, results, strict=True):
                     label = w.label if not isa else f"{w.label} {backends.by_name(isa).name}"
@@ -280,6 +340,7 @@ def main() -> None:
                             "n": n,
                             "k": k,
                             "t": t,
+                            "dram": dram,
                             "us": r["seconds"] * 1e6,
                             "gbs": r["bytes"] / r["seconds"] / 1e9,
                             "gmacs": t * n * k / r["seconds"] / 1e9,
@@ -333,7 +394,8 @@ def print_report(r: dict) -> None:
     print(
         f"\n{r['model']}: {r['format']} layers + {r['output_format']} output, "
         f"{r['threads']} threads, best of repeats (a weight that fits in L3 is read from it "
-        "when repeated: GB/s above the streaming peak)\n"
+        "when repeated: GB/s above the streaming peak; T = '1 dram': the GEMV with its "
+        "weight read from memory, as in a decode step)\n"
     )
     print(
         "| mode | shape | N x K | T | variant | us | GB/s | % stream | GMAC/s | % mul | % dot "
@@ -342,11 +404,12 @@ def print_report(r: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     first: dict[tuple, float] = {}
     for row in r["rows"]:
-        key = (row["mode"], row["shape"], row["t"])
+        t = f"{row['t']} dram" if row.get("dram") else str(row["t"])
+        key = (row["mode"], row["shape"], t)
         base = first.setdefault(key, row["us"])
         mul, dot, cell = int8_peaks.get(row.get("backend"), best)
         print(
-            f"| {row['mode']} | {row['shape']} | {row['n']}x{row['k']} | {row['t']} | "
+            f"| {row['mode']} | {row['shape']} | {row['n']}x{row['k']} | {t} | "
             f"{row['variant']} | {row['us']:.1f} | {row['gbs']:.1f} | "
             f"{100 * row['gbs'] / stream_peak:.0f} | {row['gmacs']:.1f} | "
             f"{100 * row['gmacs'] / mul:.0f} | {100 * row['gmacs'] / dot:.0f} | "
