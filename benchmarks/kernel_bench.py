@@ -12,11 +12,11 @@ mode, per shape and batch (T = 1: GEMV, the decode step; T = 8: a batched decode
 GGUF weight / time) and GMAC/s (T x N x K / time), each as a share of the host's peak
 (GB/s: of the streaming read at this thread count; GMAC/s: of the variant's backend's
 int8 multiply rate, "% mul", multiply-and-widen rate, "% dot", and auto-cell rate, "% cell").
-A weight that fits in the
-L3 cache is read from it when a call repeats, so the GEMV (T = 1) is timed twice: repeated
-(row "1"), and as a decode step reads it (row "1 dram"): over enough copies of the weight,
-called in turn, to pass ``DRAM_SPAN`` times the host's L3 (sysfs), every call reading its
-copy from memory; that row's GB/s is what a decode step streams.
+A weight that fits in the L3 cache is read from it when a call repeats, so the GEMV (T = 1)
+is timed twice: repeated (row "1"), and as a decode step reads it (row "1 dram"): over
+enough copies of the weight, called in turn, to pass ``DRAM_SPAN`` times the host's L3
+(sysfs), every call reading its copy from memory; that row's GB/s is what a decode step
+streams.
 
 Peaks (kernel programs of their own, ``dynalm.kernel.probes``): the streaming-read
 bandwidth of 1 and all threads over 256 MiB, and each backend's int8 multiply rate
@@ -123,7 +123,7 @@ def worker() -> None:
             mm(*arrays[t])  # first call: lowers (compiles) the kernel for this batch
         x, y = arrays[t]
         if job.get("dram"):
-            best = from_memory(mm, raw_of[key], x, y, job, rng)
+            best = from_memory(mm, raw_of[key], x, y, job)
         else:
             best = float("inf")
             for _ in range(job["repeat"]):
@@ -152,7 +152,7 @@ def l3_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def from_memory(mm, raw_kw: tuple, x: np.ndarray, y: np.ndarray, job: dict, rng) -> float:
+def from_memory(mm, raw_kw: tuple, x: np.ndarray, y: np.ndarray, job: dict) -> float:
     """Seconds per call of ``mm``'s product when its weight comes from memory: copies of
     the weight (repacked again, one matmul each) called in turn, best of ``repeat`` // 4
     rounds (at least 2) over all copies. Each copy writes its own output (a shared one
@@ -225,8 +225,12 @@ def checkout(rev: str, into: Path) -> Path:
 
 # --- peaks -----------------------------------------------------------------------------
 
-# the int8 probes' rates: multiply, multiply-and-widen, auto cell ("% mul", "% dot", "% cell")
-PEAK_KEYS = ("int8_mul_gmacs", "int8_gmacs", "int8_cell_gmacs")
+# the int8 probes' rates, report key -> what it measures ("% mul", "% dot", "% cell")
+PEAK_KEYS = {
+    "int8_mul_gmacs": "multiply",
+    "int8_gmacs": "multiply+widen",
+    "int8_cell_gmacs": "auto cell",
+}
 
 
 def peaks(backend_names: list[str], threads: int) -> dict:
@@ -372,12 +376,9 @@ def print_report(r: dict) -> None:
     p = r["peaks"]
     stream = ", ".join(f"{n} thread(s) {v:.1f} GB/s" for n, v in p["stream_gbs"].items())
     print(f"peaks: streaming read {stream}")
-    for name, per in p["int8_mul_gmacs"].items():
-        for what, rates in (
-            ("multiply", per),
-            ("multiply+widen", p["int8_gmacs"][name]),
-            ("auto cell", p["int8_cell_gmacs"][name]),
-        ):
+    for name in p["int8_mul_gmacs"]:
+        for key, what in PEAK_KEYS.items():
+            rates = p[key][name]
             each = ", ".join(f"{n} thread(s) {v:.0f}" for n, v in rates.items())
             print(f"       int8 {what} {name}: {each} GMAC/s")
     c = r["compile_ms"]

@@ -136,11 +136,11 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
     """The tiles of a mode for a backend, by batch bucket: each serves batches of
     ``serves`` rows up to the next bucket's (the first, ``mr = 1``, is the GEMV); for a
     weight format where its tiles differ (a factored min), else for the others."""
+    unpack = UNPACKS.get(ggml_type) if ggml_type is not None else None
     if mode == "exact":
         # Dequantised panels make a float tile: one register of each activation row live,
         # 3 x 4 accumulators (1.1-1.45x the 4 x 2 tile at T = 128..512 on F32 weights,
         # K = 384..1536, AVX2, 2 threads). A factored min's block sums keep 4 x 2.
-        unpack = UNPACKS[ggml_type] if ggml_type is not None else None
         factored = unpack is not None and unpack.has_min and unpack.halves == 1
         gemv = Shape(mr=1, nr=4, tc=32, pf=8192)
         if target.warps:
@@ -161,7 +161,6 @@ def buckets(mode: str, target: Backend, ggml_type: int | None = None) -> list[Sh
         mr, groups = target.wide
         # A panel pays where a block costs more to unpack than to reload: not for plain
         # nibbles with f16 scales (Q4_0, Q4_1: equal at T = 512, slower at T = 16).
-        unpack = UNPACKS.get(ggml_type) if ggml_type is not None else None
         plain = unpack is not None and unpack.chunks is nibble_chunks and not unpack.side
         gemms.append(
             Shape(mr=mr, nr=groups * lanes, tc=64, pf=4096, rows=WIDE_ROWS, panel=not plain)

@@ -17,7 +17,7 @@ machine can do at best, so a kernel's GB/s and GMAC/s can be read as a fraction 
   the backend accumulates so), converted, and scaled by the two group scales and the
   rows' ``d`` in 3 float ops (``_AutoBlock.scaled``). No loads, unpacks or broadcasts:
   the ceiling of an int8 kernel that keeps ``auto``'s numerics, where the multiplies share
-  a pipe with the widening and the float ops (Zen 2: ~0.7 of ``INT8_MUL``).
+  a pipe with the widening and the float ops (Zen 2: ~0.65 of ``INT8_MUL``).
 
 Each chain multiplies by its own constant bytes, the other operand made from the loop
 counter or the chain's last product: products that differ per chain and per round, so the
