@@ -3,6 +3,7 @@ each fallback against the canonical Hugging Face template it stands in for."""
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 import time
@@ -284,3 +285,97 @@ def test_budget_grows_with_the_messages() -> None:
     assert len(out) > 2 * len(content)
     with pytest.raises(InvalidRequest, match="too long|at most"):
         ChatTemplate("x" * (chat_template.MAX_SOURCE_CHARS + 1))
+
+
+# ---------------------------------------------------------------- gpt-oss (harmony)
+
+GPT_OSS = Path(__file__).parent / "data" / "openai-gpt-oss-120b.jinja"
+HARMONY_SPECIALS = [
+    "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+    "<|start|>", "<|end|>", "<|message|>", "<|call|>",
+]  # fmt: skip
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "a city"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+                "days": {"type": "array", "items": {"type": "integer"}},
+            },
+            "required": ["city"],
+        },
+    },
+}
+CALL = {"id": "c1", "type": "function"}
+CALL["function"] = {"name": "get_weather", "arguments": {"city": "Paris"}}
+ASKED = {"role": "user", "content": "Weather in Paris?"}
+HARMONY_CASES = {  # (messages, the template's other variables)
+    "plain": ([{"role": "user", "content": "Hi!"}], {}),
+    "system and turns": ([*CONVERSATIONS[3]], {}),
+    "developer": ([{"role": "developer", "content": "Be terse."}, ASKED], {}),
+    "tools offered": ([ASKED], {"tools": [WEATHER_TOOL]}),
+    "call and result, then the answer": (
+        [
+            ASKED,
+            {"role": "assistant", "content": "", "thinking": "Use it.", "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+            {"role": "user", "content": "Thanks"},
+        ],
+        {"tools": [WEATHER_TOOL]},
+    ),
+    "call and result, reasoning kept": (
+        [
+            ASKED,
+            {"role": "assistant", "content": "", "thinking": "Use it.", "tool_calls": [CALL]},
+            {"role": "tool", "content": '{"sky": "sunny"}'},
+        ],
+        {"tools": [WEATHER_TOOL]},
+    ),
+    "reasoning effort": ([ASKED], {"reasoning_effort": "high"}),
+}
+
+
+def _undated(text: str) -> str:  # the template writes today's date (strftime_now)
+    return re.sub(r"Current date: \d{4}-\d\d-\d\d", "Current date: D", text)
+
+
+@pytest.mark.parametrize("case", HARMONY_CASES)
+def test_gpt_oss_template_renders_as_transformers(case: str) -> None:
+    """gpt-oss's own template (harmony) in DynaLM's bounded sandbox gives what transformers'
+    apply_chat_template (jinja2's own sandbox) gives, for each kind of conversation."""
+    metadata, tok = family_tokenizer("gpt-oss", HARMONY_SPECIALS, 0, 2)
+    source = GPT_OSS.read_text()
+    template = ChatTemplate.from_gguf_metadata({**metadata, "tokenizer.chat_template": source}, tok)
+    messages, extra = HARMONY_CASES[case]
+    ours = template.render(messages, **extra)
+    backend = HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|startoftext|>", eos_token="<|return|>"
+    )
+    oracle = hf.apply_chat_template(
+        messages, chat_template=source, tokenize=False, add_generation_prompt=True, **extra
+    )
+    assert _undated(ours) == _undated(oracle)
+    assert ours.endswith("<|start|>assistant")
+    if "tools" in extra:
+        assert "type get_weather = (_: {" in ours
+    if case == "call and result, reasoning kept":  # no final answer after the call yet
+        assert "<|channel|>analysis<|message|>Use it.<|end|>" in ours
+        assert (
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            in ours
+        )  # noqa: E501
+    if case == "call and result, then the answer":
+        assert "Use it." not in ours  # earlier turns' reasoning is dropped
+    assert ("Reasoning: high" in ours) == (case == "reasoning effort")
+    # a turn ends at <|return|> (the answer) or <|call|> (a tool call); <|end|> only ends a
+    # message inside the turn (the analysis before the final answer)
+    stops = {tok.token_to_id(t) for t in ("<|return|>", "<|call|>")}
+    assert stops <= template.stop_token_ids
+    assert stops <= tok.eog_ids and tok.token_to_id("<|end|>") not in tok.eog_ids
+    assert tok.token_to_id("<|end|>") not in template.stop_token_ids

@@ -73,7 +73,8 @@ GEMMA = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
-# Tokens that close a turn in the templates we know; those a template names are its stop tokens.
+# Tokens that close a turn in the templates we know; those a template names are its stop tokens
+# (in harmony, <|end|> closes a message but not the turn: `harmony`).
 _END_OF_TURN = (
     "<|im_end|>",
     "<|eot_id|>",
@@ -81,7 +82,16 @@ _END_OF_TURN = (
     "<end_of_turn>",
     "<|end|>",
     "<|endoftext|>",
+    "<|return|>",
+    "<|call|>",
 )
+
+
+def harmony(source: str) -> bool:
+    """Whether a template writes gpt-oss's "harmony" format: each assistant message on a
+    channel (``<|channel|>analysis`` for reasoning, ``final`` for the answer, ``commentary``
+    for tool calls), a turn ending at ``<|return|>`` or ``<|call|>`` (as llama.cpp detects it)."""
+    return "<|channel|>" in source
 
 
 def _raise_exception(message: str) -> None:
@@ -326,7 +336,8 @@ class ChatTemplate:
                 source, name = LLAMA3, "the Llama 3 chat template"
             else:
                 source, name = CHATML, "the ChatML chat template"
-        stops = (tokenizer.token_to_id(t) for t in _END_OF_TURN if t in source)
+        ends = [t for t in _END_OF_TURN if t in source and not (harmony(source) and t == "<|end|>")]
+        stops = (tokenizer.token_to_id(t) for t in ends)
 
         def token_text(id_: int | None) -> str:
             return "" if id_ is None else tokenizer.decode([id_], skip_special=False)

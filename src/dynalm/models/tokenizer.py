@@ -336,6 +336,10 @@ class Tokenizer:
         self.vocab_size = len(token_types)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.add_bos, self.add_eos = add_bos, add_eos
+        # gpt-oss (harmony): <|end|> closes a message inside the turn (the reasoning before
+        # the answer), <|return|> and <|call|> close the turn -- as llama.cpp decides it
+        if hf.token_to_id("<|return|>") is not None and hf.token_to_id("<|call|>") is not None:
+            eog_ids -= {hf.token_to_id("<|end|>")}
         self.eog_ids = eog_ids
 
     @classmethod
