@@ -366,10 +366,8 @@ def test_gpt_oss_template_renders_as_transformers(case: str) -> None:
         assert "type get_weather = (_: {" in ours
     if case == "call and result, reasoning kept":  # no final answer after the call yet
         assert "<|channel|>analysis<|message|>Use it.<|end|>" in ours
-        assert (
-            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
-            in ours
-        )  # noqa: E501
+        call = "<|start|>assistant to=functions.get_weather<|channel|>commentary json"
+        assert call + '<|message|>{"city": "Paris"}<|call|>' in ours
     if case == "call and result, then the answer":
         assert "Use it." not in ours  # earlier turns' reasoning is dropped
     assert ("Reasoning: high" in ours) == (case == "reasoning effort")

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from dynalm.errors import InvalidRequest
-from dynalm.models.tokenizer import Tokenizer
+from dynalm.models.tokenizer import StreamDecoder, Tokenizer
 from dynalm.runtime.engine.engine import RequestOutput, TokenLogprob
 from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
@@ -37,6 +37,7 @@ from dynalm.runtime.serve.asgi import (
     APIError,
     ClientGone,
 )
+from dynalm.runtime.serve.harmony import MARKERS
 from dynalm.runtime.serve.models import ModelService
 from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
 
@@ -52,6 +53,7 @@ class Choice:
 
     index: int
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     chars: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -70,6 +72,7 @@ class Choice:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
         self.chars += len(out.text)
         self.logprobs.extend(out.logprobs or ())
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
@@ -271,7 +274,8 @@ class ChatFormat(Format):
     ) -> None:
         super().__init__(model_name, tokenizer, logprobs)
         self.plan = plan  # with tools: calls are read out of the text
-        self._tool_streams: dict[int, tools.ToolStream] = {}
+        self._tool_streams: dict[int, tools.ToolStream | tools.HarmonyStream] = {}
+        self._decoded: dict[int, tuple[StreamDecoder, list[int]]] = {}  # see `_read`
 
     def complete(self, choice: Choice, out: RequestOutput) -> bool:
         # a repeated call is a loop: looked for only when a token may have closed a call
@@ -281,16 +285,37 @@ class ChatFormat(Format):
             and self.plan.looping("".join(choice.text))
         )
 
-    def _delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    def _read(self, choice: Choice, text: str, end: bool = False) -> str:
+        """The text the plan reads of ``choice``'s latest output: ``text``, or for a plan that
+        reads control tokens (harmony), the new tokens decoded with the control tokens of its
+        format (the engine's text has none) and without the rest (the stop token)."""
+        if self.plan is None or not self.plan.reads_control_tokens:
+            return text
+        decoder, done = self._decoded.setdefault(
+            choice.index, (StreamDecoder(self.tokenizer, skip_special=False), [0])
+        )
+        new, done[0] = choice.token_ids[done[0] :], len(choice.token_ids)
+        kept = [
+            i
+            for i in new
+            if not self.tokenizer.is_special(i) or self.tokenizer.id_to_token(i) in MARKERS
+        ]
+        return "".join(map(decoder.push, kept)) + (decoder.flush() if end else "")
+
+    def _delta(
+        self, choice: Choice, text: str, finish_reason: str | None
+    ) -> tuple[dict, str | None]:
         """A streamed chunk's delta and finish reason (calls go out whole at the end)."""
         if self.plan is None:
             return ({"content": text} if finish_reason is None else {}), finish_reason
-        stream = self._tool_streams.setdefault(index, self.plan.stream())
+        stream = self._tool_streams.setdefault(choice.index, self.plan.stream())
+        text = self._read(choice, text, end=finish_reason is not None)
         if finish_reason is None:
-            content = stream.push(text)
-            return ({"content": content} if content else {}), None
-        rest, calls = stream.finish()
-        delta: dict[str, Any] = {"content": rest} if rest else {}
+            return stream.push(text), None
+        delta: dict[str, Any] = stream.push(text)
+        last, calls = stream.finish()
+        for key, value in last.items():
+            delta[key] = delta.get(key, "") + value
         if calls:
             delta["tool_calls"] = tools.call_deltas(calls)
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -300,11 +325,12 @@ class ChatFormat(Format):
         text, reason = "".join(choice.text), choice.finish_reason
         if self.plan is None:
             return p.AssistantMessage(content=text), reason
-        content, calls = self.plan.parse(text)
-        if not calls:
-            return p.AssistantMessage(content=text), reason
-        reason = "tool_calls" if reason == "stop" else reason
-        return p.AssistantMessage(content=content, tool_calls=calls), reason
+        answer = self.plan.read(self._read(choice, text, end=True))
+        message = p.AssistantMessage(content=answer.content, reasoning_content=answer.reasoning)
+        if not answer.calls:
+            return message, reason
+        message.tool_calls = answer.calls
+        return message, "tool_calls" if reason == "stop" else reason
 
     def _logprobs(self, lps: Sequence[TokenLogprob] | None) -> p.ChatLogprobs | None:
         if not self.logprobs or lps is None:
@@ -337,7 +363,7 @@ class ChatFormat(Format):
         logprobs: Sequence[TokenLogprob] | None,
         finish_reason: str | None = None,
     ) -> BaseModel | None:
-        delta, finish_reason = self._delta(choice.index, text, finish_reason)
+        delta, finish_reason = self._delta(choice, text, finish_reason)
         if not delta and finish_reason is None and not logprobs:
             return None
         streamed = p.ChatStreamChoice(

@@ -138,6 +138,7 @@ class ModelService(ServedModel):
         messages: Sequence[p.ChatMessage],
         add_generation_prompt: bool,
         plan: tools.ToolPlan | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[int]:
         template = self.model.chat_template
         shown, extra = tools.template_messages(
@@ -149,18 +150,21 @@ class ModelService(ServedModel):
                     "tool_calls": m.tool_calls,
                     "tool_call_id": m.tool_call_id,
                     "name": m.name if m.role == "tool" else None,
+                    "reasoning": m.reasoning_content,
                 }
                 for m in messages
             ],
             plan,
             template.source,
         )
+        if reasoning_effort is not None:
+            extra["reasoning_effort"] = reasoning_effort
         rendered = template.render(shown, add_generation_prompt=add_generation_prompt, **extra)
         return self.encode(rendered, add_special=False)
 
     def guide(self, req: p.SamplingRequest, plan: tools.ToolPlan | None = None) -> Guide | None:
         """The grammar the answer must follow (a tool call, or the requested format)."""
-        if plan is not None and (grammar := plan.grammar()) is not None:
+        if plan is not None and (grammar := plan.grammar(self.tokenizer)) is not None:
             return self.engine.grammars.compile(grammar, "the tools' parameters")
         if (constraint := req.constraint()) is None:
             return None

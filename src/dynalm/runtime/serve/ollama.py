@@ -8,7 +8,9 @@ the OpenAI request it means (`p.ChatCompletionRequest`, `p.CompletionRequest`), 
 Ollama's options this server has no use for (``num_gpu``, ``mirostat`` ...) are ignored, as
 Ollama ignores what it does not know. What would silently answer another question is
 refused by name: ``images`` (no vision), a custom ``template``, ``suffix``, ``context``,
-``think``. Errors are ``{"error": "message"}`` (`asgi.APIError.body`) with the status
+``think`` for a model whose template writes no reasoning apart (only harmony's does: its
+analysis channel is ``thinking``; a level ``"low"`` ... ``"high"`` is gpt-oss's
+``reasoning_effort``). Errors are ``{"error": "message"}`` (`asgi.APIError.body`) with the status
 OpenAI's endpoints would give.
 
 The model store backs ``/api/tags``, ``/api/show``, ``/api/pull`` and ``/api/delete``;
@@ -39,6 +41,7 @@ from rich.progress import Progress, TaskID
 import dynalm
 from dynalm.core.quant import tensor_type_name
 from dynalm.errors import DynaError, InvalidRequest, ModelNotFound
+from dynalm.models.chat_template import harmony
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.hf_dir import HFDirectory
 from dynalm.runtime.serve import protocol as p
@@ -48,7 +51,6 @@ from dynalm.runtime.serve.embeddings import EmbeddingRequest, EmbeddingService
 from dynalm.runtime.serve.generation import (
     ChatFormat,
     Choice,
-    Format,
     Generation,
     run_generation,
 )
@@ -133,14 +135,16 @@ class _OllamaRequest(_ModelUse):
     format: Literal["", "json"] | dict[str, Any] | None = None
     options: Options = Field(default_factory=Options)
     stream: bool = True
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
 
-    @field_validator("think")
-    @classmethod
-    def _no_thinking(cls, v: Any) -> Any:
-        if v not in (None, False):
-            raise ValueError("thinking is not supported by this server (leave think out or false)")
-        return v
+    def thinking(self, template_source: str) -> bool:
+        """Whether the answer's reasoning is to be sent (``thinking``): a 400 when asked of a
+        template that writes none apart."""
+        if self.think in (None, False):
+            return False
+        if not harmony(template_source):
+            raise APIError(400, f"think: {NO_THINKING}", param="think")
+        return True
 
     @field_validator("format", mode="before")
     @classmethod
@@ -165,6 +169,8 @@ class _OllamaRequest(_ModelUse):
         }
         out: dict[str, Any] = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
         out["stream"] = self.stream
+        if isinstance(self.think, str):
+            out["reasoning_effort"] = self.think
         if self.format == "json":
             out["response_format"] = {"type": "json_object"}
         elif isinstance(self.format, dict):
@@ -184,6 +190,7 @@ def _refused(what: str) -> Callable[[Any], Any]:
     return check
 
 
+NO_THINKING = "thinking is not supported by this server (leave think out or false)"
 NO_IMAGES = "images are not supported: this server's models read text only (no vision)"
 
 
@@ -208,7 +215,7 @@ class Message(BaseModel):
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
-    thinking: str | None = None  # an earlier answer's thinking: not shown to the model
+    thinking: str | None = None  # an earlier answer's: to templates that show it
 
     _images = field_validator("images")(_refused(NO_IMAGES))
 
@@ -230,6 +237,7 @@ class Message(BaseModel):
             "content": self.content or "",
             "tool_calls": calls or None,
             "name": self.tool_name if self.role == "tool" else None,
+            "reasoning_content": self.thinking if self.role == "assistant" else None,
         }
 
 
@@ -350,8 +358,13 @@ class _Ollama:
     media_type = NDJSON
     model: str
 
-    def _setup(self, started: float, load_s: float) -> None:
+    def _setup(self, started: float, load_s: float, think: bool) -> None:
         self.started, self.load_s = started, load_s  # time.monotonic(), seconds
+        self.think = think
+
+    def _thought(self, reasoning: str | None) -> dict[str, str]:
+        """The ``thinking`` field, where asked for and there is some."""
+        return {"thinking": reasoning} if self.think and reasoning else {}
 
     def _stamp(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": now_rfc3339()}
@@ -396,41 +409,43 @@ class _Ollama:
 
 class _OllamaChat(_Ollama, ChatFormat):
     def __init__(
-        self, name: str, service: ModelService, plan: tools.ToolPlan | None, started: float,
-        load_s: float,
+        self, name: str, service: ModelService, plan: tools.ToolPlan | None, think: bool,
+        started: float, load_s: float,
     ) -> None:  # fmt: skip
         ChatFormat.__init__(self, name, service.tokenizer, False, plan)
-        self._setup(started, load_s)
+        self._setup(started, load_s, think)
+
+    def _answer(
+        self, content: str | None, reasoning: str | None, calls: list[Any] | None
+    ) -> dict[str, Any]:
+        message = {"role": "assistant", "content": content or "", **self._thought(reasoning)}
+        if calls:
+            message["tool_calls"] = _ollama_calls(calls)
+        return {"message": message}
 
     def part(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any] | None:
-        delta, _ = self._delta(choice.index, text, finish_reason)
+        delta, _ = self._delta(choice, text, finish_reason)
         if not delta and finish_reason is None:
             return None
-        message: dict[str, Any] = {"role": "assistant", "content": delta.get("content", "")}
-        if "tool_calls" in delta:
-            message["tool_calls"] = _ollama_calls(delta["tool_calls"])
-        return {"message": message}
+        return self._answer(
+            delta.get("content"), delta.get("reasoning_content"), delta.get("tool_calls")
+        )
 
     def whole(self, choice: Choice) -> dict[str, Any]:
         answer, _ = self._message(choice)
-        message: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
-        if answer.tool_calls:
-            message["tool_calls"] = _ollama_calls(answer.tool_calls)
-        return {"message": message}
+        return self._answer(answer.content, answer.reasoning_content, answer.tool_calls)
 
 
-class _OllamaGenerate(_Ollama, Format):
+class _OllamaGenerate(_OllamaChat):
+    """A prompt's answer as ``response`` (and ``thinking``): read as a chat answer, so a
+    harmony answer's channels come apart (``plan``, without tools) and others go as they are."""
+
     id_prefix = "gen"
 
-    def __init__(self, name: str, service: ModelService, started: float, load_s: float) -> None:
-        Format.__init__(self, name, service.tokenizer, False)
-        self._setup(started, load_s)
-
-    def part(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"response": text}
-
-    def whole(self, choice: Choice) -> dict[str, Any]:
-        return {"response": "".join(choice.text)}
+    def _answer(
+        self, content: str | None, reasoning: str | None, calls: list[Any] | None
+    ) -> dict[str, Any]:
+        return {"response": content or "", **self._thought(reasoning)}
 
 
 # ---------------------------------------------------------------- the store's models
@@ -631,11 +646,15 @@ class OllamaAPI:
 
         async def work(service: ModelService, load_s: float) -> Response:
             source = service.model.chat_template.source
+            think = body.thinking(source)
             plan = await asyncio.to_thread(tools.plan, req, source)
-            ids = await asyncio.to_thread(service.chat_ids, req.messages, True, plan)
+            ids = await asyncio.to_thread(
+                service.chat_ids, req.messages, True, plan, req.reasoning_effort
+            )
             req.max_tokens = self._limit(service, body.options, len(ids))
             guide = await asyncio.to_thread(service.guide, req, plan)
-            fmt = _OllamaChat(body.model, service, plan, time.monotonic() - load_s, load_s)
+            started = time.monotonic() - load_s
+            fmt = _OllamaChat(body.model, service, plan, think, started, load_s)
             return await run_generation(request, service, req, [ids], fmt, guide)
 
         return await self._serving(body, work)
@@ -653,13 +672,18 @@ class OllamaAPI:
             messages.insert(0, p.ChatMessage(role="system", content=body.system))
 
         async def work(service: ModelService, load_s: float) -> Response:
+            source = service.model.chat_template.source
+            think = body.thinking(source)
+            plan = tools.plan(tools.ToolFields(), source)  # what reads the answer
             if body.raw:
                 [ids] = await asyncio.to_thread(service.prompt_ids, [body.prompt])
             else:
-                ids = await asyncio.to_thread(service.chat_ids, messages, True)
+                effort = body.think if isinstance(body.think, str) else None
+                ids = await asyncio.to_thread(service.chat_ids, messages, True, plan, effort)
             req.max_tokens = self._limit(service, body.options, len(ids))
             guide = await asyncio.to_thread(service.guide, req)
-            fmt = _OllamaGenerate(body.model, service, time.monotonic() - load_s, load_s)
+            started = time.monotonic() - load_s
+            fmt = _OllamaGenerate(body.model, service, plan, think, started, load_s)
             return await run_generation(request, service, req, [ids], fmt, guide)
 
         return await self._serving(body, work)
@@ -721,7 +745,7 @@ class OllamaAPI:
             "template": template,
             "details": details,
             "model_info": meta,
-            "capabilities": ["completion", "tools"],
+            "capabilities": ["completion", "tools", *(["thinking"] if harmony(template) else [])],
             "modified_at": _rfc3339(path.stat().st_mtime),
         }
 

@@ -108,6 +108,8 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    # an assistant's earlier reasoning (vLLM's and llama.cpp's name), for templates that show it
+    reasoning_content: str | None = None
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="wrap")
@@ -237,6 +239,8 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
     prediction: _unsupported(None) = None
     web_search_options: _unsupported(None) = None
     prompt_logprobs: _unsupported(None) = None  # /v1/completions scores prompts
+    # for templates that read it (gpt-oss's "Reasoning: high"); others ignore it
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -369,6 +373,9 @@ class PromptLogprob(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # reasoning apart from the answer (harmony's analysis channel), in the field vLLM's and
+    # llama.cpp's servers use
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 

@@ -213,7 +213,9 @@ class OpenAIServer:
         async def work(service: ModelService) -> Response:
             source = service.model.chat_template.source
             plan = await asyncio.to_thread(tools.plan, body, source)
-            ids = await asyncio.to_thread(service.chat_ids, body.messages, True, plan)
+            ids = await asyncio.to_thread(
+                service.chat_ids, body.messages, True, plan, body.reasoning_effort
+            )
             guide = await asyncio.to_thread(service.guide, body, plan)
             fmt = ChatFormat(service.name, service.tokenizer, body.logprobs, plan)
             return await run_generation(request, service, body, [ids], fmt, guide)

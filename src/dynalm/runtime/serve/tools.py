@@ -16,6 +16,9 @@ generated under a grammar of exactly that form, so it always parses; ``auto`` le
 choose and parses what it wrote; ``none`` shows no tools. A call the model repeats word for
 word is a loop, not a second request: the answer ends at the repeat (`ToolPlan.looping`) and
 each distinct call is kept once. Text is read by linear scans, never a backtracking regex.
+
+gpt-oss's templates (`chat_template.harmony`) get a `HarmonyPlan` whether or not tools are
+offered: its answers come on channels (`harmony`), read into reasoning, content and calls.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import llguidance
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dynalm.errors import InvalidRequest, show
+from dynalm.models.chat_template import harmony
+from dynalm.models.tokenizer import Tokenizer
+from dynalm.runtime.serve.harmony import CHANNEL, CONSTRAIN, MESSAGE, HarmonyReader, Part
 from dynalm.runtime.serve.structured import ANY_OBJECT, check_schema, json_schema_with_style
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
@@ -129,8 +135,21 @@ def new_call_id() -> str:
 
 
 @dataclass
+class Answer:
+    """What an answer's text says: its content, its calls and (harmony) its reasoning."""
+
+    content: str | None
+    calls: list[ToolCall]
+    reasoning: str | None = None
+
+
+@dataclass
 class ToolPlan:
     """How one chat request shows its tools and reads calls back (`plan` makes it)."""
+
+    # whether the answer is read with the tokenizer's control tokens in it (harmony's are
+    # structure); else as the engine decoded it, without them
+    reads_control_tokens = False
 
     tools: list[Tool]
     choice: str | NamedToolChoice
@@ -155,7 +174,7 @@ class ToolPlan:
         )
 
     # -- constraining
-    def grammar(self) -> str | None:
+    def grammar(self, tokenizer: Tokenizer | None = None) -> str | None:
         """For ``required`` and a named function: the llguidance grammar of the calls."""
         if self.choice in ("auto", "none"):
             return None
@@ -212,7 +231,12 @@ class ToolPlan:
             calls = calls[:1]
         return content.strip() or None, calls
 
-    def stream(self) -> ToolStream:
+    def read(self, text: str) -> Answer:
+        """The whole answer read: calls, and the content (all of ``text`` if no call)."""
+        content, calls = self.parse(text)
+        return Answer(content, calls) if calls else Answer(text, [])
+
+    def stream(self) -> ToolStream | HarmonyStream:
         return ToolStream(self)
 
     def looping(self, text: str) -> bool:
@@ -268,16 +292,87 @@ def _calls_in_json(text: str) -> list[tuple[str, str]]:
     return calls
 
 
+class HarmonyPlan(ToolPlan):
+    """gpt-oss's harmony: calls are commentary messages ``to=functions.NAME`` whose body is
+    the arguments (JSON), reasoning is the analysis channel. A message to a recipient that is
+    no offered function, or whose body is no JSON object, is not a call: it stays text, in
+    the content as ``to=RECIPIENT BODY`` (control tokens never do)."""
+
+    reads_control_tokens = True
+
+    def grammar(self, tokenizer: Tokenizer | None = None) -> str | None:
+        """For ``required`` and a named function: the answer is one call, at once (no
+        analysis first), then the turn ends. Control tokens are the vocabulary's own tokens
+        where it has them (llguidance's ``<|...|>``), else their text."""
+        if self.choice in ("auto", "none"):
+            return None
+
+        def token(text: str) -> str:
+            i = None if tokenizer is None else tokenizer.token_to_id(text)
+            return text if i is not None and tokenizer.is_special(i) else json.dumps(text)
+
+        def arguments(t: Tool) -> str:
+            return json.dumps(json_schema_with_style(t.function.parameters or ANY_OBJECT))
+
+        calls = [
+            f'{token(CHANNEL)} "commentary to=functions.{t.function.name} " {token(CONSTRAIN)}'
+            f' "json" {token(MESSAGE)} %json {arguments(t)}'
+            for t in self.offered()
+        ]
+        lark = "start: " + "\n    | ".join(calls) + "\n"
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        except ValueError as e:
+            raise InvalidRequest(f"tools: {show(str(e).splitlines()[0])}") from None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        answer = self.read(text)
+        return answer.content, answer.calls
+
+    def read(self, text: str) -> Answer:
+        stream = self.stream()
+        first = stream.push(text)
+        last, calls = stream.finish()
+
+        def joined(key: str) -> str | None:
+            return first.get(key, "") + last.get(key, "") or None
+
+        return Answer(joined("content"), calls, joined("reasoning_content"))
+
+    def stream(self) -> HarmonyStream:
+        return HarmonyStream(self)
+
+    def looping(self, text: str) -> bool:
+        return False  # a call ends the turn (<|call|> is a stop token)
+
+    def call(self, part: Part) -> ToolCall | None:
+        """The call a message to a recipient makes, if it is one."""
+        name = (part.recipient or "").removeprefix("functions.")
+        if part.recipient != f"functions.{name}" or name not in self.names:
+            return None
+        try:
+            args = json.loads(part.text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        arguments = json.dumps(args, ensure_ascii=False)
+        return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
+
+
 def plan(fields: ToolFields, template_source: str) -> ToolPlan | None:
-    """The request's tool plan; None when it offers no tools (or ``tool_choice`` none)."""
+    """The request's tool plan; None when it offers no tools (or ``tool_choice`` none),
+    except for a harmony template, whose answers are always read by a `HarmonyPlan`."""
     choice = fields.tool_choice or "auto"
+    if harmony(template_source) and (not fields.tools or choice == "none"):
+        return HarmonyPlan([], "auto", fields.parallel_tool_calls, True, False)
     if not fields.tools or choice == "none":
         return None
     for i, tool in enumerate(fields.tools):  # before any is shown or turned into a grammar
         if tool.function.parameters is not None:
             check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
     in_template = template_takes_tools(template_source)
-    return ToolPlan(
+    return (HarmonyPlan if harmony(template_source) else ToolPlan)(
         fields.tools,
         choice,
         fields.parallel_tool_calls,
@@ -313,6 +408,10 @@ def template_messages(
         calls: list[ToolCall] = m.get("tool_calls") or []
         if native:
             message = {"role": m["role"], "content": m["content"]}
+            if m.get("reasoning") is not None:  # an earlier answer's, under both names
+                message["reasoning_content"] = message["thinking"] = m["reasoning"]
+                if calls and harmony(template_source):  # gpt-oss's takes one or the other
+                    message.pop("content")
             if calls:
                 message["tool_calls"] = [
                     {
@@ -360,8 +459,12 @@ class ToolStream:
         self.sent = 0  # characters of text sent as content
         self.calling = False
 
-    def push(self, text: str) -> str:
-        """Add generated text; return the content that can be sent now."""
+    def push(self, text: str) -> dict[str, str]:
+        """Add generated text; return the delta that can be sent now."""
+        content = self._content(text)
+        return {"content": content} if content else {}
+
+    def _content(self, text: str) -> str:
         self.text += text
         if self.calling:
             return ""
@@ -382,12 +485,42 @@ class ToolStream:
         self.sent += upto
         return rest[:upto]
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end: the content still unsent and the calls (empty if none parsed)."""
+    def finish(self) -> tuple[dict[str, str], list[ToolCall]]:
+        """At the end: the delta of the content still unsent, and the calls (if any)."""
         calls = self.plan.parse(self.text)[1]
-        if not calls:
-            return self.text[self.sent :], []
-        return "", calls  # the text before the first call went out already
+        if not calls and self.text[self.sent :]:
+            return {"content": self.text[self.sent :]}, []
+        return {}, calls  # the text before the first call went out already
+
+
+class HarmonyStream:
+    """One streamed choice of a harmony answer: reasoning and content stream as they come
+    (as ``reasoning_content`` and ``content`` deltas), calls go out whole at the end."""
+
+    def __init__(self, plan_: HarmonyPlan) -> None:
+        self.plan = plan_
+        self.reader = HarmonyReader()
+        self.calls: list[ToolCall] = []
+
+    def push(self, text: str) -> dict[str, str]:
+        return self._delta(self.reader.push(text))
+
+    def finish(self) -> tuple[dict[str, str], list[ToolCall]]:
+        delta = self._delta(self.reader.finish())
+        return delta, self.calls if self.plan.parallel else self.calls[:1]
+
+    def _delta(self, parts: list[Part]) -> dict[str, str]:
+        # reasoning_content: the field vLLM's and llama.cpp's servers answer reasoning in
+        delta: dict[str, str] = {}
+        for part in parts:
+            if part.kind == "message":
+                if (call := self.plan.call(part)) is not None:
+                    self.calls.append(call)
+                    continue
+                part = Part("content", f"to={part.recipient} {part.text}")
+            key = "reasoning_content" if part.kind == "reasoning" else "content"
+            delta[key] = delta.get(key, "") + part.text
+        return delta
 
 
 def call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
