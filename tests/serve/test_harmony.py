@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import ollama
 import openai
 import pytest
 from serving import MODEL, LiveServer, live_server
+from test_tools import WEATHER
 
 from dynalm.models.chat_template import ChatTemplate
 from dynalm.models.loader import LoadedModel
@@ -29,19 +31,6 @@ from dynalm.runtime.serve.harmony import MARKERS
 from dynalm.runtime.serve.ollama import _OllamaChat
 
 GPT_OSS = Path(__file__).parents[1] / "models" / "data" / "openai-gpt-oss-120b.jinja"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WORDS = r"[a-z]{1,10}( [a-z]{1,10}){1,3}"
 THEN_ANSWER = (  # an analysis message, then the final one
@@ -104,7 +93,7 @@ def test_required_call_is_a_commentary_message(server: LiveServer, client: opena
         ("get_weather", call.function.arguments)
     ]
     prompt = prompt_of(server, {"messages": ASK, "tools": [WEATHER]})
-    assert "type get_weather = (_: {\ncity: string,\n}) => any;" in prompt
+    assert "type get_weather = (_: {\ncity: string,\nunit: any,\n}) => any;" in prompt
     assert prompt.endswith(
         "<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>assistant"
     )  # noqa: E501
@@ -193,6 +182,8 @@ def test_ollama_shapes_of_a_harmony_answer(server: LiveServer) -> None:
         assert message["tool_calls"] == [
             {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
         ]
+        parsed = ollama.ChatResponse(model=MODEL, message=message, done=True).message
+        assert parsed.thinking == message.get("thinking")  # as Ollama's own client reads it
         fmt, choice, lines = (
             _OllamaChat(MODEL, server.service, plan, think, 0.0, 0.0),
             Choice(0),

@@ -232,7 +232,7 @@ def test_tool_calls_are_written_as_ollama_shapes_them(server: LiveServer) -> Non
     req = p.ChatCompletionRequest(model=MODEL, messages=ASK, tools=[WEATHER])  # type: ignore[arg-type]
     plan = tools.plan(req, server.service.model.chat_template.source)
     assert plan is not None
-    fmt = _OllamaChat(MODEL, server.service, plan, time.monotonic(), 0.0)
+    fmt = _OllamaChat(MODEL, server.service, plan, False, time.monotonic(), 0.0)
     choice = Choice(
         0,
         text=['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
@@ -240,7 +240,7 @@ def test_tool_calls_are_written_as_ollama_shapes_them(server: LiveServer) -> Non
     choice.finish_reason = "stop"
     want = [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
     assert fmt.whole(choice)["message"] == {"role": "assistant", "content": "", "tool_calls": want}
-    fmt = _OllamaChat(MODEL, server.service, plan, time.monotonic(), 0.0)
+    fmt = _OllamaChat(MODEL, server.service, plan, False, time.monotonic(), 0.0)
     assert fmt.part(choice, choice.text[0], None) is None  # held back: a call may begin
     last = fmt.part(choice, "", "stop")
     assert last is not None and last["message"]["tool_calls"] == want

@@ -275,7 +275,7 @@ class ChatFormat(Format):
         super().__init__(model_name, tokenizer, logprobs)
         self.plan = plan  # with tools: calls are read out of the text
         self._tool_streams: dict[int, tools.ToolStream | tools.HarmonyStream] = {}
-        self._decoded: dict[int, tuple[StreamDecoder, list[int]]] = {}  # see `_read`
+        self._decoded: dict[int, tuple[StreamDecoder, int]] = {}  # by choice: see `_read`
 
     def complete(self, choice: Choice, out: RequestOutput) -> bool:
         # a repeated call is a loop: looked for only when a token may have closed a call
@@ -291,10 +291,12 @@ class ChatFormat(Format):
         format (the engine's text has none) and without the rest (the stop token)."""
         if self.plan is None or not self.plan.reads_control_tokens:
             return text
-        decoder, done = self._decoded.setdefault(
-            choice.index, (StreamDecoder(self.tokenizer, skip_special=False), [0])
+        decoder, done = self._decoded.get(choice.index) or (
+            StreamDecoder(self.tokenizer, skip_special=False),
+            0,
         )
-        new, done[0] = choice.token_ids[done[0] :], len(choice.token_ids)
+        new = choice.token_ids[done:]
+        self._decoded[choice.index] = decoder, len(choice.token_ids)
         kept = [
             i
             for i in new
