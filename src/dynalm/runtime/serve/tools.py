@@ -198,10 +198,7 @@ class ToolPlan:
             repeat = ' ("\\n" call)*' if self.parallel else ""
             call = f'"{_HERMES_OPEN}\\n" %json {schema} "\\n{_HERMES_CLOSE}"'
             lark = f"start: call{repeat}\ncall: {call}\n"
-        try:
-            return llguidance.LLMatcher.grammar_from_lark(lark)
-        except ValueError as e:  # a parameters schema llguidance cannot take
-            raise InvalidRequest(f"tools: {show(str(e).splitlines()[0])}") from None
+        return _grammar(lark)
 
     # -- reading
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -248,6 +245,13 @@ class ToolPlan:
         start = text.find(_HERMES_OPEN)
         bodies = [b for b, closed in _hermes_blocks(text, max(start, 0)) if closed]
         return len(bodies) > 1 and bodies[-1] in bodies[:-1]
+
+
+def _grammar(lark: str) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as e:  # a parameters schema llguidance cannot take
+        raise InvalidRequest(f"tools: {show(str(e).splitlines()[0])}") from None
 
 
 def _hermes_blocks(text: str, at: int) -> list[tuple[str, bool]]:
@@ -319,11 +323,7 @@ class HarmonyPlan(ToolPlan):
             f' "json" {token(MESSAGE)} %json {arguments(t)}'
             for t in self.offered()
         ]
-        lark = "start: " + "\n    | ".join(calls) + "\n"
-        try:
-            return llguidance.LLMatcher.grammar_from_lark(lark)
-        except ValueError as e:
-            raise InvalidRequest(f"tools: {show(str(e).splitlines()[0])}") from None
+        return _grammar("start: " + "\n    | ".join(calls) + "\n")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         answer = self.read(text)
