@@ -9,9 +9,13 @@ import random
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import pytest
 
-from dynalm.runtime.serve.harmony import MARKERS, HarmonyReader
+from dynalm.models.tokenizer import Tokenizer, _byte_of_char
+from dynalm.runtime.engine.guided import GrammarCompiler
+from dynalm.runtime.serve.generation import ChatFormat, Choice
+from dynalm.runtime.serve.harmony import CHANNEL, MARKERS, HarmonyReader
 from dynalm.runtime.serve.protocol import ChatMessage
 from dynalm.runtime.serve.tools import (
     HarmonyPlan,
@@ -190,3 +194,54 @@ def test_earlier_reasoning_goes_back_as_the_template_wants() -> None:
     assert "content" not in shown[1]  # gpt-oss's template takes thinking or content with calls
     assert shown[1]["tool_calls"][0]["function"]["arguments"] == {}
     assert [t["function"]["name"] for t in extra["tools"]] == ["get_weather"]
+
+
+def control_token_vocabulary() -> Tokenizer:
+    """A byte-level vocabulary whose harmony markers are control tokens, as gpt-oss's."""
+    specials = list(dict.fromkeys(["<|endoftext|>", "<|return|>", "<|call|>", *MARKERS]))
+    alphabet = sorted(set(_byte_of_char()))  # every byte, one token each
+    metadata = {
+        "general.architecture": "gpt-oss",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [*specials, *alphabet],
+        "tokenizer.ggml.token_type": np.array([3] * len(specials) + [1] * len(alphabet)),
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+    return Tokenizer.from_gguf_metadata(metadata)
+
+
+def test_answer_is_read_from_token_ids_with_control_tokens() -> None:
+    """The engine's text drops control tokens; the chat format reads the ids with harmony's
+    kept (and others, such as <|endoftext|>, dropped), whole and token by token."""
+    tok = control_token_vocabulary()
+    ids = tok.encode(THINK + ANSWER + "<|endoftext|>", add_special=False)
+    fmt = ChatFormat("m", tok, False, harmony_plan())
+    message, reason = fmt._message(Choice(0, token_ids=ids, finish_reason="stop"))
+    assert (message.reasoning_content, message.content, reason) == (THOUGHT, SAID, "stop")
+    fmt, choice, got = ChatFormat("m", tok, False, harmony_plan()), Choice(0), {}
+    for i in [*ids, None]:
+        if i is not None:
+            choice.token_ids.append(i)
+        chunk = fmt.chunk(choice, "", None, None if i is not None else "stop")
+        for key, value in (chunk.choices[0].delta if chunk else {}).items():
+            got[key] = got.get(key, "") + value
+    assert got == {"reasoning_content": THOUGHT, "content": SAID}
+
+
+def test_required_grammar_takes_the_vocabularys_control_tokens() -> None:
+    """In gpt-oss's vocabulary the harmony markers are control tokens: the grammar of a
+    required call asks for those ids, not for the markers spelt out in text."""
+    tok = control_token_vocabulary()
+    grammar = harmony_plan([WEATHER], "required").grammar(tok)
+    assert grammar is not None
+    compiler = GrammarCompiler(tok, frozenset({1, 2}), tok.vocab_size)
+    call = CALL_IN_CHANNEL[len("<|start|>assistant") : -len("<|call|>")]
+    as_tokens = tok.encode(call, add_special=False)
+    char_of = {b: c for c, b in _byte_of_char().items()}
+    spelt = [tok.token_to_id(char_of[b]) for b in call.encode()]  # markers as plain bytes
+    assert tok.token_to_id(CHANNEL) in as_tokens and tok.token_to_id(CHANNEL) not in spelt
+    for ids, ok in ((as_tokens, True), (spelt, False)):
+        matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+        consumed = matcher.try_consume_tokens(ids)
+        assert (consumed == len(ids) and matcher.is_accepting()) == ok
