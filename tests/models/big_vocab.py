@@ -58,7 +58,9 @@ def _vocabulary() -> tuple[list[str], list[float], list[int]]:
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     pieces = specials + [f"<0x{b:02X}>" for b in range(256)]
     words = (
-        "".join(w) for n in range(1, 5) for w in itertools.product(string.ascii_lowercase, repeat=n)
+        "".join(w)
+        for n in range(1, 5)
+        for w in itertools.product(string.ascii_lowercase, repeat=n)
     )
     for word in words:
         pieces += ["▁" + word, word]

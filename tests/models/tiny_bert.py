@@ -55,9 +55,9 @@ def reference_model(
     return _randomised(model, std)
 
 
-def reference_reranker(
-    seed: int = 0, std: float = 0.5, n_layers: int = 2
-) -> BertForSequenceClassification:
+def reference_reranker(seed: int = 0, std: float = 0.5, n_layers: int = 2) -> (
+    BertForSequenceClassification
+):
     """A random cross-encoder of one label (a relevance logit), as `reference_model`."""
     torch.manual_seed(seed)
     model = BertForSequenceClassification(_config(n_layers, MAX_POSITIONS, num_labels=1))
