@@ -199,19 +199,17 @@ class Executor:
             raw, qtype, shape = self._raw(name, lazy=use == "matmul")
             w, parts = self.weights, self._parts.get(name)
             if use == "matmul":
-                release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
-                source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
-                with _naming(name):  # (its scales are checked as it is repacked)
-                    prepared = self.binder.prepare_matmul(
-                        raw,
-                        qtype,
-                        shape,
-                        release_rows=release,
-                        source=source(parts or (name,)) if source else None,
-                    )
+                prepared = self._matmul(name, raw, qtype, shape, parts)
                 if self.device.holds_copy(prepared) and parts:  # stacked parts: a copy
                     for part in parts:
                         w.release(part)
+            elif use == "experts":  # [E, N, K]: each expert prepared when first routed to
+                n_rows = shape[1]
+                prepared = self.binder.prepare_experts(
+                    shape,
+                    self.device.prepared_bytes(qtype, shape[1:], "matmul"),
+                    lambda e: self._matmul(name, raw[e], qtype, shape[1:], rows=e * n_rows),
+                )
             elif use == "embedding":
                 # Its rows are dequantised on demand: a NaN scale would flow unseen into the
                 # JIT matmuls, which swallow it (issue 31), so the table is checked once here.
@@ -228,6 +226,28 @@ class Executor:
                 prepared = self.device.vector(raw, qtype, shape)
             self._prepared[key] = prepared
         return self._prepared[key]
+
+    def _matmul(
+        self,
+        name: str,
+        raw: object,
+        qtype: int,
+        shape: tuple[int, ...],
+        parts: tuple[str, ...] | None = None,
+        rows: int | None = None,
+    ) -> object:
+        """A matmul weight (or one expert's: the tensor's rows from ``rows`` on) prepared by
+        the binder; its file pages released as it is repacked, mapped from the repack cache
+        when that holds it."""
+        w = self.weights
+        at = rows or 0
+        release = None if parts else lambda lo, hi: w.release(name, (at + lo, at + hi))
+        source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
+        where = source(parts or (name,)) if source else None
+        if where is not None and rows is not None:  # one expert: its own rows of the tensor
+            where = (f"{where[0]}:{rows}+{shape[0]}", where[1])
+        with _naming(name):  # (its scales are checked as it is repacked)
+            return self.binder.prepare_matmul(raw, qtype, shape, release_rows=release, source=where)
 
     def _raw(self, name: str, lazy: bool = False) -> tuple[object, int, tuple[int, ...]]:
         """A weight's bytes, ggml type and shape; a merged weight's parts' rows are

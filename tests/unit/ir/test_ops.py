@@ -44,7 +44,11 @@ GOOD = {
     "pool": ([X, t("i32", "S")], [], {"mode": 1}),
     "l2_norm": ([t("f32", "S", 64)], [], {}),
     "tanh": ([t("f32", "S", 64)], [], {}),
+    "moe_route": ([t("f32", "T", 8)], [], {"top_k": 2, "gating": 1, "normalize": True}),
+    "expert_matmul": ([X, t("f32", "T", 4)], [t("q4_k", 8, 96, 64), t("f32", 8, 96)], {}),
+    "moe_combine": ([t("f32", "T", 192), t("f32", "T", 4)], [], {}),
 }  # fmt: skip
+ROUTE = t("f32", "T", 4)  # two experts' ids, then their weights
 BAD = [
     ("embed", ([X], [t("q8_0", 300, 64)], {}), "operand ids is i32, found tensor<f32, [T, 64]>"),
     ("rms_norm", ([X], [t("f32", 63)], {"eps": 1e-6}), "norm weight is [63], expected [64]"),
@@ -81,6 +85,30 @@ BAD = [
     ("pool", ([X, t("i32", "S")], [], {"mode": 4}),
      "pooling mode 4 is not one of 1 (mean), 2 (cls), 3 (last)"),
     ("pool", ([X, t("f32", "S")], [], {"mode": 1}), "operand last is i32"),
+    ("moe_route", ([t("f32", "T", 8)], [], {"top_k": 9, "gating": 1, "normalize": True}),
+     "top_k 9 of 8 experts"),
+    ("moe_route", ([t("f32", "T", 8)], [], {"top_k": 0, "gating": 1, "normalize": True}),
+     "attribute top_k must be in [1, "),
+    ("moe_route", ([t("f32", "T", 8)], [], {"top_k": 2, "gating": 3, "normalize": True}),
+     "gating 3 is not one of 1 (softmax), 2 (sigmoid)"),
+    ("moe_route", ([t("f32", "T")], [], {"top_k": 1, "gating": 2, "normalize": False}),
+     "moe_route takes logits [T, experts], found [T]"),
+    ("expert_matmul", ([X, t("f32", "T", 5)], [t("q8_0", 8, 96, 64)], {}),
+     "a route is [T, 2 * top_k] (ids, then weights), found [T, 5]"),
+    ("expert_matmul", ([X, t("f32", "T", 6)], [t("q8_0", 2, 96, 64)], {}),
+     "top_k 3 of 2 experts"),
+    ("expert_matmul", ([X, ROUTE], [t("q8_0", 96, 64)], {}),
+     "the experts are [experts, rows, cols], found [96, 64]"),
+    ("expert_matmul", ([t("f32", "T", 96), ROUTE], [t("q8_0", 8, 96, 64)], {}),
+     "x is [T, 96]: one row of 64 for every slot or 2 slots' rows (128)"),
+    ("expert_matmul", ([X, t("f32", "S", 4)], [t("q8_0", 8, 96, 64)], {}),
+     "the route's rows is [S], expected [T]"),
+    ("expert_matmul", ([X, ROUTE], [t("q8_0", 8, 96, 64), t("f32", 96)], {}),
+     "the experts' bias is [96], expected [8, 96]"),
+    ("moe_combine", ([t("f32", "T", 191), ROUTE], [], {}),
+     "moe_combine of [T, 191]: not 2 slots of equal width"),
+    ("moe_combine", ([t("f32", "T", 192), t("f32", "T", 3)], [], {}),
+     "a route is [T, 2 * top_k]"),
 ]  # fmt: skip
 
 

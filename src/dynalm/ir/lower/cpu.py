@@ -243,6 +243,26 @@ class CpuBinder(Binder):
         reference = getattr(cpu_ops, node.op)  # silu, gelu_tanh, tanh: the op's own name
         return lambda: reference(v[o], v[args[0]])
 
+    # -- mixture of experts: data-dependent rows, so Python calls between native programs
+    def _moe_route(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        a = node.attrs
+        attrs = (a["top_k"], a["gating"], a["normalize"], a["scale"])
+        return lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
+
+    def _expert_matmul(self, node: Node) -> Call:
+        v, (x, route), o, *_, w = self._operands(node)
+        experts = self.prepare(w[0], "experts")
+        bias = self.prepare(w[1], "vector") if len(w) > 1 else None
+        if self._native:  # grouped by expert, each expert's JIT matmul over its rows
+            return lambda: experts(v[x], v[route], v[o], bias)
+        shape = experts.shape
+        return lambda: cpu_ops.expert_matmul(v[o], v[x], v[route], experts.matmul, shape, bias)
+
+    def _moe_combine(self, node: Node) -> Call:
+        v, (y, route), o, *_ = self._operands(node)
+        return lambda: cpu_ops.moe_combine(v[o], v[y], v[route])
+
     # -- the encoder's ops (bert.lum) -----------------------------------------------
     def _layer_norm(self, node: Node) -> Call:
         v, args, o, out, ins, rows, w = self._operands(node)
