@@ -205,12 +205,13 @@ class Executor:
                     for part in parts:
                         w.release(part)
             elif use == "experts":  # [E, N, K]: each expert prepared when first routed to
-                n_rows = shape[1]
-                prepared = self.binder.prepare_experts(
-                    shape,
-                    self.device.prepared_bytes(qtype, shape[1:], "matmul"),
-                    lambda e: self._matmul(name, raw[e], qtype, shape[1:], rows=e * n_rows),
-                )
+
+                def expert(e: int, raw=raw, n=shape[1]) -> object:
+                    with self._setup():  # (inside a step: not the step's own cost)
+                        return self._matmul(name, raw[e], qtype, shape[1:], rows=e * n)
+
+                nbytes = self.device.prepared_bytes(qtype, shape[1:], "matmul")
+                prepared = self.binder.prepare_experts(shape, nbytes, expert)
             elif use == "embedding":
                 # Its rows are dequantised on demand: a NaN scale would flow unseen into the
                 # JIT matmuls, which swallow it (issue 31), so the table is checked once here.
