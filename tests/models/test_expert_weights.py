@@ -1,7 +1,7 @@
 """A mixture-of-experts FFN through the executor, from a synthetic GGUF whose expert tensors
 are 3-D (``[E, N, K]`` in numpy order, as llama.cpp writes ``ffn_*_exps``): every mode
-against an fp64 reference, the memory plan's bytes, and the mapped pages of experts no route
-selects, which are never read."""
+against an fp64 reference, the memory plan's bytes, the mapped pages of experts no route
+selects (never read), and the CUDA device leaving the ops to the CPU."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 
-from dynalm.core import cpu_ops
+from cuda_emulator import EmulatedLibcuda
+from dynalm.core import cpu_ops, cuda_driver
 from dynalm.core.cpu_device import CpuDevice
+from dynalm.core.cuda_device import CudaDevice
 from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
 from dynalm.core.quant import dequantize
 from dynalm.ir.builder import GraphBuilder
 from dynalm.ir.executor import Executor
 from dynalm.ir.graph import Graph, TensorType
+from dynalm.ir.lower import unsupported
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.loader import GGUFWeights
 from dynalm.runtime.engine.memory_plan import weight_bytes
@@ -157,3 +160,13 @@ def test_experts_no_route_selects_are_never_read(tmp_path: Path) -> None:
     near = 2 * 2**20 // raw[0].nbytes + 1  # experts a 2 MiB folio of a read one may cover
     assert max(read) <= max(chosen) + near, f"experts {read} of {n_experts} were read"
     assert len(read) < n_experts // 2, read
+
+
+def test_the_cuda_device_leaves_a_mixture_of_experts_to_the_cpu() -> None:
+    """No GPU kernels for the three ops yet: the device says so, so --backend auto takes the
+    CPU (asked before any weight is read)."""
+    gpu = CudaDevice("auto", driver=cuda_driver.Driver(EmulatedLibcuda()))
+    graph = moe_graph(8, "q8_0", 2)
+    assert unsupported(gpu, graph) == "no kernel for op 'moe_route'"
+    assert not any(gpu.supports(op, ()) for op in ("moe_route", "expert_matmul", "moe_combine"))
+    assert unsupported(CpuDevice("auto"), graph) is None
