@@ -23,6 +23,7 @@ from dynalm.ir.builder import GraphBuilder
 from dynalm.ir.executor import Executor
 from dynalm.ir.graph import Graph, TensorType
 from dynalm.ir.lower import unsupported
+from dynalm.models import loader
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.loader import GGUFWeights
 from dynalm.runtime.engine.memory_plan import weight_bytes
@@ -170,3 +171,24 @@ def test_the_cuda_device_leaves_a_mixture_of_experts_to_the_cpu() -> None:
     assert unsupported(gpu, graph) == "no kernel for op 'moe_route'"
     assert not any(gpu.supports(op, ()) for op in ("moe_route", "expert_matmul", "moe_combine"))
     assert unsupported(CpuDevice("auto"), graph) is None
+
+
+def test_a_second_load_maps_each_expert_from_the_repack_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each expert is its own entry (keyed by its rows of the tensor): a second load maps the
+    routed experts, never repacks them, and computes bitwise the same."""
+    monkeypatch.setenv("DYNALM_REPACK_CACHE", str(tmp_path / "repack"))
+    monkeypatch.setattr(loader, "RACY_SECONDS", -1.0)  # the file was written just now
+    path = write_moe(tmp_path / "moe.gguf", 8, T.Q8_0)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, 6)
+    runs = []
+    for _ in range(2):
+        device = CpuDevice("exact")
+        ex = Executor(moe_graph(8, "q8_0", 2), device, GGUFWeights(GGUFFile(path)), 8)
+        runs.append((run(ex, tokens), device.repacked, device.mapped))
+        routed = len(ex.prepare("exps", "experts").prepared)
+    (first, repacked, _), (second, again, mapped) = runs
+    assert routed > 2 and repacked == routed + 1  # the experts and the router
+    assert again == 0 and mapped == routed + 1
+    assert np.array_equal(first, second)
