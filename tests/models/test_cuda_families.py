@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from hf_quant import write_quantized
 from safetensors.numpy import load_file, save_file
 from test_cuda_device import cuda, forward
-from tiny_models import SPECS, VOCAB, reference_model, write_gguf, write_hf_dir
+from tiny_models import MOE, SPECS, VOCAB, reference_model, write_gguf, write_hf_dir
 
 from cuda_emulator import EmulatedLibcuda
 from dynalm.core import cuda_driver
@@ -37,7 +37,8 @@ from dynalm.ir.ops import OPS
 from dynalm.models.loader import LoadedModel, load_model, model_graph
 from tolerances import forward_bound, logit_scale
 
-FAMILIES = sorted(SPECS)
+# the mixtures of experts' ops have no GPU kernels: `--backend auto` runs them on the CPU
+FAMILIES = sorted(set(SPECS) - set(MOE))
 # 20 tokens: the auto prefill's matmuls take the warps' mma tiles (16 rows and more), a
 # whole tile of 16 and one of 4 rows past T
 IDS: list[int] = np.random.default_rng(30).integers(0, VOCAB, 20).tolist()
