@@ -375,6 +375,26 @@ def test_amx_lowers_to_tile_instructions() -> None:
         assert ops.count("tileloadd") == 1 + keys
 
 
+@pytest.mark.parametrize("ggml_type", TABLES, ids=lambda t: t.name)
+def test_table_formats_decode_by_byte_shuffles_on_x86(ggml_type: T) -> None:
+    """A 16-value table's nibbles decode by ``pshufb`` on AVX2 and AVX-512 (assembly only,
+    any host): one per block and row in the exact GEMV (4 rows x 4 blocks, then the rest
+    loop's 4), one per chunk of 4 elements in the auto GEMV, and none of the portable
+    form's compares; the twins' compare-and-select form is tested bitwise against them
+    above, the AArch64 ``tbl`` in test_neon."""
+    from dynalm.kernel import jit
+    from dynalm.kernel.matmul_programs import MATMUL
+
+    for backend in (backends.AVX2, backends.AVX512):
+        features = ",".join(f"+{f}" for f in backend.requires)
+        for mode, shuffles in (("exact", 20), ("auto", 8)):
+            spec = {"k_blocks": 16, "ggml_type": int(ggml_type), "mode": mode, "mr": 1}
+            asm = jit.assembly(backend.module(MATMUL, spec).text(), features)
+            ops = re.findall(r"^\s+(vpshufb|vpcmpeqb)\b", asm, re.M)
+            assert ops.count("vpshufb") == shuffles, (backend.name, mode)
+            assert "vpcmpeqb" not in ops, (backend.name, mode)
+
+
 def test_int8_probes_multiply_once_per_chain_and_round() -> None:
     """kernel_bench's int8 peaks on AVX2 (assembly only, any host): the multiply probe is 8
     ``vpmaddubsw`` per round, the multiply-and-widen probe 8 ``vpmaddubsw`` + 8 ``vpmaddwd``
