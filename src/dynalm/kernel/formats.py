@@ -19,6 +19,13 @@ d * scale`` and ``m = -dmin * min`` in fp32, exactly; Q6_K as 4-bit and 2-bit pl
 32`` with its int8 scale per 16 weights (``Unpack.halves``) and f16 ``d`` per 256 (6.56 bits
 per weight, as in the file). Q3_K (biased bytes, one fp32 scale per 16 weights) and Q2_K
 (bytes with an fp32 scale and min per 16 weights) are not packed yet.
+
+IQ4_NL, IQ4_XS and MXFP4 select each weight from a 16-value table by a 4-bit index
+(:class:`Table`): the indices stay nibbles in Q4_0's layout and the decoders look them up
+in registers (``Target.lookup16``, a byte shuffle where the target has one), so they too
+keep their bits per weight: IQ4_NL 4.5, IQ4_XS 4.25 (its 6-bit scale per 32 as an s8
+factor of the f16 ``d`` per super-block), MXFP4 4.25 (its e8m0 exponent byte read as
+``2**(e - 128)``, ``Scale`` type "e8m0").
 """
 
 from __future__ import annotations
