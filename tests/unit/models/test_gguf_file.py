@@ -233,30 +233,12 @@ def test_absurd_lengths_do_not_allocate(model: Path) -> None:
 
 
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ3_S, T.TQ1_0], ids=lambda t: t.name)
-def test_a_format_not_run_yet_is_refused_naming_tensor_and_format(tmp_path: Path, qtype: T) -> None:
-    """A file as gguf-py writes it, one layer weight in an I-quant or ternary format DynaLM
-    has no table row for: refused at load, the tensor and its format named."""
-    path = tmp_path / "unsupported.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 256), np.float32))
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = np.zeros((8, 256 // block * size), np.uint8)
-    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(
-        UnsupportedModel,
-        match=rf"tensor 'blk.0.attn_q.weight' has type {qtype.name}, which DynaLM cannot run yet",
-    ):
-        GGUFFile(path)
-
-
-def test_unsupported_tensor_type_is_named(model: Path) -> None:
+def test_unsupported_tensor_type_is_named(model: Path, qtype: T) -> None:
+    """Formats without a table row (the other I-quants, the ternary ones) are refused at
+    load, naming the tensor and its format."""
     at = info_fields(model.read_bytes(), "q8")["type"]
-    with pytest.raises(UnsupportedModel, match="tensor 'q8' has type IQ2_XXS, which DynaLM"):
-        GGUFFile(patched(model, at, "<I", T.IQ2_XXS))
+    with pytest.raises(UnsupportedModel, match=f"tensor 'q8' has type {qtype.name}, which DynaLM"):
+        GGUFFile(patched(model, at, "<I", qtype))
     with pytest.raises(UnsupportedModel, match="tensor 'q8' has type 999,"):
         GGUFFile(patched(model, at, "<I", 999))
 
