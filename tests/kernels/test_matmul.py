@@ -141,6 +141,22 @@ def test_auto_backends_agree_bitwise(ggml_type: T) -> None:
             assert np.array_equal(y, ys[0]), f"T={t_rows}: {b.name} differs from {here[0].name}"
 
 
+@pytest.mark.parametrize("backend", [backends.host_best(), backends.GENERIC], ids=lambda b: b.name)
+def test_every_mxfp4_exponent_is_read_as_ggml_reads_it(backend: backends.Backend) -> None:
+    """MXFP4's e8m0 byte e is 2**(e - 128) in the kernels too, the denormals of e = 0, 1
+    included: an exact matmul by the identity gives each weight back bitwise (one product
+    by 1.0, the rest zeros), row e holding blocks of exponent e (up to 252: 12 * 2**124,
+    the largest that stays finite)."""
+    rng = np.random.default_rng(39)
+    n, k = 253, 64
+    raw = rng.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(n, dtype=np.uint8)[:, None]
+    raw = raw.reshape(n, -1)
+    mm = QuantMatmul(raw, T.MXFP4, k, mode="exact", backend=runnable(backend))
+    y = mm(np.eye(k, dtype=np.float32))
+    np.testing.assert_array_equal(y, dequantize(raw, T.MXFP4, k).T)
+
+
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 def test_threads_split_rows_identically(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     monkeypatch.setattr(matmul, "_PARALLEL_MIN_BYTES", 0)
