@@ -150,6 +150,7 @@ def test_experts_no_route_selects_are_never_read(tmp_path: Path) -> None:
     experts = ex.prepare("exps", "experts")
     assert experts.prepared == chosen
     assert experts.bytes_read == 2 * experts.expert_bytes and experts.calls == 1
+    assert ex.expert_reads() == (2 * experts.expert_bytes, n_experts * experts.expert_bytes)
     raw = gguf.raw("exps")  # [E, F, row bytes], a view of the map
     read = [e for e in range(n_experts) if mapped_pages(raw[e]).any()]
     assert all(mapped_pages(raw[e]).all() for e in chosen)  # what was read shows

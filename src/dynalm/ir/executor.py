@@ -22,6 +22,7 @@ import numpy as np
 
 from dynalm.core import quant
 from dynalm.core.device import Device
+from dynalm.core.experts import Experts
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph
@@ -309,6 +310,14 @@ class Executor:
             self._run_profiled(self.profile)
         tokens = self.binder.end_step(greedy)
         return tokens if greedy else self.buffers.views[self._logits]
+
+    def expert_reads(self) -> tuple[int, int]:
+        """Bytes of weights the expert matmuls have read so far (each call: its selected
+        experts' prepared bytes) and what their dense equivalent (every expert, every call)
+        would have read: a mixture of experts' traffic, for ``dynalm bench``."""
+        experts = [p for p in self._prepared.values() if isinstance(p, Experts)]
+        dense = sum(e.calls * e.shape[0] * e.expert_bytes for e in experts)
+        return sum(e.bytes_read for e in experts), dense
 
     @property
     def greedy_on_device(self) -> bool:
