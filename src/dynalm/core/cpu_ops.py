@@ -169,6 +169,21 @@ def gated(out: np.ndarray, gate: np.ndarray, up: np.ndarray, activation: str) ->
     out *= up
 
 
+def swiglu_oai(
+    out: np.ndarray, gate: np.ndarray, up: np.ndarray, alpha: float, limit: float
+) -> None:
+    """gpt-oss's gated activation (transformers' ``GptOssExperts._apply_gate``, llama.cpp's
+    ``ggml_swiglu_oai``): g = min(gate, limit), u = up clamped to [-limit, limit],
+    ``out = g * sigmoid(alpha g) * (u + 1)``."""
+    g = np.minimum(gate, np.float32(limit))
+    np.multiply(g, np.float32(-alpha), out=out)
+    with np.errstate(over="ignore"):  # exp(+large) = inf: g / inf = -0, sigmoid's limit
+        np.exp(out, out=out)
+    out += 1.0
+    np.divide(g, out, out=out)
+    out *= np.clip(up, np.float32(-limit), np.float32(limit)) + np.float32(1.0)
+
+
 def attention(
     out: np.ndarray,
     q: np.ndarray,

@@ -302,6 +302,11 @@ _TABLE = (
           doc="silu(gate) * up"),
     OpDef("geglu", (Operand("gate"), Operand("up")), _same, kernel="jit", gate="gelu_tanh",
           doc="gelu_tanh(gate) * up"),
+    # gpt-oss's experts (llama.cpp's ggml_swiglu_oai): g = min(gate, limit), u = up clamped
+    # to [-limit, limit]; not fused from a mul (its up is shifted), a .lum file calls it
+    OpDef("swiglu_oai", (Operand("gate"), Operand("up")), _same,
+          attrs=(Attr("alpha", float), Attr("limit", float, min=0.0)), kernel="jit",
+          doc="(u + 1) * g * sigmoid(alpha * g), g and u clamped by limit"),
     # the encoder's (bert.lum): sequences packed one after another, each ending at its row
     # of ``last`` (the step's logit_rows); no KV cache
     OpDef("layer_norm", (X,), _layer_norm, (WeightSlot("weight"), WeightSlot("bias")),

@@ -212,6 +212,12 @@ class Kernel:
     def smax(self, a: ir.Value, x: Operand) -> ir.Value:
         return self.call(f"llvm.smax.{_suffix(a.type)}", a.type, a, self.like(a, x))
 
+    def fmin(self, a: ir.Value, x: Operand) -> ir.Value:
+        return self.call(f"llvm.minnum.{_suffix(a.type)}", a.type, a, self.like(a, x))
+
+    def fmax(self, a: ir.Value, x: Operand) -> ir.Value:
+        return self.call(f"llvm.maxnum.{_suffix(a.type)}", a.type, a, self.like(a, x))
+
     def fma(self, a: ir.Value, x: ir.Value, acc: ir.Value) -> ir.Value:
         """``a * x + acc`` (one rounding where the target has FMA)."""
         return self.call(f"llvm.fmuladd.{_suffix(a.type)}", a.type, a, x, acc)

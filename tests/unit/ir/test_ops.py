@@ -34,6 +34,7 @@ GOOD = {
     "gelu_tanh": ([X], [], {}),
     "swiglu": ([X, X], [], {}),
     "geglu": ([X, X], [], {}),
+    "swiglu_oai": ([X, X], [], {"alpha": 1.702, "limit": 7.0}),
     "select_rows": ([X, t("i32", "S")], [], {}),
     "gather_cols": ([X], [t("i32", 64)], {}),
     "split": ([X], [], {"start": 16, "width": 48, "view": True}),

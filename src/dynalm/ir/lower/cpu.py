@@ -114,12 +114,12 @@ class CpuBinder(Binder):
         return Experts(shape, expert_bytes, prepare, self._expert_rows)
 
     def _kernel(
-        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
+        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str, **kw: object
     ) -> elementwise.BoundKernel:
-        """``bind(*args)`` a JIT kernel over full buffers, its argument block a row of
-        ``_blocks``, so that ``resize`` sets its count."""
+        """``bind(*args, **kw)`` a JIT kernel over full buffers, its argument block a row
+        of ``_blocks``, so that ``resize`` sets its count."""
         block = self._blocks[len(self._counted)]
-        kernel = bind(*args, block=block, backend=self._backend)
+        kernel = bind(*args, block=block, backend=self._backend, **kw)
         self._counted.append((int(block[0]) // self.buffers.capacity, rows))
         return kernel
 
@@ -231,6 +231,14 @@ class CpuBinder(Binder):
         if self._native:
             return self._kernel(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
         return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], GATES[node.op])
+
+    def _swiglu_oai(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        alpha, limit = node.attrs["alpha"], node.attrs["limit"]
+        if self._native:
+            oai = {"alpha": alpha, "limit": limit}
+            return self._kernel(elementwise.gated, out, *ins, "swiglu_oai", rows=rows, **oai)
+        return lambda: cpu_ops.swiglu_oai(v[o], v[args[0]], v[args[1]], alpha, limit)
 
     def _mul(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
