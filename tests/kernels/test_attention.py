@@ -57,24 +57,41 @@ def ragged_step(
 
 
 def attend(
-    batch, positions, q, k, v, heads, kv_heads, head_dim, scale, window, threads, backend=None
+    batch,
+    positions,
+    q,
+    k,
+    v,
+    heads,
+    kv_heads,
+    head_dim,
+    scale,
+    window,
+    threads,
+    backend=None,
+    softcap=0.0,
 ):
     """The kernel's output for one step (it stores the step's k/v in the pool first)."""
     step = StepLayout()
     step.set(batch, positions)
     out = np.full((len(q), heads * head_dim), np.nan, np.float32)
     geometry = (heads, kv_heads, head_dim, scale, window, threads)
-    PagedAttention(step, 0, *geometry, out, q, k, v, backend=backend)()
+    PagedAttention(step, 0, *geometry, out, q, k, v, softcap=softcap, backend=backend)()
     return out
 
 
-def attention_bound(pool, tables, lengths, q, heads, head_dim, scale) -> np.ndarray:
+def attention_bound(pool, tables, lengths, q, heads, head_dim, scale, softcap=0.0) -> np.ndarray:
     """Per token and query head, how far two fp32 attentions may differ (`sum_bound`, each
     way): a score's dot product of head_dim terms errs by at most ``sum_bound(head_dim,
     scale * |q| * |k|)`` (Cauchy-Schwarz), which is a relative error of the key's weight
     after exp; the weights' normaliser and the weighted sum of values add the rounding of
     a sum over the context; the values' largest magnitude scales it all. The q8_0 keys'
-    Hadamard rotation (32 terms a row) adds one more score-sized error."""
+    Hadamard rotation (32 terms a row) adds one more score-sized error. A score cap
+    ``c tanh(s / c)`` has slope at most 1, so it passes a score's error on unchanged, and
+    adds its own rounding: s / c (U |s| after the cap), the kernel's tanh through exp
+    (e = exp(-2|y|) within 2U relative, times |d tanh / de| <= 2, then 1 - e, 1 + e and
+    the division: 7U absolute; numpy's tanh 1U more), and the product with c (U c): at
+    most 10 U (c + |s|) a score, each way."""
     keys, values = [], []
     for table, n in zip(tables, lengths, strict=True):
         k, v = pool.storage.read(0, pool.slots(table, 0, n))
@@ -85,6 +102,8 @@ def attention_bound(pool, tables, lengths, q, heads, head_dim, scale) -> np.ndar
     n_max = int(max(lengths))
     q_norm = np.linalg.norm(q.reshape(len(q), heads, head_dim), axis=-1, keepdims=True)
     score = 2 * sum_bound(head_dim, scale * q_norm * k_max)
+    if softcap:
+        score = score + 2 * 10 * U * (softcap + scale * q_norm * k_max)
     per_head = 2 * v_max * (2 * score + 2 * sum_bound(n_max, 1.0) + 4 * U)
     return np.broadcast_to(per_head, (len(q), heads, head_dim)).reshape(len(q), -1)
 
@@ -163,6 +182,30 @@ def test_every_backend_computes_the_same(backend: backends.Backend, dtype: str):
     assert np.array_equal(out, expected)
     assert_same_pages(ours, pool)
     assert_close(out, ref, attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
+def test_softcap_matches_numpy_and_every_backend(backend: backends.Backend, dtype: str):
+    """Gemma 2's score cap (``softcap * tanh(s / softcap)`` of the scaled scores): within
+    the numpy reference's budget (`attention_bound` with the cap's rounding), bitwise the
+    same on every backend and twin as on the selected one, and the cap matters: the scores
+    (std ~4 at this scale) are well past it."""
+    seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1), ([2], 1, 1)]
+    scale, cap = 0.5, 1.5
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, scale, 0, 2)
+    pool, batch, positions, q, k, v = ragged_step(dtype, seqs)
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry[:-1], softcap=cap)
+    expected = attend(batch, positions, q, k, v, *geometry, softcap=cap)
+    ours, batch, *_ = ragged_step(dtype, seqs)
+    out = attend(batch, positions, q, k, v, *geometry, backend=runnable(backend), softcap=cap)
+    assert np.array_equal(out, expected)
+    bound = attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, scale, softcap=cap)
+    assert_close(out, ref, bound)
+    _, batch, *_ = ragged_step(dtype, seqs)
+    uncapped = attend(batch, positions, q, k, v, *geometry)
+    assert (np.abs(uncapped - ref) / bound).max() > 100
 
 
 def test_rotated_q8_0_keys_with_outlier_channels_halve_the_error_of_plain_q8_0():

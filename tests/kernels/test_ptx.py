@@ -294,7 +294,7 @@ def test_grid_attention_write_is_a_thread_per_row(dtype: str) -> None:
     att = PagedAttention(step, 0, HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 1, out, q, k, v)
     args = att.records()[0][2]  # binds the pages: the layer's argument block
     spec = {"dtype": dtype, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
-    spec |= {"page": pool.page_size, "recent": pool.storage.recent}
+    spec |= {"page": pool.page_size, "recent": pool.storage.recent, "softcap": 0.0}
     entry = nvptx.host_twin(ATTENTION, spec)["write_rows"]
     assert entry.entry.chunk == 1  # a thread per row
     run_grid(entry, args, n * KV_HEADS)
@@ -330,9 +330,8 @@ def test_grid_split_k_attention_is_the_cpu_kernel(dtype: str) -> None:
     items = len(LONG) * HEADS // 3  # 3 query heads an item
     step.reserve(parts_bytes(items, capacity, HEADS, KV_HEADS, HEAD_DIM))
     spec = {"dtype": dtype, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
-    entries = nvptx.host_twin(
-        ATTENTION, {**spec, "page": pool.page_size, "recent": pool.storage.recent}
-    )
+    spec |= {"page": pool.page_size, "recent": pool.storage.recent, "softcap": 0.0}
+    entries = nvptx.host_twin(ATTENTION, spec)
     run_grid(entries["write_rows"], args, len(LONG) * KV_HEADS)
     run_grid(entries["parts"], args, items * slices)
     run_grid(entries["merge"], args, items)

@@ -18,6 +18,8 @@ from tiny_models import SPECS, reference_model, write_gguf
 
 GRAPHS = Path(__file__).parent / "graphs"
 TINY = {
+    "tiny-gemma2": ("gemma2", GGMLQuantizationType.F32),
+    "tiny-phi3-longrope": ("phi3-longrope", GGMLQuantizationType.Q8_0),
     "tiny-llama": ("llama", GGMLQuantizationType.F32),
     "tiny-llama-q8_0": ("llama", GGMLQuantizationType.Q8_0),
     "tiny-qwen2": ("qwen2", GGMLQuantizationType.F32),

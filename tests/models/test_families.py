@@ -33,6 +33,7 @@ from tiny_models import (
 from transformers import PreTrainedModel
 
 from dynalm.core.cpu_device import CpuDevice
+from dynalm.models.arch import check_file, family_file
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine.engine import Engine
 from dynalm.runtime.generator import Generator, generator_config
@@ -156,6 +157,112 @@ def test_gemma3_exercises_local_and_global_layers() -> None:
     w = spec.sliding_window
     assert _max_diff(windowed[:w], unwindowed[:w]) <= TOL
     assert _ratio(windowed[w:], unwindowed[w:]).max(axis=1).min() > 100 * TOL
+
+
+def test_gemma2_soft_capping_and_window_bind() -> None:
+    """The gemma2 case tests the caps and the window only if each changes the logits:
+    without the score cap, without the logit cap, and with a window as wide as the input
+    (the first ``w`` positions see no further back either way)."""
+    spec = SPECS["gemma2"]
+    reference = reference_model(spec)
+    local, full = "sliding_attention", "full_attention"
+    assert reference.config.layer_types == [local, full, local]
+    capped = reference_logits(reference, IDS)
+    w = spec.sliding_window
+    # (position 0 attends to itself alone, whatever its score: from w on, with w keys)
+    for change, first in (({"attn_softcap": 0.0}, w), ({"final_softcap": 0.0}, 0)):
+        uncapped = reference_logits(reference_model(dataclasses.replace(spec, **change)), IDS)
+        assert _ratio(capped[first:], uncapped[first:]).max(axis=1).min() > 100 * TOL, change
+    wide = reference_model(dataclasses.replace(spec, sliding_window=N_TOKENS))
+    wide = reference_logits(wide, IDS)
+    assert _max_diff(capped[:w], wide[:w]) <= TOL
+    assert _ratio(capped[w:], wide[w:]).max(axis=1).min() > 100 * TOL
+
+
+# issue 28's: a greedy continuation picked as transformers does
+GREEDY_FAMILIES = ("gemma2", "phi3", "phi3-longrope")
+N_GREEDY = 64
+
+
+def test_phi3_longrope_reads_the_factors_of_its_context(tmp_path: Path) -> None:
+    """llama.cpp's rule: a context (--ctx) past the trained one (16 positions here) reads
+    the long factors, else the short ones; transformers picks by the length of the input.
+    So 12 tokens with --ctx 16 give transformers' logits of those 12 tokens alone (short
+    factors), and with --ctx 64 the first 12 rows of its 20-token pass (long factors); the
+    two differ, or the test would prove nothing."""
+    case = _case(SPECS["phi3-longrope"], tmp_path / "phi3.gguf", GGMLQuantizationType.F32)
+    try:
+        assert case.model.hparams.n_ctx_train == 256
+        short = reference_logits(case.reference, IDS[:N_PREFILL])
+        long = case.ref_logits[:N_PREFILL]
+        assert _ratio(short, long).max(axis=1)[2:].min() > 100 * TOL
+        for ctx, want in ((16, short), (64, long)):
+            gen = Generator(Engine(case.model, CpuDevice("exact"), generator_config(ctx)))
+            diff = _max_diff(gen.forward(IDS[:N_PREFILL], all_logits=True), want)
+            assert diff <= TOL, f"--ctx {ctx}: max |diff| {diff:.3g}"
+    finally:
+        case.model.gguf.close()
+
+
+@pytest.mark.parametrize("family", GREEDY_FAMILIES)
+def test_llama_cpp_reads_the_file_and_computes_alike(family: str, tmp_path: Path) -> None:
+    """llama.cpp's own loader (llama-cpp-python) takes the file as written (key names,
+    tensor names and shapes) and its logits of every position agree with DynaLM's
+    ``exact`` ones on the same file: the same top token, and within 2**-8 of the logits'
+    scale. (llama.cpp's CPU GELU reads an f16 table: inputs rounded to 2**-11, which the
+    layers carry to the logits; measured 3e-4 of the scale for gemma2, 3e-6 for phi3.)
+    --ctx 64 is past the LongRoPE model's trained 16: both read the long factors
+    (llama.cpp pads a context to 256, so it never reads this tiny model's short ones)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    spec = SPECS[family]
+    path = write_gguf(reference_model(spec), spec, tmp_path / "m.gguf", for_llama_cpp=True)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0, flash_attn=False)  # fmt: skip
+    try:
+        llm.eval(IDS)
+        theirs = np.array(llm.scores[:N_TOKENS])
+    finally:
+        llm.close()
+    model = load_model(path)
+    try:
+        ours = _all_positions(model, "exact")
+    finally:
+        model.gguf.close()
+    assert (ours.argmax(axis=1) == theirs.argmax(axis=1)).all()
+    assert np.abs(ours - theirs).max() <= 2**-8 * logit_scale(ours).max()
+
+
+@pytest.mark.parametrize("family", GREEDY_FAMILIES)
+def test_dynalm_check_passes_on_the_family_file(family: str, tmp_path: Path) -> None:
+    """What ``dynalm check FILE.lum --gguf MODEL`` runs: the file parses, checks and
+    elaborates against a GGUF written as llama.cpp's converter writes the family."""
+    spec = SPECS[family]
+    path = write_gguf(reference_model(spec), spec, tmp_path / "m.gguf")
+    lum = family_file(spec.family)
+    summary = check_file(lum, path)
+    assert summary.startswith(f"{lum}: ok (family {spec.family}")
+    assert "a graph of" in summary
+
+
+@pytest.mark.parametrize("family", GREEDY_FAMILIES)
+def test_exact_greedy_continuation_matches_transformers(family: str, tmp_path: Path) -> None:
+    """64 greedy tokens after the input, one decode step each over the paged KV cache in
+    ``exact``: each is transformers' top token on the same prefix, and every step's logits
+    are within the fp32 bound of transformers' (one pass over the whole sequence)."""
+    case = _case(SPECS[family], tmp_path / f"{family}.gguf", GGMLQuantizationType.F32)
+    try:
+        gen = Generator(Engine(case.model, CpuDevice("exact"), generator_config(128)))
+        rows = [gen.forward(IDS)]
+        for _ in range(N_GREEDY - 1):
+            rows.append(gen.forward([int(rows[-1].argmax())]))
+        got = np.stack(rows)
+        tokens = IDS + [int(r.argmax()) for r in rows]
+        want = reference_logits(case.reference, tokens[:-1])[N_TOKENS - 1 :]
+        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+        diff = _max_diff(got, want)
+        assert diff <= TOL, f"{family}: max |diff| {diff:.3g} over {N_GREEDY} greedy steps"
+    finally:
+        case.model.gguf.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,8 +1,8 @@
 """Tiny random-weight models of several families, as transformers modules and as GGUF files.
 
-`reference_model` builds a small transformers model of a family (``llama``, ``qwen2``,
-``gemma3``, ``qwen3``, ``olmo2``, and the mixtures of experts ``qwen3moe``, ``olmoe``,
-``mixtral``) with every parameter drawn at random, norms included
+`reference_model` builds a small transformers model of a family (``gemma2``, ``phi3``,
+``llama``, ``qwen2``, ``gemma3``, ``qwen3``, ``olmo2``, and the mixtures of experts
+``qwen3moe``, ``olmoe``, ``mixtral``) with every parameter drawn at random, norms included
 (transformers initialises them to 0 or 1, which would hide a wrong norm convention).
 `write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
 with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
@@ -10,13 +10,17 @@ with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model
 * tensor names from gguf-py's own HF -> GGUF name map of the architecture;
 * llama: q/k rows permuted (``permute(w, n_head)``) from HF's rotate-half layout into
   llama.cpp's adjacent-pair layout;
-* gemma3: ``+ 1`` added to every RMSNorm weight (q/k norms too), since Gemma's norm
+* gemma2, gemma3: ``+ 1`` added to every RMSNorm weight (q/k norms too), since Gemma's norm
   multiplies by ``1 + w``; the head is always tied to the embeddings;
 * mixtures of experts: transformers 5 keeps each layer's experts as two stacked parameters,
   ``experts.gate_up_proj`` [E, 2 ff, d] and ``experts.down_proj`` [E, d, ff]; the converter
   splits the first into ``ffn_gate_exps`` and ``ffn_up_exps`` [E, ff, d] (numpy order) and
   writes the router (``ffn_gate_inp``) in F32 whatever the file type; Mixtral is written as
   GGUF architecture ``llama`` (q/k permuted) with ``blk.N.ffn_*_exps`` tensors;
+* phi3: q/k/v and gate/up stay fused (``attn_qkv``, ``ffn_up``); with LongRoPE, the short
+  and long frequency factors as the tensors ``rope_factors_short/long.weight`` and the
+  attention factor ``sqrt(1 + ln(s) / ln(orig))`` (s = max / original positions) as
+  ``rope.scaling.attn_factor``;
 * ``{arch}.*`` hyper-parameters as the converter names them.
 
 With ``qtype`` other than F32 the 2-D weights are stored quantised; `dequantize_weights`
@@ -26,6 +30,7 @@ puts the same rounding into the reference model, so both compute the same math.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +39,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -44,6 +51,8 @@ from transformers import (
     Olmo2ForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -63,15 +72,43 @@ EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
 class TinySpec:
     """One tiny model: its family and the traits the tests vary."""
 
-    family: str  # llama | qwen2 | gemma3 | qwen3 | olmo2 | qwen3moe | olmoe | mixtral
+    family: (
+        str  # gemma2 | phi3 | llama | qwen2 | gemma3 | qwen3 | olmo2 | qwen3moe | olmoe | mixtral
+    )
     n_layers: int
     rope_theta: float
     tied: bool  # the head shares token_embd.weight (no output.weight in the GGUF)
-    sliding_window: int = 0  # gemma3 only
+    sliding_window: int = 0  # gemma2, gemma3
     seed: int = 0
+    # gemma2: the caps of the attention scores and of the logits (0: none)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # phi3: LongRoPE over this fraction of each head (transformers' partial_rotary_factor)
+    long_rope: bool = False
+    rotary: float = 1.0
 
 
 SPECS: dict[str, TinySpec] = {
+    # 3 layers: 0 and 2 are local (sliding window 4), 1 is global (llama.cpp: i % 2 == 0 is
+    # local); caps small enough to bind on these random weights (scores and logits of
+    # several units; `test_gemma2_soft_capping_binds`)
+    "gemma2": TinySpec(
+        "gemma2",
+        n_layers=3,
+        rope_theta=10000.0,
+        tied=True,
+        sliding_window=4,
+        seed=6,
+        attn_softcap=4.0,
+        final_softcap=8.0,
+    ),
+    "phi3": TinySpec("phi3", n_layers=2, rope_theta=10000.0, tied=False, seed=7),
+    # LongRoPE trained on 16 positions and stretched to 256: the 20-token input is past the
+    # trained context, so transformers reads the long factors, as DynaLM does with any
+    # --ctx above 16; rope over half of each head (as Phi-4 mini's 3/4)
+    "phi3-longrope": TinySpec(
+        "phi3", n_layers=2, rope_theta=10000.0, tied=False, seed=8, long_rope=True, rotary=0.5
+    ),
     "llama": TinySpec("llama", n_layers=3, rope_theta=50000.0, tied=False, seed=1),
     "qwen2": TinySpec("qwen2", n_layers=2, rope_theta=1_000_000.0, tied=True, seed=2),
     # 7 layers: 0-4 and 6 are local (sliding window 4), 5 is global; llama.cpp's rule
@@ -89,6 +126,8 @@ SPECS: dict[str, TinySpec] = {
 }
 
 _ARCH = {
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "phi3": gguf.MODEL_ARCH.PHI3,
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
@@ -122,6 +161,19 @@ def gguf_arch(spec: TinySpec) -> str:
     return gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
 
 
+LONG_ROPE_ORIGINAL = 16  # a LongRoPE phi3's trained context (max_position_embeddings: 256)
+
+
+def long_rope_factors(spec: TinySpec) -> dict[str, list[float]]:
+    """A LongRoPE phi3's frequency factors, one per rotated pair: short ones near 1 and
+    long ones up to 8, both rising with the wavelength, as the real ones do."""
+    pairs = int(_DIMS["head_dim"] * spec.rotary) // 2
+    return {
+        "short_factor": np.linspace(1.0, 1.5, pairs).tolist(),
+        "long_factor": np.linspace(1.0, 8.0, pairs).tolist(),
+    }
+
+
 def _config(spec: TinySpec) -> PretrainedConfig:
     common = dict(
         _DIMS,
@@ -131,6 +183,28 @@ def _config(spec: TinySpec) -> PretrainedConfig:
         eos_token_id=EOS_ID,
         pad_token_id=None,
     )
+    if spec.family == "gemma2":
+        assert spec.tied, "llama.cpp's gemma2 always ties the head to the embeddings"
+        return Gemma2Config(
+            **common,
+            sliding_window=spec.sliding_window,
+            query_pre_attn_scalar=_DIMS["head_dim"],  # llama.cpp scales by 1/sqrt(head_dim)
+            hidden_activation="gelu_pytorch_tanh",
+            attn_logit_softcapping=spec.attn_softcap or None,
+            final_logit_softcapping=spec.final_softcap or None,
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        )
+    if spec.family == "phi3":
+        rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+        original = _DIMS["max_position_embeddings"]
+        if spec.long_rope:
+            rope = {**rope, "rope_type": "longrope", **long_rope_factors(spec)}
+            original = LONG_ROPE_ORIGINAL
+        return Phi3Config(
+            **common,
+            original_max_position_embeddings=original,
+            rope_parameters={**rope, "partial_rotary_factor": spec.rotary},
+        )
     if spec.family == "llama":
         return LlamaConfig(
             **common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}
@@ -195,6 +269,8 @@ def _config(spec: TinySpec) -> PretrainedConfig:
 
 
 _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "gemma2": Gemma2ForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
@@ -276,7 +352,7 @@ def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray
             w = _permute(w, cfg.num_attention_heads)
         elif permuted and hf_name.endswith("k_proj.weight"):
             w = _permute(w, cfg.num_key_value_heads)
-        if spec.family == "gemma3" and hf_name.endswith("norm.weight"):
+        if spec.family in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1.0
         parts = [(hf_name, w)]
         if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -285,6 +361,9 @@ def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray
             name = names.get_name(part, try_suffixes=(".weight", ".bias"))
             assert name is not None, f"no GGUF name for {part}"
             out[name] = np.ascontiguousarray(value)
+    if spec.long_rope:  # the converter's generate_extra_tensors
+        for key, factors in long_rope_factors(spec).items():
+            out[f"rope_factors_{key.split('_')[0]}.weight"] = np.array(factors, np.float32)
     return out
 
 
@@ -301,23 +380,43 @@ def write_gguf(
     path: Path,
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     pooling_type: gguf.PoolingType | None = None,
+    for_llama_cpp: bool = False,
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``; with a
     ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
-    writes Qwen3-Embedding's)."""
+    writes Qwen3-Embedding's). ``for_llama_cpp``: what llama.cpp's vocabulary loader asks
+    of the tiny tokenizer besides: one BPE merge (it refuses none), ``a b`` into the last
+    token (no test's ids hold it), and a name without "phi3", whose SPM token rules want
+    ``</s>``."""
     cfg = model.config
     writer = gguf.GGUFWriter(path, gguf_arch(spec))
-    writer.add_name(f"tiny-{spec.family}")
+    writer.add_name(f"tiny-{spec.family}".replace("phi3", "p3" if for_llama_cpp else "phi3"))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    if spec.family != "phi3":  # (phi3's converter leaves the head size to d_model / heads)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if spec.family == "phi3":
+        rope = cfg.rope_parameters
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_rope_dimension_count(
+            int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads
+        )
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        if spec.long_rope:
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            orig = cfg.original_max_position_embeddings
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+    if spec.family == "gemma2":
+        writer.add_attn_logit_softcapping(spec.attn_softcap)
+        writer.add_final_logit_softcapping(spec.final_softcap)
+        writer.add_sliding_window(cfg.sliding_window)
     if _ARCH[spec.family] == gguf.MODEL_ARCH.LLAMA:
         writer.add_rope_dimension_count(cfg.head_dim)
     if spec.family == "gemma3":
@@ -337,12 +436,14 @@ def write_gguf(
 
     tokens = _byte_tokens() + SPECIAL_TOKENS
     tokens += [f"<|extra_{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+    if for_llama_cpp:
+        tokens[-1] = "ab"
     types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * (len(tokens) - 256)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges([])  # no merges: every byte is its own token
+    writer.add_token_merges(["a b"] if for_llama_cpp else [])  # none: every byte a token
     writer.add_bos_token_id(EOS_ID)
     writer.add_eos_token_id(EOS_ID)
 

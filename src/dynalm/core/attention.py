@@ -57,9 +57,9 @@ if TYPE_CHECKING:
     from dynalm.core.kv_storage import AttentionBatch, HostKVStorage
 
 
-def _request(backend: backends.Backend, dtype: str, *geometry: int) -> backends.Request:
+def _request(backend: backends.Backend, dtype: str, *geometry: float) -> backends.Request:
     """The program's ``items``, ``write``, ``write_recent`` and ``run`` for ``backend``."""
-    names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
+    names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent", "softcap")
     return backend, ATTENTION, {"dtype": dtype, **dict(zip(names, geometry, strict=True))}
 
 
@@ -133,7 +133,8 @@ class PagedAttention:
     head_dim]`` and the step's ``k``/``v`` ``[rows, kv_heads * head_dim]`` (f32; the rows
     of q, k and v may be strided). A call stores this step's k/v in the layer's pages, then
     sets ``out[t]`` to the attention of ``q[t]`` over the keys at positions up to the
-    token's own (within the window) of its sequence, for each token of ``step``."""
+    token's own (within the window) of its sequence, for each token of ``step``; with
+    ``softcap`` > 0 the scaled scores are capped (``softcap * tanh(s / softcap)``)."""
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class PagedAttention:
         k: np.ndarray,
         v: np.ndarray,
         *,
+        softcap: float = 0.0,
         backend: backends.Backend | None = None,
     ):
         """``backend``: the one that lowers the kernel (default ``backends.select()``)."""
@@ -157,7 +159,8 @@ class PagedAttention:
             n_kv_heads >= 1 and n_heads % n_kv_heads == 0 and supported(head_dim, "f32"),
             f"no attention kernel for {n_heads} heads, {n_kv_heads} kv heads of {head_dim}",
         )
-        self._step, self._layer = step, layer
+        require(softcap >= 0, f"a score cap of {softcap}")
+        self._step, self._layer, self._softcap = step, layer, float(softcap)
         self._backend = backend or backends.select()
         self._geometry = (n_heads, n_kv_heads, head_dim)
         self._per_token = n_heads // item_heads(n_heads // n_kv_heads)
@@ -178,7 +181,8 @@ class PagedAttention:
         self._kv: HostKVStorage | None = None
 
     def _request(self, kv: HostKVStorage) -> backends.Request:
-        return _request(self._backend, kv.dtype, *self._geometry, kv.page_size, kv.recent)
+        geometry = (*self._geometry, kv.page_size, kv.recent, self._softcap)
+        return _request(self._backend, kv.dtype, *geometry)
 
     def pending(self) -> list[backends.Request]:
         """The kernel this step's KV storage needs if it is not bound yet (see

@@ -31,15 +31,23 @@ def head_rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float, hea
 
 
 class RopeTable:
-    """cos/sin of position x frequency for one (base, scale, dims) setting, grown on demand."""
+    """cos/sin of position x frequency for one (base, scale, dims) setting, grown on demand;
+    frequencies divided by ``freq_factors`` where given, cos and sin times ``attn_factor``
+    (LongRoPE's)."""
 
     def __init__(
-        self, rope_dim: int, base: float, scale: float, freq_factors: np.ndarray | None = None
+        self,
+        rope_dim: int,
+        base: float,
+        scale: float,
+        freq_factors: np.ndarray | None = None,
+        attn_factor: float = 1.0,
     ):
         inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.astype(np.float64)
         self.inv_freq = inv_freq / scale
+        self.attn_factor = attn_factor
         self.cos = self.sin = np.zeros((0, rope_dim // 2), np.float32)
 
     def ensure(self, n_positions: int) -> bool:
@@ -48,7 +56,8 @@ class RopeTable:
             return False
         n = max(n_positions, 2 * len(self.cos), 256)
         angles = np.outer(np.arange(n, dtype=np.float64), self.inv_freq)
-        self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        f = self.attn_factor
+        self.cos, self.sin = ((g(angles) * f).astype(np.float32) for g in (np.cos, np.sin))
         return True
 
     def lookup(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -197,9 +206,12 @@ def attention(
     head_dim: int,
     scale: float,
     window: int,
+    *,
+    softcap: float = 0.0,
 ) -> None:
     """Store this step's k/v in the layer's pages, then causal (optionally windowed)
-    attention of each sequence's queries over its whole paged context; with recent
+    attention of each sequence's queries over its whole paged context, the scaled scores
+    capped at ``softcap * tanh(s / softcap)`` when ``softcap`` > 0; with recent
     buffers, keys and values within ``kv.recent`` positions of a query are read in f16
     (see ``kv_cache``), and the step's last ``kv.recent`` tokens are stored there after."""
     kv = batch.kv
@@ -235,6 +247,10 @@ def attention(
             keep = slice(max(a, b - recent), b)  # the step's last tokens, stored after
             later.append((base + positions[keep] % recent, k[keep], v[keep]))
         scores *= np.float32(scale)
+        if softcap:
+            scores /= np.float32(softcap)
+            np.tanh(scores, out=scores)
+            scores *= np.float32(softcap)
         scores[..., masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)

@@ -56,7 +56,16 @@ class Executor:
     """Runs a graph step by step. ``profile``: when set to a dict, ``run`` adds each op's
     wall time (seconds, keyed by op name) to it; ``ops`` lists the op of every call."""
 
-    def __init__(self, graph: Graph, device: Device, weights: WeightSource, max_tokens: int = 512):
+    def __init__(
+        self,
+        graph: Graph,
+        device: Device,
+        weights: WeightSource,
+        max_tokens: int = 512,
+        context: int = 0,
+    ):
+        """``context``: the most positions a sequence holds (0: not known), which picks a
+        LongRoPE model's frequency factors (``Binder.context``)."""
         self.graph = graph
         self.device = device
         self.plan: Plan = plan_buffers(graph)
@@ -65,6 +74,7 @@ class Executor:
         self._prepared: dict[tuple[str, str], object] = {}
         self._kv: object = None  # the KV storage of the current step
         self.binder = binder_class(device)(device, graph, self.prepare)
+        self.binder.context = context
         # Merged weights (pass merge-matmuls): name -> the model tensors stacked by rows.
         self._parts: dict[str, tuple[str, ...]] = {}
         for node in graph.nodes:

@@ -148,6 +148,9 @@ def _rope(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
         raise _fail(f"rope over {rope_dim} of {head_dim} dimensions")
     _expect("the positions", positions, x[:1])
     _expect("the frequency factors", weights[0], (rope_dim // 2,))
+    _expect("the long-context frequency factors", weights[1], (rope_dim // 2,))
+    if weights[1] is not None and (weights[0] is None or "orig_ctx" not in attrs):
+        raise _fail("long-context factors need the short context's (freq_factors) and orig_ctx")
     return x
 
 
@@ -281,17 +284,24 @@ _TABLE = (
           doc="x @ weight^T (+ bias)"),
     OpDef("matmul_add", (X, Operand("residual")), _matmul, (_MATMUL_WEIGHT, _BIAS),
           _MERGED, kernel="matmul", doc="x @ weight^T (+ bias) + residual"),
+    # LongRoPE (Phi-3): with long_factors, a context (the engine's --ctx) longer than
+    # orig_ctx divides the frequencies by them instead of freq_factors, as llama.cpp picks;
+    # attn_factor scales cos and sin (absent: 1; both absent print as before)
     OpDef("rope", (Operand("x", strided=True), Operand("positions", "i32")), _rope,
-          (WeightSlot("freq_factors", optional=True),),
+          (WeightSlot("freq_factors", optional=True), WeightSlot("long_factors", optional=True)),
           (_HEAD_DIM, Attr("rope_dim", int, min=2), Attr("base", float, min=0.0),
-           Attr("neox", bool), Attr("scale", float, 1.0)),
+           Attr("neox", bool), Attr("scale", float, 1.0),
+           Attr("attn_factor", float, ABSENT, min=0.0), Attr("orig_ctx", int, ABSENT, min=1)),
           kernel="jit", doc="rotary position embedding of each head's first rope_dim dims"),
     OpDef("attention",
           (Operand("q", strided=True), Operand("k", strided=True), Operand("v", strided=True)),
           _attention,
           attrs=(Attr("layer", int, min=0), Attr("n_heads", int, min=1),
                  Attr("n_kv_heads", int, min=1), _HEAD_DIM, Attr("scale", float),
-                 Attr("window", int, 0, min=0)),
+                 Attr("window", int, 0, min=0),
+                 # a cap on the scaled scores s -> softcap tanh(s / softcap) (Gemma 2's);
+                 # absent: none (so graphs without one print as before)
+                 Attr("softcap", float, ABSENT, min=0.0)),
           kernel="attention", doc="writes k/v into the layer's KV pages, attends causally"),
     OpDef("add", (Operand("a"), Operand("b")), _same, kernel="jit", doc="a + b"),
     OpDef("mul", (Operand("a"), Operand("b")), _same, doc="a * b"),

@@ -30,7 +30,7 @@ after the items (``run`` does all three).
 The program is written for 8 fp32 lanes whatever the backend (its float order, which the
 attention tests and the models' fidelity are measured with, does not change with the
 host); it uses no ISA-dependent primitive. Specialised per (kv dtype, heads, kv heads,
-head dim, page size, recent window); ``core.attention`` binds it, and the numpy
+head dim, page size, recent window, score cap); ``core.attention`` binds it, and the numpy
 ``cpu_ops.attention`` is its reference.
 """
 
@@ -260,16 +260,17 @@ def _item(
     return _Item(t, h0, k.udiv(h0, group), p, seq, jlo, end, n)
 
 
-def _chunk(
-    k: Kernel, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int, recent: int
-) -> None:
+def _chunk(k: Kernel, dtype: str, softcap: float, *geometry: int) -> None:
     """``chunk(args, w, c, record)``: work item ``w`` (a query token's group of heads) over
-    its keys' chunk ``c``, its partial result stored at ``record`` (``record_floats``).
+    its keys' chunk ``c``, its partial result stored at ``record`` (``record_floats``);
+    ``geometry``: heads, kv heads, head dim, page size, recent window.
     With ``recent``, the keys within ``recent`` positions of the query (and computed by its
     sequence since ``recent_from``) are read in f16, from the sequence's recent buffer for
     earlier steps' tokens and from the step's f32 keys rounded to f16 for its own, the same
     values either way: each is staged in f32 on the stack, so a result does not depend on
-    where the step's chunk starts. Older keys come from the pages."""
+    where the step's chunk starts. Older keys come from the pages. With ``softcap`` > 0,
+    each scaled score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2's logit cap)."""
+    n_heads, n_kv_heads, head_dim, page, recent = geometry
     b = k.b
     w, chunk, record = k.args[1], k.args[2], k.args[3]
     group = n_heads // n_kv_heads
@@ -368,6 +369,9 @@ def _chunk(
                         first = g * BLOCK + h * LANES
                         d = [get(vec_at(dots, first + i)) for i in range(LANES)]
                         scores = k.mul(_row_sums(k, d), q_scale)
+                        if softcap:
+                            capped = k.tanh(k.b.fdiv(scores, k.splat(const(F32, softcap), LANES)))
+                            scores = k.mul(capped, softcap)
                         x.append(k.select(valid[h], scores, k.splat(neg_inf, LANES)))
                     top = x[0]
                     for xh in x[1:]:
@@ -635,7 +639,14 @@ def _write_recent(k: Kernel, n_kv_heads: int, head_dim: int, recent: int) -> Non
 
 
 def _build(
-    module: Module, dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, page: int, recent: int
+    module: Module,
+    dtype: str,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    page: int,
+    recent: int,
+    softcap: float,
 ) -> None:
     """``items(args, lo, hi)``: work items lo..hi-1, each chunk after chunk;
     ``parts(args, lo, hi)``: rows lo..hi-1 of the split-K schedule (``A_SLICES`` rows an
@@ -644,11 +655,11 @@ def _build(
     rows lo..hi-1 (token, kv head) of the step's keys and values in their pages,
     ``write(args)`` all of them; ``write_recent(args)``: in the recent buffers (after the
     items, which read the buffers' earlier tokens); ``run(args)``: all three, over all items
-    of the step."""
+    of the step. ``softcap``: the scores' cap (0: none, see ``_chunk``)."""
     name = module.ir.name
     chunk = module.kernel(f"{name}_chunk", (PTR, I64, I64, PTR), private=True)
     chunk.fn.attributes.add("alwaysinline")
-    _chunk(chunk, dtype, n_heads, n_kv_heads, head_dim, page, recent)
+    _chunk(chunk, dtype, softcap, n_heads, n_kv_heads, head_dim, page, recent)
     chunk.ret()
     for kind in ("items", "parts", "merge"):
         fn = module.kernel(f"{name}_{kind}", (PTR, I64, I64))

@@ -95,13 +95,10 @@ def _build_scale(module: Module, factor: float) -> None:
 
 def _activation(k: Kernel, g: ir.Value, activation: str) -> ir.Value:
     """act(g) = g * sigmoid(z): z = g for SiLU, and z = 2 sqrt(2/pi) (g + 0.044715 g^3) for
-    tanh-GELU (0.5 (1 + tanh(y)) = sigmoid(2y)); tanh itself (a reranker's head) as
-    sign(g) (1 - e) / (1 + e), e = exp(-2|g|), which cannot overflow."""
+    tanh-GELU (0.5 (1 + tanh(y)) = sigmoid(2y)); tanh itself (a reranker's head) is
+    ``Kernel.tanh``."""
     if activation == "tanh":
-        suffix = f"v{g.type.count}f32" if isinstance(g.type, ir.VectorType) else "f32"
-        e = k.exp(k.mul(k.call(f"llvm.fabs.{suffix}", g.type, g), -2.0))
-        t = k.b.fdiv(k.sub(const(g.type, 1.0), e), k.add(e, 1.0))
-        return k.call(f"llvm.copysign.{suffix}", g.type, t, g)
+        return k.tanh(g)
     z = g
     if activation == "gelu_tanh":
         inner = k.add(g, k.mul(k.mul(k.mul(g, g), g), 0.044715))

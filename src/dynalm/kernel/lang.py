@@ -439,6 +439,14 @@ class Kernel:
         bits = self.shl(self.add(self.convert(n, I32), 127), 23)
         return self.mul(p, self.bitcast(bits, ty))
 
+    def tanh(self, x: ir.Value) -> ir.Value:
+        """tanh of f32 lanes as sign(x) (1 - e) / (1 + e), e = exp(-2|x|) (``exp``), which
+        cannot overflow; within a few ulps of 1 absolutely (the cancellation near 0)."""
+        ty = x.type
+        e = self.exp(self.mul(self.call(f"llvm.fabs.{_suffix(ty)}", ty, x), -2.0))
+        t = self.b.fdiv(self.sub(const(ty, 1.0), e), self.add(e, 1.0))
+        return self.call(f"llvm.copysign.{_suffix(ty)}", ty, t, x)
+
 
 class _Callee:
     """A pointer called as a function of type ``function_type`` (what ``IRBuilder.call``

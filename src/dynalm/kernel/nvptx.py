@@ -429,8 +429,15 @@ def device_kernels(k_blocks: int = 48) -> list[tuple[Program, dict[str, object]]
                 out.append((matmul.MATMUL, {**spec, "mr": shape.mr}))
     out.append((matmul.MATMUL, {"k_blocks": k_blocks}))
     geometry = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "page": 16}
-    for dtype, recent in (("f32", 0), ("f16", 0), ("q8_0", 0), ("q8_0", 32)):
-        out.append((attention_program.ATTENTION, {"dtype": dtype, **geometry, "recent": recent}))
+    for dtype, recent, softcap in (
+        ("f32", 0, 0.0),
+        ("f16", 0, 0.0),
+        ("q8_0", 0, 0.0),
+        ("q8_0", 32, 0.0),
+        ("f16", 0, 50.0),
+    ):  # (a score cap: Gemma 2's)
+        spec = {"dtype": dtype, **geometry, "recent": recent, "softcap": softcap}
+        out.append((attention_program.ATTENTION, spec))
     ew = elementwise_programs.PROGRAMS
     out += [
         (ew["add"], {}),

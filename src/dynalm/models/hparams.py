@@ -126,7 +126,9 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) 
         raise bad(key("rope.dimension_count"), rope_dim, "even")
     d_ff = integer(metadata, key("feed_forward_length"), lo=1, n_layers=n_layers)
     rows = _rows(tensors, "blk.0.ffn_up.weight")
-    if rows is not None and rows != d_ff:
+    # without ffn_gate, ffn_up may be gate and up stacked (Phi-3's fused gate_up_proj)
+    fused = "blk.0.ffn_gate.weight" not in tensors and rows == 2 * d_ff
+    if rows is not None and rows != d_ff and not fused:
         raise bad(key("feed_forward_length"), d_ff, f"the rows of blk.0.ffn_up.weight ({rows})")
 
     # a mixture of experts (llama.cpp asserts as much at load): a token's experts are some

@@ -57,6 +57,9 @@ class Binder(ABC):
 
     OP_TABLE: ClassVar[Mapping[str, Callable[..., Call]]]
     cached_rows: ClassVar[int] = 0  # submissions of steps up to this many tokens are kept
+    # The most positions a sequence holds (the engine's --ctx; 0: not known): a rope with
+    # long-context factors reads them when this passes its orig_ctx, as llama.cpp does
+    context: int = 0
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -99,10 +102,14 @@ class Binder(ABC):
     def rope_table(self, node: Node) -> RopeTable:
         """The cos/sin table of a rope node's settings, covering the positions bound for."""
         a, w = node.attrs, [wt.name for wt in node.weights]
-        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None)
+        if len(w) == 2:  # LongRoPE: the long-context factors past the trained context
+            w = w[1:] if self.context > a["orig_ctx"] else w[:1]
+        attn_factor = a.get("attn_factor", 1.0)
+        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None, attn_factor)
         if key not in self._rope_tables:
             factors = self.prepare(w[0], "vector") if w else None
-            self._rope_tables[key] = RopeTable(a["rope_dim"], a["base"], a["scale"], factors)
+            table = RopeTable(a["rope_dim"], a["base"], a["scale"], factors, attn_factor)
+            self._rope_tables[key] = table
         table = self._rope_tables[key]
         table.ensure(self._rope_positions)
         return table

@@ -216,10 +216,13 @@ class CpuBinder(Binder):
                 self.device.threads,
                 out,
                 *ins,
+                softcap=a.get("softcap", 0.0),
                 backend=self._backend,
             )
         attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
-        return lambda: cpu_ops.attention(v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs)
+        return lambda: cpu_ops.attention(
+            v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs, softcap=a.get("softcap", 0.0)
+        )
 
     def _add(self, node: Node) -> Call:
         return self._add_ids(

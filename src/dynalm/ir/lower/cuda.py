@@ -275,8 +275,8 @@ class CudaBinder(Binder):
             for where, name in stores.items():  # this layer's pages of the step's storage
                 arrays = getattr(kv, name)
                 block[where] = arrays[layer].ptr if arrays else 0
-            geometry = (n_heads, n_kv, head_dim, kv.page_size, kv.recent)
-            names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent")
+            geometry = (n_heads, n_kv, head_dim, kv.page_size, kv.recent, a.get("softcap", 0.0))
+            names = ("n_heads", "n_kv_heads", "head_dim", "page", "recent", "softcap")
             spec = {"dtype": kv.dtype, **dict(zip(names, geometry, strict=True))}
             tokens = self._shape[0]
             items = tokens * per_token

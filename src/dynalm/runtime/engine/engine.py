@@ -196,7 +196,11 @@ class Engine:
             config.max_queue,
         )
         self.executor = Executor(
-            model.graph, device, model.weights, max_tokens=config.max_num_batched_tokens
+            model.graph,
+            device,
+            model.weights,
+            max_tokens=config.max_num_batched_tokens,
+            context=config.ctx,
         )
         model.gguf.release_pages()  # the executor holds its own (repacked) copy of the weights
         trim_heap()  # and the repack's temporaries are gone

@@ -203,7 +203,7 @@ class ModelDrafter(Drafter):
             device=device,
         )
         self.kv = KVCacheManager(self.pool, RadixCache(self.pool, enabled=False))
-        self.executor = Executor(graph, device, weights, max_tokens=max_tokens)
+        self.executor = Executor(graph, device, weights, max_tokens=max_tokens, context=ctx)
         self.max_tokens = max_tokens
         self._seqs: dict[str, Request] = {}
         self._synced: dict[str, int] = {}  # tokens each sequence shares with its target
