@@ -29,6 +29,7 @@ TINY = {
     "tiny-qwen3moe": ("qwen3moe", GGMLQuantizationType.F32),
     "tiny-olmoe": ("olmoe", GGMLQuantizationType.Q8_0),
     "tiny-mixtral": ("mixtral", GGMLQuantizationType.Q8_0),
+    "tiny-gpt-oss": ("gpt-oss", GGMLQuantizationType.Q8_0),  # MXFP4 experts
 }
 CASES = ("smollm2", *TINY)
 PINNED = ("smollm2", "tiny-llama", "tiny-llama-q8_0", "tiny-qwen2", "tiny-gemma3")

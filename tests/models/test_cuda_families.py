@@ -79,6 +79,14 @@ def test_every_op_of_the_table_has_a_gpu_kernel_but_the_encoders_and_experts():
     assert set(CudaBinder.OP_TABLE) <= set(OPS)
 
 
+def test_attention_with_sinks_is_the_cpus():
+    """gpt-oss's attention sinks: the GPU device says it has no kernel (auto: the CPU)."""
+    device = cuda(EmulatedLibcuda())
+    attrs = {"head_dim": 64, "n_heads": 8}
+    assert device.supports("attention", (), attrs)
+    assert not device.supports("attention", ((0, (8,)),), attrs)
+
+
 def test_an_encoder_on_the_gpu_names_the_op_and_auto_takes_the_cpu(tmp_path, monkeypatch):
     import tiny_bert
 

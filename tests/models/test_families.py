@@ -1,6 +1,6 @@
 """Fidelity per family: tiny random-weight GGUFs (llama, qwen2, gemma3, and qwen3, olmo2 and
-the mixtures of experts qwen3moe, olmoe and mixtral, whose only source in DynaLM is their
-``.lum`` file) give the same logits as transformers' own implementation of that family, in
+the mixtures of experts qwen3moe, olmoe, mixtral and gpt-oss, whose only source in DynaLM is
+their ``.lum`` file) give the same logits as transformers' own implementation of that family, in
 fp32 and with Q8_0 weights (`test_moe` checks the experts' routing itself).
 
 Each model is written the way llama.cpp's converter writes that family (see `tiny_models`),
@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from tiny_models import (
     MOE,
+    MXFP4,
     N_EXPERTS,
     SPECS,
     VOCAB,
@@ -114,7 +115,7 @@ def test_gguf_is_written_like_llama_cpp(f32_case: Case) -> None:
     assert hp.rope_base == spec.rope_theta
     assert hp.sliding_window == spec.sliding_window
     assert ("output.weight" in model.gguf.tensors) == (not spec.tied)
-    assert ("blk.0.attn_q.bias" in model.gguf.tensors) == (spec.family == "qwen2")
+    assert ("blk.0.attn_q.bias" in model.gguf.tensors) == (spec.family in ("qwen2", "gpt-oss"))
     assert model.tokenizer.decode(model.tokenizer.encode("héllo!", add_special=False)) == "héllo!"
     shapes = {name: t.shape for name, t in model.gguf.tensors.items()}
     assert ("blk.0.ffn_up.weight" in shapes) == (spec.family not in MOE)
@@ -273,7 +274,8 @@ def test_q8_0_matches_dequantised_reference(family: str, tmp_path: Path) -> None
         types = {name: t.ggml_type for name, t in case.model.gguf.tensors.items()}
         assert types["token_embd.weight"] == q8
         if family in MOE:  # the experts quantised, their router not (as the converter)
-            assert types["blk.0.ffn_down_exps.weight"] == q8
+            experts = MXFP4 if family == "gpt-oss" else q8  # as released, whatever the type
+            assert types["blk.0.ffn_down_exps.weight"] == experts
             assert types["blk.0.ffn_gate_inp.weight"] == GGMLQuantizationType.F32
         else:
             assert types["blk.0.ffn_down.weight"] == q8

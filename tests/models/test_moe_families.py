@@ -1,4 +1,4 @@
-"""The mixtures of experts (qwen3moe, olmoe, and mixtral: a llama with experts) beyond
+"""The mixtures of experts (qwen3moe, olmoe, mixtral: a llama with experts, and gpt-oss) beyond
 `test_families`' logits, each a tiny random-weight model written as llama.cpp's converter
 writes it (`tiny_models`):
 
@@ -65,14 +65,18 @@ def _generator(model: LoadedModel, mode: str) -> Generator:
 
 def reference_routes(reference: PreTrainedModel, ids: list[int]) -> list[tuple[np.ndarray, ...]]:
     """Per layer: transformers' router logits [T, E], chosen experts [T, k] (highest first)
-    and their weights [T, k], recorded by a hook on each layer's router (``mlp.gate``)."""
+    and their weights [T, k], recorded by a hook on each layer's router (``mlp.gate``,
+    gpt-oss's ``mlp.router``: both give logits, weights, experts)."""
     found: list[tuple[np.ndarray, ...]] = []
 
     def record(module: torch.nn.Module, args: object, out: tuple[torch.Tensor, ...]) -> None:
         logits, weights, experts = out
         found.append((logits.numpy().copy(), experts.numpy().copy(), weights.numpy().copy()))
 
-    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in reference.model.layers]
+    routers = [
+        getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in reference.model.layers
+    ]
+    hooks = [router.register_forward_hook(record) for router in routers]
     try:
         with torch.no_grad():
             reference(torch.tensor([ids]))
@@ -142,10 +146,18 @@ def test_exact_greedy_continuation_is_transformers(case: Case) -> None:
 def test_llama_cpp_reads_the_files_alike(case: Case, tmp_path: Path) -> None:
     """llama.cpp loads the file (one merge added: it refuses a BPE vocabulary without any;
     the tokens are fed as ids) and its logits, with an fp32 KV cache and no flash attention,
-    lie within two fp32 forward passes' rounding of DynaLM's ``exact``."""
+    lie within two fp32 forward passes' rounding of DynaLM's ``exact``. gpt-oss's file has
+    its experts' values (MXFP4 numbers) stored F32, as the converter writes a checkpoint whose
+    experts are not MXFP4: llama.cpp rounds the activations to Q8_0 for an MXFP4 matmul
+    (its ``vec_dot_type``), hundreds of fp32 bounds off (measured: 1.9e3; top-1 the same)."""
     llama_cpp = pytest.importorskip("llama_cpp")
+    source, model = case.path, case.model
+    if case.spec.family == "gpt-oss":
+        source = tmp_path / "f32-experts.gguf"
+        write_gguf(case.reference, case.spec, source, released_experts=False)
+        model = load_model(source)
     merges = value(V.ARRAY, ["Ā ā"], V.STRING)
-    path = Layout.read(case.path).set_value("tokenizer.ggml.merges", merges)
+    path = Layout.read(source).set_value("tokenizer.ggml.merges", merges)
     path = path.write(tmp_path / case.path.name)
     f32 = 0  # GGML_TYPE_F32
     llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
@@ -155,7 +167,7 @@ def test_llama_cpp_reads_the_files_alike(case: Case, tmp_path: Path) -> None:
         theirs = np.array(llm.scores[: len(IDS)])
     finally:
         llm.close()
-    ours = _generator(case.model, "exact").forward(IDS, all_logits=True)
+    ours = _generator(model, "exact").forward(IDS, all_logits=True)
     ratio = np.abs(ours - theirs) / forward_bound(case.spec.n_layers, K_MAX, logit_scale(ours))
     assert ratio.max() <= 1, f"{case.spec.family}: llama.cpp differs by {ratio.max():.3g} bounds"
     assert (ours.argmax(1) == theirs.argmax(1)).all()

@@ -43,6 +43,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -72,13 +74,12 @@ EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
 class TinySpec:
     """One tiny model: its family and the traits the tests vary."""
 
-    family: (
-        str  # gemma2 | phi3 | llama | qwen2 | gemma3 | qwen3 | olmo2 | qwen3moe | olmoe | mixtral
-    )
+    # gemma2 | phi3 | llama | qwen2 | gemma3 | qwen3 | olmo2 | qwen3moe | olmoe | mixtral | gpt-oss
+    family: str
     n_layers: int
     rope_theta: float
     tied: bool  # the head shares token_embd.weight (no output.weight in the GGUF)
-    sliding_window: int = 0  # gemma2, gemma3
+    sliding_window: int = 0  # gemma2, gemma3, gpt-oss
     seed: int = 0
     # gemma2: the caps of the attention scores and of the logits (0: none)
     attn_softcap: float = 0.0
@@ -123,6 +124,10 @@ SPECS: dict[str, TinySpec] = {
     "qwen3moe": TinySpec("qwen3moe", n_layers=2, rope_theta=1_000_000.0, tied=False, seed=6),
     "olmoe": TinySpec("olmoe", n_layers=2, rope_theta=10_000.0, tied=False, seed=7),
     "mixtral": TinySpec("mixtral", n_layers=2, rope_theta=1_000_000.0, tied=False, seed=8),
+    # even layers local (window 4), odd ones global; MXFP4 experts whatever the file type
+    "gpt-oss": TinySpec(
+        "gpt-oss", n_layers=3, rope_theta=150_000.0, tied=False, sliding_window=4, seed=9
+    ),
 }
 
 _ARCH = {
@@ -136,6 +141,7 @@ _ARCH = {
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp's converter writes Mixtral as llama
+    "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
 }
 
 _DIMS = dict(
@@ -152,8 +158,9 @@ GEMMA_LOCAL_ROPE_BASE = 10000.0  # llama.cpp (and DynaLM) hard-code gemma3's loc
 # The mixture-of-experts families and their experts: 8 per layer, 2 chosen per token, each a
 # SwiGLU FFN 32 wide (qwen3moe's dense intermediate_size stays 128, unused, as the converter
 # writes it as feed_forward_length)
-MOE = ("qwen3moe", "olmoe", "mixtral")
+MOE = ("qwen3moe", "olmoe", "mixtral", "gpt-oss")
 N_EXPERTS, N_EXPERTS_USED, EXPERT_FF = 8, 2, 32
+MXFP4 = GGMLQuantizationType.MXFP4
 
 
 def gguf_arch(spec: TinySpec) -> str:
@@ -247,6 +254,16 @@ def _config(spec: TinySpec) -> PretrainedConfig:
             router_jitter_noise=0.0,
             sliding_window=None,
         )
+    if spec.family == "gpt-oss":
+        # biases on q/k/v/o, the router and the experts; attention sinks; layer_types by
+        # default: even layers sliding
+        return GptOssConfig(
+            **(common | dict(intermediate_size=EXPERT_FF, rms_norm_eps=1e-5)),
+            **experts,
+            num_local_experts=N_EXPERTS,
+            sliding_window=spec.sliding_window,
+            attention_bias=True,
+        )
     if spec.family == "gemma3":
         assert spec.tied, "llama.cpp's gemma3 always ties the head to the embeddings"
         layer_types = [
@@ -279,6 +296,7 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "qwen3moe": Qwen3MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "gpt-oss": GptOssForCausalLM,
 }
 
 
@@ -291,6 +309,10 @@ def reference_model(spec: TinySpec, std: float = 0.5) -> PreTrainedModel:
     with torch.no_grad():
         for param in model.parameters():  # tied parameters are listed once
             param.normal_(0.0, std)
+        if spec.family == "gpt-oss":  # released with MXFP4 experts: the reference's are too
+            for name, param in model.named_parameters():
+                if name.endswith(_EXPERT_STACKS):
+                    param.copy_(_gpt_oss_mxfp4(param))
     if spec.family == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
     if spec.tied:
@@ -298,6 +320,17 @@ def reference_model(spec: TinySpec, std: float = 0.5) -> PreTrainedModel:
     else:
         assert model.lm_head.weight is not model.model.embed_tokens.weight
     return model
+
+
+_EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _gpt_oss_mxfp4(param: torch.Tensor) -> torch.Tensor:
+    """A gpt-oss expert stack rounded to MXFP4 as the GGUF stores it: transformers keeps it
+    transposed ([E, in, out]), the file [E, out, in] with blocks of 32 along ``in``."""
+    w = param.detach().transpose(-1, -2).numpy()
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(w, MXFP4), MXFP4).reshape(w.shape)
+    return torch.from_numpy(rounded).transpose(-1, -2)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -320,12 +353,30 @@ def _quantizable(gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> 
     )
 
 
+def _stored_type(
+    spec: TinySpec,
+    gguf_name: str,
+    w: np.ndarray,
+    qtype: GGMLQuantizationType,
+    released_experts: bool = True,
+) -> GGMLQuantizationType:
+    """The type the converter stores GGUF tensor ``gguf_name`` as: gpt-oss's experts are
+    MXFP4 in the released checkpoints and written as they are, whatever the file type (a
+    checkpoint whose experts are not MXFP4, ``released_experts`` False, gets them as
+    any weight)."""
+    if spec.family == "gpt-oss" and gguf_name.endswith("_exps.weight") and released_experts:
+        return MXFP4
+    return qtype if _quantizable(gguf_name, w, qtype) else GGMLQuantizationType.F32
+
+
 def _hf_quantized(hf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> bool:
     """`_quantizable` for the transformers parameter ``hf_name``, whose GGUF tensors carry the
-    same values (the stacked experts have no ``.weight`` suffix; ``mlp.gate`` is a router)."""
-    if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+    same values (the stacked experts have no ``.weight`` suffix; ``mlp.gate`` and gpt-oss's
+    ``mlp.router`` are routers)."""
+    if hf_name.endswith(_EXPERT_STACKS):
         return qtype != GGMLQuantizationType.F32
-    return _quantizable(hf_name.replace("mlp.gate.weight", "ffn_gate_inp.weight"), w, qtype)
+    router = hf_name.replace("mlp.gate.weight", "ffn_gate_inp.weight")
+    return _quantizable(router.replace("mlp.router.weight", "ffn_gate_inp.weight"), w, qtype)
 
 
 def _expert_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -336,6 +387,24 @@ def _expert_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]
         return [(f"{base}.down_proj.weight", w)]
     ff = w.shape[1] // 2
     return [(f"{base}.gate_proj.weight", w[:, :ff]), (f"{base}.up_proj.weight", w[:, ff:])]
+
+
+def _gpt_oss_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A gpt-oss parameter as the converter writes it (``GptOssModel``): the sinks get a
+    ``.weight`` suffix; the experts, stored transposed ([E, in, out]), are transposed back
+    and gate_up_proj (and its bias) de-interleaved: even columns the gate, odd the up."""
+    if hf_name.endswith("self_attn.sinks"):
+        return [(f"{hf_name}.weight", w)]
+    if not hf_name.endswith(("experts.gate_up_proj", "experts.down_proj", "_bias")):
+        return [(hf_name, w)]
+    base = hf_name.rsplit(".", 1)[0]
+    bias = hf_name.endswith("_bias")
+    suffix = "bias" if bias else "weight"
+    w = w if bias else w.swapaxes(-1, -2)  # [E, out, in]
+    if "down_proj" in hf_name:
+        return [(f"{base}.down_proj.{suffix}", w)]
+    gate, up = (w[..., 0::2], w[..., 1::2]) if bias else (w[:, 0::2], w[:, 1::2])
+    return [(f"{base}.gate_proj.{suffix}", gate), (f"{base}.up_proj.{suffix}", up)]
 
 
 def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray]:
@@ -355,7 +424,9 @@ def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray
         if spec.family in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1.0
         parts = [(hf_name, w)]
-        if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if spec.family == "gpt-oss":
+            parts = _gpt_oss_tensors(hf_name, w)
+        elif hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             parts = _expert_tensors(hf_name, w)
         for part, value in parts:
             name = names.get_name(part, try_suffixes=(".weight", ".bias"))
@@ -381,13 +452,14 @@ def write_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     pooling_type: gguf.PoolingType | None = None,
     for_llama_cpp: bool = False,
+    released_experts: bool = True,
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``; with a
     ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
     writes Qwen3-Embedding's). ``for_llama_cpp``: what llama.cpp's vocabulary loader asks
     of the tiny tokenizer besides: one BPE merge (it refuses none), ``a b`` into the last
     token (no test's ids hold it), and a name without "phi3", whose SPM token rules want
-    ``</s>``."""
+    ``</s>``. ``released_experts``: see `_stored_type`."""
     cfg = model.config
     writer = gguf.GGUFWriter(path, gguf_arch(spec))
     writer.add_name(f"tiny-{spec.family}".replace("phi3", "p3" if for_llama_cpp else "phi3"))
@@ -419,13 +491,15 @@ def write_gguf(
         writer.add_sliding_window(cfg.sliding_window)
     if _ARCH[spec.family] == gguf.MODEL_ARCH.LLAMA:
         writer.add_rope_dimension_count(cfg.head_dim)
-    if spec.family == "gemma3":
+    if spec.family in ("gemma3", "gpt-oss"):
         writer.add_sliding_window(cfg.sliding_window)
-    if spec.family in MOE:  # TextModel.set_gguf_parameters; Qwen2MoeModel's expert width
+    if spec.family in MOE:  # TextModel.set_gguf_parameters; the experts' width
         writer.add_expert_count(N_EXPERTS)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         if spec.family == "qwen3moe":
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if spec.family == "gpt-oss":
+            writer.add_expert_feed_forward_length(cfg.intermediate_size)
     if pooling_type is not None:
         writer.add_pooling_type(pooling_type)
     writer.add_file_type(
@@ -448,8 +522,9 @@ def write_gguf(
     writer.add_eos_token_id(EOS_ID)
 
     for name, w in gguf_tensors(model, spec).items():
-        if _quantizable(name, w, qtype):
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        stored = _stored_type(spec, name, w, qtype, released_experts)
+        if stored != GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, stored), raw_dtype=stored)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()
@@ -463,11 +538,15 @@ def dequantize_weights(model: PreTrainedModel, qtype: GGMLQuantizationType) -> N
     """Round the reference's weights exactly as `write_gguf` stores them with ``qtype``.
 
     Quantisation blocks run along rows, so llama's q/k row permutation and the split of
-    the experts' gate_up_proj commute with it.
+    the experts' gate_up_proj commute with it. gpt-oss's experts are MXFP4 already
+    (`reference_model`) and stay so in the file.
     """
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights come once
             w = param.detach().numpy()
+            if gpt_oss and name.endswith(_EXPERT_STACKS):
+                continue
             if _hf_quantized(name, w, qtype):
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
                 param.copy_(torch.from_numpy(rounded.reshape(w.shape)))

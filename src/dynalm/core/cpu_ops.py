@@ -208,10 +208,12 @@ def attention(
     window: int,
     *,
     softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """Store this step's k/v in the layer's pages, then causal (optionally windowed)
     attention of each sequence's queries over its whole paged context, the scaled scores
-    capped at ``softcap * tanh(s / softcap)`` when ``softcap`` > 0; with recent
+    capped at ``softcap * tanh(s / softcap)`` when ``softcap`` > 0, each head's ``sinks``
+    logit (f32 [n_heads]) one more term of its softmax's denominator; with recent
     buffers, keys and values within ``kv.recent`` positions of a query are read in f16
     (see ``kv_cache``), and the step's last ``kv.recent`` tokens are stored there after."""
     kv = batch.kv
@@ -252,9 +254,16 @@ def attention(
             np.tanh(scores, out=scores)
             scores *= np.float32(softcap)
         scores[..., masked] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
+        top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = sinks.reshape(n_kv_heads, group, 1, 1)
+            top = np.maximum(top, sink)
+        scores -= top
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
+        total = scores.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total += np.exp(sink - top)
+        scores /= total
         if recent:
             near_weights = np.where(near, scores[..., lo:], 0)
             scores[..., lo:] -= near_weights

@@ -161,6 +161,7 @@ def _attention(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     for shape, heads in zip(shapes, (n_heads, n_kv, n_kv), strict=True):
         _heads(_width(shape), head_dim, heads)
         _expect("the rows of k and v", shape[:1], shapes[0][:1])
+    _expect("the sinks", weights[0], (n_heads,))
     return (shapes[0][0], n_heads * head_dim)
 
 
@@ -296,6 +297,9 @@ _TABLE = (
     OpDef("attention",
           (Operand("q", strided=True), Operand("k", strided=True), Operand("v", strided=True)),
           _attention,
+          # sinks (gpt-oss's): a learned logit per head, one more term of the softmax's
+          # denominator (no value): the weights may sum to less than 1
+          (WeightSlot("sinks", optional=True),),
           attrs=(Attr("layer", int, min=0), Attr("n_heads", int, min=1),
                  Attr("n_kv_heads", int, min=1), _HEAD_DIM, Attr("scale", float),
                  Attr("window", int, 0, min=0),

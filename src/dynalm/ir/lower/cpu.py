@@ -203,8 +203,9 @@ class CpuBinder(Binder):
         return lambda: cpu_ops.rope(v[o], v[args[0]], v[args[1]], table, *shape)
 
     def _attention(self, node: Node) -> Call:
-        v, (q, k, vv), o, out, ins, *_ = self._operands(node)
+        v, (q, k, vv), o, out, ins, *_, w = self._operands(node)
         a = node.attrs
+        sinks = self.prepare(w[0], "vector") if w else None  # gpt-oss's per-head logits
         pos = self.buffers.view_of[self.graph.inputs["positions"].id]
         layer, n_kv, head_dim = a["layer"], a["n_kv_heads"], a["head_dim"]
         if self._native and attention.supported(head_dim, "f32"):
@@ -217,11 +218,13 @@ class CpuBinder(Binder):
                 out,
                 *ins,
                 softcap=a.get("softcap", 0.0),
+                sinks=sinks,
                 backend=self._backend,
             )
         attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
+        how = {"softcap": a.get("softcap", 0.0), "sinks": sinks}
         return lambda: cpu_ops.attention(
-            v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs, softcap=a.get("softcap", 0.0)
+            v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs, **how
         )
 
     def _add(self, node: Node) -> Call:
