@@ -70,17 +70,21 @@ def attend(
     threads,
     backend=None,
     softcap=0.0,
+    sinks=None,
 ):
     """The kernel's output for one step (it stores the step's k/v in the pool first)."""
     step = StepLayout()
     step.set(batch, positions)
     out = np.full((len(q), heads * head_dim), np.nan, np.float32)
     geometry = (heads, kv_heads, head_dim, scale, window, threads)
-    PagedAttention(step, 0, *geometry, out, q, k, v, softcap=softcap, backend=backend)()
+    how = {"softcap": softcap, "sinks": sinks, "backend": backend}
+    PagedAttention(step, 0, *geometry, out, q, k, v, **how)()
     return out
 
 
-def attention_bound(pool, tables, lengths, q, heads, head_dim, scale, softcap=0.0) -> np.ndarray:
+def attention_bound(
+    pool, tables, lengths, q, heads, head_dim, scale, softcap=0.0, sinks=None
+) -> np.ndarray:
     """Per token and query head, how far two fp32 attentions may differ (`sum_bound`, each
     way): a score's dot product of head_dim terms errs by at most ``sum_bound(head_dim,
     scale * |q| * |k|)`` (Cauchy-Schwarz), which is a relative error of the key's weight
@@ -91,7 +95,9 @@ def attention_bound(pool, tables, lengths, q, heads, head_dim, scale, softcap=0.
     adds its own rounding: s / c (U |s| after the cap), the kernel's tanh through exp
     (e = exp(-2|y|) within 2U relative, times |d tanh / de| <= 2, then 1 - e, 1 + e and
     the division: 7U absolute; numpy's tanh 1U more), and the product with c (U c): at
-    most 10 U (c + |s|) a score, each way."""
+    most 10 U (c + |s|) a score, each way. A sink's term exp(sink - max) errs as a score
+    does by the rounding of its exponent (U (|sink| + |max|)) and of exp (2 U), each way;
+    the normaliser's sum has one more term."""
     keys, values = [], []
     for table, n in zip(tables, lengths, strict=True):
         k, v = pool.storage.read(0, pool.slots(table, 0, n))
@@ -104,6 +110,10 @@ def attention_bound(pool, tables, lengths, q, heads, head_dim, scale, softcap=0.
     score = 2 * sum_bound(head_dim, scale * q_norm * k_max)
     if softcap:
         score = score + 2 * 10 * U * (softcap + scale * q_norm * k_max)
+    if sinks is not None:
+        sink = np.abs(sinks).reshape(1, heads, 1)
+        score = np.maximum(score, 2 * U * (sink + scale * q_norm * k_max + 2))
+        n_max += 1
     per_head = 2 * v_max * (2 * score + 2 * sum_bound(n_max, 1.0) + 4 * U)
     return np.broadcast_to(per_head, (len(q), heads, head_dim)).reshape(len(q), -1)
 
@@ -206,6 +216,43 @@ def test_softcap_matches_numpy_and_every_backend(backend: backends.Backend, dtyp
     _, batch, *_ = ragged_step(dtype, seqs)
     uncapped = attend(batch, positions, q, k, v, *geometry)
     assert (np.abs(uncapped - ref) / bound).max() > 100
+
+
+SINK_STEPS = [
+    # a prefill of 5 in one chunk, one of 3 over two chunks (290 keys), a 1-token sequence:
+    # enough items for the ``items`` schedule, which folds an item's chunks on one thread
+    [([3, 7, 1], 40, 5), ([*range(30, 49)], 290, 3), ([9], 1, 1)],
+    # one decode token over two chunks (300 keys): ``parts`` on two threads, then ``merge``
+    [([*range(10, 29)], 300, 1)],
+]
+
+
+@pytest.mark.parametrize("seqs", SINK_STEPS, ids=["items", "parts-merge"])
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
+def test_sinks_match_numpy_and_every_backend(backend: backends.Backend, dtype: str, seqs):
+    """gpt-oss's sinks (a logit per head in the softmax's denominator): within the numpy
+    reference's budget, bitwise the same on every backend and twin as on the selected one,
+    in both schedules of split-K chunks; sinks from far below the scores to far above them
+    (the output then near 0), and the sinks matter."""
+    scale = 0.25
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, scale, 0, 2)
+    sinks = np.linspace(-20.0, 30.0, HEADS).astype(np.float32)
+    pool, batch, positions, q, k, v = ragged_step(dtype, seqs, n_pages=64)
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry[:-1], sinks=sinks)
+    expected = attend(batch, positions, q, k, v, *geometry, sinks=sinks)
+    ours, batch, *_ = ragged_step(dtype, seqs, n_pages=64)
+    out = attend(batch, positions, q, k, v, *geometry, backend=runnable(backend), sinks=sinks)
+    assert np.array_equal(out, expected)
+    assert_same_pages(ours, pool)
+    bound = attention_bound(pool, *tables(batch), q, HEADS, HEAD_DIM, scale, sinks=sinks)
+    assert_close(out, ref, bound)
+    _, batch, *_ = ragged_step(dtype, seqs, n_pages=64)
+    sinkless = attend(batch, positions, q, k, v, *geometry)
+    assert (np.abs(sinkless - ref) / bound).max() > 100
+    last = np.abs(ref.reshape(len(q), HEADS, HEAD_DIM))[:, -1]  # sink e^30: the rest ~0
+    assert last.max() < 1e-6
 
 
 def test_rotated_q8_0_keys_with_outlier_channels_halve_the_error_of_plain_q8_0():

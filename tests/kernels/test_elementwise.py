@@ -62,6 +62,43 @@ def test_gated(activation: str, rows: int, width: int):
     assert (np.abs(out - expected) <= 16 * U * (np.abs(expected) + np.abs(gate * up))).all()
 
 
+OAI = {"alpha": 1.702, "limit": 7.0}  # gpt-oss's (transformers' GptOssConfig defaults)
+
+
+def oai_reference(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
+    cpu_ops.swiglu_oai(out, gate, up, OAI["alpha"], OAI["limit"])
+
+
+def oai_budget(expected: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """`test_gated`'s budget, the product's magnitude that of the clamped operands."""
+    g = np.minimum(gate, OAI["limit"])
+    u = np.clip(up, -OAI["limit"], OAI["limit"]) + 1
+    return 16 * U * (np.abs(expected) + np.abs(g * u))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [*WIDTHS, 1536])
+def test_swiglu_oai(rows: int, width: int):
+    """gpt-oss's gate: both clamps reached (|gate|, |up| up to ~30 past the limit 7),
+    exp's clamp too, against the numpy reference and against torch's formula
+    (transformers' ``GptOssExperts._apply_gate``, here in float64)."""
+    gate, up = rand(rows, width, scale=8, seed=3), rand(rows, width, scale=8, seed=4)
+    specials = [-200.0, 200.0, 0.0, -1e-20, 7.0, -7.0][: gate.size]
+    gate.flat[: len(specials)] = specials
+    up.flat[: len(specials)] = specials[::-1]
+    if gate.size > 64:
+        assert (gate > 7).any() and (up > 7).any() and (up < -7).any()
+    expected, out = np.empty_like(gate), np.empty_like(gate)
+    oai_reference(expected, gate, up)
+    g, u = np.minimum(gate.astype(np.float64), 7.0), np.clip(up.astype(np.float64), -7, 7)
+    with np.errstate(over="ignore"):
+        torch_formula = (u + 1) * (g / (1 + np.exp(-1.702 * g)))
+    assert (np.abs(expected - torch_formula) <= oai_budget(expected, gate, up)).all()
+    elementwise.gated(out, gate, up, "swiglu_oai", **OAI)()
+    assert np.isfinite(out).all()
+    assert (np.abs(out - expected) <= oai_budget(expected, gate, up)).all()
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", WIDTHS)
 def test_rms_norm(rows: int, width: int):
@@ -174,6 +211,12 @@ def test_every_backend(backend: backends.Backend):
             assert (np.abs(out - expected) <= 16 * U * (np.abs(expected) + np.abs(x * y))).all()
             elementwise.gated(selected, x, y, activation)()
             np.testing.assert_array_equal(out, selected)
+        x8 = x * 4  # past the clamps
+        elementwise.gated(out, x8, y * 8, "swiglu_oai", **OAI, **on)()
+        oai_reference(expected, x8, y * 8)
+        assert (np.abs(out - expected) <= oai_budget(expected, x8, y * 8)).all()
+        elementwise.gated(selected, x8, y * 8, "swiglu_oai", **OAI)()
+        np.testing.assert_array_equal(out, selected)
         w = rand(width, seed=14)
         elementwise.rms_norm(out, x, w, 1e-6, **on)()
         cpu_ops.rms_norm(expected, x, w, 1e-6)
@@ -208,6 +251,7 @@ def test_bindings_refuse_buffers_the_kernel_would_overrun():
     cases = [
         (lambda: elementwise.add(x, x, rand(4, 63)), r"y: expected float32 \[4, 64\]"),
         (lambda: elementwise.gated(x, x, x, "relu"), "unknown gate activation"),
+        (lambda: elementwise.gated(x, x, x, "swiglu_oai", limit=-1.0), "limit -1.0"),
         (lambda: elementwise.rms_norm(x, x, rand(63), 1e-5), r"weight: expected float32 \[64\]"),
         (lambda: elementwise.rms_norm(x, x, rand(64), float("nan")), "epsilon nan"),
         (

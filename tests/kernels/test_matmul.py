@@ -7,8 +7,9 @@ IR), so AVX-512 numerics are tested on an AVX2-only host too. ``auto`` kernels o
 backend and twin give bitwise the same output (exact integer sums, same float order).
 
 Every supported format x mode x path (GEMV T=1, small batches, prefill-sized T) on shapes
-whose N is not a multiple of any tile. Legacy formats quantise random weights with gguf;
-K-quants (which gguf cannot quantise) are random valid blocks. Budgets: ``exact``, every
+whose N is not a multiple of any tile. Legacy formats and MXFP4 quantise random weights
+with gguf; K-quants and IQ4_NL / IQ4_XS (which gguf cannot quantise) are random valid
+blocks. Budgets: ``exact``, every
 output within the rounding of an fp32 sum of its K products (`tolerances.sum_bound`);
 ``auto``, rms error < 1e-2 of the output rms: activations rounded to int8 per 32-block
 (as ggml's Q8_0/Q8_1 vec_dot types) move each by up to 1/254 of its block's largest, an
@@ -34,6 +35,9 @@ from tolerances import sum_bound
 
 LEGACY = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+# 4-bit indices into a 16-value table (``kernel.formats.Table``): blocks of 32, 256, 32
+TABLES = [T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+SUPER_BLOCKS = {*K_QUANTS, T.IQ4_XS}  # formats of 256-weight blocks
 N = 67
 
 
@@ -46,8 +50,9 @@ def weights(ggml_type: T, n: int, k: int) -> np.ndarray:
         return w.view(np.uint8)
     if ggml_type in (T.F16, T.BF16):
         return quants.quantize(w, ggml_type).view(np.uint8)
-    if ggml_type in K_QUANTS:
-        return random_blocks(ggml_type, n * k // QK_K, rng).reshape(n, -1)
+    if ggml_type in K_QUANTS or ggml_type in (T.IQ4_NL, T.IQ4_XS):
+        per = QK_K if ggml_type in SUPER_BLOCKS else 32
+        return random_blocks(ggml_type, n * k // per, rng).reshape(n, -1)
     return quants.quantize(w, ggml_type)
 
 
@@ -75,7 +80,8 @@ def check(y: np.ndarray, raw: np.ndarray, ggml_type: T, x: np.ndarray, mode: str
 @pytest.mark.parametrize(
     ("ggml_type", "k"),
     [(t, k) for t in LEGACY for k in (64, 576, 1536)]
-    + [(t, k) for t in K_QUANTS for k in (256, 1536)],
+    + [(t, k) for t in K_QUANTS for k in (256, 1536)]
+    + [(t, k) for t in TABLES for k in ((256, 1536) if t in SUPER_BLOCKS else (64, 576))],
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_matches_reference(ggml_type: T, mode: str, k: int) -> None:
@@ -101,7 +107,9 @@ def runnable(backend: backends.Backend) -> backends.Backend:
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 @pytest.mark.parametrize(
-    "ggml_type", [T.F16, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K, T.Q4_K, T.Q2_K], ids=lambda t: t.name
+    "ggml_type",
+    [T.F16, T.Q4_1, T.Q5_0, T.Q8_0, T.Q6_K, T.Q4_K, T.Q2_K, *TABLES],
+    ids=lambda t: t.name,
 )
 @pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
 def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> None:
@@ -115,7 +123,7 @@ def test_every_backend(backend: backends.Backend, ggml_type: T, mode: str) -> No
 @pytest.mark.slow  # every backend of every format compiled
 @pytest.mark.parametrize(
     "ggml_type",
-    [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K],
+    [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, *TABLES],
     ids=lambda t: t.name,
 )
 def test_auto_backends_agree_bitwise(ggml_type: T) -> None:
@@ -131,6 +139,22 @@ def test_auto_backends_agree_bitwise(ggml_type: T) -> None:
         ys = [mm(x) for mm in mms]
         for b, y in zip(here[1:], ys[1:], strict=True):
             assert np.array_equal(y, ys[0]), f"T={t_rows}: {b.name} differs from {here[0].name}"
+
+
+@pytest.mark.parametrize("backend", [backends.host_best(), backends.GENERIC], ids=lambda b: b.name)
+def test_every_mxfp4_exponent_is_read_as_ggml_reads_it(backend: backends.Backend) -> None:
+    """MXFP4's e8m0 byte e is 2**(e - 128) in the kernels too, the denormals of e = 0, 1
+    included: an exact matmul by the identity gives each weight back bitwise (one product
+    by 1.0, the rest zeros), row e holding blocks of exponent e (up to 252: 12 * 2**124,
+    the largest that stays finite)."""
+    rng = np.random.default_rng(39)
+    n, k = 253, 64
+    raw = rng.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(n, dtype=np.uint8)[:, None]
+    raw = raw.reshape(n, -1)
+    mm = QuantMatmul(raw, T.MXFP4, k, mode="exact", backend=runnable(backend))
+    y = mm(np.eye(k, dtype=np.float32))
+    np.testing.assert_array_equal(y, dequantize(raw, T.MXFP4, k).T)
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
@@ -263,7 +287,7 @@ def test_avx2_prefill_batches_run_on_the_wide_tile() -> None:
 # N: within one tile (24 rows: 3 whole groups; 20: a partial third), 67 (a partial group
 # past two tiles), 203 (several); T: tiles of 3 with 0, 1 or 2 rows over the edge.
 @pytest.mark.parametrize(
-    "ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_1], ids=lambda t: t.name
+    "ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_1, *TABLES], ids=lambda t: t.name
 )
 @pytest.mark.parametrize("backend", [backends.AVX2, backends.AVX2.twin()], ids=lambda b: b.name)
 def test_the_wide_tile_at_edge_shapes_equals_the_other_tiles(
@@ -273,7 +297,7 @@ def test_the_wide_tile_at_edge_shapes_equals_the_other_tiles(
     (and the generic backend's), whatever N, T and K leave over its 3 x 24 tile."""
     # K = 9 blocks of 32 (an odd count); not test_jit's K (96, 160, 224): it counts its
     # kernels as they are compiled (one compiled here first is loaded, not compiled)
-    k = 256 if ggml_type in K_QUANTS else 288
+    k = 256 if ggml_type in SUPER_BLOCKS else 288
     for n in (20, 24, 67, 203):
         raw = weights(ggml_type, n, k)
         mm = QuantMatmul(raw, ggml_type, k, mode="auto", backend=runnable(backend))
@@ -365,6 +389,26 @@ def test_amx_lowers_to_tile_instructions() -> None:
         assert ops.count("ldtilecfg") == 1 and ops.count("tilerelease") == 1
         assert ops.count("tdpbsud") == ops.count("tilezero") == ops.count("tilestored") == keys
         assert ops.count("tileloadd") == 1 + keys
+
+
+@pytest.mark.parametrize("ggml_type", TABLES, ids=lambda t: t.name)
+def test_table_formats_decode_by_byte_shuffles_on_x86(ggml_type: T) -> None:
+    """A 16-value table's nibbles decode by ``pshufb`` on AVX2 and AVX-512 (assembly only,
+    any host): one per block and row in the exact GEMV (4 rows x 4 blocks, then the rest
+    loop's 4), one per chunk of 4 elements in the auto GEMV, and none of the portable
+    form's compares; the twins' compare-and-select form is tested bitwise against them
+    above, the AArch64 ``tbl`` in test_neon."""
+    from dynalm.kernel import jit
+    from dynalm.kernel.matmul_programs import MATMUL
+
+    for backend in (backends.AVX2, backends.AVX512):
+        features = ",".join(f"+{f}" for f in backend.requires)
+        for mode, shuffles in (("exact", 20), ("auto", 8)):
+            spec = {"k_blocks": 16, "ggml_type": int(ggml_type), "mode": mode, "mr": 1}
+            asm = jit.assembly(backend.module(MATMUL, spec).text(), features)
+            ops = re.findall(r"^\s+(vpshufb|vpcmpeqb)\b", asm, re.M)
+            assert ops.count("vpshufb") == shuffles, (backend.name, mode)
+            assert "vpcmpeqb" not in ops, (backend.name, mode)
 
 
 def test_int8_probes_multiply_once_per_chain_and_round() -> None:

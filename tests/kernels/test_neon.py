@@ -38,7 +38,7 @@ from test_attention import (
     ragged_step,
     tables,
 )
-from test_matmul import K_QUANTS, LEGACY, N, activations, check, weights
+from test_matmul import K_QUANTS, LEGACY, TABLES, N, activations, check, weights
 
 from dynalm.core import cpu_ops
 from dynalm.core.attention import PagedAttention, StepLayout
@@ -98,7 +98,7 @@ class Run:
 def _matmul_calls(h: Harness, b: backends.Backend, run: Run) -> dict:
     """Every format x mode x bucket; returns the argument blocks the pool test reuses."""
     arena, nb, reuse = h.arena, K // QK, {}
-    for ggml_type in LEGACY + K_QUANTS:
+    for ggml_type in LEGACY + K_QUANTS + TABLES:
         raw = weights(ggml_type, N, K)
         for mode in _modes(ggml_type):
             u = UNPACKS[ggml_type]
@@ -250,7 +250,7 @@ HOST_BACKENDS = [b for b in backends.BACKENDS if not b.missing()]
 
 def test_matmuls_match_reference_and_auto_is_bitwise_the_hosts(emulated) -> None:
     b, run = emulated
-    for ggml_type in LEGACY + K_QUANTS:
+    for ggml_type in LEGACY + K_QUANTS + TABLES:
         raw = weights(ggml_type, N, K)
         for mode in _modes(ggml_type):
             for t_rows in T_ROWS:

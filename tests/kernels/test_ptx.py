@@ -131,7 +131,8 @@ def run_grid(entry: nvptx.HostEntry, args: int, rows: int) -> None:
 @pytest.mark.parametrize(
     ("ggml_type", "mode", "t_rows"),
     [(T.Q4_1, "auto", 1), (T.Q4_1, "auto", 5), (T.Q4_1, "exact", 1), (T.Q8_0, "auto", 3),
-     (T.Q4_K, "auto", 1), (T.Q6_K, "exact", 4)],
+     (T.Q4_K, "auto", 1), (T.Q6_K, "exact", 4), (T.IQ4_NL, "auto", 5), (T.IQ4_XS, "exact", 1),
+     (T.MXFP4, "auto", 1)],
     ids=str,
 )  # fmt: skip
 def test_grid_matmul_is_the_cpu_kernel(ggml_type: T, mode: str, t_rows: int) -> None:
@@ -192,7 +193,7 @@ def test_twin_mma_is_the_ptx_isa_fragment_product() -> None:
 @pytest.mark.parametrize(
     ("ggml_type", "n", "k_blocks", "t_rows"),
     [(T.Q4_1, 67, 8, 21), (T.Q8_0, 13, 1, 16), (T.Q4_K, 20, 8, 37), (T.Q6_K, 9, 16, 17),
-     (T.Q5_0, 8, 3, 47)],
+     (T.Q5_0, 8, 3, 47), (T.IQ4_XS, 11, 8, 16), (T.MXFP4, 8, 2, 19)],
     ids=str,
 )  # fmt: skip
 def test_grid_mma_matmul_is_the_cpu_kernel(ggml_type: T, n: int, k_blocks: int, t_rows: int):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from test_matmul import K_QUANTS, activations, weights
+from test_matmul import K_QUANTS, TABLES, activations, weights
 
 from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import repack_cache
@@ -35,7 +35,9 @@ def entries(directory: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, *K_QUANTS], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, *K_QUANTS, *TABLES], ids=lambda t: t.name
+)
 def test_second_build_maps_the_first_ones_file(cache_dir: Path, ggml_type: T, mode: str):
     k = 512
     raw = weights(ggml_type, 67, k)

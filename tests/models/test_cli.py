@@ -172,7 +172,9 @@ def test_truncated_gguf(tmp_path: Path, smollm2_gguf: Path):
 
 def test_unsupported_tensor_type(tmp_path: Path):
     path = write_gguf(tmp_path / "iq.gguf", "llama", gguf.GGMLQuantizationType.IQ2_XXS)
-    assert_one_line_error(dynalm("run", str(path), "hi"), "IQ2_XXS")
+    assert_one_line_error(
+        dynalm("run", str(path), "hi"), "tensor 'token_embd.weight' has type IQ2_XXS"
+    )
 
 
 def test_unknown_architecture(tmp_path: Path):

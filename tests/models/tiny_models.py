@@ -1,9 +1,9 @@
 """Tiny random-weight models of several families, as transformers modules and as GGUF files.
 
 `reference_model` builds a small transformers model of a family (``gemma2``, ``phi3``,
-``llama``, ``qwen2``, ``gemma3``, ``qwen3``, ``olmo2``) with every parameter drawn at random,
-norms included (transformers initialises them to 0 or 1, which would hide a wrong norm
-convention).
+``llama``, ``qwen2``, ``gemma3``, ``qwen3``, ``olmo2``, and the mixtures of experts
+``qwen3moe``, ``olmoe``, ``mixtral``) with every parameter drawn at random, norms included
+(transformers initialises them to 0 or 1, which would hide a wrong norm convention).
 `write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
 with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
 
@@ -12,6 +12,11 @@ with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model
   llama.cpp's adjacent-pair layout;
 * gemma2, gemma3: ``+ 1`` added to every RMSNorm weight (q/k norms too), since Gemma's norm
   multiplies by ``1 + w``; the head is always tied to the embeddings;
+* mixtures of experts: transformers 5 keeps each layer's experts as two stacked parameters,
+  ``experts.gate_up_proj`` [E, 2 ff, d] and ``experts.down_proj`` [E, d, ff]; the converter
+  splits the first into ``ffn_gate_exps`` and ``ffn_up_exps`` [E, ff, d] (numpy order) and
+  writes the router (``ffn_gate_inp``) in F32 whatever the file type; Mixtral is written as
+  GGUF architecture ``llama`` (q/k permuted) with ``blk.N.ffn_*_exps`` tensors;
 * phi3: q/k/v and gate/up stay fused (``attn_qkv``, ``ffn_up``); with LongRoPE, the short
   and long frequency factors as the tensors ``rope_factors_short/long.weight`` and the
   attention factor ``sqrt(1 + ln(s) / ln(orig))`` (s = max / original positions) as
@@ -38,10 +43,16 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PretrainedConfig,
@@ -50,6 +61,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 300
@@ -61,11 +74,12 @@ EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
 class TinySpec:
     """One tiny model: its family and the traits the tests vary."""
 
-    family: str  # gemma2 | phi3 | llama | qwen2 | gemma3 | qwen3 | olmo2
+    # gemma2 | phi3 | llama | qwen2 | gemma3 | qwen3 | olmo2 | qwen3moe | olmoe | mixtral | gpt-oss
+    family: str
     n_layers: int
     rope_theta: float
     tied: bool  # the head shares token_embd.weight (no output.weight in the GGUF)
-    sliding_window: int = 0  # gemma2, gemma3
+    sliding_window: int = 0  # gemma2, gemma3, gpt-oss
     seed: int = 0
     # gemma2: the caps of the attention scores and of the logits (0: none)
     attn_softcap: float = 0.0
@@ -106,6 +120,14 @@ SPECS: dict[str, TinySpec] = {
     # families with no Python in DynaLM, only their .lum files
     "qwen3": TinySpec("qwen3", n_layers=2, rope_theta=1_000_000.0, tied=True, seed=4),
     "olmo2": TinySpec("olmo2", n_layers=2, rope_theta=500_000.0, tied=False, seed=5),
+    # mixtures of experts (`MOE`): N_EXPERTS experts per layer, N_EXPERTS_USED per token
+    "qwen3moe": TinySpec("qwen3moe", n_layers=2, rope_theta=1_000_000.0, tied=False, seed=6),
+    "olmoe": TinySpec("olmoe", n_layers=2, rope_theta=10_000.0, tied=False, seed=7),
+    "mixtral": TinySpec("mixtral", n_layers=2, rope_theta=1_000_000.0, tied=False, seed=8),
+    # even layers local (window 4), odd ones global; MXFP4 experts whatever the file type
+    "gpt-oss": TinySpec(
+        "gpt-oss", n_layers=3, rope_theta=150_000.0, tied=False, sliding_window=4, seed=9
+    ),
 }
 
 _ARCH = {
@@ -116,6 +138,10 @@ _ARCH = {
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp's converter writes Mixtral as llama
+    "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
 }
 
 _DIMS = dict(
@@ -129,6 +155,19 @@ _DIMS = dict(
     rms_norm_eps=1e-6,
 )
 GEMMA_LOCAL_ROPE_BASE = 10000.0  # llama.cpp (and DynaLM) hard-code gemma3's local base
+# The mixture-of-experts families and their experts: 8 per layer, 2 chosen per token, each a
+# SwiGLU FFN 32 wide (qwen3moe's dense intermediate_size stays 128, unused, as the converter
+# writes it as feed_forward_length)
+MOE = ("qwen3moe", "olmoe", "mixtral", "gpt-oss")
+N_EXPERTS, N_EXPERTS_USED, EXPERT_FF = 8, 2, 32
+MXFP4 = GGMLQuantizationType.MXFP4
+
+
+def gguf_arch(spec: TinySpec) -> str:
+    """The ``general.architecture`` the converter writes for ``spec``'s family."""
+    return gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
+
+
 LONG_ROPE_ORIGINAL = 16  # a LongRoPE phi3's trained context (max_position_embeddings: 256)
 
 
@@ -184,6 +223,47 @@ def _config(spec: TinySpec) -> PretrainedConfig:
         return Qwen3Config(**common, rope_parameters=rope)
     if spec.family == "olmo2":  # post-norms, an RMSNorm over all of q and of k
         return Olmo2Config(**common, rope_parameters=rope)
+    experts = dict(num_experts_per_tok=N_EXPERTS_USED, rope_parameters=rope)
+    if spec.family == "qwen3moe":  # qwen3's per-head q/k norms; every layer's FFN experts
+        # llama.cpp's qwen3moe graph always renormalises the chosen weights
+        return Qwen3MoeConfig(
+            **common,
+            **experts,
+            num_experts=N_EXPERTS,
+            moe_intermediate_size=EXPERT_FF,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if spec.family == "olmoe":
+        # olmo's q/k norms over all of q and of k, not renormalised; llama.cpp reads k's norm
+        # as d_model wide (no GQA) and its converter writes eps 1e-5 whatever the config says
+        own = dict(intermediate_size=EXPERT_FF, num_key_value_heads=4, rms_norm_eps=1e-5)
+        return OlmoeConfig(
+            **(common | own),
+            **experts,
+            num_experts=N_EXPERTS,
+            norm_topk_prob=False,
+            clip_qkv=None,
+        )
+    if spec.family == "mixtral":  # llama with experts, renormalised
+        return MixtralConfig(
+            **(common | dict(intermediate_size=EXPERT_FF)),
+            **experts,
+            num_local_experts=N_EXPERTS,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
+    if spec.family == "gpt-oss":
+        # biases on q/k/v/o, the router and the experts; attention sinks; layer_types by
+        # default: even layers sliding
+        return GptOssConfig(
+            **(common | dict(intermediate_size=EXPERT_FF, rms_norm_eps=1e-5)),
+            **experts,
+            num_local_experts=N_EXPERTS,
+            sliding_window=spec.sliding_window,
+            attention_bias=True,
+        )
     if spec.family == "gemma3":
         assert spec.tied, "llama.cpp's gemma3 always ties the head to the embeddings"
         layer_types = [
@@ -213,6 +293,10 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "gemma3": Gemma3ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "qwen3moe": Qwen3MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "gpt-oss": GptOssForCausalLM,
 }
 
 
@@ -225,6 +309,10 @@ def reference_model(spec: TinySpec, std: float = 0.5) -> PreTrainedModel:
     with torch.no_grad():
         for param in model.parameters():  # tied parameters are listed once
             param.normal_(0.0, std)
+        if spec.family == "gpt-oss":  # released with MXFP4 experts: the reference's are too
+            for name, param in model.named_parameters():
+                if name.endswith(_EXPERT_STACKS):
+                    param.copy_(_gpt_oss_mxfp4(param))
     if spec.family == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
     if spec.tied:
@@ -232,6 +320,17 @@ def reference_model(spec: TinySpec, std: float = 0.5) -> PreTrainedModel:
     else:
         assert model.lm_head.weight is not model.model.embed_tokens.weight
     return model
+
+
+_EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _gpt_oss_mxfp4(param: torch.Tensor) -> torch.Tensor:
+    """A gpt-oss expert stack rounded to MXFP4 as the GGUF stores it: transformers keeps it
+    transposed ([E, in, out]), the file [E, out, in] with blocks of 32 along ``in``."""
+    w = param.detach().transpose(-1, -2).numpy()
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(w, MXFP4), MXFP4).reshape(w.shape)
+    return torch.from_numpy(rounded).transpose(-1, -2)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -244,7 +343,68 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _quantizable(gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> bool:
-    return qtype != GGMLQuantizationType.F32 and w.ndim == 2 and gguf_name.endswith(".weight")
+    """Whether the converter stores GGUF tensor ``gguf_name`` as ``qtype``: the 2-D weights
+    and the stacked experts, but a router (``ffn_gate_inp``: always F32)."""
+    return (
+        qtype != GGMLQuantizationType.F32
+        and w.ndim in (2, 3)
+        and gguf_name.endswith(".weight")
+        and not gguf_name.endswith("ffn_gate_inp.weight")
+    )
+
+
+def _stored_type(
+    spec: TinySpec,
+    gguf_name: str,
+    w: np.ndarray,
+    qtype: GGMLQuantizationType,
+    released_experts: bool = True,
+) -> GGMLQuantizationType:
+    """The type the converter stores GGUF tensor ``gguf_name`` as: gpt-oss's experts are
+    MXFP4 in the released checkpoints and written as they are, whatever the file type (a
+    checkpoint whose experts are not MXFP4, ``released_experts`` False, gets them as
+    any weight)."""
+    if spec.family == "gpt-oss" and gguf_name.endswith("_exps.weight") and released_experts:
+        return MXFP4
+    return qtype if _quantizable(gguf_name, w, qtype) else GGMLQuantizationType.F32
+
+
+def _hf_quantized(hf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> bool:
+    """`_quantizable` for the transformers parameter ``hf_name``, whose GGUF tensors carry the
+    same values (the stacked experts have no ``.weight`` suffix; ``mlp.gate`` and gpt-oss's
+    ``mlp.router`` are routers)."""
+    if hf_name.endswith(_EXPERT_STACKS):
+        return qtype != GGMLQuantizationType.F32
+    router = hf_name.replace("mlp.gate.weight", "ffn_gate_inp.weight")
+    return _quantizable(router.replace("mlp.router.weight", "ffn_gate_inp.weight"), w, qtype)
+
+
+def _expert_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A stacked expert parameter as the converter's per-projection names (``Qwen2MoeModel.
+    modify_tensors``): gate_up_proj [E, 2 ff, d] splits into gate_proj and up_proj."""
+    base = hf_name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+    if hf_name.endswith(".down_proj"):
+        return [(f"{base}.down_proj.weight", w)]
+    ff = w.shape[1] // 2
+    return [(f"{base}.gate_proj.weight", w[:, :ff]), (f"{base}.up_proj.weight", w[:, ff:])]
+
+
+def _gpt_oss_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A gpt-oss parameter as the converter writes it (``GptOssModel``): the sinks get a
+    ``.weight`` suffix; the experts, stored transposed ([E, in, out]), are transposed back
+    and gate_up_proj (and its bias) de-interleaved: even columns the gate, odd the up."""
+    if hf_name.endswith("self_attn.sinks"):
+        return [(f"{hf_name}.weight", w)]
+    if not hf_name.endswith(("experts.gate_up_proj", "experts.down_proj", "_bias")):
+        return [(hf_name, w)]
+    base = hf_name.rsplit(".", 1)[0]
+    bias = hf_name.endswith("_bias")
+    suffix = "bias" if bias else "weight"
+    w = w if bias else w.swapaxes(-1, -2)  # [E, out, in]
+    if "down_proj" in hf_name:
+        return [(f"{base}.down_proj.{suffix}", w)]
+    gate, up = (w[..., 0::2], w[..., 1::2]) if bias else (w[:, 0::2], w[:, 1::2])
+    return [(f"{base}.gate_proj.{suffix}", gate), (f"{base}.up_proj.{suffix}", up)]
 
 
 def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray]:
@@ -252,19 +412,26 @@ def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray
     cfg = model.config
     names = gguf.get_tensor_name_map(_ARCH[spec.family], cfg.num_hidden_layers)
     out: dict[str, np.ndarray] = {}
+    permuted = _ARCH[spec.family] == gguf.MODEL_ARCH.LLAMA  # llama and mixtral
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and spec.tied:
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, f"no GGUF name for {hf_name}"
         w = tensor.detach().to(torch.float32).numpy().copy()
-        if spec.family == "llama" and hf_name.endswith("q_proj.weight"):
+        if permuted and hf_name.endswith("q_proj.weight"):
             w = _permute(w, cfg.num_attention_heads)
-        elif spec.family == "llama" and hf_name.endswith("k_proj.weight"):
+        elif permuted and hf_name.endswith("k_proj.weight"):
             w = _permute(w, cfg.num_key_value_heads)
         if spec.family in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1.0
-        out[name] = w
+        parts = [(hf_name, w)]
+        if spec.family == "gpt-oss":
+            parts = _gpt_oss_tensors(hf_name, w)
+        elif hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            parts = _expert_tensors(hf_name, w)
+        for part, value in parts:
+            name = names.get_name(part, try_suffixes=(".weight", ".bias"))
+            assert name is not None, f"no GGUF name for {part}"
+            out[name] = np.ascontiguousarray(value)
     if spec.long_rope:  # the converter's generate_extra_tensors
         for key, factors in long_rope_factors(spec).items():
             out[f"rope_factors_{key.split('_')[0]}.weight"] = np.array(factors, np.float32)
@@ -285,16 +452,16 @@ def write_gguf(
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     pooling_type: gguf.PoolingType | None = None,
     for_llama_cpp: bool = False,
+    released_experts: bool = True,
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``; with a
     ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
     writes Qwen3-Embedding's). ``for_llama_cpp``: what llama.cpp's vocabulary loader asks
     of the tiny tokenizer besides: one BPE merge (it refuses none), ``a b`` into the last
     token (no test's ids hold it), and a name without "phi3", whose SPM token rules want
-    ``</s>``."""
+    ``</s>``. ``released_experts``: see `_stored_type`."""
     cfg = model.config
-    arch = gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, gguf_arch(spec))
     writer.add_name(f"tiny-{spec.family}".replace("phi3", "p3" if for_llama_cpp else "phi3"))
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -322,10 +489,17 @@ def write_gguf(
         writer.add_attn_logit_softcapping(spec.attn_softcap)
         writer.add_final_logit_softcapping(spec.final_softcap)
         writer.add_sliding_window(cfg.sliding_window)
-    if spec.family == "llama":
+    if _ARCH[spec.family] == gguf.MODEL_ARCH.LLAMA:
         writer.add_rope_dimension_count(cfg.head_dim)
-    if spec.family == "gemma3":
+    if spec.family in ("gemma3", "gpt-oss"):
         writer.add_sliding_window(cfg.sliding_window)
+    if spec.family in MOE:  # TextModel.set_gguf_parameters; the experts' width
+        writer.add_expert_count(N_EXPERTS)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if spec.family == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if spec.family == "gpt-oss":
+            writer.add_expert_feed_forward_length(cfg.intermediate_size)
     if pooling_type is not None:
         writer.add_pooling_type(pooling_type)
     writer.add_file_type(
@@ -348,8 +522,9 @@ def write_gguf(
     writer.add_eos_token_id(EOS_ID)
 
     for name, w in gguf_tensors(model, spec).items():
-        if _quantizable(name, w, qtype):
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        stored = _stored_type(spec, name, w, qtype, released_experts)
+        if stored != GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, stored), raw_dtype=stored)
         else:
             writer.add_tensor(name, w)
     writer.write_header_to_file()
@@ -362,12 +537,17 @@ def write_gguf(
 def dequantize_weights(model: PreTrainedModel, qtype: GGMLQuantizationType) -> None:
     """Round the reference's weights exactly as `write_gguf` stores them with ``qtype``.
 
-    Quantisation blocks run along rows, so llama's q/k row permutation commutes with it.
+    Quantisation blocks run along rows, so llama's q/k row permutation and the split of
+    the experts' gate_up_proj commute with it. gpt-oss's experts are MXFP4 already
+    (`reference_model`) and stay so in the file.
     """
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights come once
             w = param.detach().numpy()
-            if _quantizable(name, w, qtype):
+            if gpt_oss and name.endswith(_EXPERT_STACKS):
+                continue
+            if _hf_quantized(name, w, qtype):
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
                 param.copy_(torch.from_numpy(rounded.reshape(w.shape)))
 

@@ -35,6 +35,7 @@ from dynalm.kernel.attention_program import (
     A_Q,
     A_Q_STRIDE,
     A_SCALE,
+    A_SINKS,
     A_SLICES,
     A_STEP,
     A_V,
@@ -152,6 +153,7 @@ class PagedAttention:
         v: np.ndarray,
         *,
         softcap: float = 0.0,
+        sinks: np.ndarray | None = None,
         backend: backends.Backend | None = None,
     ):
         """``backend``: the one that lowers the kernel (default ``backends.select()``)."""
@@ -177,12 +179,18 @@ class PagedAttention:
             a[at], a[stride] = _addr(x), row_stride(name, x, self._rows, heads * head_dim)
         a[A_OUT], a[A_WINDOW], a[A_STEP] = _addr(out), window, step.address
         a[A_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
+        self._sinks = sinks
+        if sinks is not None:
+            check("sinks", sinks, np.float32, (n_heads,))
+            a[A_SINKS] = _addr(sinks)
         self._ptr = _addr(a)
         self._kv: HostKVStorage | None = None
 
     def _request(self, kv: HostKVStorage) -> backends.Request:
         geometry = (*self._geometry, kv.page_size, kv.recent, self._softcap)
-        return _request(self._backend, kv.dtype, *geometry)
+        backend, program, spec = _request(self._backend, kv.dtype, *geometry)
+        # a program with sinks is its own; the spec of one without is as before
+        return backend, program, {**spec, "sinks": True} if self._sinks is not None else spec
 
     def pending(self) -> list[backends.Request]:
         """The kernel this step's KV storage needs if it is not bound yet (see

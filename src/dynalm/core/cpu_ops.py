@@ -178,6 +178,21 @@ def gated(out: np.ndarray, gate: np.ndarray, up: np.ndarray, activation: str) ->
     out *= up
 
 
+def swiglu_oai(
+    out: np.ndarray, gate: np.ndarray, up: np.ndarray, alpha: float, limit: float
+) -> None:
+    """gpt-oss's gated activation (transformers' ``GptOssExperts._apply_gate``, llama.cpp's
+    ``ggml_swiglu_oai``): g = min(gate, limit), u = up clamped to [-limit, limit],
+    ``out = g * sigmoid(alpha g) * (u + 1)``."""
+    g = np.minimum(gate, np.float32(limit))
+    np.multiply(g, np.float32(-alpha), out=out)
+    with np.errstate(over="ignore"):  # exp(+large) = inf: g / inf = -0, sigmoid's limit
+        np.exp(out, out=out)
+    out += 1.0
+    np.divide(g, out, out=out)
+    out *= np.clip(up, np.float32(-limit), np.float32(limit)) + np.float32(1.0)
+
+
 def attention(
     out: np.ndarray,
     q: np.ndarray,
@@ -193,10 +208,12 @@ def attention(
     window: int,
     *,
     softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """Store this step's k/v in the layer's pages, then causal (optionally windowed)
     attention of each sequence's queries over its whole paged context, the scaled scores
-    capped at ``softcap * tanh(s / softcap)`` when ``softcap`` > 0; with recent
+    capped at ``softcap * tanh(s / softcap)`` when ``softcap`` > 0, each head's ``sinks``
+    logit (f32 [n_heads]) one more term of its softmax's denominator; with recent
     buffers, keys and values within ``kv.recent`` positions of a query are read in f16
     (see ``kv_cache``), and the step's last ``kv.recent`` tokens are stored there after."""
     kv = batch.kv
@@ -237,9 +254,16 @@ def attention(
             np.tanh(scores, out=scores)
             scores *= np.float32(softcap)
         scores[..., masked] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
+        top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = sinks.reshape(n_kv_heads, group, 1, 1)
+            top = np.maximum(top, sink)
+        scores -= top
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
+        total = scores.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total += np.exp(sink - top)
+        scores /= total
         if recent:
             near_weights = np.where(near, scores[..., lo:], 0)
             scores[..., lo:] -= near_weights

@@ -163,16 +163,17 @@ class CudaDevice(Device):
     ) -> bool:
         """Whether this device's kernel for ``op`` takes these weights and attributes: a
         matmul needs a JIT kernel of its format (rows of whole 32-value blocks; a bias is any
-        vector), attention heads of whole 8-lane vectors (the CPU has a numpy fallback for
-        the others, the GPU none). (The ops it has kernels for at all are its binder's
+        vector), attention heads of whole 8-lane vectors and no sinks (the CPU has a numpy
+        fallback for the others, the GPU none). (The ops it has kernels for at all are its binder's
         table, ``ir.lower.cuda``.)"""
         if op in ("matmul", "matmul_add"):
             ggml_type, shape = weights[0]
             return self.matmul_kernel(ggml_type, shape).kind.startswith("jit-")  # type: ignore[arg-type]
         if op in ("moe_route", "expert_matmul", "moe_combine"):
             return False  # routes are data-dependent rows: no GPU kernels yet (auto: the CPU)
-        if op == "attention":
-            return attention_program.supported(int(attrs["head_dim"]), "f32")  # type: ignore[call-overload]
+        if op == "attention":  # sinks (gpt-oss's): the CPU's kernel only, as yet
+            heads = attention_program.supported(int(attrs["head_dim"]), "f32")  # type: ignore[call-overload]
+            return heads and not weights
         return True
 
     def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:

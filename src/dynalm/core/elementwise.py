@@ -289,12 +289,20 @@ def gated(
     activation: str,
     block: np.ndarray | None = None,
     *,
+    alpha: float = 1.0,
+    limit: float = 0.0,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """``out = act(gate) * up`` with ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    """``out = act(gate) * up`` with ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU),
+    or gpt-oss's "swiglu_oai" of ``alpha`` and ``limit`` (``cpu_ops.swiglu_oai``)."""
     _same("out gate up", out, gate, up)
-    require(activation in ("silu", "gelu_tanh"), f"unknown gate activation {activation!r}")
-    params = {"activation": activation}
+    known = ("silu", "gelu_tanh", "swiglu_oai")
+    require(activation in known, f"unknown gate activation {activation!r}")
+    params: dict[str, object] = {"activation": activation}
+    if activation == "swiglu_oai":
+        finite = math.isfinite(alpha) and math.isfinite(limit) and limit >= 0
+        require(finite, f"swiglu_oai alpha {alpha}, limit {limit}: finite, the limit >= 0")
+        params |= {"alpha": float(np.float32(alpha)), "limit": float(np.float32(limit))}
     return _bind("gated", backend, params, out.size, (out, gate, up), block)
 
 

@@ -17,7 +17,15 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from dynalm.errors import ModelFormatError, UnsupportedModel
-from dynalm.kernel.gguf_blocks import bit_fields, f16_field, k_scales_mins
+from dynalm.kernel.gguf_blocks import (
+    IQ4NL_VALUES,
+    MXFP4_VALUES,
+    bit_fields,
+    e8m0_half,
+    f16_field,
+    iq4_xs_scales,
+    k_scales_mins,
+)
 
 QK_K = 256  # elements per K-quant super-block
 
@@ -32,6 +40,7 @@ class QuantFormat:
     type_size: int  # bytes per block
     dequantize: Callable[[np.ndarray], np.ndarray]  # u8 [n, type_size] -> f32 [n, block_size]
     scales: tuple[int, ...] = ()  # byte offsets of a block's f16 scale fields (d, dmin)
+    exponents: tuple[int, ...] = ()  # byte offsets of a block's e8m0 scale bytes (MXFP4)
 
     def row_bytes(self, n_cols: int) -> int:
         """Bytes taken by one row of ``n_cols`` elements."""
@@ -157,6 +166,30 @@ def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     return (dl * q).reshape(n, QK_K)
 
 
+_IQ4NL = np.array(IQ4NL_VALUES, np.float32)
+_MXFP4 = np.array(MXFP4_VALUES, np.float32)
+
+
+def _deq_iq4_nl(b: np.ndarray) -> np.ndarray:
+    # fp16 d | 16 B 4-bit indices (nibbles as Q4_0) into kvalues_iq4nl; d*value
+    return f16_field(b, 0) * _IQ4NL[bit_fields(b[:, 2:18], 4)]
+
+
+def _deq_iq4_xs(b: np.ndarray) -> np.ndarray:
+    # fp16 d | u16 scales_h | 4 B scales_l (a 6-bit scale per 32, see iq4_xs_scales) |
+    # 128 B indices: 16 B per 32-block, nibbles as IQ4_NL;  x = d*(scale-32)*value
+    n = len(b)
+    dl = f16_field(b, 0) * (iq4_xs_scales(b).astype(np.float32) - 32)
+    q = _IQ4NL[bit_fields(b[:, 8:136].reshape(n, 8, 16), 4)]
+    return (dl[:, :, None] * q).reshape(n, QK_K)
+
+
+def _deq_mxfp4(b: np.ndarray) -> np.ndarray:
+    # e8m0 exponent e | 16 B 4-bit indices (nibbles as Q4_0) into kvalues_mxfp4 (e2m1
+    # doubled);  x = 2**(e-128)*value
+    return e8m0_half(b[:, 0:1]) * _MXFP4[bit_fields(b[:, 1:17], 4)]
+
+
 # --- the table --------------------------------------------------------------------
 
 _T = GGMLQuantizationType
@@ -176,6 +209,9 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
         QuantFormat("q4_k", _T.Q4_K, QK_K, 144, _deq_q4_k, (0, 2)),
         QuantFormat("q5_k", _T.Q5_K, QK_K, 176, _deq_q5_k, (0, 2)),
         QuantFormat("q6_k", _T.Q6_K, QK_K, 210, _deq_q6_k, (208,)),
+        QuantFormat("iq4_nl", _T.IQ4_NL, 32, 18, _deq_iq4_nl, (0,)),
+        QuantFormat("iq4_xs", _T.IQ4_XS, QK_K, 136, _deq_iq4_xs, (0,)),
+        QuantFormat("mxfp4", _T.MXFP4, 32, 17, _deq_mxfp4, exponents=(0,)),
     )
 }
 
@@ -247,6 +283,8 @@ def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np
     for at in fmt.scales:
         scale = rng.uniform(0.002, 0.02, n_blocks).astype(np.float16)
         blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    for at in fmt.exponents:  # 2**-10 .. 2**-5
+        blocks[:, at] = rng.integers(118, 124, n_blocks, dtype=np.uint8)
     return blocks
 
 

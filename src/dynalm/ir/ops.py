@@ -161,6 +161,7 @@ def _attention(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     for shape, heads in zip(shapes, (n_heads, n_kv, n_kv), strict=True):
         _heads(_width(shape), head_dim, heads)
         _expect("the rows of k and v", shape[:1], shapes[0][:1])
+    _expect("the sinks", weights[0], (n_heads,))
     return (shapes[0][0], n_heads * head_dim)
 
 
@@ -296,6 +297,9 @@ _TABLE = (
     OpDef("attention",
           (Operand("q", strided=True), Operand("k", strided=True), Operand("v", strided=True)),
           _attention,
+          # sinks (gpt-oss's): a learned logit per head, one more term of the softmax's
+          # denominator (no value): the weights may sum to less than 1
+          (WeightSlot("sinks", optional=True),),
           attrs=(Attr("layer", int, min=0), Attr("n_heads", int, min=1),
                  Attr("n_kv_heads", int, min=1), _HEAD_DIM, Attr("scale", float),
                  Attr("window", int, 0, min=0),
@@ -312,6 +316,11 @@ _TABLE = (
           doc="silu(gate) * up"),
     OpDef("geglu", (Operand("gate"), Operand("up")), _same, kernel="jit", gate="gelu_tanh",
           doc="gelu_tanh(gate) * up"),
+    # gpt-oss's experts (llama.cpp's ggml_swiglu_oai): g = min(gate, limit), u = up clamped
+    # to [-limit, limit]; not fused from a mul (its up is shifted), a .lum file calls it
+    OpDef("swiglu_oai", (Operand("gate"), Operand("up")), _same,
+          attrs=(Attr("alpha", float), Attr("limit", float, min=0.0)), kernel="jit",
+          doc="(u + 1) * g * sigmoid(alpha * g), g and u clamped by limit"),
     # the encoder's (bert.lum): sequences packed one after another, each ending at its row
     # of ``last`` (the step's logit_rows); no KV cache
     OpDef("layer_norm", (X,), _layer_norm, (WeightSlot("weight"), WeightSlot("bias")),

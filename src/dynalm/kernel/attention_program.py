@@ -48,8 +48,10 @@ from dynalm.kernel.lang import F16, F32, I8, I32, I64, PTR, Kernel, Module, cons
 # output, the step's new keys and values, the layer's KV pages (and q8_0 scales and recent
 # buffers), the window, the scale (f64 bits) and the address of the step's layout block.
 A_Q, A_Q_STRIDE, A_OUT, A_K_NEW, A_K_STRIDE, A_V_NEW, A_V_STRIDE = range(7)
-A_K, A_V, A_KS, A_VS, A_KR, A_VR, A_WINDOW, A_SCALE, A_STEP, A_SLICES, N_ARGS = range(7, 18)
-# ``A_SLICES``: the slices of an item ``parts`` runs (see split-K below).
+A_K, A_V, A_KS, A_VS, A_KR, A_VR, A_WINDOW, A_SCALE, A_STEP, A_SLICES = range(7, 17)
+A_SINKS, N_ARGS = range(17, 19)
+# ``A_SLICES``: the slices of an item ``parts`` runs (see split-K below); ``A_SINKS``: the
+# heads' sink logits (f32 [n_heads]), read by a program built with ``sinks``.
 # The step's layout block: token count, page tables ``[S, MAX_PAGES]``, each token's
 # sequence, position and KV slot, per sequence its first row in the step, its recent
 # buffer's first row and the first position the buffer holds, and the partial results'
@@ -528,14 +530,31 @@ def _fold(k: Kernel, into: ir.Value, part: ir.Value, heads: int, n_vec: int) -> 
 
 
 def _finish(
-    k: Kernel, record: ir.Value, out: ir.Value, it: _Item, n_heads: int, heads: int, head_dim: int
+    k: Kernel,
+    record: ir.Value,
+    out: ir.Value,
+    it: _Item,
+    n_heads: int,
+    heads: int,
+    head_dim: int,
+    sinks: ir.Value | None,
 ) -> None:
-    """Item ``it``'s output rows: its value sums over its sum of exps."""
+    """Item ``it``'s output rows: its value sums over its sum of exps; with ``sinks``, head
+    h's sum has one more term, ``exp(sinks[h])`` (both rescaled to the larger of the sink
+    and the scores' max, so neither exp overflows)."""
     sums = k.load(_VEC, record, 4 * LANES, 4)
+    maxima = k.load(_VEC, record, 0, 4)
     obase = k.mul(k.add(k.mul(it.t, n_heads), it.h0), head_dim)
     for g in range(heads):
         total = k.b.extract_element(sums, const(I32, g))
-        inv = k.splat(k.b.fdiv(const(F32, 1.0), total), LANES)
+        one = const(F32, 1.0)
+        if sinks is not None:
+            sink = k.load(F32, k.index(sinks, k.add(it.h0, g), F32), align=4)
+            m = k.b.extract_element(maxima, const(I32, g))
+            top = k.fmax(m, sink)
+            one = k.exp(k.sub(m, top))
+            total = k.add(k.mul(total, one), k.exp(k.sub(sink, top)))
+        inv = k.splat(k.b.fdiv(one, total), LANES)
         for c in range(head_dim // LANES):
             y = k.mul(k.load(_VEC, record, 4 * (2 + g * (head_dim // LANES) + c) * LANES, 4), inv)
             k.store(y, k.index(out, k.add(obase, g * head_dim + c * LANES), F32), align=4)
@@ -551,7 +570,13 @@ def _finish(
 
 
 def _schedule(
-    k: Kernel, fn: ir.Function, n_heads: int, n_kv_heads: int, head_dim: int, kind: str
+    k: Kernel,
+    fn: ir.Function,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    kind: str,
+    sinks: bool,
 ) -> None:
     """``items``, ``parts`` or ``merge`` (``kind``) over rows ``lo..hi-1``, calling the
     chunk function ``fn``."""
@@ -561,6 +586,11 @@ def _schedule(
     n_vec, floats = head_dim // LANES, record_floats(n_heads, n_kv_heads, head_dim)
     a, s = _blocks(k)
     out, scratch = k.pointer(a[A_OUT]), k.pointer(s[S_PARTS])
+    sink_logits = k.pointer(a[A_SINKS]) if sinks else None
+
+    def finish(record: ir.Value, it: _Item) -> None:
+        _finish(k, record, out, it, n_heads, heads, head_dim, sink_logits)
+
     n_items = k.mul(s[S_TOKENS], n_heads // heads)
     if kind == "items":  # the item's running record and the next chunk's, on the stack
         first, other = (b.alloca(_VEC, size=floats // LANES) for _ in range(2))
@@ -583,14 +613,14 @@ def _schedule(
                 k.branch(later, lambda: _fold(k, first, other, heads, n_vec))
 
             k.loop(0, it.n, 1, one)
-            _finish(k, first, out, it, n_heads, heads, head_dim)
+            finish(first, it)
         elif kind == "merge":
             it = _item(k, a, s, u, n_heads, n_kv_heads)
 
             def fold_all() -> None:
                 into = stored(u, k.i64(0))
                 k.loop(1, it.n, 1, lambda c: _fold(k, into, stored(u, c), heads, n_vec))
-                _finish(k, into, out, it, n_heads, heads, head_dim)
+                finish(into, it)
 
             k.branch(b.icmp_signed(">", it.n, k.i64(1)), fold_all)
         else:  # parts: row u is slice u % slices of item u / slices: chunks slice, +slices...
@@ -608,9 +638,7 @@ def _schedule(
 
             k.loop(0, count, 1, one)
             only = b.and_(single, b.icmp_signed("==", piece, k.i64(0)))
-            k.branch(
-                only, lambda: _finish(k, stored(w, k.i64(0)), out, it, n_heads, heads, head_dim)
-            )
+            k.branch(only, lambda: finish(stored(w, k.i64(0)), it))
 
     k.loop(lo, hi, 1, row)
 
@@ -647,6 +675,7 @@ def _build(
     page: int,
     recent: int,
     softcap: float,
+    sinks: bool = False,
 ) -> None:
     """``items(args, lo, hi)``: work items lo..hi-1, each chunk after chunk;
     ``parts(args, lo, hi)``: rows lo..hi-1 of the split-K schedule (``A_SLICES`` rows an
@@ -655,7 +684,8 @@ def _build(
     rows lo..hi-1 (token, kv head) of the step's keys and values in their pages,
     ``write(args)`` all of them; ``write_recent(args)``: in the recent buffers (after the
     items, which read the buffers' earlier tokens); ``run(args)``: all three, over all items
-    of the step. ``softcap``: the scores' cap (0: none, see ``_chunk``)."""
+    of the step. ``softcap``: the scores' cap (0: none, see ``_chunk``); ``sinks``: each
+    head's softmax has its sink logit (``A_SINKS``) in the denominator (see ``_finish``)."""
     name = module.ir.name
     chunk = module.kernel(f"{name}_chunk", (PTR, I64, I64, PTR), private=True)
     chunk.fn.attributes.add("alwaysinline")
@@ -663,7 +693,7 @@ def _build(
     chunk.ret()
     for kind in ("items", "parts", "merge"):
         fn = module.kernel(f"{name}_{kind}", (PTR, I64, I64))
-        _schedule(fn, chunk.fn, n_heads, n_kv_heads, head_dim, kind)
+        _schedule(fn, chunk.fn, n_heads, n_kv_heads, head_dim, kind, sinks)
         fn.ret()
         if kind == "items":
             items = fn

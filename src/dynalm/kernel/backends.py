@@ -41,7 +41,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -248,6 +248,27 @@ class Backend:
         flipped = k.b.select(k.b.icmp_signed("<", q, zero), k.b.sub(zero, x), x)
         return k.b.select(k.b.icmp_signed("==", q, zero), zero, flipped)
 
+    def lookup16(self, k: Kernel, table: Sequence[int], idx: ir.Value) -> ir.Value:
+        """``table[i]`` for each byte ``i`` (0..15) of ``idx`` (``<n x i8>``, ``n`` a
+        multiple of 16; ``table``: 16 byte values, signed or unsigned): ``pshufb`` on x86
+        (the table in each 128-bit lane), ``tbl`` on AArch64; elsewhere, and on the twins,
+        a compare and a select per entry. The same bytes either way."""
+        n = idx.type.count
+        values = [t - 256 if t > 127 else t for t in table]
+        isa = self._x86()
+        if isa or (self.native and self.machine == "aarch64"):
+            step = 64 if isa == "avx512" and n % 64 == 0 else 32 if isa and n % 32 == 0 else 16
+            name = _LOOKUP[isa or "neon"][step]
+            tab = const(vec(I8, step), values * (step // 16))
+            parts = [k.call(name, vec(I8, step), tab, k.part(idx, lo, step))
+                     for lo in range(0, n, step)]  # fmt: skip
+            return k.concat(parts)
+        out = const(idx.type, values[0])
+        for v in range(1, 16):
+            hit = k.b.icmp_unsigned("==", idx, const(idx.type, v))
+            out = k.b.select(hit, const(idx.type, values[v]), out)
+        return out
+
     # -- int8 tile products (x86-amx) -----------------------------------------------------
     # A tile product multiplies TILE_ROWS rows of 32 signed bytes (A, rows ``a_stride``
     # apart) by 8 rows of 64 unsigned bytes (B: row r holds 4 bytes for each of 16 columns,
@@ -337,6 +358,13 @@ class Backend:
         return out
 
 
+# ``lookup16``'s byte-table instructions by ISA and bytes per instruction
+_LOOKUP = {
+    "avx512": {64: "llvm.x86.avx512.pshuf.b.512", 32: "llvm.x86.avx2.pshuf.b",
+               16: "llvm.x86.ssse3.pshuf.b.128"},
+    "avx2": {32: "llvm.x86.avx2.pshuf.b", 16: "llvm.x86.ssse3.pshuf.b.128"},
+    "neon": {16: "llvm.aarch64.neon.tbl1.v16i8"},
+}  # fmt: skip
 TILE_ROWS = 16  # activation rows of a tile product
 WARP = 32  # threads of a warp (NVPTX)
 MMA_ROWS = 16  # activation rows of a warp's mma tile (m16)

@@ -113,9 +113,21 @@ def _build_act(module: Module, activation: str) -> None:
     _elementwise(module, "act", lambda k, x: _activation(k, x, activation))
 
 
-def _build_gated(module: Module, activation: str) -> None:
-    """out = act(gate) * up (``_activation``)."""
-    _elementwise(module, "gated", lambda k, g, up: k.mul(_activation(k, g, activation), up))
+def _build_gated(module: Module, activation: str, alpha: float = 1.0, limit: float = 0.0) -> None:
+    """out = act(gate) * up (``_activation``); or gpt-oss's "swiglu_oai" (llama.cpp's
+    ``ggml_swiglu_oai``): g = min(gate, limit), u = up clamped to [-limit, limit],
+    out = g / (1 + exp(-alpha g)) * (u + 1)."""
+
+    def oai(k: Kernel, g: ir.Value, up: ir.Value) -> ir.Value:
+        g = k.fmin(g, limit)
+        u = k.fmax(k.fmin(up, limit), -limit)
+        glu = k.b.fdiv(g, k.add(k.exp(k.mul(g, -alpha)), 1.0))
+        return k.mul(glu, k.add(u, 1.0))
+
+    if activation == "swiglu_oai":
+        _elementwise(module, "gated", oai)
+    else:
+        _elementwise(module, "gated", lambda k, g, up: k.mul(_activation(k, g, activation), up))
 
 
 def _build_bias(module: Module, width: int) -> None:

@@ -19,6 +19,13 @@ d * scale`` and ``m = -dmin * min`` in fp32, exactly; Q6_K as 4-bit and 2-bit pl
 32`` with its int8 scale per 16 weights (``Unpack.halves``) and f16 ``d`` per 256 (6.56 bits
 per weight, as in the file). Q3_K (biased bytes, one fp32 scale per 16 weights) and Q2_K
 (bytes with an fp32 scale and min per 16 weights) are not packed yet.
+
+IQ4_NL, IQ4_XS and MXFP4 select each weight from a 16-value table by a 4-bit index
+(:class:`Table`): the indices stay nibbles in Q4_0's layout and the decoders look them up
+in registers (``Target.lookup16``, a byte shuffle where the target has one), so they too
+keep their bits per weight: IQ4_NL 4.5, IQ4_XS 4.25 (its 6-bit scale per 32 as an s8
+factor of the f16 ``d`` per super-block), MXFP4 4.25 (its e8m0 exponent byte read as
+``2**(e - 128)``, ``Scale`` type "e8m0").
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as _T
 
-from dynalm.kernel.gguf_blocks import bit_fields, f16_field, k_scales_mins
+from dynalm.kernel.gguf_blocks import (
+    IQ4NL_VALUES,
+    MXFP4_VALUES,
+    bit_fields,
+    f16_field,
+    iq4_xs_scales,
+    k_scales_mins,
+)
 from dynalm.kernel.lang import F16, F32, I8, I16, I32, Kernel, const, vec
 
 QK = 32  # elements per kernel block (also the activation quantisation block)
@@ -147,6 +161,40 @@ def byte_chunks(k: Kernel, p: Planes, lanes: int) -> list[ir.Value]:
     return [k.load(vec(I8, 4 * lanes), p["qs"], 4 * lanes * j) for j in range(8)]
 
 
+# --- 16-value tables: 4-bit indices decoded by a byte lookup ------------------------------
+
+
+@dataclass(frozen=True)
+class Table:
+    """Formats whose 4-bit indices select from 16 integer values (IQ4_NL, IQ4_XS, MXFP4):
+    the indices stay nibbles in the planes (``nibbles`` layout), and the decoders look
+    each one up (``Target.lookup16``: ``pshufb``, ``tbl``, or compares and selects) in the
+    table biased to unsigned bytes, ``value + bias`` (``Unpack.offset = -bias``)."""
+
+    values: tuple[int, ...]
+    bias: int
+
+    @property
+    def biased(self) -> list[int]:
+        return [v + self.bias for v in self.values]
+
+    def lanes(self, k: Kernel, p: Planes) -> ir.Value:
+        return k.target.lookup16(k, self.biased, nibbles(k, p))
+
+    def chunks(self, k: Kernel, p: Planes, lanes: int) -> list[ir.Value]:
+        return [k.target.lookup16(k, self.biased, c) for c in nibble_chunks(k, p, lanes)]
+
+    @property
+    def bound(self) -> int:
+        return max(self.biased)
+
+
+# IQ4's int8 grid +128 (1..241, offset -128 as Q8_0's bytes); MXFP4's -12..12 +16 (4..28:
+# small enough for every backend's unsigned dot, a power of two for the offset sums).
+IQ4NL_TABLE = Table(IQ4NL_VALUES, 128)
+MXFP4_TABLE = Table(MXFP4_VALUES, 16)
+
+
 # --- repacking: GGUF blocks -> planes -------------------------------------------------------
 
 
@@ -230,16 +278,34 @@ def _repack_q3_k(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"qs": (low | plus4).astype(np.uint8).reshape(-1, 32), "d": d.reshape(-1, 2)}
 
 
+def _repack_iq4_xs(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    # Per 32-block its scale - 32 as an s8 (a factor of the super-block's f16 d, as Q6_K's
+    # per 16); the indices as IQ4_NL's.
+    scales = iq4_xs_scales(blocks).astype(np.int8) - np.int8(32)
+    return {
+        "sc": scales.view(np.uint8).reshape(-1, 1),
+        "qs": blocks[:, 8:136].reshape(-1, 16),
+        "d": blocks[:, 0:2],
+    }
+
+
 SUPER = QK_K // QK  # 32-blocks per K-quant super-block: ``Unpack.side`` comes once per SUPER
 
-_SCALE_TYPES = {"half": (F16, 2), "float": (F32, 4), "u8": (I8, 1), "s8": (I8, 1)}
+_SCALE_TYPES = {
+    "half": (F16, 2),
+    "float": (F32, 4),
+    "u8": (I8, 1),
+    "s8": (I8, 1),
+    "e8m0": (I8, 1),
+}
 
 
 @dataclass(frozen=True)
 class Scale:
     """Where a block's ``d`` (or ``m``) comes from: the ``plane`` field holds one value of
     ``type`` per block (two for 16-weight sub-blocks): an fp16/fp32 scale, or (K-quants)
-    an integer factor ("u8" / "s8") of the ``side`` field, an fp16 value per super-block;
+    an integer factor ("u8" / "s8") of the ``side`` field, an fp16 value per super-block,
+    or (MXFP4) an e8m0 exponent byte ``e`` read as ``2**(e - 128)``;
     ``negate``: the product's negative (a min subtracted). An fp16 times an integer of at
     most 8 bits is exact in fp32, so kernels form the file's scales exactly."""
 
@@ -259,10 +325,22 @@ class Scale:
     def values(self, k: Kernel, at: ir.Value, count: int, side: ir.Value | None) -> ir.Value:
         """``count`` values from ``at`` as ``<count x float>``, times ``side`` (the side
         field's fp32 value(s), a vector of ``count`` lanes) where the scale has one."""
-        v = k.convert(k.load(vec(self.ir_type, count), at), F32, signed=self.type == "s8")
+        raw = k.load(vec(self.ir_type, count), at)
+        if self.type == "e8m0":
+            return _e8m0_half(k, raw)
+        v = k.convert(raw, F32, signed=self.type == "s8")
         if not self.side:
             return v
         return k.b.fmul(v, k.b.fneg(side) if self.negate else side)
+
+
+def _e8m0_half(k: Kernel, e: ir.Value) -> ir.Value:
+    """e8m0 exponent bytes as fp32 ``2**(e - 128)`` (``gguf_blocks.e8m0_half``): the bits
+    ``(e - 1) << 23``, and for ``e`` < 2 the denormals ``0x200000 << e``; exact."""
+    e = k.convert(e, I32, signed=False)
+    small = k.b.shl(const(e.type, 0x00200000), k.and_(e, 1))
+    bits = k.select(k.lt(e, 2), small, k.shl(k.sub(e, 1), 23))
+    return k.bitcast(bits, vec(F32, e.type.count))
 
 
 @dataclass(frozen=True)
@@ -413,5 +491,18 @@ UNPACKS: dict[int, Unpack] = {
     _T.Q6_K: _row(
         _T.Q6_K, (("sc", 2), ("qs", 16), ("q2", 8)), _repack_q6_k, six_bits, "u8", -32,
         Scale("sc", "s8", side="d"), side=(("d", 2),), chunks=six_bit_chunks, bound=63,
+    ),
+    _T.IQ4_NL: _row(
+        _T.IQ4_NL, (("d", 2), ("qs", 16)), None, IQ4NL_TABLE.lanes, "u8", -128, _HALF_D,
+        chunks=IQ4NL_TABLE.chunks, bound=IQ4NL_TABLE.bound,
+    ),
+    _T.IQ4_XS: _row(
+        _T.IQ4_XS, (("sc", 1), ("qs", 16)), _repack_iq4_xs, IQ4NL_TABLE.lanes, "u8", -128,
+        Scale("sc", "s8", side="d"), side=(("d", 2),), chunks=IQ4NL_TABLE.chunks,
+        bound=IQ4NL_TABLE.bound,
+    ),
+    _T.MXFP4: _row(
+        _T.MXFP4, (("d", 1), ("qs", 16)), None, MXFP4_TABLE.lanes, "u8", -16,
+        Scale("d", "e8m0"), chunks=MXFP4_TABLE.chunks, bound=MXFP4_TABLE.bound,
     ),
 }  # fmt: skip

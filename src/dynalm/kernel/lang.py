@@ -5,7 +5,8 @@ A kernel program is a Python function that builds LLVM IR through a :class:`Kern
 reductions, prefetch and intrinsics kernels use) for a :class:`Target` -- the backend
 (``kernel.backends``) that decides how the ISA-dependent primitives become instructions
 (``dot_u8s8``: ``vpdpbusd`` on VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2, widened
-integer IR on the portable twin) and how many fp32 lanes a vector has. The same program
+integer IR on the portable twin; ``lookup16``: a 16-byte table looked up per byte,
+``pshufb`` / ``tbl`` or compares and selects) and how many fp32 lanes a vector has. The same program
 built for two targets computes the same integer sums and, where it says so, the same
 float order; only the instructions differ.
 
@@ -73,6 +74,8 @@ class Target(Protocol):
     def pair_sums(self, k: Kernel, v: ir.Value) -> ir.Value: ...
 
     def sign_of(self, k: Kernel, x: ir.Value, q: ir.Value) -> ir.Value: ...
+
+    def lookup16(self, k: Kernel, table: Sequence[int], idx: ir.Value) -> ir.Value: ...
 
     # Warp-collective (the NVPTX backend and its twin, ``warps``): a warp's int8 tile
     # product, each lane's operands a function of its lane index (``Backend.mma_s8u8``),
@@ -208,6 +211,12 @@ class Kernel:
 
     def smax(self, a: ir.Value, x: Operand) -> ir.Value:
         return self.call(f"llvm.smax.{_suffix(a.type)}", a.type, a, self.like(a, x))
+
+    def fmin(self, a: ir.Value, x: Operand) -> ir.Value:
+        return self.call(f"llvm.minnum.{_suffix(a.type)}", a.type, a, self.like(a, x))
+
+    def fmax(self, a: ir.Value, x: Operand) -> ir.Value:
+        return self.call(f"llvm.maxnum.{_suffix(a.type)}", a.type, a, self.like(a, x))
 
     def fma(self, a: ir.Value, x: ir.Value, acc: ir.Value) -> ir.Value:
         """``a * x + acc`` (one rounding where the target has FMA)."""

@@ -31,6 +31,9 @@ FP16_FIELDS = {
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
+    T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
+    T.MXFP4: [],
 }
 FLOAT_DTYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.float32}
 
@@ -48,6 +51,9 @@ EXPECTED = {
     T.Q4_K,
     T.Q5_K,
     T.Q6_K,
+    T.IQ4_NL,
+    T.IQ4_XS,
+    T.MXFP4,
 }
 
 
@@ -64,6 +70,9 @@ def random_rows(qtype: T, n_rows: int, n_cols: int, rng: np.random.Generator) ->
     for at in FP16_FIELDS[qtype]:
         scales = rng.uniform(-2.0, 2.0, n_blocks).astype(np.float16)
         blocks[:, at : at + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    for at in fmt.exponents:  # every e8m0 exponent whose block stays finite (12 * 2**124)
+        blocks[:, at] = rng.integers(0, 253, n_blocks, dtype=np.uint8)
+        blocks[:2, at] = (0, 1)  # the denormal scales 2**-128, 2**-127
     return blocks.reshape(n_rows, fmt.row_bytes(n_cols))
 
 
@@ -132,8 +141,8 @@ def test_dequantize_rejects_wrong_row_width() -> None:
 def test_unsupported_types_are_named() -> None:
     with pytest.raises(UnsupportedModel, match="IQ2_XXS"):
         quant_format(T.IQ2_XXS)
-    with pytest.raises(UnsupportedModel, match="IQ4_NL"):
-        dequantize(np.zeros((1, 18), dtype=np.uint8), T.IQ4_NL, 32)
+    with pytest.raises(UnsupportedModel, match="IQ3_S"):
+        dequantize(np.zeros((1, 110), dtype=np.uint8), T.IQ3_S, 256)
     with pytest.raises(UnsupportedModel, match="4242"):
         quant_format(4242)
     assert ggml_type_name(T.Q4_K) == "Q4_K"
@@ -161,12 +170,17 @@ def test_a_non_finite_block_scale_is_refused_naming_block_and_row(qtype: int, ba
 
 def test_the_scale_fields_are_where_the_reference_dequantiser_reads_them() -> None:
     """A NaN written at each listed offset reaches the reference dequantiser's output (so the
-    offsets are the scales, not quants)."""
+    offsets are the scales, not quants); an e8m0 exponent one higher doubles the block."""
     rng = np.random.default_rng(5)
     for qtype in QUANTISED:
         fmt = QUANT_FORMATS[qtype]
-        assert fmt.scales, fmt.name
+        assert fmt.scales or fmt.exponents, fmt.name
         for at in fmt.scales:
             raw = random_blocks(qtype, 1, rng)
             raw[0, at : at + 2] = np.array([np.nan], np.float16).view(np.uint8)
             assert np.isnan(fmt.dequantize(raw)).any(), (fmt.name, at)
+        for at in fmt.exponents:
+            raw = random_blocks(qtype, 1, rng)
+            before = fmt.dequantize(raw)
+            raw[0, at] += 1
+            np.testing.assert_array_equal(fmt.dequantize(raw), 2 * before)

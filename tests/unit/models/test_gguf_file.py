@@ -232,10 +232,13 @@ def test_absurd_lengths_do_not_allocate(model: Path) -> None:
         GGUFFile(patched(model, 8, "<Q", 2**40))
 
 
-def test_unsupported_tensor_type_is_named(model: Path) -> None:
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ3_S, T.TQ1_0], ids=lambda t: t.name)
+def test_unsupported_tensor_type_is_named(model: Path, qtype: T) -> None:
+    """Formats without a table row (the other I-quants, the ternary ones) are refused at
+    load, naming the tensor and its format."""
     at = info_fields(model.read_bytes(), "q8")["type"]
-    with pytest.raises(UnsupportedModel, match="tensor 'q8' has type IQ2_XXS, which DynaLM"):
-        GGUFFile(patched(model, at, "<I", T.IQ2_XXS))
+    with pytest.raises(UnsupportedModel, match=f"tensor 'q8' has type {qtype.name}, which DynaLM"):
+        GGUFFile(patched(model, at, "<I", qtype))
     with pytest.raises(UnsupportedModel, match="tensor 'q8' has type 999,"):
         GGUFFile(patched(model, at, "<I", 999))
 

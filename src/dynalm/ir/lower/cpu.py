@@ -114,12 +114,12 @@ class CpuBinder(Binder):
         return Experts(shape, expert_bytes, prepare, self._expert_rows)
 
     def _kernel(
-        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
+        self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str, **kw: object
     ) -> elementwise.BoundKernel:
-        """``bind(*args)`` a JIT kernel over full buffers, its argument block a row of
-        ``_blocks``, so that ``resize`` sets its count."""
+        """``bind(*args, **kw)`` a JIT kernel over full buffers, its argument block a row
+        of ``_blocks``, so that ``resize`` sets its count."""
         block = self._blocks[len(self._counted)]
-        kernel = bind(*args, block=block, backend=self._backend)
+        kernel = bind(*args, block=block, backend=self._backend, **kw)
         self._counted.append((int(block[0]) // self.buffers.capacity, rows))
         return kernel
 
@@ -203,8 +203,9 @@ class CpuBinder(Binder):
         return lambda: cpu_ops.rope(v[o], v[args[0]], v[args[1]], table, *shape)
 
     def _attention(self, node: Node) -> Call:
-        v, (q, k, vv), o, out, ins, *_ = self._operands(node)
+        v, (q, k, vv), o, out, ins, *_, w = self._operands(node)
         a = node.attrs
+        sinks = self.prepare(w[0], "vector") if w else None  # gpt-oss's per-head logits
         pos = self.buffers.view_of[self.graph.inputs["positions"].id]
         layer, n_kv, head_dim = a["layer"], a["n_kv_heads"], a["head_dim"]
         if self._native and attention.supported(head_dim, "f32"):
@@ -217,11 +218,13 @@ class CpuBinder(Binder):
                 out,
                 *ins,
                 softcap=a.get("softcap", 0.0),
+                sinks=sinks,
                 backend=self._backend,
             )
         attrs = (layer, a["n_heads"], n_kv, head_dim, a["scale"], a["window"])
+        how = {"softcap": a.get("softcap", 0.0), "sinks": sinks}
         return lambda: cpu_ops.attention(
-            v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs, softcap=a.get("softcap", 0.0)
+            v[o], v[q], v[k], v[vv], v[pos], self._batch, *attrs, **how
         )
 
     def _add(self, node: Node) -> Call:
@@ -234,6 +237,14 @@ class CpuBinder(Binder):
         if self._native:
             return self._kernel(elementwise.gated, out, *ins, GATES[node.op], rows=rows)
         return lambda: cpu_ops.gated(v[o], v[args[0]], v[args[1]], GATES[node.op])
+
+    def _swiglu_oai(self, node: Node) -> Call:
+        v, args, o, out, ins, rows, _ = self._operands(node)
+        alpha, limit = node.attrs["alpha"], node.attrs["limit"]
+        if self._native:
+            oai = {"alpha": alpha, "limit": limit}
+            return self._kernel(elementwise.gated, out, *ins, "swiglu_oai", rows=rows, **oai)
+        return lambda: cpu_ops.swiglu_oai(v[o], v[args[0]], v[args[1]], alpha, limit)
 
     def _mul(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
