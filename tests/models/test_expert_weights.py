@@ -1,7 +1,7 @@
 """A mixture-of-experts FFN through the executor, from a synthetic GGUF whose expert tensors
 are 3-D (``[E, N, K]`` in numpy order, as llama.cpp writes ``ffn_*_exps``): every mode
-against an fp64 reference, the memory plan's bytes, and the mapped pages of experts no route
-selects, which are never read."""
+against an fp64 reference, the memory plan's bytes, the mapped pages of experts no route
+selects (never read), and the CUDA device leaving the ops to the CPU."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 
-from dynalm.core import cpu_ops
+from cuda_emulator import EmulatedLibcuda
+from dynalm.core import cpu_ops, cuda_driver
 from dynalm.core.cpu_device import CpuDevice
+from dynalm.core.cuda_device import CudaDevice
 from dynalm.core.kv_storage import AttentionBatch, HostKVStorage, KVGeometry
 from dynalm.core.quant import dequantize
 from dynalm.ir.builder import GraphBuilder
 from dynalm.ir.executor import Executor
 from dynalm.ir.graph import Graph, TensorType
+from dynalm.ir.lower import unsupported
+from dynalm.models import loader
 from dynalm.models.gguf_file import GGUFFile
 from dynalm.models.loader import GGUFWeights
 from dynalm.runtime.engine.memory_plan import weight_bytes
@@ -150,9 +154,41 @@ def test_experts_no_route_selects_are_never_read(tmp_path: Path) -> None:
     experts = ex.prepare("exps", "experts")
     assert experts.prepared == chosen
     assert experts.bytes_read == 2 * experts.expert_bytes and experts.calls == 1
+    assert ex.expert_reads() == (2 * experts.expert_bytes, n_experts * experts.expert_bytes)
     raw = gguf.raw("exps")  # [E, F, row bytes], a view of the map
     read = [e for e in range(n_experts) if mapped_pages(raw[e]).any()]
     assert all(mapped_pages(raw[e]).all() for e in chosen)  # what was read shows
     near = 2 * 2**20 // raw[0].nbytes + 1  # experts a 2 MiB folio of a read one may cover
     assert max(read) <= max(chosen) + near, f"experts {read} of {n_experts} were read"
     assert len(read) < n_experts // 2, read
+
+
+def test_the_cuda_device_leaves_a_mixture_of_experts_to_the_cpu() -> None:
+    """No GPU kernels for the three ops yet: the device says so, so --backend auto takes the
+    CPU (asked before any weight is read)."""
+    gpu = CudaDevice("auto", driver=cuda_driver.Driver(EmulatedLibcuda()))
+    graph = moe_graph(8, "q8_0", 2)
+    assert unsupported(gpu, graph) == "no kernel for op 'moe_route'"
+    assert not any(gpu.supports(op, ()) for op in ("moe_route", "expert_matmul", "moe_combine"))
+    assert unsupported(CpuDevice("auto"), graph) is None
+
+
+def test_a_second_load_maps_each_expert_from_the_repack_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each expert is its own entry (keyed by its rows of the tensor): a second load maps the
+    routed experts, never repacks them, and computes bitwise the same."""
+    monkeypatch.setenv("DYNALM_REPACK_CACHE", str(tmp_path / "repack"))
+    monkeypatch.setattr(loader, "RACY_SECONDS", -1.0)  # the file was written just now
+    path = write_moe(tmp_path / "moe.gguf", 8, T.Q8_0)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, 6)
+    runs = []
+    for _ in range(2):
+        device = CpuDevice("exact")
+        ex = Executor(moe_graph(8, "q8_0", 2), device, GGUFWeights(GGUFFile(path)), 8)
+        runs.append((run(ex, tokens), device.repacked, device.mapped))
+        routed = len(ex.prepare("exps", "experts").prepared)
+    (first, repacked, _), (second, again, mapped) = runs
+    assert routed > 2 and repacked == routed + 1  # the experts and the router
+    assert again == 0 and mapped == routed + 1
+    assert np.array_equal(first, second)

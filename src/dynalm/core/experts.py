@@ -47,7 +47,8 @@ class ExpertScratch:
 
 
 class Experts:
-    """``E`` matmul weights ``[N, K]``, each made by ``prepare(e)`` when first used.
+    """``E`` matmul weights ``[N, K]``, each made by ``prepare(e)`` when first used;
+    ``scratch`` holds the rows gathered for one expert (shared by an executor's experts).
 
     ``bytes_read`` adds, per call, the prepared bytes of the experts it selected
     (``expert_bytes`` each): what a step reads of the weights, against ``E * expert_bytes``
@@ -58,13 +59,13 @@ class Experts:
         shape: tuple[int, int, int],
         expert_bytes: int,
         prepare: Callable[[int], MatmulFn],
-        scratch: ExpertScratch | None = None,
+        scratch: ExpertScratch,
     ) -> None:
         self.shape = shape
         self.expert_bytes = expert_bytes
         self._prepare = prepare
         self._matmuls: list[MatmulFn | None] = [None] * shape[0]
-        self._scratch = scratch or ExpertScratch()
+        self._scratch = scratch
         self.bytes_read = self.calls = 0
 
     @property
@@ -92,14 +93,18 @@ class Experts:
         x_rows, out_rows = x.reshape(-1, k_in), out.reshape(-1, n)
         pairs = np.argsort(ids, kind="stable")  # grouped by expert
         source = pairs if len(x_rows) == len(ids) else pairs // top_k
-        chosen, starts = np.unique(ids[pairs], return_index=True)
-        ends = [*starts[1:].tolist(), len(pairs)]
-        for e, a, b in zip(chosen.tolist(), starts.tolist(), ends, strict=True):
+        by_expert = ids[pairs]
+        starts = np.flatnonzero(np.diff(by_expert, prepend=-1)).tolist()
+        ends = [*starts[1:], len(pairs)]
+        # One expert at a time through views cached per row count: at decode every expert
+        # gets the same one-row views, so its matmul's bound arguments are reused (its fast
+        # path: a step shape of a new row count rebinds, which costs more than the copies).
+        for e, a, b in zip(by_expert[starts].tolist(), starts, ends, strict=True):
             xs, ys = self._scratch.views(b - a, k_in, n)
             np.take(x_rows, source[a:b], axis=0, out=xs)
             self.matmul(e)(xs, ys)
             if bias is not None:
                 ys += bias[e]
             out_rows[pairs[a:b]] = ys
-        self.bytes_read += len(chosen) * self.expert_bytes
+        self.bytes_read += len(starts) * self.expert_bytes
         self.calls += 1

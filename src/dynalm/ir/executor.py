@@ -22,6 +22,7 @@ import numpy as np
 
 from dynalm.core import quant
 from dynalm.core.device import Device
+from dynalm.core.experts import Experts
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph
@@ -204,12 +205,13 @@ class Executor:
                     for part in parts:
                         w.release(part)
             elif use == "experts":  # [E, N, K]: each expert prepared when first routed to
-                n_rows = shape[1]
-                prepared = self.binder.prepare_experts(
-                    shape,
-                    self.device.prepared_bytes(qtype, shape[1:], "matmul"),
-                    lambda e: self._matmul(name, raw[e], qtype, shape[1:], rows=e * n_rows),
-                )
+
+                def expert(e: int, raw=raw, n=shape[1]) -> object:
+                    with self._setup():  # (inside a step: not the step's own cost)
+                        return self._matmul(name, raw[e], qtype, shape[1:], rows=e * n)
+
+                nbytes = self.device.prepared_bytes(qtype, shape[1:], "matmul")
+                prepared = self.binder.prepare_experts(shape, nbytes, expert)
             elif use == "embedding":
                 # Its rows are dequantised on demand: a NaN scale would flow unseen into the
                 # JIT matmuls, which swallow it (issue 31), so the table is checked once here.
@@ -309,6 +311,14 @@ class Executor:
             self._run_profiled(self.profile)
         tokens = self.binder.end_step(greedy)
         return tokens if greedy else self.buffers.views[self._logits]
+
+    def expert_reads(self) -> tuple[int, int]:
+        """Bytes of weights the expert matmuls have read so far (each call: its selected
+        experts' prepared bytes) and what their dense equivalent (every expert, every call)
+        would have read: a mixture of experts' traffic, for ``dynalm bench``."""
+        experts = [p for p in self._prepared.values() if isinstance(p, Experts)]
+        dense = sum(e.calls * e.shape[0] * e.expert_bytes for e in experts)
+        return sum(e.bytes_read for e in experts), dense
 
     @property
     def greedy_on_device(self) -> bool:

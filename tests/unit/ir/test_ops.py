@@ -179,3 +179,24 @@ def test_dynamic_and_named_dims_read_back():
     text = print_graph(graph)
     assert "tensor<f32, [?, 8]> = silu %0" in text and "factor=-0.5" in text
     assert read_graph(text) == graph
+
+
+def test_a_mixture_of_experts_reads_back():
+    weights = {
+        "router": t("f32", 8, 64),
+        "up": t("q4_k", 8, 96, 64),
+        "bias": t("f32", 8, 96),
+        "down": t("q8_0", 8, 64, 96),
+    }
+    g = GraphBuilder("moe", weights)
+    x = g.input("x", "f32", ("T", 64))
+    logits = g.op("matmul", x, weights=(g.weight("router"),))
+    route = g.op("moe_route", logits, top_k=2, gating=2, normalize=False, scale=2.5)
+    up = g.op("expert_matmul", x, route, weights=(g.weight("up"), g.weight("bias")))
+    down = g.op("expert_matmul", up, route, weights=(g.weight("down"),))
+    graph = g.finish(y=g.op("moe_combine", down, route))
+    text = print_graph(graph)
+    assert "moe_route %1, top_k=2, gating=2, normalize=false, scale=2.5" in text, text
+    assert "tensor<f32, [T, 192]> = expert_matmul %0, %2" in text, text
+    assert '@"up": tensor<q4_k, [8, 96, 64]>, @"bias": tensor<f32, [8, 96]>' in text
+    assert read_graph(text) == graph

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from dynalm.core.cpu_ops import RopeTable
-from dynalm.core.experts import Experts, ExpertScratch, MatmulFn
 from dynalm.ir.ops import GATES, OPS
 
 if TYPE_CHECKING:
@@ -71,7 +70,6 @@ class Binder(ABC):
         # rope's cos/sin tables, computed on the host (and grown on demand) for every device
         self._rope_tables: dict[tuple, RopeTable] = {}
         self._rope_positions = 256  # positions the rope tables cover
-        self._expert_scratch = ExpertScratch()  # shared by every expert matmul of the graph
 
     def bind(self, op: str, nodes: list[Node]) -> Call:
         """``nodes[0]`` (a run of ``split`` nodes of one value: all of them) as one call."""
@@ -85,13 +83,6 @@ class Binder(ABC):
     ) -> object:
         """A matmul weight for this graph (the CPU adds its shared activation scratch)."""
         return self.device.matmul(raw, ggml_type, shape, **how)
-
-    def prepare_experts(
-        self, shape: tuple[int, ...], expert_bytes: int, prepare: Callable[[int], MatmulFn]
-    ) -> Experts:
-        """A stack of expert weights ``[E, N, K]``, expert e prepared by ``prepare(e)``
-        (through ``prepare_matmul``) when a route first selects it."""
-        return Experts(shape, expert_bytes, prepare, self._expert_scratch)  # type: ignore[arg-type]
 
     @abstractmethod
     def reserve(self, rows: int, widest: int) -> None:

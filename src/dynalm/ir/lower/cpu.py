@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dynalm.core import attention, cpu_ops, elementwise, pool
+from dynalm.core.experts import Experts, ExpertScratch, MatmulFn
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
@@ -84,6 +85,7 @@ class CpuBinder(Binder):
         self._native = device.mode != "safe"
         self._backend = device.backend  # lowers the native kernels
         self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
+        self._expert_rows = ExpertScratch()  # and the experts' gathered rows
         self._batch: AttentionBatch | None = None
         self._layout = attention.StepLayout()  # what the native attention kernels read
 
@@ -103,6 +105,13 @@ class CpuBinder(Binder):
 
     def prepare_matmul(self, *args: object, **kwargs: object) -> object:
         return self.device.matmul(*args, scratch=self._scratch, **kwargs)  # type: ignore[arg-type]
+
+    def prepare_experts(
+        self, shape: tuple[int, int, int], expert_bytes: int, prepare: Callable[[int], MatmulFn]
+    ) -> Experts:
+        """A stack of expert weights ``[E, N, K]``, expert e prepared by ``prepare(e)``
+        (through ``prepare_matmul``) when a route first selects it."""
+        return Experts(shape, expert_bytes, prepare, self._expert_rows)
 
     def _kernel(
         self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
