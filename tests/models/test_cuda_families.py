@@ -102,6 +102,20 @@ def test_an_encoder_on_the_gpu_names_the_op_and_auto_takes_the_cpu(tmp_path, mon
         select_device("gpu", "auto", unsupported=ask)
 
 
+def test_a_mixture_of_experts_on_the_gpu_names_the_op_and_auto_takes_the_cpu(tiny_dir, monkeypatch):
+    """Mixtral (a llama with experts; the others' graphs route alike): ``--backend auto``
+    runs it on the CPU, ``--gpu`` says why not."""
+    graph = tiny(tiny_dir, "mixtral").graph
+    gpu = EmulatedLibcuda()
+    monkeypatch.setattr(cuda_driver, "load", lambda library=None: cuda_driver.Driver(gpu))
+    why = unsupported(cuda(gpu), graph)
+    assert why == "no kernel for op 'moe_route'", why
+    ask = lambda device: unsupported(device, graph)  # noqa: E731
+    assert isinstance(select_device("auto", "auto", unsupported=ask), CpuDevice)
+    with pytest.raises(DeviceUnavailable, match="cuda: no kernel for op 'moe_route'"):
+        select_device("gpu", "auto", unsupported=ask)
+
+
 @pytest.mark.parametrize("mode", ["auto", "exact"])
 def test_family_logits_equal_the_cpu(family_model, mode, monkeypatch):
     gpu = EmulatedLibcuda()

@@ -9,12 +9,15 @@ writes it (`tiny_models`):
   logits: the files are laid out as llama.cpp expects and the routing semantics (which
   families renormalise the chosen weights) are llama.cpp's;
 * ``dynalm check`` passes on each family's ``.lum``, alone and against its file;
+* the same model as a ``save_pretrained`` directory (one SafeTensors matrix per expert) runs
+  on the same graph, its experts stacked without a copy;
 * a file whose experts disagree with its metadata is refused, naming what is wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +25,23 @@ import numpy as np
 import pytest
 import torch
 from gguf_edit import Layout, V, value
-from tiny_models import EOS_ID, MOE, N_EXPERTS, SPECS, VOCAB, TinySpec, reference_model, write_gguf
+from test_families import reference_logits
+from tiny_models import (
+    EOS_ID,
+    MOE,
+    N_EXPERTS,
+    SPECS,
+    VOCAB,
+    TinySpec,
+    gguf_arch,
+    reference_model,
+    write_gguf,
+    write_hf_dir,
+)
 from transformers import PreTrainedModel
 
 from dynalm.core.cpu_device import CpuDevice
-from dynalm.errors import DynaError
+from dynalm.errors import DynaError, UnsupportedModel
 from dynalm.models.arch import check_file, family_file
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine.engine import Engine
@@ -179,6 +194,62 @@ def test_check_passes_on_the_family_file(case: Case) -> None:
     assert check_file(lum).startswith(f"{lum}: ok")
     summary = check_file(lum, case.path)
     assert summary.endswith("nodes") and f"{case.path}: a graph of " in summary
+
+
+def test_safetensors_directory_matches_transformers(case: Case, tmp_path: Path) -> None:
+    path = write_hf_dir(case.reference, tmp_path / case.spec.family)
+    model = load_model(path)
+    try:
+        assert model.hparams.arch == gguf_arch(case.spec)
+        gate = model.gguf.tensors["blk.1.ffn_gate_exps.weight"]
+        assert gate.shape == case.model.gguf.tensors["blk.1.ffn_gate_exps.weight"].shape
+        stacked = model.gguf.raw("blk.1.ffn_gate_exps.weight")
+        one = stacked[3]  # expert 3 alone: a view of its own tensor in the file
+        assert not one.flags.owndata and one.shape == (gate.shape[1], 4 * gate.shape[2])
+        np.testing.assert_array_equal(np.asarray(stacked)[3], one)
+        want = reference_logits(case.reference, IDS)
+        for mode in ("safe", "exact"):
+            got = _generator(model, mode).forward(IDS, all_logits=True)
+            ratio = np.abs(got - want) / forward_bound(case.spec.n_layers, K_MAX, logit_scale(want))
+            assert ratio.max() <= 1, f"{mode}: {ratio.max():.3g} of the bound"
+            assert (got.argmax(1) == want.argmax(1)).all()
+        routes = dynalm_routes(model, "exact", IDS)
+        k = case.reference.config.num_experts_per_tok
+        for route, (_, experts, _) in zip(
+            routes, reference_routes(case.reference, IDS), strict=True
+        ):
+            assert (route[:, :k] == experts).all()
+    finally:
+        model.gguf.close()
+
+
+def test_a_directory_says_whether_the_weights_are_renormalised(tmp_path: Path) -> None:
+    """Qwen3-MoE's ``norm_topk_prob`` false (llama.cpp's graph, and a GGUF, always
+    renormalise): the directory's ``expert_weights_norm`` key tells qwen3moe.lum, and the
+    logits follow transformers' unrenormalised router, far from the renormalised ones."""
+    reference = reference_model(SPECS["qwen3moe"])
+    renormalised = reference_logits(reference, IDS)
+    reference.config.norm_topk_prob = False
+    for layer in reference.model.layers:
+        layer.mlp.gate.norm_topk_prob = False
+    want = reference_logits(reference, IDS)
+    model = load_model(write_hf_dir(reference, tmp_path / "qwen3moe"))
+    try:
+        assert model.gguf.metadata["qwen3moe.expert_weights_norm"] is False
+        got = _generator(model, "exact").forward(IDS, all_logits=True)
+    finally:
+        model.gguf.close()
+    bound = forward_bound(2, K_MAX, logit_scale(want))
+    assert (np.abs(got - want) / bound).max() <= 1
+    assert (np.abs(renormalised - want) / bound).max() > 100
+
+
+def test_a_directory_with_dense_layers_among_the_experts_is_refused(tmp_path: Path) -> None:
+    path = write_hf_dir(reference_model(SPECS["qwen3moe"]), tmp_path / "qwen3moe")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [1]}))
+    with pytest.raises(UnsupportedModel, match=r"config.json: dense layers among the experts"):
+        load_model(path)
 
 
 # (family, edit of the file, what the refusal says)
