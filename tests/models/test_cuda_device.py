@@ -247,6 +247,13 @@ def test_auto_runs_on_the_cpu_what_the_gpu_cannot(model, gpu, monkeypatch, caplo
     q4_1 = int(GGMLQuantizationType.Q4_1)
     assert device.supports("matmul", ((q4_1, (4, 256)), (0, (4,))))  # a bias: its kernel
     assert device.supports("matmul_add", ((q4_1, (4, 256)),))
+    # the 16-value table formats: PTX has their lookup (``lookup16``'s compare-and-select)
+    for table in (
+        GGMLQuantizationType.IQ4_NL,
+        GGMLQuantizationType.IQ4_XS,
+        GGMLQuantizationType.MXFP4,
+    ):
+        assert device.supports("matmul", ((int(table), (4, 256)),))
 
 
 def test_the_emulator_refuses_host_memory_in_a_launch(gpu):
