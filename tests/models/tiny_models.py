@@ -4,7 +4,8 @@
 ``gemma3``, ``qwen3``, ``olmo2``) with every parameter drawn at random, norms included
 (transformers initialises them to 0 or 1, which would hide a wrong norm convention).
 `write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
-with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
+with a minimal byte-level ``gpt2`` tokenizer (six merges) so `dynalm.models.loader.load_model`
+and llama.cpp (tests/models/test_llama_cpp_loads.py) can load it:
 
 * tensor names from gguf-py's own HF -> GGUF name map of the architecture;
 * llama: q/k rows permuted (``permute(w, n_head)``) from HF's rotate-half layout into
@@ -45,6 +46,10 @@ from transformers import (
 VOCAB = 300
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
+# GPT-2's first BPE merges; their tokens end the vocabulary. A byte-level BPE file needs a
+# merge list: llama.cpp refuses a "gpt2" tokenizer without tokenizer.ggml.merges (and
+# gguf-py writes no key for an empty array).
+MERGES = ["Ġ t", "Ġ a", "h e", "i n", "r e", "o n"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,17 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
+def _vocabulary(vocab_size: int) -> tuple[list[str], list[gguf.TokenType]]:
+    """The tiny models' tokens and their types: the 256 bytes, the special tokens, unused
+    control tokens, then the tokens `MERGES` make."""
+    merged = [m.replace(" ", "") for m in MERGES]
+    specials = SPECIAL_TOKENS + [
+        f"<|extra_{i}|>" for i in range(vocab_size - 256 - len(SPECIAL_TOKENS) - len(merged))
+    ]
+    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(specials)
+    return _byte_tokens() + specials + merged, types + [gguf.TokenType.NORMAL] * len(merged)
+
+
 def write_gguf(
     model: PreTrainedModel,
     spec: TinySpec,
@@ -238,14 +254,12 @@ def write_gguf(
         else gguf.LlamaFileType.ALL_F32
     )
 
-    tokens = _byte_tokens() + SPECIAL_TOKENS
-    tokens += [f"<|extra_{i}|>" for i in range(cfg.vocab_size - len(tokens))]
-    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * (len(tokens) - 256)
+    tokens, types = _vocabulary(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges([])  # no merges: every byte is its own token
+    writer.add_token_merges(MERGES)
     writer.add_bos_token_id(EOS_ID)
     writer.add_eos_token_id(EOS_ID)
 
@@ -281,12 +295,13 @@ def write_hf_dir(model: PreTrainedModel, path: Path, **save: object) -> Path:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     model.save_pretrained(path, safe_serialization=True, **save)
-    tokens = _byte_tokens() + SPECIAL_TOKENS
-    extra = [f"<|extra_{i}|>" for i in range(model.config.vocab_size - len(tokens))]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(_byte_tokens())}, []))
+    tokens, types = _vocabulary(model.config.vocab_size)
+    merges = [tuple(m.split(" ")) for m in MERGES]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS + extra])
+    control = [t for t, kind in zip(tokens, types, strict=True) if kind == gguf.TokenType.CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in control])
     tok.save(str(path / "tokenizer.json"))
     config = {
         "bos_token": SPECIAL_TOKENS[0],
