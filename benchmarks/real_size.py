@@ -223,12 +223,14 @@ def main() -> None:
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
     if unknown := set(formats) - FTYPES.keys():
         parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(FTYPES)}")
+    from dynalm.bench import file_decode_bytes
     from dynalm.store.catalog import ModelStore
 
     source = ModelStore().resolve("smollm2:135m")
     for path in model_files(names, formats, args.cache, source):
         size = path.stat().st_size / 2**20
         print(f"\n## {path.name} ({size:,.0f} MiB): {census(path)}", flush=True)
+        print(file_decode_bytes(path).line(), flush=True)
         if args.write_only:
             continue
         dynalm = Path(sys.executable).with_name("dynalm")
