@@ -5,7 +5,8 @@ The graphs of ``PINNED`` are pinned as text in ``tests/models/graphs``: the text
 printed by the Python decoder builder that the ``.lum`` families replaced (``decoder.py``
 + one row of family flags, before issue 13), and the ``.lum`` files must still build
 exactly these graphs; so must gemma3.lum for Gemma 3 270M's layout (metadata and tensor
-types alone, `gemma3_270m_layout`). qwen3 and olmo2 never had a Python builder.
+types alone, `gemma3_270m_layout`). qwen3, olmo2 and the mixtures of experts never had a
+Python builder.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ TINY = {
     "tiny-gemma3": ("gemma3", GGMLQuantizationType.F32),
     "tiny-qwen3": ("qwen3", GGMLQuantizationType.F32),
     "tiny-olmo2": ("olmo2", GGMLQuantizationType.Q8_0),
+    "tiny-qwen3moe": ("qwen3moe", GGMLQuantizationType.F32),
+    "tiny-olmoe": ("olmoe", GGMLQuantizationType.Q8_0),
+    "tiny-mixtral": ("mixtral", GGMLQuantizationType.Q8_0),
 }
 CASES = ("smollm2", *TINY)
 PINNED = ("smollm2", "tiny-llama", "tiny-llama-q8_0", "tiny-qwen2", "tiny-gemma3")

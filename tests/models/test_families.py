@@ -1,6 +1,7 @@
-"""Fidelity per family: tiny random-weight GGUFs (llama, qwen2, gemma3, and qwen3 and olmo2,
-whose only source in DynaLM is their ``.lum`` file) give the same logits
-as transformers' own implementation of that family, in fp32 and with Q8_0 weights.
+"""Fidelity per family: tiny random-weight GGUFs (llama, qwen2, gemma3, and qwen3, olmo2 and
+the mixtures of experts qwen3moe, olmoe and mixtral, whose only source in DynaLM is their
+``.lum`` file) give the same logits as transformers' own implementation of that family, in
+fp32 and with Q8_0 weights (`test_moe` checks the experts' routing itself).
 
 Each model is written the way llama.cpp's converter writes that family (see `tiny_models`),
 loaded with `load_model` and run by the `Generator` in ``safe`` and ``exact`` modes: every
@@ -19,10 +20,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from tiny_models import (
+    MOE,
+    N_EXPERTS,
     SPECS,
     VOCAB,
     TinySpec,
     dequantize_weights,
+    gguf_arch,
     reference_model,
     write_gguf,
 )
@@ -101,16 +105,24 @@ def _continued(model: LoadedModel, mode: str) -> np.ndarray:
 
 
 def test_gguf_is_written_like_llama_cpp(f32_case: Case) -> None:
-    spec, model = f32_case.spec, f32_case.model
+    spec, model, cfg = f32_case.spec, f32_case.model, f32_case.reference.config
     hp = model.hparams
-    assert hp.arch == spec.family
-    assert (hp.n_layers, hp.d_model, hp.d_ff) == (spec.n_layers, 64, 128)
-    assert (hp.n_heads, hp.n_kv_heads, hp.head_dim) == (4, 2, 16)
+    assert hp.arch == gguf_arch(spec)
+    assert (hp.n_layers, hp.d_model, hp.d_ff) == (spec.n_layers, 64, cfg.intermediate_size)
+    assert (hp.n_heads, hp.n_kv_heads, hp.head_dim) == (4, cfg.num_key_value_heads, 16)
     assert hp.rope_base == spec.rope_theta
     assert hp.sliding_window == spec.sliding_window
     assert ("output.weight" in model.gguf.tensors) == (not spec.tied)
     assert ("blk.0.attn_q.bias" in model.gguf.tensors) == (spec.family == "qwen2")
     assert model.tokenizer.decode(model.tokenizer.encode("héllo!", add_special=False)) == "héllo!"
+    shapes = {name: t.shape for name, t in model.gguf.tensors.items()}
+    assert ("blk.0.ffn_up.weight" in shapes) == (spec.family not in MOE)
+    if spec.family in MOE:  # numpy order: [expert, rows, cols]
+        ff = getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)
+        assert shapes["blk.0.ffn_gate_inp.weight"] == (N_EXPERTS, 64)
+        assert shapes["blk.0.ffn_gate_exps.weight"] == (N_EXPERTS, ff, 64)
+        assert shapes["blk.0.ffn_up_exps.weight"] == (N_EXPERTS, ff, 64)
+        assert shapes["blk.0.ffn_down_exps.weight"] == (N_EXPERTS, 64, ff)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -153,7 +165,11 @@ def test_q8_0_matches_dequantised_reference(family: str, tmp_path: Path) -> None
     try:
         types = {name: t.ggml_type for name, t in case.model.gguf.tensors.items()}
         assert types["token_embd.weight"] == q8
-        assert types["blk.0.ffn_down.weight"] == q8
+        if family in MOE:  # the experts quantised, their router not (as the converter)
+            assert types["blk.0.ffn_down_exps.weight"] == q8
+            assert types["blk.0.ffn_gate_inp.weight"] == GGMLQuantizationType.F32
+        else:
+            assert types["blk.0.ffn_down.weight"] == q8
         assert types["output_norm.weight"] == GGMLQuantizationType.F32
         # the rounding must matter, or matching the rounded reference proves nothing
         unrounded = reference_logits(reference_model(SPECS[family]), IDS)

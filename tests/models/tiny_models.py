@@ -1,7 +1,8 @@
 """Tiny random-weight models of several families, as transformers modules and as GGUF files.
 
 `reference_model` builds a small transformers model of a family (``llama``, ``qwen2``,
-``gemma3``, ``qwen3``, ``olmo2``) with every parameter drawn at random, norms included
+``gemma3``, ``qwen3``, ``olmo2``, and the mixtures of experts ``qwen3moe``, ``olmoe``,
+``mixtral``) with every parameter drawn at random, norms included
 (transformers initialises them to 0 or 1, which would hide a wrong norm convention).
 `write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
 with a minimal byte-level ``gpt2`` tokenizer (six merges) so `dynalm.models.loader.load_model`
@@ -12,6 +13,11 @@ and llama.cpp (tests/models/test_llama_cpp_loads.py) can load it:
   llama.cpp's adjacent-pair layout;
 * gemma3: ``+ 1`` added to every RMSNorm weight (q/k norms too), since Gemma's norm
   multiplies by ``1 + w``; the head is always tied to the embeddings;
+* mixtures of experts: transformers 5 keeps each layer's experts as two stacked parameters,
+  ``experts.gate_up_proj`` [E, 2 ff, d] and ``experts.down_proj`` [E, d, ff]; the converter
+  splits the first into ``ffn_gate_exps`` and ``ffn_up_exps`` [E, ff, d] (numpy order) and
+  writes the router (``ffn_gate_inp``) in F32 whatever the file type; Mixtral is written as
+  GGUF architecture ``llama`` (q/k permuted) with ``blk.N.ffn_*_exps`` tensors;
 * ``{arch}.*`` hyper-parameters as the converter names them.
 
 With ``qtype`` other than F32 the 2-D weights are stored quantised; `dequantize_weights`
@@ -33,14 +39,20 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 300
@@ -56,7 +68,7 @@ MERGES = ["Ġ t", "Ġ a", "h e", "i n", "r e", "o n"]
 class TinySpec:
     """One tiny model: its family and the traits the tests vary."""
 
-    family: str  # llama | qwen2 | gemma3 | qwen3 | olmo2
+    family: str  # llama | qwen2 | gemma3 | qwen3 | olmo2 | qwen3moe | olmoe | mixtral
     n_layers: int
     rope_theta: float
     tied: bool  # the head shares token_embd.weight (no output.weight in the GGUF)
@@ -75,6 +87,10 @@ SPECS: dict[str, TinySpec] = {
     # families with no Python in DynaLM, only their .lum files
     "qwen3": TinySpec("qwen3", n_layers=2, rope_theta=1_000_000.0, tied=True, seed=4),
     "olmo2": TinySpec("olmo2", n_layers=2, rope_theta=500_000.0, tied=False, seed=5),
+    # mixtures of experts (`MOE`): N_EXPERTS experts per layer, N_EXPERTS_USED per token
+    "qwen3moe": TinySpec("qwen3moe", n_layers=2, rope_theta=1_000_000.0, tied=False, seed=6),
+    "olmoe": TinySpec("olmoe", n_layers=2, rope_theta=10_000.0, tied=False, seed=7),
+    "mixtral": TinySpec("mixtral", n_layers=2, rope_theta=1_000_000.0, tied=False, seed=8),
 }
 
 _ARCH = {
@@ -83,6 +99,9 @@ _ARCH = {
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp's converter writes Mixtral as llama
 }
 
 _DIMS = dict(
@@ -96,6 +115,16 @@ _DIMS = dict(
     rms_norm_eps=1e-6,
 )
 GEMMA_LOCAL_ROPE_BASE = 10000.0  # llama.cpp (and DynaLM) hard-code gemma3's local base
+# The mixture-of-experts families and their experts: 8 per layer, 2 chosen per token, each a
+# SwiGLU FFN 32 wide (qwen3moe's dense intermediate_size stays 128, unused, as the converter
+# writes it as feed_forward_length)
+MOE = ("qwen3moe", "olmoe", "mixtral")
+N_EXPERTS, N_EXPERTS_USED, EXPERT_FF = 8, 2, 32
+
+
+def gguf_arch(spec: TinySpec) -> str:
+    """The ``general.architecture`` the converter writes for ``spec``'s family."""
+    return gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
 
 
 def _config(spec: TinySpec) -> PretrainedConfig:
@@ -118,6 +147,37 @@ def _config(spec: TinySpec) -> PretrainedConfig:
         return Qwen3Config(**common, rope_parameters=rope)
     if spec.family == "olmo2":  # post-norms, an RMSNorm over all of q and of k
         return Olmo2Config(**common, rope_parameters=rope)
+    experts = dict(num_experts_per_tok=N_EXPERTS_USED, rope_parameters=rope)
+    if spec.family == "qwen3moe":  # qwen3's per-head q/k norms; every layer's FFN experts
+        # llama.cpp's qwen3moe graph always renormalises the chosen weights
+        return Qwen3MoeConfig(
+            **common,
+            **experts,
+            num_experts=N_EXPERTS,
+            moe_intermediate_size=EXPERT_FF,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if spec.family == "olmoe":
+        # olmo's q/k norms over all of q and of k, not renormalised; llama.cpp reads k's norm
+        # as d_model wide (no GQA) and its converter writes eps 1e-5 whatever the config says
+        own = dict(intermediate_size=EXPERT_FF, num_key_value_heads=4, rms_norm_eps=1e-5)
+        return OlmoeConfig(
+            **(common | own),
+            **experts,
+            num_experts=N_EXPERTS,
+            norm_topk_prob=False,
+            clip_qkv=None,
+        )
+    if spec.family == "mixtral":  # llama with experts, renormalised
+        return MixtralConfig(
+            **(common | dict(intermediate_size=EXPERT_FF)),
+            **experts,
+            num_local_experts=N_EXPERTS,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
     if spec.family == "gemma3":
         assert spec.tied, "llama.cpp's gemma3 always ties the head to the embeddings"
         layer_types = [
@@ -145,6 +205,9 @@ _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "gemma3": Gemma3ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "qwen3moe": Qwen3MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
@@ -176,7 +239,32 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _quantizable(gguf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> bool:
-    return qtype != GGMLQuantizationType.F32 and w.ndim == 2 and gguf_name.endswith(".weight")
+    """Whether the converter stores GGUF tensor ``gguf_name`` as ``qtype``: the 2-D weights
+    and the stacked experts, but a router (``ffn_gate_inp``: always F32)."""
+    return (
+        qtype != GGMLQuantizationType.F32
+        and w.ndim in (2, 3)
+        and gguf_name.endswith(".weight")
+        and not gguf_name.endswith("ffn_gate_inp.weight")
+    )
+
+
+def _hf_quantized(hf_name: str, w: np.ndarray, qtype: GGMLQuantizationType) -> bool:
+    """`_quantizable` for the transformers parameter ``hf_name``, whose GGUF tensors carry the
+    same values (the stacked experts have no ``.weight`` suffix; ``mlp.gate`` is a router)."""
+    if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return qtype != GGMLQuantizationType.F32
+    return _quantizable(hf_name.replace("mlp.gate.weight", "ffn_gate_inp.weight"), w, qtype)
+
+
+def _expert_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A stacked expert parameter as the converter's per-projection names (``Qwen2MoeModel.
+    modify_tensors``): gate_up_proj [E, 2 ff, d] splits into gate_proj and up_proj."""
+    base = hf_name.removesuffix(".gate_up_proj").removesuffix(".down_proj")
+    if hf_name.endswith(".down_proj"):
+        return [(f"{base}.down_proj.weight", w)]
+    ff = w.shape[1] // 2
+    return [(f"{base}.gate_proj.weight", w[:, :ff]), (f"{base}.up_proj.weight", w[:, ff:])]
 
 
 def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray]:
@@ -184,19 +272,24 @@ def gguf_tensors(model: PreTrainedModel, spec: TinySpec) -> dict[str, np.ndarray
     cfg = model.config
     names = gguf.get_tensor_name_map(_ARCH[spec.family], cfg.num_hidden_layers)
     out: dict[str, np.ndarray] = {}
+    permuted = _ARCH[spec.family] == gguf.MODEL_ARCH.LLAMA  # llama and mixtral
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and spec.tied:
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, f"no GGUF name for {hf_name}"
         w = tensor.detach().to(torch.float32).numpy().copy()
-        if spec.family == "llama" and hf_name.endswith("q_proj.weight"):
+        if permuted and hf_name.endswith("q_proj.weight"):
             w = _permute(w, cfg.num_attention_heads)
-        elif spec.family == "llama" and hf_name.endswith("k_proj.weight"):
+        elif permuted and hf_name.endswith("k_proj.weight"):
             w = _permute(w, cfg.num_key_value_heads)
         if spec.family == "gemma3" and hf_name.endswith("norm.weight"):
             w = w + 1.0
-        out[name] = w
+        parts = [(hf_name, w)]
+        if hf_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            parts = _expert_tensors(hf_name, w)
+        for part, value in parts:
+            name = names.get_name(part, try_suffixes=(".weight", ".bias"))
+            assert name is not None, f"no GGUF name for {part}"
+            out[name] = np.ascontiguousarray(value)
     return out
 
 
@@ -229,8 +322,7 @@ def write_gguf(
     ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
     writes Qwen3-Embedding's)."""
     cfg = model.config
-    arch = gguf.MODEL_ARCH_NAMES[_ARCH[spec.family]]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, gguf_arch(spec))
     writer.add_name(f"tiny-{spec.family}")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -242,10 +334,15 @@ def write_gguf(
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if spec.family == "llama":
+    if _ARCH[spec.family] == gguf.MODEL_ARCH.LLAMA:
         writer.add_rope_dimension_count(cfg.head_dim)
     if spec.family == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
+    if spec.family in MOE:  # TextModel.set_gguf_parameters; Qwen2MoeModel's expert width
+        writer.add_expert_count(N_EXPERTS)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if spec.family == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if pooling_type is not None:
         writer.add_pooling_type(pooling_type)
     writer.add_file_type(
@@ -278,12 +375,13 @@ def write_gguf(
 def dequantize_weights(model: PreTrainedModel, qtype: GGMLQuantizationType) -> None:
     """Round the reference's weights exactly as `write_gguf` stores them with ``qtype``.
 
-    Quantisation blocks run along rows, so llama's q/k row permutation commutes with it.
+    Quantisation blocks run along rows, so llama's q/k row permutation and the split of
+    the experts' gate_up_proj commute with it.
     """
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied weights come once
             w = param.detach().numpy()
-            if _quantizable(name, w, qtype):
+            if _hf_quantized(name, w, qtype):
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
                 param.copy_(torch.from_numpy(rounded.reshape(w.shape)))
 

@@ -91,7 +91,7 @@ class CpuDevice(Device):
         return quant.dequantize(raw, ggml_type, shape[-1]).reshape(shape)
 
     def matmul_kernel(self, ggml_type: int, shape: tuple[int, int]) -> MatmulKernel:
-        """"numpy" (fp32 weights, dequantised at load: ``safe``, or F32 rows the kernels
+        """ "numpy" (fp32 weights, dequantised at load: ``safe``, or F32 rows the kernels
         cannot take), "jit-exact" / "jit-auto" (``QuantMatmul``: repacked into its planes,
         ``Unpack.packed_bytes`` per row) or "tiled" (the file's blocks, dequantised per row
         tile for BLAS: formats without a JIT kernel yet, or rows not a multiple of 32
@@ -117,6 +117,8 @@ class CpuDevice(Device):
         n = int(np.prod(shape))
         if use == "matmul":
             return self.matmul_kernel(ggml_type, shape).nbytes  # type: ignore[arg-type]
+        if use == "experts":  # [E, N, K]: an expert's matmul once routed to (at most all)
+            return shape[0] * self.matmul_kernel(ggml_type, shape[1:]).nbytes  # type: ignore[arg-type]
         if use == "embedding":  # rows read from the file per step (safe: dequantised)
             return 4 * n if self.mode == "safe" else 0
         return 4 * n  # a vector in fp32, an index in int32

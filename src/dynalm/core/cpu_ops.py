@@ -8,6 +8,7 @@ reads keys and values through each sequence's page table.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -233,3 +234,71 @@ def attention(
         out[a:b] = ctx.reshape(b - a, n_heads * head_dim)
     for rows, keys, values in later:  # after every sequence read the buffers
         kv.write_recent(layer, rows, keys, values)
+
+
+# --- mixture of experts --------------------------------------------------------------------
+
+# The least sum the chosen weights are normalised by (llama.cpp's clamp: f16's smallest normal)
+MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+def moe_route(
+    out: np.ndarray, logits: np.ndarray, top_k: int, gating: int, normalize: bool, scale: float
+) -> None:
+    """Row t of ``out``: the ids of the ``top_k`` most probable experts (as f32; highest
+    first, ties to the lower id), then their weights. ``gating`` 1: a softmax over every
+    logit, 2: each logit's sigmoid; ``normalize`` divides the chosen weights by their sum,
+    then ``scale`` multiplies them."""
+    if gating == 1:
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+    else:
+        with np.errstate(over="ignore"):  # exp(-x) of a very negative x: inf, weight 0
+            probs = 1.0 / (1.0 + np.exp(-logits))
+    # a stable sort of the negated probabilities: equal ones keep their (id) order
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, ids, axis=1)
+    if normalize:
+        weights /= np.maximum(weights.sum(axis=1, keepdims=True), np.float32(MIN_WEIGHT_SUM))
+    out[:, :top_k] = ids
+    np.multiply(weights, np.float32(scale), out=out[:, top_k:])
+
+
+def route_ids(route: np.ndarray, n_experts: int) -> np.ndarray:
+    """A route's expert ids ``[T, top_k]`` as integers, each checked to name an expert."""
+    ids = route[:, : route.shape[1] // 2]
+    if ids.size and not (ids.min() >= 0 and ids.max() < n_experts):
+        raise ValueError(f"a route names expert {ids.max():g} of {n_experts}")
+    return ids.astype(np.intp)
+
+
+def expert_matmul(
+    out: np.ndarray,
+    x: np.ndarray,
+    route: np.ndarray,
+    matmul: Callable[[int], Callable[[np.ndarray, np.ndarray], None]],
+    shape: tuple[int, int, int],
+    bias: np.ndarray | None = None,
+) -> None:
+    """Slot j of row t (columns ``j*N..(j+1)*N`` of ``out``) = x's row for the slot @ the
+    weight ``[N, K]`` of expert ``e = route[t, j]`` (``matmul(e)(rows, result)``), +
+    ``bias[e]``; the experts are ``shape`` ``[E, N, K]``. x's row for slot j: x[t] (x is
+    [T, K]) or its columns j*K..(j+1)*K (x is [T, top_k * K])."""
+    n_experts, n, k_in = shape
+    ids = route_ids(route, n_experts)
+    for j in range(ids.shape[1]):
+        xs = x if x.shape[1] == k_in else x[:, j * k_in : (j + 1) * k_in]
+        for e in np.unique(ids[:, j]):
+            rows = np.flatnonzero(ids[:, j] == e)
+            y = np.empty((len(rows), n), np.float32)
+            matmul(int(e))(np.ascontiguousarray(xs[rows]), y)
+            out[rows, j * n : (j + 1) * n] = y if bias is None else y + bias[e]
+
+
+def moe_combine(out: np.ndarray, y: np.ndarray, route: np.ndarray) -> None:
+    """``out[t] = sum_j route[t, k + j] * y[t, j*N:(j+1)*N]``, slots added in order."""
+    k = route.shape[1] // 2
+    n = out.shape[1]
+    np.multiply(y[:, :n], route[:, k : k + 1], out=out)
+    for j in range(1, k):
+        out += y[:, j * n : (j + 1) * n] * route[:, k + j : k + j + 1]

@@ -169,6 +169,8 @@ class CudaDevice(Device):
         if op in ("matmul", "matmul_add"):
             ggml_type, shape = weights[0]
             return self.matmul_kernel(ggml_type, shape).kind.startswith("jit-")  # type: ignore[arg-type]
+        if op in ("moe_route", "expert_matmul", "moe_combine"):
+            return False  # routes are data-dependent rows: no GPU kernels yet (auto: the CPU)
         if op == "attention":
             return attention_program.supported(int(attrs["head_dim"]), "f32")  # type: ignore[call-overload]
         return True

@@ -155,8 +155,6 @@ class AttentionBatch:
         return pages, seq_of, first_row, recent_row, recent_from
 
 
-
-
 class HostKVStorage:
     """KV memory indexed by slot (``page * page_size + offset``) in host memory.
 

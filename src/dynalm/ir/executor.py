@@ -22,6 +22,7 @@ import numpy as np
 
 from dynalm.core import quant
 from dynalm.core.device import Device
+from dynalm.core.experts import Experts
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.errors import ModelFormatError
 from dynalm.ir.graph import Graph
@@ -199,19 +200,17 @@ class Executor:
             raw, qtype, shape = self._raw(name, lazy=use == "matmul")
             w, parts = self.weights, self._parts.get(name)
             if use == "matmul":
-                release = None if parts else lambda lo, hi: w.release(name, (lo, hi))
-                source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
-                with _naming(name):  # (its scales are checked as it is repacked)
-                    prepared = self.binder.prepare_matmul(
-                        raw,
-                        qtype,
-                        shape,
-                        release_rows=release,
-                        source=source(parts or (name,)) if source else None,
-                    )
+                prepared = self._matmul(name, raw, qtype, shape, parts)
                 if self.device.holds_copy(prepared) and parts:  # stacked parts: a copy
                     for part in parts:
                         w.release(part)
+            elif use == "experts":  # [E, N, K]: each expert prepared when first routed to
+                n_rows = shape[1]
+                prepared = self.binder.prepare_experts(
+                    shape,
+                    self.device.prepared_bytes(qtype, shape[1:], "matmul"),
+                    lambda e: self._matmul(name, raw[e], qtype, shape[1:], rows=e * n_rows),
+                )
             elif use == "embedding":
                 # Its rows are dequantised on demand: a NaN scale would flow unseen into the
                 # JIT matmuls, which swallow it (issue 31), so the table is checked once here.
@@ -228,6 +227,28 @@ class Executor:
                 prepared = self.device.vector(raw, qtype, shape)
             self._prepared[key] = prepared
         return self._prepared[key]
+
+    def _matmul(
+        self,
+        name: str,
+        raw: object,
+        qtype: int,
+        shape: tuple[int, ...],
+        parts: tuple[str, ...] | None = None,
+        rows: int | None = None,
+    ) -> object:
+        """A matmul weight (or one expert's: the tensor's rows from ``rows`` on) prepared by
+        the binder; its file pages released as it is repacked, mapped from the repack cache
+        when that holds it."""
+        w = self.weights
+        at = rows or 0
+        release = None if parts else lambda lo, hi: w.release(name, (at + lo, at + hi))
+        source = getattr(w, "source", None)  # where the bytes lie: the repack cache key
+        where = source(parts or (name,)) if source else None
+        if where is not None and rows is not None:  # one expert: its own rows of the tensor
+            where = (f"{where[0]}:{rows}+{shape[0]}", where[1])
+        with _naming(name):  # (its scales are checked as it is repacked)
+            return self.binder.prepare_matmul(raw, qtype, shape, release_rows=release, source=where)
 
     def _raw(self, name: str, lazy: bool = False) -> tuple[object, int, tuple[int, ...]]:
         """A weight's bytes, ggml type and shape; a merged weight's parts' rows are
@@ -289,6 +310,14 @@ class Executor:
             self._run_profiled(self.profile)
         tokens = self.binder.end_step(greedy)
         return tokens if greedy else self.buffers.views[self._logits]
+
+    def expert_reads(self) -> tuple[int, int]:
+        """Bytes of weights the expert matmuls have read so far (each call: its selected
+        experts' prepared bytes) and what their dense equivalent (every expert, every call)
+        would have read: a mixture of experts' traffic, for ``dynalm bench``."""
+        experts = [p for p in self._prepared.values() if isinstance(p, Experts)]
+        dense = sum(e.calls * e.shape[0] * e.expert_bytes for e in experts)
+        return sum(e.bytes_read for e in experts), dense
 
     @property
     def greedy_on_device(self) -> bool:

@@ -39,7 +39,9 @@ class WeightSlot:
     name: str
     optional: bool = False
     dtype: str | None = None  # an index tensor's dtype; None: any quant-format table row
-    use: str = "vector"  # how a device prepares it: matmul | embedding | vector | index
+    # how a device prepares it: matmul | embedding | vector | index | experts (a stack of
+    # matmul weights [E, N, K], each prepared when first routed to)
+    use: str = "vector"
 
 
 MAX_ATTR_INT = 2**31 - 1  # an int attribute is a count, size or index: kernels take int32
@@ -211,6 +213,56 @@ def _split(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     return (src[0], width)
 
 
+GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC numbers
+
+
+def _top_k(route: tuple[Dim, ...], n_experts: Dim | None = None) -> int:
+    """The k of a route ``[T, 2k]`` (ids, then weights), checked against the experts."""
+    width = _width(route)
+    if len(route) != 2 or not isinstance(width, int) or width < 2 or width % 2:
+        raise _fail(f"a route is [T, 2 * top_k] (ids, then weights), found {_dims(route)}")
+    if isinstance(n_experts, int) and width // 2 > n_experts:
+        raise _fail(f"top_k {width // 2} of {n_experts} experts")
+    return width // 2
+
+
+def _moe_route(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    (logits,), k = shapes, attrs["top_k"]
+    if len(logits) != 2:
+        raise _fail(f"moe_route takes logits [T, experts], found {_dims(logits)}")
+    if attrs["gating"] not in GATING:
+        known = ", ".join(f"{n} ({name})" for n, name in GATING.items())
+        raise _fail(f"gating {attrs['gating']} is not one of {known}")
+    route = (logits[0], 2 * k)
+    _top_k(route, logits[1])
+    return route
+
+
+def _expert_matmul(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    (x, route), (experts, bias) = shapes, weights
+    if len(experts) != 3:
+        raise _fail(f"the experts are [experts, rows, cols], found {_dims(experts)}")
+    n_experts, n, k_in = experts
+    k = _top_k(route, n_experts)
+    _expect("the route's rows", route[:1], x[:1])
+    if len(x) != 2 or x[1] not in (k_in, k * k_in):
+        raise _fail(
+            f"x is {_dims(x)}: one row of {k_in} for every slot or {k} slots' rows "
+            f"({k * k_in}) for the experts {_dims(experts)}"
+        )
+    _expect("the experts' bias", bias, (n_experts, n))
+    return (x[0], k * n)
+
+
+def _moe_combine(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
+    y, route = shapes
+    k = _top_k(route)
+    _expect("the route's rows", route[:1], y[:1])
+    if len(y) != 2 or not isinstance(y[1], int) or y[1] % k:
+        raise _fail(f"moe_combine of {_dims(y)}: not {k} slots of equal width")
+    return (y[0], y[1] // k)
+
+
 X = Operand("x")
 _EPS = Attr("eps", float, min=0.0)
 _HEAD_DIM = Attr("head_dim", int, min=1)
@@ -267,6 +319,17 @@ _TABLE = (
           doc="the rows listed (each sequence's last token)"),
     OpDef("gather_cols", (X,), _gather_cols, (WeightSlot("index", dtype="i32", use="index"),),
           doc="x[:, index]: columns in the order a weight's input was permuted at load"),
+    # mixture of experts: a route row holds the chosen experts' ids (exact in f32), then
+    # their weights; expert_matmul multiplies each slot's row by its expert's matrix
+    OpDef("moe_route", (Operand("logits"),), _moe_route,
+          attrs=(Attr("top_k", int, min=1), Attr("gating", int, min=1), Attr("normalize", bool),
+                 Attr("scale", float, 1.0)),
+          doc="the top_k experts of each row's gated logits (ids, then weights)"),
+    OpDef("expert_matmul", (X, Operand("route")), _expert_matmul,
+          (WeightSlot("experts", use="experts"), _BIAS), kernel="matmul",
+          doc="each slot's row @ its expert's weight^T (+ bias)"),
+    OpDef("moe_combine", (Operand("y"), Operand("route")), _moe_combine,
+          doc="the slots' rows summed, each times its route weight"),
     OpDef("split", (X,), _split, attrs=(Attr("start", int, min=0), Attr("width", int, min=1),
                                         Attr("view", bool, ABSENT)),
           kernel="copy", view=True, doc="columns start..start+width (a view when marked)"),

@@ -13,6 +13,9 @@ instead of being permuted into llama.cpp's adjacent pairs: the graph's rope is t
 (``dynalm.rope.neox``), which is the same arithmetic without a copy. GPTQ and AWQ layers
 are repacked at load into Q4_0 / Q5_0 blocks (``gptq_awq``); an act-order layer also gets
 an ``input_perm`` index tensor, which the graph applies to its input (``gather_cols``).
+A mixture of experts' per-expert matrices (``experts.{e}.gate_proj``, ...) read as the
+converter's stacked ``[expert, rows, cols]`` tensors, each expert still a view of its own
+tensor, mapped only when a route first selects it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +51,15 @@ ARCHITECTURES: dict[str, tuple[str, gguf.MODEL_ARCH]] = {
     "qwen2": ("qwen2", gguf.MODEL_ARCH.QWEN2),
     "qwen3": ("qwen3", gguf.MODEL_ARCH.QWEN3),
     "olmo2": ("olmo2", gguf.MODEL_ARCH.OLMO2),
+    "qwen3_moe": ("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE),
+    "olmoe": ("olmoe", gguf.MODEL_ARCH.OLMOE),
+    "mixtral": ("llama", gguf.MODEL_ARCH.LLAMA),  # llama.cpp converts Mixtral as llama
     "bert": ("bert", gguf.MODEL_ARCH.BERT),  # an encoder: see _sentence_transformers
 }
+# one expert's matrix of a mixture of experts: (layer's experts, expert id, projection);
+# Mixtral's w1, w2, w3 are gate, down and up
+_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
+_MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _FLOAT_TYPES = {"F32": _T.F32, "F16": _T.F16, "BF16": _T.BF16}
 # recomputed from rope_theta (as llama.cpp); BERT's position ids buffer and its pooler (a
 # classifier's, unused for sentence embeddings: llama.cpp's converter leaves them out too)
@@ -99,6 +110,31 @@ class _Source:
     tensor: SafeTensor | None = None
     layer: str | None = None
     perm_of: str | None = None
+    experts: tuple[tuple[SafeTensorsFile, SafeTensor], ...] = ()  # one per expert, in order
+
+
+class _Experts:
+    """A layer's stacked experts ``[E, N, row bytes]`` as `HFDirectory.raw` gives them:
+    ``stack[e]`` is expert e's own tensor (a view of its file), so an expert never routed
+    to is never read; ``np.asarray(stack)`` stacks them all (a copy)."""
+
+    def __init__(self, parts: tuple[tuple[SafeTensorsFile, SafeTensor], ...], row_bytes: int):
+        self._parts, self.row_bytes = parts, row_bytes
+        self.shape = (len(parts), parts[0][1].shape[0], row_bytes)
+        self.dtype, self.ndim = np.dtype(np.uint8), 3
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: object) -> np.ndarray:
+        if isinstance(e, (int, np.integer)):
+            shard, t = self._parts[e]
+            return shard.bytes(t.name).reshape(t.shape[0], self.row_bytes)
+        return np.asarray(self)[e]
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        stacked = np.stack([self[e] for e in range(len(self))])
+        return stacked if dtype is None else stacked.astype(dtype)
 
 
 class HFDirectory:
@@ -229,6 +265,7 @@ class HFDirectory:
             )
         if arch == "llama":
             meta[NEOX_KEY] = True
+        meta.update(self._experts_metadata())
         if arch == "bert":
             kind = c.get("position_embedding_type", "absolute")
             if kind != "absolute":
@@ -237,6 +274,31 @@ class HFDirectory:
                     "(absolute only)"
                 )
             meta.update(self._sentence_transformers())
+        return meta
+
+    def _experts_metadata(self) -> dict[str, Any]:
+        """A mixture of experts' counts as the converter writes them (``TextModel.
+        set_gguf_parameters``, ``Qwen2MoeModel``), and whether the chosen experts' weights
+        are renormalised (``norm_topk_prob``, which the converter leaves out: llama.cpp's
+        graphs fix it per family, as the families' .lum files do without the key)."""
+        c, arch = self.config, self.arch
+        count = c.get("num_local_experts", c.get("num_experts"))
+        if count is None:
+            return {}
+        meta: dict[str, Any] = {f"{arch}.expert_count": count}
+        if c.get("num_experts_per_tok") is not None:
+            meta[f"{arch}.expert_used_count"] = c["num_experts_per_tok"]
+        if c.get("moe_intermediate_size") is not None:
+            meta[f"{arch}.expert_feed_forward_length"] = c["moe_intermediate_size"]
+        if c.get("norm_topk_prob") is not None:
+            meta[f"{arch}.expert_weights_norm"] = c["norm_topk_prob"]
+        dense = c.get("mlp_only_layers") or []
+        if c.get("decoder_sparse_step", 1) != 1 or dense:
+            raise UnsupportedModel(
+                f"{self.config_path}: dense layers among the experts (mlp_only_layers "
+                f"{show(dense)}, decoder_sparse_step {show(c.get('decoder_sparse_step'))}) "
+                "are not supported"
+            )
         return meta
 
     def _sentence_transformers(self) -> dict[str, Any]:
@@ -308,14 +370,20 @@ class HFDirectory:
             raise ModelFormatError(f"{self.config_path}: num_hidden_layers = {show(n_layers)}")
         names = gguf.get_tensor_name_map(model_arch, n_layers)
         layers: dict[str, dict[str, str]] = {}  # quantised layer -> part -> HF name
+        experts: dict[str, dict[int, str]] = {}  # stacked name -> expert id -> HF name
         for hf_name, (shard, t) in self._hf.items():
             if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            mapped = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's as Qwen-MoE's
+            if (m := _EXPERT.match(mapped)) is not None:
+                stacked = f"{m[1]}.{_MIXTRAL.get(m[3], m[3])}.weight"
+                experts.setdefault(stacked, {})[int(m[2])] = hf_name
                 continue
             stem, _, part = hf_name.rpartition(".")
             if self.quant is not None and part in gptq_awq.PARTS:
                 layers.setdefault(stem, {})[part] = hf_name
                 continue
-            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise UnsupportedModel(
                     f"{shard.path}: tensor {show(hf_name)} has no place in a {self.arch} model"
@@ -328,6 +396,8 @@ class HFDirectory:
             self._add(name, t.shape, _FLOAT_TYPES[t.dtype], _Source(shard, t))
         for stem, parts in layers.items():
             self._add_quantised(names, stem, parts)
+        for stacked, by_id in experts.items():
+            self._add_experts(names, stacked, by_id)
 
     def _add(self, name: str, shape: tuple[int, ...], ggml_type: int, src: _Source) -> None:
         if name in self.tensors:
@@ -341,6 +411,35 @@ class HFDirectory:
         offset = src.tensor.offset if src.tensor else 0
         self.tensors[name] = TensorInfo(name, tuple(shape), ggml_type, offset, nbytes)
         self._sources[name] = src
+
+    def _add_experts(self, names: gguf.TensorNameMap, stacked: str, by_id: dict[int, str]) -> None:
+        """One layer's experts of one projection, expert e's ``[N, K]`` matrix in HF tensor
+        ``by_id[e]``, as the converter stacks them: one tensor ``[E, N, K]``."""
+        parts = tuple(self._hf[by_id[e]] for e in sorted(by_id))
+        shard, first = parts[0]
+        if sorted(by_id) != list(range(len(by_id))):
+            raise ModelFormatError(
+                f"{shard.path}: the experts of {show(stacked)} are {sorted(by_id)}, "
+                f"expected 0 to {len(by_id) - 1}"
+            )
+        for where, t in parts:
+            if (t.dtype, t.shape) != (first.dtype, first.shape) or len(t.shape) != 2:
+                raise ModelFormatError(
+                    f"{where.path}: tensor {show(t.name)} is {t.dtype} {list(t.shape)}, "
+                    f"expert 0's {first.dtype} {list(first.shape)}"
+                )
+        name = names.get_name(stacked, try_suffixes=(".weight",))
+        if name is None:
+            raise UnsupportedModel(
+                f"{shard.path}: tensor {show(first.name)} has no place in a {self.arch} model"
+            )
+        if first.dtype not in _FLOAT_TYPES:
+            raise UnsupportedModel(
+                f"{shard.path}: tensor {show(first.name)} has dtype {first.dtype} "
+                "(DynaLM runs experts in F32, F16, BF16)"
+            )
+        shape = (len(parts), *first.shape)
+        self._add(name, shape, _FLOAT_TYPES[first.dtype], _Source(experts=parts))
 
     def _add_quantised(self, names: gguf.TensorNameMap, stem: str, parts: dict[str, str]) -> None:
         assert self.quant is not None
@@ -385,9 +484,13 @@ class HFDirectory:
         return self.arch
 
     def raw(self, name: str) -> np.ndarray:
-        """uint8 ``[*shape[:-1], row bytes]``: a view of the file, or the repacked blocks
-        of a GPTQ/AWQ layer (made on each call: the device keeps its own copy)."""
+        """uint8 ``[*shape[:-1], row bytes]``: a view of the file, the stacked views of a
+        layer's experts (`_Experts`), or the repacked blocks of a GPTQ/AWQ layer (made on
+        each call: the device keeps its own copy)."""
         info, src = self.tensors[name], self._sources[name]
+        if src.experts:
+            row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
+            return _Experts(src.experts, row_bytes)  # type: ignore[return-value]
         if src.tensor is not None:
             assert src.shard is not None
             row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
@@ -425,6 +528,15 @@ class HFDirectory:
                 shard.release_pages()
             return
         info, src = self.tensors[name], self._sources[name]
+        if src.experts:  # the rows of each expert's own tensor
+            n = info.shape[1]
+            lo, hi = rows or (0, info.shape[0] * n)
+            for e in range(lo // n, -(-hi // n)):
+                shard, t = src.experts[e]
+                row_bytes = t.nbytes // n
+                first, last = max(lo - e * n, 0), min(hi - e * n, n)
+                shard.release_pages(t.offset + first * row_bytes, t.offset + last * row_bytes)
+            return
         if src.shard is None:
             return
         start, end = info.offset, info.offset + info.nbytes

@@ -129,6 +129,20 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) 
     if rows is not None and rows != d_ff:
         raise bad(key("feed_forward_length"), d_ff, f"the rows of blk.0.ffn_up.weight ({rows})")
 
+    # a mixture of experts (llama.cpp asserts as much at load): a token's experts are some
+    # of the file's; the families' .lum files read the counts, the ops check them against
+    # the expert tensors' shapes
+    n_experts, used_key = integer(metadata, key("expert_count"), 0), key("expert_used_count")
+    if n_experts and used_key not in metadata:
+        raise ModelFormatError(
+            f"{key('expert_count')} = {n_experts} but the metadata has no {used_key}"
+        )
+    used = integer(metadata, used_key, 0, n_layers=n_layers)
+    if used > n_experts or (n_experts and not used):
+        count = f"{key('expert_count')} ({n_experts})"
+        none = f"0: no experts ({key('expert_count')} absent or 0)"
+        raise bad(used_key, used, f"from 1 to {count}" if n_experts else none)
+
     scaling = text(metadata, key("rope.scaling.type"), "none")
     factor = metadata.get(key("rope.scaling.factor"), 0)
     # llama.cpp reads a factor of 0 as "not set"

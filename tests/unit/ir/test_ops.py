@@ -44,7 +44,11 @@ GOOD = {
     "pool": ([X, t("i32", "S")], [], {"mode": 1}),
     "l2_norm": ([t("f32", "S", 64)], [], {}),
     "tanh": ([t("f32", "S", 64)], [], {}),
+    "moe_route": ([t("f32", "T", 8)], [], {"top_k": 2, "gating": 1, "normalize": True}),
+    "expert_matmul": ([X, t("f32", "T", 4)], [t("q4_k", 8, 96, 64), t("f32", 8, 96)], {}),
+    "moe_combine": ([t("f32", "T", 192), t("f32", "T", 4)], [], {}),
 }  # fmt: skip
+ROUTE = t("f32", "T", 4)  # two experts' ids, then their weights
 BAD = [
     ("embed", ([X], [t("q8_0", 300, 64)], {}), "operand ids is i32, found tensor<f32, [T, 64]>"),
     ("rms_norm", ([X], [t("f32", 63)], {"eps": 1e-6}), "norm weight is [63], expected [64]"),
@@ -81,6 +85,30 @@ BAD = [
     ("pool", ([X, t("i32", "S")], [], {"mode": 4}),
      "pooling mode 4 is not one of 1 (mean), 2 (cls), 3 (last)"),
     ("pool", ([X, t("f32", "S")], [], {"mode": 1}), "operand last is i32"),
+    ("moe_route", ([t("f32", "T", 8)], [], {"top_k": 9, "gating": 1, "normalize": True}),
+     "top_k 9 of 8 experts"),
+    ("moe_route", ([t("f32", "T", 8)], [], {"top_k": 0, "gating": 1, "normalize": True}),
+     "attribute top_k must be in [1, "),
+    ("moe_route", ([t("f32", "T", 8)], [], {"top_k": 2, "gating": 3, "normalize": True}),
+     "gating 3 is not one of 1 (softmax), 2 (sigmoid)"),
+    ("moe_route", ([t("f32", "T")], [], {"top_k": 1, "gating": 2, "normalize": False}),
+     "moe_route takes logits [T, experts], found [T]"),
+    ("expert_matmul", ([X, t("f32", "T", 5)], [t("q8_0", 8, 96, 64)], {}),
+     "a route is [T, 2 * top_k] (ids, then weights), found [T, 5]"),
+    ("expert_matmul", ([X, t("f32", "T", 6)], [t("q8_0", 2, 96, 64)], {}),
+     "top_k 3 of 2 experts"),
+    ("expert_matmul", ([X, ROUTE], [t("q8_0", 96, 64)], {}),
+     "the experts are [experts, rows, cols], found [96, 64]"),
+    ("expert_matmul", ([t("f32", "T", 96), ROUTE], [t("q8_0", 8, 96, 64)], {}),
+     "x is [T, 96]: one row of 64 for every slot or 2 slots' rows (128)"),
+    ("expert_matmul", ([X, t("f32", "S", 4)], [t("q8_0", 8, 96, 64)], {}),
+     "the route's rows is [S], expected [T]"),
+    ("expert_matmul", ([X, ROUTE], [t("q8_0", 8, 96, 64), t("f32", 96)], {}),
+     "the experts' bias is [96], expected [8, 96]"),
+    ("moe_combine", ([t("f32", "T", 191), ROUTE], [], {}),
+     "moe_combine of [T, 191]: not 2 slots of equal width"),
+    ("moe_combine", ([t("f32", "T", 192), t("f32", "T", 3)], [], {}),
+     "a route is [T, 2 * top_k]"),
 ]  # fmt: skip
 
 
@@ -150,4 +178,25 @@ def test_dynamic_and_named_dims_read_back():
     graph = g.finish(y=g.op("scale", g.op("silu", x), factor=-0.5))
     text = print_graph(graph)
     assert "tensor<f32, [?, 8]> = silu %0" in text and "factor=-0.5" in text
+    assert read_graph(text) == graph
+
+
+def test_a_mixture_of_experts_reads_back():
+    weights = {
+        "router": t("f32", 8, 64),
+        "up": t("q4_k", 8, 96, 64),
+        "bias": t("f32", 8, 96),
+        "down": t("q8_0", 8, 64, 96),
+    }
+    g = GraphBuilder("moe", weights)
+    x = g.input("x", "f32", ("T", 64))
+    logits = g.op("matmul", x, weights=(g.weight("router"),))
+    route = g.op("moe_route", logits, top_k=2, gating=2, normalize=False, scale=2.5)
+    up = g.op("expert_matmul", x, route, weights=(g.weight("up"), g.weight("bias")))
+    down = g.op("expert_matmul", up, route, weights=(g.weight("down"),))
+    graph = g.finish(y=g.op("moe_combine", down, route))
+    text = print_graph(graph)
+    assert "moe_route %1, top_k=2, gating=2, normalize=false, scale=2.5" in text, text
+    assert "tensor<f32, [T, 192]> = expert_matmul %0, %2" in text, text
+    assert '@"up": tensor<q4_k, [8, 96, 64]>, @"bias": tensor<f32, [8, 96]>' in text
     assert read_graph(text) == graph

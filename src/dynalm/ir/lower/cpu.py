@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dynalm.core import attention, cpu_ops, elementwise, pool
+from dynalm.core.experts import Experts, ExpertScratch, MatmulFn
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
@@ -84,6 +85,7 @@ class CpuBinder(Binder):
         self._native = device.mode != "safe"
         self._backend = device.backend  # lowers the native kernels
         self._scratch = ActivationScratch()  # shared by every auto matmul of this graph
+        self._expert_rows = ExpertScratch()  # and the experts' gathered rows
         self._batch: AttentionBatch | None = None
         self._layout = attention.StepLayout()  # what the native attention kernels read
 
@@ -103,6 +105,13 @@ class CpuBinder(Binder):
 
     def prepare_matmul(self, *args: object, **kwargs: object) -> object:
         return self.device.matmul(*args, scratch=self._scratch, **kwargs)  # type: ignore[arg-type]
+
+    def prepare_experts(
+        self, shape: tuple[int, int, int], expert_bytes: int, prepare: Callable[[int], MatmulFn]
+    ) -> Experts:
+        """A stack of expert weights ``[E, N, K]``, expert e prepared by ``prepare(e)``
+        (through ``prepare_matmul``) when a route first selects it."""
+        return Experts(shape, expert_bytes, prepare, self._expert_rows)
 
     def _kernel(
         self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str
@@ -242,6 +251,26 @@ class CpuBinder(Binder):
             return self._kernel(elementwise.activation, out, ins[0], node.op, rows=rows)
         reference = getattr(cpu_ops, node.op)  # silu, gelu_tanh, tanh: the op's own name
         return lambda: reference(v[o], v[args[0]])
+
+    # -- mixture of experts: data-dependent rows, so Python calls between native programs
+    def _moe_route(self, node: Node) -> Call:
+        v, args, o, *_ = self._operands(node)
+        a = node.attrs
+        attrs = (a["top_k"], a["gating"], a["normalize"], a["scale"])
+        return lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
+
+    def _expert_matmul(self, node: Node) -> Call:
+        v, (x, route), o, *_, w = self._operands(node)
+        experts = self.prepare(w[0], "experts")
+        bias = self.prepare(w[1], "vector") if len(w) > 1 else None
+        if self._native:  # grouped by expert, each expert's JIT matmul over its rows
+            return lambda: experts(v[x], v[route], v[o], bias)
+        shape = experts.shape
+        return lambda: cpu_ops.expert_matmul(v[o], v[x], v[route], experts.matmul, shape, bias)
+
+    def _moe_combine(self, node: Node) -> Call:
+        v, (y, route), o, *_ = self._operands(node)
+        return lambda: cpu_ops.moe_combine(v[o], v[y], v[route])
 
     # -- the encoder's ops (bert.lum) -----------------------------------------------
     def _layer_norm(self, node: Node) -> Call:

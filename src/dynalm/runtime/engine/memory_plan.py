@@ -7,7 +7,7 @@
     KV pool      the engine's page pool at --ctx / --max-num-seqs / --kv-cache-dtype
                  (``engine.kv_pool_size``, the same arithmetic the engine allocates with)
     activations  the planner's buffers at the step's token budget (rows x widths x 4 B,
-                 the logits included) + the int8 activation scratch
+                 the logits included) + the int8 activation scratch + the experts' rows
     runtime      the interpreter and libraries (RUNTIME_BYTES) + the tokenizer
                  (TOKENIZER_BYTES_PER_TOKEN per vocabulary entry)
 
@@ -46,7 +46,6 @@ RUNTIME_BYTES = 20 * 2**20
 # The HF tokenizer's vocabulary and merges, and the GGUF's tokenizer metadata while it is
 # built: ~40 MB measured for SmolLM2's 49152 tokens.
 TOKENIZER_BYTES_PER_TOKEN = 800
-
 
 
 class NotEnoughMemory(DynaError):
@@ -106,7 +105,12 @@ def activation_bytes(graph: Graph, max_tokens: int) -> int:
         default=0,
     )
     scratch = max_tokens * widest * (1 + 12 / 32)  # int8 quants + 3 fp32 per 32-block
-    return int(4 * max_tokens * sum(widths) + scratch)
+    # an expert's gathered rows and their products (core.experts: at most a row per token)
+    experts = max(
+        (sum(n.weights[0].type.shape[1:]) for n in graph.nodes if n.op == "expert_matmul"),
+        default=0,
+    )
+    return int(4 * max_tokens * (sum(widths) + experts) + scratch)
 
 
 @dataclass(frozen=True)

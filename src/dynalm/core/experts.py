@@ -1,0 +1,110 @@
+"""A mixture of experts' weights ``[E, N, K]`` and the expert-grouped matmul over them.
+
+Each expert is an ordinary matmul weight ``[N, K]`` (a ``QuantMatmul`` in ``exact`` and
+``auto``), prepared by the device when a route first selects it: an expert never routed to
+is never read from the model file. A step's (token, slot) pairs are grouped by expert; each
+selected expert multiplies only its rows, gathered into a contiguous scratch, and the
+products are scattered to their slots. Every row of a ``QuantMatmul`` sums in the same order
+whatever its batch (``core.matmul``), so a slot's result is bitwise the expert's own matmul
+of that row, alone or grouped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from dynalm.core.cpu_ops import route_ids
+
+MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
+
+
+class ExpertScratch:
+    """The rows gathered for one expert and its products: one buffer per executor (experts
+    run one at a time), grown, never shrunk. Its views are cached per (rows, K, N), so a
+    ``QuantMatmul`` given the same view again finds its arguments bound (its fast path)."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, np.float32)
+        self._views: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def views(self, rows: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """fp32 ``[rows, K]`` (gathered inputs) and ``[rows, N]`` (their products)."""
+        key = (rows, k, n)
+        found = self._views.get(key)
+        if found is None:
+            need = rows * (k + n)
+            if need > self._buffer.size:
+                self._buffer = np.empty(max(need, 2 * self._buffer.size), np.float32)
+                self._views.clear()
+            b = self._buffer
+            found = self._views[key] = (
+                b[: rows * k].reshape(rows, k),
+                b[rows * k : need].reshape(rows, n),
+            )
+        return found
+
+
+class Experts:
+    """``E`` matmul weights ``[N, K]``, each made by ``prepare(e)`` when first used;
+    ``scratch`` holds the rows gathered for one expert (shared by an executor's experts).
+
+    ``bytes_read`` adds, per call, the prepared bytes of the experts it selected
+    (``expert_bytes`` each): what a step reads of the weights, against ``E * expert_bytes``
+    for the dense equivalent; ``calls`` counts the calls."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        expert_bytes: int,
+        prepare: Callable[[int], MatmulFn],
+        scratch: ExpertScratch,
+    ) -> None:
+        self.shape = shape
+        self.expert_bytes = expert_bytes
+        self._prepare = prepare
+        self._matmuls: list[MatmulFn | None] = [None] * shape[0]
+        self._scratch = scratch
+        self.bytes_read = self.calls = 0
+
+    @property
+    def prepared(self) -> list[int]:
+        """The experts prepared so far (routed to at least once)."""
+        return [e for e, mm in enumerate(self._matmuls) if mm is not None]
+
+    def matmul(self, e: int) -> MatmulFn:
+        """Expert ``e``'s matmul, prepared on first use."""
+        mm = self._matmuls[e]
+        if mm is None:
+            mm = self._matmuls[e] = self._prepare(e)
+        return mm
+
+    def __call__(
+        self, x: np.ndarray, route: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None
+    ) -> None:
+        """``out [T, top_k * N]``: each slot's row of ``x`` (``[T, K]``: every slot reads
+        row t; ``[T, top_k * K]``: slot j its columns j*K..) times its expert (see
+        ``cpu_ops.expert_matmul``, the reference)."""
+        n_experts, n, k_in = self.shape
+        ids = route_ids(route, n_experts).ravel()  # pair f = t * top_k + j
+        top_k = route.shape[1] // 2
+        # x's and out's rows per pair: slot j of token t is row f of the [T * top_k, .] view
+        x_rows, out_rows = x.reshape(-1, k_in), out.reshape(-1, n)
+        pairs = np.argsort(ids, kind="stable")  # grouped by expert
+        source = pairs if len(x_rows) == len(ids) else pairs // top_k
+        by_expert = ids[pairs]
+        starts = np.flatnonzero(np.diff(by_expert, prepend=-1)).tolist()
+        ends = [*starts[1:], len(pairs)]
+        # One expert at a time through views cached per row count: at decode every expert
+        # gets the same one-row views, so its matmul's bound arguments are reused (its fast
+        # path: a step shape of a new row count rebinds, which costs more than the copies).
+        for e, a, b in zip(by_expert[starts].tolist(), starts, ends, strict=True):
+            xs, ys = self._scratch.views(b - a, k_in, n)
+            np.take(x_rows, source[a:b], axis=0, out=xs)
+            self.matmul(e)(xs, ys)
+            if bias is not None:
+                ys += bias[e]
+            out_rows[pairs[a:b]] = ys
+        self.bytes_read += len(starts) * self.expert_bytes
+        self.calls += 1

@@ -1,0 +1,277 @@
+"""The mixtures of experts (qwen3moe, olmoe, and mixtral: a llama with experts) beyond
+`test_families`' logits, each a tiny random-weight model written as llama.cpp's converter
+writes it (`tiny_models`):
+
+* routing: the experts DynaLM's ``moe_route`` picks for every token of every layer are the
+  ones transformers' router picks, with the same weights;
+* a 64-token greedy continuation in ``exact`` is transformers' ``generate``'s, token for token;
+* llama.cpp (llama-cpp-python, where installed) loads the same files and computes the same
+  logits: the files are laid out as llama.cpp expects and the routing semantics (which
+  families renormalise the chosen weights) are llama.cpp's;
+* ``dynalm check`` passes on each family's ``.lum``, alone and against its file;
+* the same model as a ``save_pretrained`` directory (one SafeTensors matrix per expert) runs
+  on the same graph, its experts stacked without a copy;
+* a file whose experts disagree with its metadata is refused, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf_edit import Layout, V, value
+from test_families import reference_logits
+from tiny_models import (
+    EOS_ID,
+    MOE,
+    N_EXPERTS,
+    SPECS,
+    VOCAB,
+    TinySpec,
+    gguf_arch,
+    reference_model,
+    write_gguf,
+    write_hf_dir,
+)
+from transformers import PreTrainedModel
+
+from dynalm.core.cpu_device import CpuDevice
+from dynalm.errors import DynaError, UnsupportedModel
+from dynalm.models.arch import check_file, family_file
+from dynalm.models.loader import LoadedModel, load_model
+from dynalm.runtime.engine.engine import Engine
+from dynalm.runtime.engine.sampling import SamplingParams
+from dynalm.runtime.generator import Generator, generator_config
+from tolerances import forward_bound, logit_scale
+
+IDS: list[int] = np.random.default_rng(2028).integers(0, VOCAB, 20).tolist()
+CONTINUATION, PROMPT = 64, 8
+K_MAX = 128  # the longest summation of a block (qwen3moe's attention output, the head: 64)
+
+
+@dataclasses.dataclass
+class Case:
+    spec: TinySpec
+    reference: PreTrainedModel
+    path: Path
+    model: LoadedModel
+
+
+@pytest.fixture(scope="module", params=MOE)
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Case]:
+    spec = SPECS[request.param]
+    reference = reference_model(spec)
+    path = write_gguf(reference, spec, tmp_path_factory.mktemp("moe") / f"{spec.family}.gguf")
+    model = load_model(path)
+    yield Case(spec, reference, path, model)
+    model.gguf.close()
+
+
+def _generator(model: LoadedModel, mode: str) -> Generator:
+    return Generator(Engine(model, CpuDevice(mode), generator_config(128)))
+
+
+def reference_routes(reference: PreTrainedModel, ids: list[int]) -> list[tuple[np.ndarray, ...]]:
+    """Per layer: transformers' router logits [T, E], chosen experts [T, k] (highest first)
+    and their weights [T, k], recorded by a hook on each layer's router (``mlp.gate``)."""
+    found: list[tuple[np.ndarray, ...]] = []
+
+    def record(module: torch.nn.Module, args: object, out: tuple[torch.Tensor, ...]) -> None:
+        logits, weights, experts = out
+        found.append((logits.numpy().copy(), experts.numpy().copy(), weights.numpy().copy()))
+
+    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in reference.model.layers]
+    try:
+        with torch.no_grad():
+            reference(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
+
+
+def dynalm_routes(model: LoadedModel, mode: str, ids: list[int]) -> list[np.ndarray]:
+    """Per layer, the value of its ``moe_route`` node [T, 2k] (ids, then weights): the
+    model's own graph cut after that node, whose output is the route, run by the engine."""
+    graph, routes = model.graph, []
+    for i, node in enumerate(graph.nodes):
+        if node.op != "moe_route":
+            continue
+        cut = dataclasses.replace(graph, nodes=graph.nodes[: i + 1], outputs={"logits": node.out})
+        routes.append(_generator(dataclasses.replace(model, graph=cut), mode).forward(ids, True))
+    return routes
+
+
+@pytest.mark.parametrize("mode", ["safe", "exact"])
+def test_tokens_go_to_the_experts_transformers_chooses(case: Case, mode: str) -> None:
+    k = case.reference.config.num_experts_per_tok
+    want = reference_routes(case.reference, IDS)
+    got = dynalm_routes(case.model, mode, IDS)
+    assert len(got) == len(want) == case.spec.n_layers
+    for layer, (route, (logits, experts, weights)) in enumerate(zip(got, want, strict=True)):
+        # the logits' rounding (two fp32 passes through `layer` blocks) must not decide a
+        # choice, or the comparison would test rounding: the k-th and (k+1)-th logits of
+        # every token lie further apart than it
+        bound = forward_bound(layer + 1, K_MAX, logit_scale(logits))[:, 0]
+        ranked = -np.sort(-logits, axis=1)
+        assert (ranked[:, k - 1] - ranked[:, k] > 2 * bound).all(), f"layer {layer}: a near tie"
+        assert route.shape == (len(IDS), 2 * k)
+        assert len(np.unique(experts)) >= N_EXPERTS // 2, "too few experts used to test routing"
+        assert (route[:, :k] == experts).all(), f"layer {layer}: {route[:, :k]} != {experts}"
+        # the weights' softmax moves each by at most twice its logits' error (relative),
+        # renormalising by as much again
+        assert np.abs(route[:, k:] - weights).max() <= 4 * bound.max(), f"layer {layer}"
+
+
+def test_exact_greedy_continuation_is_transformers(case: Case) -> None:
+    prompt = IDS[:PROMPT]
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = case.reference.generate(
+            x,
+            max_new_tokens=CONTINUATION,
+            min_new_tokens=CONTINUATION,
+            do_sample=False,
+            attention_mask=torch.ones_like(x),
+            pad_token_id=EOS_ID,
+            eos_token_id=None,
+        )
+    want = out[0, PROMPT:].tolist()
+    assert len(want) == CONTINUATION
+    assert len(set(want)) >= 8, f"a degenerate continuation proves little: {want}"
+    greedy = SamplingParams(max_tokens=CONTINUATION, temperature=0, repeat_penalty=1.0)
+    gen = _generator(case.model, "exact")
+    got = [
+        e.token for e in gen.generate(prompt, greedy, stop_ids=frozenset()) if e.token is not None
+    ]
+    assert got == want
+
+
+def test_llama_cpp_reads_the_files_alike(case: Case, tmp_path: Path) -> None:
+    """llama.cpp loads the file (one merge added: it refuses a BPE vocabulary without any;
+    the tokens are fed as ids) and its logits, with an fp32 KV cache and no flash attention,
+    lie within two fp32 forward passes' rounding of DynaLM's ``exact``."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    merges = value(V.ARRAY, ["Ā ā"], V.STRING)
+    path = Layout.read(case.path).set_value("tokenizer.ggml.merges", merges)
+    path = path.write(tmp_path / case.path.name)
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
+                          type_k=f32, type_v=f32, flash_attn=False)  # fmt: skip
+    try:
+        llm.eval(IDS)
+        theirs = np.array(llm.scores[: len(IDS)])
+    finally:
+        llm.close()
+    ours = _generator(case.model, "exact").forward(IDS, all_logits=True)
+    ratio = np.abs(ours - theirs) / forward_bound(case.spec.n_layers, K_MAX, logit_scale(ours))
+    assert ratio.max() <= 1, f"{case.spec.family}: llama.cpp differs by {ratio.max():.3g} bounds"
+    assert (ours.argmax(1) == theirs.argmax(1)).all()
+
+
+def test_check_passes_on_the_family_file(case: Case) -> None:
+    lum = family_file(case.model.hparams.arch)
+    assert lum.name == {"mixtral": "llama.lum"}.get(case.spec.family, f"{case.spec.family}.lum")
+    assert check_file(lum).startswith(f"{lum}: ok")
+    summary = check_file(lum, case.path)
+    assert summary.endswith("nodes") and f"{case.path}: a graph of " in summary
+
+
+def test_safetensors_directory_matches_transformers(case: Case, tmp_path: Path) -> None:
+    path = write_hf_dir(case.reference, tmp_path / case.spec.family)
+    model = load_model(path)
+    try:
+        assert model.hparams.arch == gguf_arch(case.spec)
+        gate = model.gguf.tensors["blk.1.ffn_gate_exps.weight"]
+        assert gate.shape == case.model.gguf.tensors["blk.1.ffn_gate_exps.weight"].shape
+        stacked = model.gguf.raw("blk.1.ffn_gate_exps.weight")
+        one = stacked[3]  # expert 3 alone: a view of its own tensor in the file
+        assert not one.flags.owndata and one.shape == (gate.shape[1], 4 * gate.shape[2])
+        np.testing.assert_array_equal(np.asarray(stacked)[3], one)
+        want = reference_logits(case.reference, IDS)
+        for mode in ("safe", "exact"):
+            got = _generator(model, mode).forward(IDS, all_logits=True)
+            ratio = np.abs(got - want) / forward_bound(case.spec.n_layers, K_MAX, logit_scale(want))
+            assert ratio.max() <= 1, f"{mode}: {ratio.max():.3g} of the bound"
+            assert (got.argmax(1) == want.argmax(1)).all()
+        routes = dynalm_routes(model, "exact", IDS)
+        k = case.reference.config.num_experts_per_tok
+        for route, (_, experts, _) in zip(
+            routes, reference_routes(case.reference, IDS), strict=True
+        ):
+            assert (route[:, :k] == experts).all()
+    finally:
+        model.gguf.close()
+
+
+def test_a_directory_says_whether_the_weights_are_renormalised(tmp_path: Path) -> None:
+    """Qwen3-MoE's ``norm_topk_prob`` false (llama.cpp's graph, and a GGUF, always
+    renormalise): the directory's ``expert_weights_norm`` key tells qwen3moe.lum, and the
+    logits follow transformers' unrenormalised router, far from the renormalised ones."""
+    reference = reference_model(SPECS["qwen3moe"])
+    renormalised = reference_logits(reference, IDS)
+    reference.config.norm_topk_prob = False
+    for layer in reference.model.layers:
+        layer.mlp.gate.norm_topk_prob = False
+    want = reference_logits(reference, IDS)
+    model = load_model(write_hf_dir(reference, tmp_path / "qwen3moe"))
+    try:
+        assert model.gguf.metadata["qwen3moe.expert_weights_norm"] is False
+        got = _generator(model, "exact").forward(IDS, all_logits=True)
+    finally:
+        model.gguf.close()
+    bound = forward_bound(2, K_MAX, logit_scale(want))
+    assert (np.abs(got - want) / bound).max() <= 1
+    assert (np.abs(renormalised - want) / bound).max() > 100
+
+
+def test_a_directory_with_dense_layers_among_the_experts_is_refused(tmp_path: Path) -> None:
+    path = write_hf_dir(reference_model(SPECS["qwen3moe"]), tmp_path / "qwen3moe")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [1]}))
+    with pytest.raises(UnsupportedModel, match=r"config.json: dense layers among the experts"):
+        load_model(path)
+
+
+# (family, edit of the file, what the refusal says)
+LIES = [
+    ("qwen3moe", ("set", "qwen3moe.expert_used_count", 9),
+     "qwen3moe.expert_used_count = 9 is not from 1 to qwen3moe.expert_count (8)"),
+    ("mixtral", ("drop", "llama.expert_used_count"),
+     "llama.expert_count = 8 but the metadata has no llama.expert_used_count"),
+    ("olmoe", ("drop", "olmoe.expert_count"),
+     "olmoe.expert_used_count = 2 is not 0: no experts (olmoe.expert_count absent or 0)"),
+    # 4 experts claimed, 8 stored: the router's shape says so first
+    ("mixtral", ("set", "llama.expert_count", 4), "blk.0.ffn_gate_inp.weight"),
+    ("qwen3moe", ("set", "qwen3moe.expert_feed_forward_length", 64), "blk.0.ffn_gate_exps.weight"),
+    # the same bytes as [8, 32, 64] read as [4, 64, 64] (ggml order: innermost first)
+    ("olmoe", ("shape", "blk.1.ffn_up_exps.weight", [64, 64, 4]), "blk.1.ffn_up_exps.weight"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "edit", "message"), LIES, ids=[str(e[1:]) for _, e, _ in LIES])
+def test_a_file_whose_experts_lie_is_refused(
+    family: str, edit: tuple, message: str, tmp_path: Path
+) -> None:
+    spec = SPECS[family]
+    path = write_gguf(reference_model(spec), spec, tmp_path / "true.gguf")
+    layout = Layout.read(path)
+    kind, name, *new = edit
+    if kind == "set":
+        layout = layout.set_value(name, value(V.UINT32, new[0]))
+    elif kind == "drop":
+        layout = layout.without(name)
+    else:
+        layout = layout.copy()
+        next(i for i in layout.infos if i.name == name.encode()).ne = new[0]
+    lie = layout.write(tmp_path / "lie.gguf")
+    with pytest.raises(DynaError) as refused:
+        load_model(lie)
+    assert message in str(refused.value), str(refused.value)
