@@ -78,29 +78,26 @@ class DynaLMRunner:
         if engine.planner is not None:
             self.name = f"dynalm+{engine.planner.drafter.name}"
         self._n = 0
-        # a mixture of experts' weights (their read counters), prepared when bound
-        self._experts = engine.executor.prepared_for("experts")
-        self.decode_experts = [0, 0]  # bytes the expert matmuls read in decode steps, tokens
+        executor = engine.executor
+        self._moe = any(node.op == "expert_matmul" for node in executor.graph.nodes)
+        # over the decode steps: the expert matmuls' bytes read, their dense equivalent's
+        # (`Executor.expert_reads`), and the tokens
+        self.decode_experts = [0, 0, 0]
 
-    @property
-    def experts_bytes(self) -> int:
-        """Every expert's prepared bytes (0 for a dense model)."""
-        return sum(e.shape[0] * e.expert_bytes for e in self._experts)  # type: ignore[attr-defined]
-
-    def _experts_read(self) -> int:
-        return sum(e.bytes_read for e in self._experts)  # type: ignore[attr-defined]
-
-    def _request(self, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
+    def _request(
+        self, prompt: list[int], max_tokens: int
+    ) -> tuple[list[float], list[tuple[int, int]]]:
         """Run one request; the time at which each step that produced a token ended, and
-        the bytes the expert matmuls had read by then."""
+        (for a mixture of experts) the expert matmuls' reads by then."""
         self._n += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0)
         self.engine.add_request(f"bench-{self._n}", prompt, params, stop_ids=frozenset())
-        marks, read = [time.perf_counter()], [self._experts_read()]
+        reads = self.engine.executor.expert_reads if self._moe else lambda: (0, 0)
+        marks, read = [time.perf_counter()], [reads()]
         while self.engine.has_unfinished():
             if any(out.token_ids for out in self.engine.step()):
                 marks.append(time.perf_counter())
-                read.append(self._experts_read())
+                read.append(reads())
         return marks, read
 
     def prefill(self, ids: list[int]) -> float:
@@ -110,8 +107,10 @@ class DynaLMRunner:
     def decode(self, prompt: list[int], ids: list[int]) -> float:
         # The first token comes out of the prefill; the next len(ids) are decode steps.
         marks, read = self._request(prompt, len(ids) + 1)
-        self.decode_experts[0] += read[-1] - read[1]
-        self.decode_experts[1] += len(ids)
+        (r0, d0), (r1, d1) = read[1], read[-1]
+        self.decode_experts[0] += r1 - r0
+        self.decode_experts[1] += d1 - d0
+        self.decode_experts[2] += len(ids)
         return marks[-1] - marks[1]
 
 
@@ -320,16 +319,16 @@ def file_decode_bytes(path: Path) -> DecodeBytes:
 def experts_line(runner: DynaLMRunner, read: DecodeBytes) -> str:
     """What DynaLM's expert matmuls read per decoded token (their counters) against the
     experts a token selects; "" for a dense model or before any decode step."""
-    nbytes, tokens = runner.decode_experts
-    if not (runner.experts_bytes and tokens and read.n_experts):
+    nbytes, dense, tokens = runner.decode_experts
+    if not (dense and tokens and read.n_experts):
         return ""
-    mib, per_token = 2**20, nbytes / tokens
-    selected = runner.experts_bytes * read.top_k / read.n_experts
+    mib, per_token, every = 2**20, nbytes / tokens, dense / tokens
+    selected = every * read.top_k / read.n_experts
     return (
         f"dynalm's expert matmuls read {per_token / mib:,.1f} MiB/token: "
         f"{per_token / selected:.1%} of the {read.top_k} selected experts' "
-        f"{selected / mib:,.1f} MiB, {per_token / runner.experts_bytes:.1%} of all "
-        f"{read.n_experts} ({runner.experts_bytes / mib:,.1f} MiB, as DynaLM prepares them)"
+        f"{selected / mib:,.1f} MiB, {per_token / every:.1%} of all {read.n_experts} "
+        f"({every / mib:,.1f} MiB, as DynaLM prepares them)"
     )
 
 
@@ -590,7 +589,8 @@ def bench_command(
     weights, file_bytes = ours.engine.memory_plan.weights, read.per_token
     experts = experts_line(ours, read)
     if experts:  # a mixture: the experts its decode steps read, not every expert
-        weights += round(ours.decode_experts[0] / ours.decode_experts[1]) - ours.experts_bytes
+        nbytes, dense, tokens = ours.decode_experts
+        weights += round((nbytes - dense) / tokens)
     if as_json:
         extra = {} if spec is None else {"acceptance_rate": spec.acceptance_rate}
         if submitted is not None:
@@ -608,7 +608,9 @@ def bench_command(
                     "file": file_bytes,
                     "file_dense": read.dense,
                     "file_experts": read.experts,
-                    "dynalm_experts": ours.decode_experts[0] / max(1, ours.decode_experts[1]),
+                    # per decoded token: the expert matmuls' reads, and every expert's bytes
+                    "dynalm_experts": ours.decode_experts[0] / max(1, ours.decode_experts[2]),
+                    "dynalm_experts_all": ours.decode_experts[1] / max(1, ours.decode_experts[2]),
                 },
                 **extra,
             }

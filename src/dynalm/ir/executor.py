@@ -324,10 +324,6 @@ class Executor:
         """Whether ``run(greedy=True)`` can bring back tokens instead of logits."""
         return self.binder.device_greedy
 
-    def prepared_for(self, use: str) -> list[object]:
-        """The weights prepared so far for one use (``experts``: their read counters)."""
-        return [w for (_, u), w in self._prepared.items() if u == use]
-
     def _run_profiled(self, profile: dict[str, float]) -> None:
         clock = time.perf_counter
         for op, call in zip(self.ops, self._calls, strict=True):
