@@ -43,6 +43,14 @@ class ModelShape:
     tied: bool  # output head = token embedding
     bias: bool = False  # q/k/v biases (qwen2)
     rope_base: float = 500000.0
+    ctx: int = 131072
+    n_experts: int = 0  # > 0: a mixture of experts, each of d_ff (ffn_*_exps stacked)
+    n_experts_used: int = 0  # top k per token
+    qk_norm: bool = False  # RMS norms over the whole q and k widths (olmoe)
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def head_dim(self) -> int:
@@ -64,11 +72,24 @@ class ModelShape:
                 out += [(b + f"attn_{x}.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv))]
             out += [
                 (b + "attn_output.weight", (self.d_model, q)),
-                (b + "ffn_norm.weight", (self.d_model,)),
-                (b + "ffn_gate.weight", (self.d_ff, self.d_model)),
-                (b + "ffn_up.weight", (self.d_ff, self.d_model)),
-                (b + "ffn_down.weight", (self.d_model, self.d_ff)),
             ]
+            if self.qk_norm:
+                out += [(b + "attn_q_norm.weight", (q,)), (b + "attn_k_norm.weight", (kv,))]
+            out.append((b + "ffn_norm.weight", (self.d_model,)))
+            if self.moe:  # numpy order [n_expert, rows, cols], as llama.cpp stacks experts
+                e = self.n_experts
+                out += [
+                    (b + "ffn_gate_inp.weight", (e, self.d_model)),
+                    (b + "ffn_gate_exps.weight", (e, self.d_ff, self.d_model)),
+                    (b + "ffn_up_exps.weight", (e, self.d_ff, self.d_model)),
+                    (b + "ffn_down_exps.weight", (e, self.d_model, self.d_ff)),
+                ]
+            else:
+                out += [
+                    (b + "ffn_gate.weight", (self.d_ff, self.d_model)),
+                    (b + "ffn_up.weight", (self.d_ff, self.d_model)),
+                    (b + "ffn_down.weight", (self.d_model, self.d_ff)),
+                ]
         out.append(("output_norm.weight", (self.d_model,)))
         if not self.tied:
             out.append(("output.weight", (self.vocab, self.d_model)))
@@ -81,6 +102,22 @@ MODELS = {
     "8b": ModelShape("llama", 4096, 32, 32, 8, 14336, 128256, tied=False),
     "qwen2-1.5b": ModelShape(
         "qwen2", 1536, 28, 12, 2, 8960, 151936, tied=True, bias=True, rope_base=1e6
+    ),
+    # allenai/OLMoE-1B-7B-0924: 64 experts of ff 1024, 8 per token (weights not renormalised)
+    "olmoe-1b-7b": ModelShape(
+        "olmoe",
+        2048,
+        16,
+        16,
+        16,
+        1024,
+        50304,
+        tied=False,
+        rope_base=1e4,
+        ctx=4096,
+        n_experts=64,
+        n_experts_used=8,
+        qk_norm=True,
     ),
 }
 
@@ -114,7 +151,7 @@ def write_f16(shape: ModelShape, source: Path, out: Path) -> None:
     partial = out.with_suffix(".partial")
     w = gguf.GGUFWriter(partial, shape.arch)
     w.add_block_count(shape.n_layers)
-    w.add_context_length(131072)
+    w.add_context_length(shape.ctx)
     w.add_embedding_length(shape.d_model)
     w.add_feed_forward_length(shape.d_ff)
     w.add_head_count(shape.n_heads)
@@ -123,12 +160,19 @@ def write_f16(shape: ModelShape, source: Path, out: Path) -> None:
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape.vocab)
+    if shape.moe:
+        w.add_expert_count(shape.n_experts)
+        w.add_expert_used_count(shape.n_experts_used)
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
     _add_tokenizer(w, source, shape.vocab)
     tensors = shape.tensors()
+    # F32 where llama.cpp's converter keeps it (norms, biases, the MoE router), else F16
+    dtypes = {
+        name: np.dtype(np.float32 if len(dims) == 1 or "gate_inp" in name else np.float16)
+        for name, dims in tensors
+    }
     for name, dims in tensors:
-        dtype = np.float16 if len(dims) == 2 else np.float32
-        w.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * dtype().itemsize)
+        w.add_tensor_info(name, dims, dtypes[name], int(np.prod(dims)) * dtypes[name].itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -138,7 +182,7 @@ def write_f16(shape: ModelShape, source: Path, out: Path) -> None:
         if len(dims) == 1:
             data = np.ones(dims, np.float32) if "norm" in name else np.zeros(dims, np.float32)
         else:
-            data = (rng.standard_normal(dims, np.float32) * 0.02).astype(np.float16)
+            data = (rng.standard_normal(dims, np.float32) * 0.02).astype(dtypes[name])
         w.write_tensor_data(data)
         print(f"\r  writing {out.name}: tensor {i + 1}/{total}", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -179,12 +223,14 @@ def main() -> None:
         parser.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
     if unknown := set(formats) - FTYPES.keys():
         parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(FTYPES)}")
+    from dynalm.bench import file_decode_bytes
     from dynalm.store.catalog import ModelStore
 
     source = ModelStore().resolve("smollm2:135m")
     for path in model_files(names, formats, args.cache, source):
         size = path.stat().st_size / 2**20
         print(f"\n## {path.name} ({size:,.0f} MiB): {census(path)}", flush=True)
+        print(file_decode_bytes(path).line(), flush=True)
         if args.write_only:
             continue
         dynalm = Path(sys.executable).with_name("dynalm")

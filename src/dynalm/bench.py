@@ -78,25 +78,39 @@ class DynaLMRunner:
         if engine.planner is not None:
             self.name = f"dynalm+{engine.planner.drafter.name}"
         self._n = 0
+        executor = engine.executor
+        self._moe = any(node.op == "expert_matmul" for node in executor.graph.nodes)
+        # over the decode steps: the expert matmuls' bytes read, their dense equivalent's
+        # (`Executor.expert_reads`), and the tokens
+        self.decode_experts = [0, 0, 0]
 
-    def _request(self, prompt: list[int], max_tokens: int) -> list[float]:
-        """Run one request; the time at which each step that produced a token ended."""
+    def _request(
+        self, prompt: list[int], max_tokens: int
+    ) -> tuple[list[float], list[tuple[int, int]]]:
+        """Run one request; the time at which each step that produced a token ended, and
+        (for a mixture of experts) the expert matmuls' reads by then."""
         self._n += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0)
         self.engine.add_request(f"bench-{self._n}", prompt, params, stop_ids=frozenset())
-        marks = [time.perf_counter()]
+        reads = self.engine.executor.expert_reads if self._moe else lambda: (0, 0)
+        marks, read = [time.perf_counter()], [reads()]
         while self.engine.has_unfinished():
             if any(out.token_ids for out in self.engine.step()):
                 marks.append(time.perf_counter())
-        return marks
+                read.append(reads())
+        return marks, read
 
     def prefill(self, ids: list[int]) -> float:
-        marks = self._request(ids, 1)
+        marks, _ = self._request(ids, 1)
         return marks[1] - marks[0]
 
     def decode(self, prompt: list[int], ids: list[int]) -> float:
         # The first token comes out of the prefill; the next len(ids) are decode steps.
-        marks = self._request(prompt, len(ids) + 1)
+        marks, read = self._request(prompt, len(ids) + 1)
+        (r0, d0), (r1, d1) = read[1], read[-1]
+        self.decode_experts[0] += r1 - r0
+        self.decode_experts[1] += d1 - d0
+        self.decode_experts[2] += len(ids)
         return marks[-1] - marks[1]
 
 
@@ -226,15 +240,96 @@ class Workload:
         return list(results.values())
 
 
-def file_decode_bytes(path: Path) -> int:
-    """The bytes of a GGUF's tensors a decode step reads: all but the token embedding,
-    whose one row per token is nothing (unless it is also the output head)."""
+PARTS = ("attention", "ffn", "router", "experts", "head", "other")
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """What one decode step (one token) reads of a GGUF's tensors, by part: the whole of
+    each tensor but the token embedding (one row per token: nothing, unless it is also the
+    output head) and, of a mixture of experts' stacked ``ffn_*_exps`` tensors, the
+    ``top_k`` of ``n_experts`` experts the token is routed to."""
+
+    parts: dict[str, int]  # of PARTS; "experts": all of them
+    top_k: int = 0
+    n_experts: int = 0
+
+    @property
+    def experts(self) -> int:
+        """The experts one token selects: top_k / n_experts of them all (0: dense)."""
+        all_experts = self.parts.get("experts", 0)
+        return all_experts * self.top_k // self.n_experts if self.n_experts else 0
+
+    @property
+    def per_token(self) -> int:
+        return self.dense - self.parts.get("experts", 0) + self.experts
+
+    @property
+    def dense(self) -> int:
+        """The dense equivalent: every expert read every step."""
+        return sum(self.parts.values())
+
+    def line(self) -> str:
+        mib = 2**20
+        shown = {part: self.parts.get(part, 0) for part in PARTS}
+        if self.n_experts:
+            shown["experts"] = self.experts
+        items = ", ".join(f"{k} {v / mib:,.1f}" for k, v in shown.items() if v)
+        text = f"decode reads {self.per_token / mib:,.1f} MiB/token of the file ({items})"
+        if self.n_experts:
+            text += (
+                f": {self.top_k} of {self.n_experts} experts per layer, "
+                f"{self.per_token / self.dense:.1%} of the dense equivalent's "
+                f"{self.dense / mib:,.1f} MiB (every expert)"
+            )
+        return text
+
+
+def _tensor_part(name: str) -> str:
+    if name in ("output.weight", "token_embd.weight"):
+        return "head"
+    if "_exps." in name:  # ffn_{gate,up,down}_exps: [n_expert, rows, cols]
+        return "experts"
+    if "ffn_gate_inp" in name:
+        return "router"
+    for part in ("attn", "ffn"):
+        if f".{part}_" in name and "norm" not in name:
+            return "attention" if part == "attn" else part
+    return "other"  # norms, biases, small tensors
+
+
+def file_decode_bytes(path: Path) -> DecodeBytes:
+    """`DecodeBytes` of a GGUF file (the bytes llama.cpp reads per decoded token)."""
     from dynalm.models.gguf_file import GGUFFile
 
     with GGUFFile(path) as gguf:
-        tensors = gguf.tensors
+        tensors, meta = gguf.tensors, gguf.metadata
+        arch = meta.get("general.architecture", "")
         tied = "output.weight" not in tensors
-        return sum(t.nbytes for n, t in tensors.items() if tied or n != "token_embd.weight")
+        parts: dict[str, int] = {}
+        for name, t in tensors.items():
+            if tied or name != "token_embd.weight":
+                part = _tensor_part(name)
+                parts[part] = parts.get(part, 0) + t.nbytes
+        n_experts = int(meta.get(f"{arch}.expert_count", 0))
+        top_k = int(meta.get(f"{arch}.expert_used_count", 0))
+    return DecodeBytes(parts, top_k, n_experts) if "experts" in parts else DecodeBytes(parts)
+
+
+def experts_line(runner: DynaLMRunner, read: DecodeBytes) -> str:
+    """What DynaLM's expert matmuls read per decoded token (their counters) against the
+    experts a token selects; "" for a dense model or before any decode step."""
+    nbytes, dense, tokens = runner.decode_experts
+    if not (dense and tokens and read.n_experts):
+        return ""
+    mib, per_token, every = 2**20, nbytes / tokens, dense / tokens
+    selected = every * read.top_k / read.n_experts
+    return (
+        f"dynalm's expert matmuls read {per_token / mib:,.1f} MiB/token: "
+        f"{per_token / selected:.1%} of the {read.top_k} selected experts' "
+        f"{selected / mib:,.1f} MiB, {per_token / every:.1%} of all {read.n_experts} "
+        f"({every / mib:,.1f} MiB, as DynaLM prepares them)"
+    )
 
 
 def decode_bandwidth(results: list[Result], ours: int, file_bytes: int) -> str:
@@ -490,7 +585,12 @@ def bench_command(
         if isinstance(runner, LlamaCppRunner):
             runner.close()
     spec = runners[0].engine.spec_stats if speculative else None  # type: ignore[attr-defined]
-    weights, file_bytes = ours.engine.memory_plan.weights, file_decode_bytes(path)
+    read = file_decode_bytes(path)
+    weights, file_bytes = ours.engine.memory_plan.weights, read.per_token
+    experts = experts_line(ours, read)
+    if experts:  # a mixture: the experts its decode steps read, not every expert
+        nbytes, dense, tokens = ours.decode_experts
+        weights += round((nbytes - dense) / tokens)
     if as_json:
         extra = {} if spec is None else {"acceptance_rate": spec.acceptance_rate}
         if submitted is not None:
@@ -503,7 +603,15 @@ def bench_command(
                 **summary,
                 "results": [r.as_json() for r in results],
                 "memory": memory.as_json(),
-                "decode_bytes": {"dynalm": weights, "file": file_bytes},
+                "decode_bytes": {
+                    "dynalm": weights,
+                    "file": file_bytes,
+                    "file_dense": read.dense,
+                    "file_experts": read.experts,
+                    # per decoded token: the expert matmuls' reads, and every expert's bytes
+                    "dynalm_experts": ours.decode_experts[0] / max(1, ours.decode_experts[2]),
+                    "dynalm_experts_all": ours.decode_experts[1] / max(1, ours.decode_experts[2]),
+                },
                 **extra,
             }
         )
@@ -521,6 +629,8 @@ def bench_command(
     table = format_table(results, header, [r.name for r in runners])
     if bandwidth := decode_bandwidth(results, weights, file_bytes):
         table += f"\n\n{bandwidth}"
+        if experts:
+            table += f"\n{read.line()}\n{experts}"
     if spec is not None:
         table += f"\n\n{spec.summary()}"
     if submitted:

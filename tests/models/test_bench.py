@@ -6,7 +6,9 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from test_cli import assert_one_line_error, dynalm
+from tiny_models import N_EXPERTS, N_EXPERTS_USED, SPECS, reference_model, write_gguf
 
 TINY = ["-p", "16", "-n", "8", "-r", "1"]
 
@@ -61,6 +63,24 @@ def test_bench_vs_llama_cpp(smollm2_gguf: Path):
     # DynaLM's peak alone, read before llama.cpp maps its own copy of the file
     memory = report["memory"]
     assert memory["file_bytes"] < memory["peak_rss_bytes"] <= memory["budget_bytes"], memory
+
+
+def test_bench_mixture_of_experts_reads_its_selected_experts(tmp_path: Path):
+    """A decode step of one sequence routes each token to top_k distinct experts per layer:
+    the expert matmuls' counters read exactly top_k / n_experts of every expert's bytes."""
+    spec = SPECS["olmoe"]
+    path = write_gguf(reference_model(spec), spec, tmp_path / "olmoe.gguf")
+    result = dynalm("bench", str(path), *TINY, "--json")
+    assert result.returncode == 0, result.stderr
+    read = json.loads(result.stdout)["decode_bytes"]
+    share = N_EXPERTS_USED / N_EXPERTS
+    assert read["dynalm_experts"] == pytest.approx(share * read["dynalm_experts_all"], rel=1e-12)
+    assert read["dynalm_experts"] > 0
+    unselected = read["file_dense"] - read["file"]  # the experts a token does not select
+    assert unselected == pytest.approx((1 - share) / share * read["file_experts"], abs=1)
+    text = dynalm("bench", str(path), *TINY).stdout
+    assert f"{N_EXPERTS_USED} of {N_EXPERTS} experts per layer" in text
+    assert "100.0% of the 2 selected experts'" in text
 
 
 def test_bench_bad_arguments(smollm2_gguf: Path):

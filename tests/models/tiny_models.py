@@ -5,7 +5,8 @@
 ``qwen3moe``, ``olmoe``, ``mixtral``) with every parameter drawn at random, norms included
 (transformers initialises them to 0 or 1, which would hide a wrong norm convention).
 `write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
-with a minimal byte-level ``gpt2`` tokenizer so `dynalm.models.loader.load_model` can load it:
+with a minimal byte-level ``gpt2`` tokenizer (six merges) so `dynalm.models.loader.load_model`
+and llama.cpp (tests/models/test_llama_cpp_loads.py) can load it:
 
 * tensor names from gguf-py's own HF -> GGUF name map of the architecture;
 * llama: q/k rows permuted (``permute(w, n_head)``) from HF's rotate-half layout into
@@ -68,6 +69,10 @@ from transformers import (
 VOCAB = 300
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 256  # "<|endoftext|>", right after the 256 byte tokens
+# GPT-2's first BPE merges; their tokens end the vocabulary. A byte-level BPE file needs a
+# merge list: llama.cpp refuses a "gpt2" tokenizer without tokenizer.ggml.merges (and
+# gguf-py writes no key for an empty array).
+MERGES = ["Ġ t", "Ġ a", "h e", "i n", "r e", "o n"]
 
 
 @dataclass(frozen=True)
@@ -445,6 +450,17 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
+def _vocabulary(vocab_size: int) -> tuple[list[str], list[gguf.TokenType]]:
+    """The tiny models' tokens and their types: the 256 bytes, the special tokens, unused
+    control tokens, then the tokens `MERGES` make."""
+    merged = [m.replace(" ", "") for m in MERGES]
+    specials = SPECIAL_TOKENS + [
+        f"<|extra_{i}|>" for i in range(vocab_size - 256 - len(SPECIAL_TOKENS) - len(merged))
+    ]
+    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(specials)
+    return _byte_tokens() + specials + merged, types + [gguf.TokenType.NORMAL] * len(merged)
+
+
 def write_gguf(
     model: PreTrainedModel,
     spec: TinySpec,
@@ -456,10 +472,8 @@ def write_gguf(
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``; with a
     ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
-    writes Qwen3-Embedding's). ``for_llama_cpp``: what llama.cpp's vocabulary loader asks
-    of the tiny tokenizer besides: one BPE merge (it refuses none), ``a b`` into the last
-    token (no test's ids hold it), and a name without "phi3", whose SPM token rules want
-    ``</s>``. ``released_experts``: see `_stored_type`."""
+    writes Qwen3-Embedding's). ``for_llama_cpp``: a name without "phi3", whose SPM token
+    rules in llama.cpp's vocabulary loader want ``</s>``. ``released_experts``: see `_stored_type`."""
     cfg = model.config
     writer = gguf.GGUFWriter(path, gguf_arch(spec))
     writer.add_name(f"tiny-{spec.family}".replace("phi3", "p3" if for_llama_cpp else "phi3"))
@@ -508,16 +522,12 @@ def write_gguf(
         else gguf.LlamaFileType.ALL_F32
     )
 
-    tokens = _byte_tokens() + SPECIAL_TOKENS
-    tokens += [f"<|extra_{i}|>" for i in range(cfg.vocab_size - len(tokens))]
-    if for_llama_cpp:
-        tokens[-1] = "ab"
-    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * (len(tokens) - 256)
+    tokens, types = _vocabulary(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(["a b"] if for_llama_cpp else [])  # none: every byte a token
+    writer.add_token_merges(MERGES)
     writer.add_bos_token_id(EOS_ID)
     writer.add_eos_token_id(EOS_ID)
 
@@ -559,12 +569,13 @@ def write_hf_dir(model: PreTrainedModel, path: Path, **save: object) -> Path:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     model.save_pretrained(path, safe_serialization=True, **save)
-    tokens = _byte_tokens() + SPECIAL_TOKENS
-    extra = [f"<|extra_{i}|>" for i in range(model.config.vocab_size - len(tokens))]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(_byte_tokens())}, []))
+    tokens, types = _vocabulary(model.config.vocab_size)
+    merges = [tuple(m.split(" ")) for m in MERGES]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS + extra])
+    control = [t for t, kind in zip(tokens, types, strict=True) if kind == gguf.TokenType.CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in control])
     tok.save(str(path / "tokenizer.json"))
     config = {
         "bos_token": SPECIAL_TOKENS[0],
