@@ -111,7 +111,7 @@ class Binder(ABC):
         if key not in self._rope_tables:
             factors = self.prepare(w[0], "vector") if w else None
             how = (factors, attn_factor, yarn)
-            table = RopeTable(a["rope_dim"], a["base"], a["scale"], *how)  # type: ignore[arg-type]
+            table = RopeTable(a["rope_dim"], a["base"], a["scale"], *how)
             self._rope_tables[key] = table
         table = self._rope_tables[key]
         table.ensure(self._rope_positions)
