@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf_edit import Layout, V, value
 from tiny_models import (
     MOE,
     MXFP4,
@@ -34,6 +35,7 @@ from tiny_models import (
 from transformers import PreTrainedModel
 
 from dynalm.core.cpu_device import CpuDevice
+from dynalm.errors import UnsupportedModel
 from dynalm.models.arch import check_file, family_file
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine.engine import Engine
@@ -114,6 +116,7 @@ def test_gguf_is_written_like_llama_cpp(f32_case: Case) -> None:
     assert (hp.n_heads, hp.n_kv_heads, hp.head_dim) == (4, cfg.num_key_value_heads, 16)
     assert hp.rope_base == spec.rope_theta
     assert hp.sliding_window == spec.sliding_window
+    assert hp.rope_scaling == ("yarn" if spec.family == "gpt-oss" else "none")
     assert ("output.weight" in model.gguf.tensors) == (not spec.tied)
     assert ("blk.0.attn_q.bias" in model.gguf.tensors) == (spec.family in ("qwen2", "gpt-oss"))
     assert model.tokenizer.decode(model.tokenizer.encode("héllo!", add_special=False)) == "héllo!"
@@ -264,6 +267,38 @@ def test_exact_greedy_continuation_matches_transformers(family: str, tmp_path: P
         assert diff <= TOL, f"{family}: max |diff| {diff:.3g} over {N_GREEDY} greedy steps"
     finally:
         case.model.gguf.close()
+
+
+def test_gpt_oss_exercises_sinks_windows_and_yarn() -> None:
+    """The gpt-oss case tests its sinks, its sliding window and its YaRN only if each
+    changes transformers' logits: without sinks (a logit of -1e9: no weight), with a window
+    past the input, with plain rope, they lie far outside the bound."""
+    spec = SPECS["gpt-oss"]
+    reference = reference_model(spec)
+    assert reference.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert reference.model.rotary_emb.rope_type == "yarn"
+    want = reference_logits(reference, IDS)
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            layer.self_attn.sinks.fill_(-1e9)
+    assert _max_diff(reference_logits(reference, IDS), want) > 100 * TOL
+    wide = reference_model(dataclasses.replace(spec, sliding_window=N_TOKENS))
+    assert _max_diff(reference_logits(wide, IDS), want) > 100 * TOL
+    plain = reference_model(spec)
+    plain.config.rope_parameters = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    plain.model.rotary_emb = type(plain.model.rotary_emb)(plain.config)
+    assert _max_diff(reference_logits(plain, IDS), want) > 100 * TOL
+
+
+def test_yarn_is_refused_where_the_family_does_not_apply_it(tmp_path: Path) -> None:
+    """A llama file saying rope.scaling.type yarn: llama.lum's rope has no YaRN, and the
+    file is refused rather than run with a linear scale."""
+    spec = SPECS["llama"]
+    path = write_gguf(reference_model(spec), spec, tmp_path / "llama.gguf")
+    layout = Layout.read(path).set_value("llama.rope.scaling.type", value(V.STRING, "yarn"))
+    layout = layout.set_value("llama.rope.scaling.factor", value(V.FLOAT32, 4.0))
+    with pytest.raises(UnsupportedModel, match="yarn .factor 4. is not supported for archi"):
+        load_model(layout.write(tmp_path / "yarn.gguf"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

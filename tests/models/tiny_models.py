@@ -166,6 +166,9 @@ GEMMA_LOCAL_ROPE_BASE = 10000.0  # llama.cpp (and DynaLM) hard-code gemma3's loc
 MOE = ("qwen3moe", "olmoe", "mixtral", "gpt-oss")
 N_EXPERTS, N_EXPERTS_USED, EXPERT_FF = 8, 2, 32
 MXFP4 = GGMLQuantizationType.MXFP4
+# gpt-oss's YaRN: factor 4 over 64 trained positions (256 in all); with head_dim 16 and base
+# 150000, pair 0 keeps its frequency, 1 is half-way, 2-7 are interpolated
+GPT_OSS_YARN = (4.0, 64)
 
 
 def gguf_arch(spec: TinySpec) -> str:
@@ -261,10 +264,13 @@ def _config(spec: TinySpec) -> PretrainedConfig:
         )
     if spec.family == "gpt-oss":
         # biases on q/k/v/o, the router and the experts; attention sinks; layer_types by
-        # default: even layers sliding
+        # default: even layers sliding; YaRN (llama.cpp truncates the correction range:
+        # transformers does so with truncate, which gpt-oss's own config leaves false)
+        yarn = dict(rope, rope_type="yarn", factor=GPT_OSS_YARN[0], beta_fast=32.0)
+        yarn |= dict(beta_slow=1.0, truncate=True, original_max_position_embeddings=GPT_OSS_YARN[1])
         return GptOssConfig(
             **(common | dict(intermediate_size=EXPERT_FF, rms_norm_eps=1e-5)),
-            **experts,
+            **(experts | dict(rope_parameters=yarn)),
             num_local_experts=N_EXPERTS,
             sliding_window=spec.sliding_window,
             attention_bias=True,
@@ -514,6 +520,13 @@ def write_gguf(
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if spec.family == "gpt-oss":
             writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    if spec.family == "gpt-oss":  # TextModel.set_gguf_parameters' YaRN keys
+        rope = cfg.rope_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if pooling_type is not None:
         writer.add_pooling_type(pooling_type)
     writer.add_file_type(

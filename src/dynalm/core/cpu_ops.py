@@ -30,10 +30,27 @@ def head_rms_norm(out: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float, hea
     out.reshape(heads.shape)[...] *= w
 
 
+def yarn_corr_dims(
+    rope_dim: int, orig_ctx: int, base: float, beta_fast: float, beta_slow: float
+) -> tuple[float, float]:
+    """YaRN's correction range (llama.cpp's ``ggml_rope_yarn_corr_dims``, transformers'
+    with ``truncate``): the pairs below ``low`` rotate more than ``beta_fast`` times over
+    ``orig_ctx`` positions (kept as trained), those above ``high`` fewer than ``beta_slow``
+    (interpolated); a linear ramp between."""
+
+    def dim(rotations: float) -> float:
+        return rope_dim * math.log(orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(dim(beta_fast))), min(rope_dim - 1.0, math.ceil(dim(beta_slow)))
+
+
 class RopeTable:
     """cos/sin of position x frequency for one (base, scale, dims) setting, grown on demand;
     frequencies divided by ``freq_factors`` where given, cos and sin times ``attn_factor``
-    (LongRoPE's)."""
+    (LongRoPE's); with ``yarn`` (ext_factor, orig_ctx, beta_fast, beta_slow) and an
+    ext_factor, llama.cpp's ``rope_yarn``: each pair's frequency mixed between the scaled
+    and the unscaled one by the ramp of `yarn_corr_dims` times ext_factor, and cos and sin
+    times 1 + 0.1 ln(scale) more."""
 
     def __init__(
         self,
@@ -42,11 +59,19 @@ class RopeTable:
         scale: float,
         freq_factors: np.ndarray | None = None,
         attn_factor: float = 1.0,
+        yarn: tuple[float, int, float, float] | None = None,
     ):
         inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.astype(np.float64)
         self.inv_freq = inv_freq / scale
+        if yarn is not None and yarn[0]:  # (ext_factor, orig_ctx, beta_fast, beta_slow)
+            ext_factor, orig_ctx, beta_fast, beta_slow = yarn
+            low, high = yarn_corr_dims(rope_dim, orig_ctx, base, beta_fast, beta_slow)
+            pair = np.arange(rope_dim // 2, dtype=np.float64)
+            mix = (1 - np.clip((pair - low) / max(0.001, high - low), 0, 1)) * ext_factor
+            self.inv_freq = self.inv_freq * (1 - mix) + inv_freq * mix
+            attn_factor *= 1 + 0.1 * math.log(scale)
         self.attn_factor = attn_factor
         self.cos = self.sin = np.zeros((0, rope_dim // 2), np.float32)
 

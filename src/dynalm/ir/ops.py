@@ -151,6 +151,9 @@ def _rope(shapes: Shapes, weights: list, attrs: dict) -> tuple[Dim, ...]:
     _expect("the long-context frequency factors", weights[1], (rope_dim // 2,))
     if weights[1] is not None and (weights[0] is None or "orig_ctx" not in attrs):
         raise _fail("long-context factors need the short context's (freq_factors) and orig_ctx")
+    yarn = ("ext_factor", "orig_ctx", "beta_fast", "beta_slow")
+    if "ext_factor" in attrs and any(a not in attrs for a in yarn):
+        raise _fail("YaRN (ext_factor) needs orig_ctx, beta_fast and beta_slow")
     return x
 
 
@@ -287,12 +290,17 @@ _TABLE = (
           _MERGED, kernel="matmul", doc="x @ weight^T (+ bias) + residual"),
     # LongRoPE (Phi-3): with long_factors, a context (the engine's --ctx) longer than
     # orig_ctx divides the frequencies by them instead of freq_factors, as llama.cpp picks;
-    # attn_factor scales cos and sin (absent: 1; both absent print as before)
+    # attn_factor scales cos and sin (absent: 1; both absent print as before). YaRN (gpt-oss,
+    # llama.cpp's rope_yarn): with ext_factor, the pairs between the correction dims of
+    # beta_fast and beta_slow (over orig_ctx) ramp from extrapolated (unscaled) to
+    # interpolated (positions / scale), cos and sin times 1 + 0.1 ln(scale) more
     OpDef("rope", (Operand("x", strided=True), Operand("positions", "i32")), _rope,
           (WeightSlot("freq_factors", optional=True), WeightSlot("long_factors", optional=True)),
           (_HEAD_DIM, Attr("rope_dim", int, min=2), Attr("base", float, min=0.0),
            Attr("neox", bool), Attr("scale", float, 1.0),
-           Attr("attn_factor", float, ABSENT, min=0.0), Attr("orig_ctx", int, ABSENT, min=1)),
+           Attr("attn_factor", float, ABSENT, min=0.0), Attr("orig_ctx", int, ABSENT, min=1),
+           Attr("ext_factor", float, ABSENT, min=0.0), Attr("beta_fast", float, ABSENT),
+           Attr("beta_slow", float, ABSENT)),
           kernel="jit", doc="rotary position embedding of each head's first rope_dim dims"),
     OpDef("attention",
           (Operand("q", strided=True), Operand("k", strided=True), Operand("v", strided=True)),

@@ -35,6 +35,9 @@ class HParams:
     rope_scale: float  # linear position scaling: positions are divided by this
     norm_eps: float
     sliding_window: int  # 0 = none
+    # "none", "linear", or "yarn" (rope_scale its factor: a family applies it with rope's
+    # YaRN attributes, or the model is refused, `models.arch.build_graph`)
+    rope_scaling: str = "none"
 
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -152,7 +155,7 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) 
     factor = 1.0 if unset else number(metadata, key("rope.scaling.factor"))
     if scaling == "none" or factor == 1.0:
         rope_scale = 1.0
-    elif scaling == "linear":
+    elif scaling in ("linear", "yarn"):
         rope_scale = factor
     else:
         raise UnsupportedModel(f"rope scaling type {show(scaling)} is not supported yet")
@@ -175,6 +178,7 @@ def read_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[int, ...]]) 
         rope_scale=rope_scale,
         norm_eps=number(metadata, eps_key, hi=1.0),
         sliding_window=integer(metadata, key("attention.sliding_window"), 0),
+        rope_scaling=scaling if rope_scale != 1.0 else "none",
     )
 
 

@@ -105,10 +105,13 @@ class Binder(ABC):
         if len(w) == 2:  # LongRoPE: the long-context factors past the trained context
             w = w[1:] if self.context > a["orig_ctx"] else w[:1]
         attn_factor = a.get("attn_factor", 1.0)
-        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None, attn_factor)
+        yarn_attrs = ("ext_factor", "orig_ctx", "beta_fast", "beta_slow")
+        yarn = tuple(a[n] for n in yarn_attrs) if "ext_factor" in a else None
+        key = (a["rope_dim"], a["base"], a["scale"], w[0] if w else None, attn_factor, yarn)
         if key not in self._rope_tables:
             factors = self.prepare(w[0], "vector") if w else None
-            table = RopeTable(a["rope_dim"], a["base"], a["scale"], factors, attn_factor)
+            how = (factors, attn_factor, yarn)
+            table = RopeTable(a["rope_dim"], a["base"], a["scale"], *how)
             self._rope_tables[key] = table
         table = self._rope_tables[key]
         table.ensure(self._rope_positions)

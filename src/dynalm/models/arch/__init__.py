@@ -70,7 +70,14 @@ def _elaborate(
     program: Program, hp: HParams, metadata: dict[str, Any], weight_types: dict[str, TensorType]
 ) -> Graph:
     given = dataclasses.asdict(hp)
-    return Elaborator(program, hp.arch, metadata, weight_types, given).run()
+    graph = Elaborator(program, hp.arch, metadata, weight_types, given).run()
+    yarn = any(n.op == "rope" and "ext_factor" in n.attrs for n in graph.nodes)
+    if hp.rope_scaling == "yarn" and not yarn:  # the family's rope would scale linearly
+        raise UnsupportedModel(
+            f"rope scaling type yarn (factor {hp.rope_scale:g}) is not supported for "
+            f"architecture {show(hp.arch)} yet (its family file has no YaRN rope)"
+        )
+    return graph
 
 
 def check_file(path: Path, model: Path | None = None) -> str:
