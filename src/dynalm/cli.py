@@ -428,14 +428,35 @@ def _stream(
     prompt_ids: list[int],
     params: SamplingParams,
     guide: Guide | None = None,
+    channels: bool = False,
 ) -> str:
-    """Write the answer to stdout as it is generated; returns it."""
+    """Write the answer to stdout as it is generated; returns it. A harmony answer (gpt-oss:
+    ``channels`` true) is read by its channels: the reasoning dimmed on stderr, the rest on
+    stdout (and returned)."""
+    from dynalm.runtime.serve.harmony import HarmonyReader, HarmonyText
+
     pieces = []
+    text, reader = HarmonyText(generator.model.tokenizer), HarmonyReader()
+
+    def show(parts: list) -> None:
+        for part in parts:
+            if part.kind == "reasoning":
+                err.print(f"[dim]{escape(part.text)}[/]", end="")
+                continue
+            body = part.text if part.kind == "content" else f"to={part.recipient} {part.text}"
+            pieces.append(body)
+            sys.stdout.write(body)
+            sys.stdout.flush()
+
     for event in generator.generate(prompt_ids, params, guide=guide):
-        if event.text:
+        if channels:
+            show(reader.push(text.push([] if event.token is None else [event.token])))
+        elif event.text:
             pieces.append(event.text)
             sys.stdout.write(event.text)
             sys.stdout.flush()
+    if channels:
+        show(reader.push(text.flush()) + reader.finish())
     return "".join(pieces)
 
 
@@ -463,6 +484,8 @@ def _chat(
     guide: Guide | None = None,
 ) -> None:
     """Interactive multi-turn chat: /bye or Ctrl-D exits; Ctrl-C stops the answer."""
+    from dynalm.models.chat_template import harmony
+
     model = generator.model
     messages = [{"role": "system", "content": system}] if system else []
     err.print("[dim]Chat with the model. /bye or Ctrl-D to exit, Ctrl-C stops an answer.[/]")
@@ -485,7 +508,7 @@ def _chat(
         messages.append({"role": "user", "content": line})
         ids = model.tokenizer.encode(model.chat_template.render(messages), add_special=False)
         try:
-            answer = _stream(generator, ids, params, guide)
+            answer = _stream(generator, ids, params, guide, harmony(model.chat_template.source))
         except KeyboardInterrupt:
             answer = ""
             err.print("\n[dim](stopped)[/]")
@@ -538,6 +561,7 @@ def run(
     with user_errors(verbose):
         import time
 
+        from dynalm.models.chat_template import harmony
         from dynalm.models.loader import load_model
         from dynalm.runtime.engine.sampling import SamplingParams
         from dynalm.runtime.generator import Generator, generator_config
@@ -587,7 +611,8 @@ def run(
             messages.append({"role": "user", "content": text})
             ids = loaded.tokenizer.encode(loaded.chat_template.render(messages), add_special=False)
         try:
-            answer = _stream(generator, ids, params, guide)
+            channels = not raw and harmony(loaded.chat_template.source)
+            answer = _stream(generator, ids, params, guide, channels)
         except KeyboardInterrupt:
             answer = ""
             err.print("\n[dim](stopped)[/]")

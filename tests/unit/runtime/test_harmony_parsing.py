@@ -245,3 +245,26 @@ def test_required_grammar_takes_the_vocabularys_control_tokens() -> None:
         matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0)
         consumed = matcher.try_consume_tokens(ids)
         assert (consumed == len(ids) and matcher.is_accepting()) == ok
+
+
+def test_dynalm_run_shows_reasoning_apart_from_the_answer(capsys: pytest.CaptureFixture) -> None:
+    """``dynalm run`` on a harmony model: the answer's final channel on stdout (returned as
+    the answer), the reasoning on stderr, no marker in either; the engine's events carry
+    the ids (its text has no control tokens), the stop token as ``token=None``."""
+    from types import SimpleNamespace
+
+    from dynalm.cli import _stream
+    from dynalm.runtime.generator import GenerationEvent
+
+    tok = control_token_vocabulary()
+    ids = tok.encode(THINK + ANSWER, add_special=False)
+    events = [GenerationEvent(tok.decode([i]), i) for i in ids[:-1]]
+    events.append(GenerationEvent("", None, "stop"))  # <|return|>, a stop token
+    engine_like = SimpleNamespace(
+        model=SimpleNamespace(tokenizer=tok), generate=lambda *a, **k: iter(events)
+    )
+    answer = _stream(engine_like, [], None, channels=True)
+    out, err = capsys.readouterr()
+    assert answer == out == SAID
+    assert THOUGHT in err.replace("\n", "")  # (rich markup escaped: shown as written)
+    assert not any(m in out + err for m in MARKERS)

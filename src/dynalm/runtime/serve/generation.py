@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from dynalm.errors import InvalidRequest
-from dynalm.models.tokenizer import StreamDecoder, Tokenizer
+from dynalm.models.tokenizer import Tokenizer
 from dynalm.runtime.engine.engine import RequestOutput, TokenLogprob
 from dynalm.runtime.engine.guided import Guide
 from dynalm.runtime.engine.prompt_logprobs import ScoredLogprob
@@ -37,7 +37,7 @@ from dynalm.runtime.serve.asgi import (
     APIError,
     ClientGone,
 )
-from dynalm.runtime.serve.harmony import MARKERS
+from dynalm.runtime.serve.harmony import HarmonyText
 from dynalm.runtime.serve.models import ModelService
 from dynalm.runtime.serve.prompt_format import PromptEcho, joined, legacy_logprobs
 
@@ -275,7 +275,7 @@ class ChatFormat(Format):
         super().__init__(model_name, tokenizer, logprobs)
         self.plan = plan  # with tools: calls are read out of the text
         self._tool_streams: dict[int, tools.ToolStream | tools.HarmonyStream] = {}
-        self._decoded: dict[int, tuple[StreamDecoder, int]] = {}  # by choice: see `_read`
+        self._decoded: dict[int, tuple[HarmonyText, int]] = {}  # by choice: see `_read`
 
     def complete(self, choice: Choice, out: RequestOutput) -> bool:
         # a repeated call is a loop: looked for only when a token may have closed a call
@@ -291,18 +291,9 @@ class ChatFormat(Format):
         format (the engine's text has none) and without the rest (the stop token)."""
         if self.plan is None or not self.plan.reads_control_tokens:
             return text
-        decoder, done = self._decoded.get(choice.index) or (
-            StreamDecoder(self.tokenizer, skip_special=False),
-            0,
-        )
-        new = choice.token_ids[done:]
-        self._decoded[choice.index] = decoder, len(choice.token_ids)
-        kept = [
-            i
-            for i in new
-            if not self.tokenizer.is_special(i) or self.tokenizer.id_to_token(i) in MARKERS
-        ]
-        return "".join(map(decoder.push, kept)) + (decoder.flush() if end else "")
+        reader, done = self._decoded.get(choice.index) or (HarmonyText(self.tokenizer), 0)
+        self._decoded[choice.index] = reader, len(choice.token_ids)
+        return reader.push(choice.token_ids[done:]) + (reader.flush() if end else "")
 
     def _delta(
         self, choice: Choice, text: str, finish_reason: str | None

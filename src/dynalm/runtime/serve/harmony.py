@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynalm.models.tokenizer import StreamDecoder, Tokenizer
+
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN, CONSTRAIN = "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"
 MARKERS = (START, CHANNEL, MESSAGE, END, CALL, RETURN, CONSTRAIN)
@@ -38,6 +40,23 @@ class Part:
     text: str
     recipient: str | None = None
     closed: bool = True
+
+
+class HarmonyText:
+    """An answer's token ids as harmony text, as they stream: the format's control tokens
+    kept (the engine's own text drops every control token), any other (a stop token) dropped."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = StreamDecoder(tokenizer, skip_special=False)
+
+    def push(self, ids: list[int]) -> str:
+        tok = self._tokenizer
+        kept = [i for i in ids if not tok.is_special(i) or tok.id_to_token(i) in MARKERS]
+        return "".join(map(self._decoder.push, kept))
+
+    def flush(self) -> str:
+        return self._decoder.flush()
 
 
 def _find_first(text: str, needles: tuple[str, ...]) -> tuple[int, str]:
