@@ -7,7 +7,8 @@ writes it (`tiny_models`):
 * a 64-token greedy continuation in ``exact`` is transformers' ``generate``'s, token for token;
 * ``dynalm check`` passes on each family's ``.lum``, alone and against its file;
 * the same model as a ``save_pretrained`` directory (one SafeTensors matrix per expert) runs
-  on the same graph, its experts stacked without a copy;
+  on the same graph, its experts stacked without a copy (gpt-oss's directory is refused,
+  naming what is missing);
 * a file whose experts disagree with its metadata is refused, naming what is wrong.
 """
 
@@ -163,6 +164,11 @@ def test_check_passes_on_the_family_file(case: Case) -> None:
     assert summary.endswith("nodes") and f"{case.path}: a graph of " in summary
 
 
+# the families hf_dir maps from SafeTensors; gpt-oss is refused (the test after this one)
+FROM_SAFETENSORS = [f for f in MOE if f != "gpt-oss"]
+
+
+@pytest.mark.parametrize("case", FROM_SAFETENSORS, indirect=True)
 def test_safetensors_directory_matches_transformers(case: Case, tmp_path: Path) -> None:
     path = write_hf_dir(case.reference, tmp_path / case.spec.family)
     model = load_model(path)
@@ -188,6 +194,18 @@ def test_safetensors_directory_matches_transformers(case: Case, tmp_path: Path) 
             assert (route[:, :k] == experts).all()
     finally:
         model.gguf.close()
+
+
+def test_a_gpt_oss_directory_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
+    path = write_hf_dir(reference_model(SPECS["gpt-oss"]), tmp_path / "gpt-oss")
+    with pytest.raises(UnsupportedModel) as refused:
+        load_model(path)
+    message = str(refused.value)
+    assert f"{path / 'config.json'}: model_type 'gpt_oss' is not supported from SafeTensors" in (
+        message
+    )
+    for missing in ("experts", "attention sinks", "convert_hf_to_gguf.py"):
+        assert missing in message, message
 
 
 def test_a_directory_says_whether_the_weights_are_renormalised(tmp_path: Path) -> None:
