@@ -7,7 +7,8 @@ OpenBLAS's) on a small machine, and because a file llama.cpp rejects may abort t
 (a ``GGML_ASSERT``) rather than raise.
 
 The context asks for an F32 KV cache and no flash attention, so llama.cpp computes a tiny
-F32 model in fp32 except where its graph itself rounds to fp16 (see `FP16_ROUNDING`).
+F32 model in fp32 except where its graph itself rounds to fp16 (GELU: see
+`test_llama_cpp_loads`).
 
     python tests/models/llama_cpp_check.py FILE.gguf OUT.npy ID [ID ...]
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 TIMEOUT_S = 120
 GGML_TYPE_F32 = 0  # ggml's type id, for type_k / type_v (an F32 KV cache)
+MIN_CTX = 64  # the context asked for (llama.cpp pads it to a multiple of 256)
 
 
 def unavailable() -> str | None:
@@ -53,7 +55,7 @@ def _main(path: str, out: str, ids: list[int]) -> None:
 
     llm = Llama(
         model_path=path,
-        n_ctx=max(64, len(ids)),
+        n_ctx=max(MIN_CTX, len(ids)),
         n_batch=len(ids),
         n_threads=1,
         n_threads_batch=1,

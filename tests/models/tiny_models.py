@@ -6,7 +6,8 @@
 (transformers initialises them to 0 or 1, which would hide a wrong norm convention).
 `write_gguf` writes it the way llama.cpp's ``convert_hf_to_gguf.py`` does for that family,
 with a minimal byte-level ``gpt2`` tokenizer (six merges) so `dynalm.models.loader.load_model`
-and llama.cpp (tests/models/test_llama_cpp_loads.py) can load it:
+and llama.cpp (tests/models/test_llama_cpp_loads.py) can load it (phi3 with
+``for_llama_cpp``, see there):
 
 * tensor names from gguf-py's own HF -> GGUF name map of the architecture;
 * llama: q/k rows permuted (``permute(w, n_head)``) from HF's rotate-half layout into
@@ -479,7 +480,8 @@ def write_gguf(
     """Write ``model`` as llama.cpp's converter would, 2-D weights as ``qtype``; with a
     ``pooling_type`` it is an embedding model (``{arch}.pooling_type``, as the converter
     writes Qwen3-Embedding's). ``for_llama_cpp``: a name without "phi3", whose SPM token
-    rules in llama.cpp's vocabulary loader want ``</s>``. ``released_experts``: see `_stored_type`."""
+    rules in llama.cpp's vocabulary loader want ``</s>``, a token the tiny vocabulary lacks.
+    ``released_experts``: see `_stored_type`."""
     cfg = model.config
     writer = gguf.GGUFWriter(path, gguf_arch(spec))
     writer.add_name(f"tiny-{spec.family}".replace("phi3", "p3" if for_llama_cpp else "phi3"))

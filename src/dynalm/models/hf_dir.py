@@ -56,6 +56,13 @@ ARCHITECTURES: dict[str, tuple[str, gguf.MODEL_ARCH]] = {
     "mixtral": ("llama", gguf.MODEL_ARCH.LLAMA),  # llama.cpp converts Mixtral as llama
     "bert": ("bert", gguf.MODEL_ARCH.BERT),  # an encoder: see _sentence_transformers
 }
+# families DynaLM runs from GGUF but not from SafeTensors: model_type -> what is missing
+NOT_FROM_SAFETENSORS: dict[str, str] = {
+    "gpt_oss": "gpt-oss's experts are not mapped from SafeTensors (released checkpoints store "
+    "them as MXFP4 *_blocks/*_scales, save_pretrained as [expert, in, out] stacks with gate "
+    "and up interleaved: neither is the converter's ffn_*_exps layout without a repack), nor "
+    "its attention sinks and expert biases",
+}
 # one expert's matrix of a mixture of experts: (layer's experts, expert id, projection);
 # Mixtral's w1, w2, w3 are gate, down and up
 _EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -207,6 +214,12 @@ class HFDirectory:
 
     def _architecture(self) -> tuple[str, gguf.MODEL_ARCH]:
         model_type = self.config.get("model_type")
+        if isinstance(model_type, str) and model_type in NOT_FROM_SAFETENSORS:
+            raise UnsupportedModel(
+                f"{self.config_path}: model_type {show(model_type)} is not supported from "
+                f"SafeTensors: {NOT_FROM_SAFETENSORS[model_type]}; convert the directory with "
+                "llama.cpp's convert_hf_to_gguf.py and run the GGUF file"
+            )
         if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             names = self.config.get("architectures")
             raise UnsupportedModel(
