@@ -16,6 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from dynalm.core.cpu_ops import route_ids
+from dynalm.core.grouped_matmul import GroupedMatmul
+from dynalm.core.matmul import QuantMatmul
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
 
@@ -48,7 +50,7 @@ class ExpertScratch:
 
 class Experts:
     """``E`` matmul weights ``[N, K]``, each made by ``prepare(e)`` when first used;
-    ``scratch`` holds the rows gathered for one expert (shared by an executor's experts).
+    ``scratch`` holds the rows gathered for the experts (shared by an executor's experts).
 
     ``bytes_read`` adds, per call, the prepared bytes of the experts it selected
     (``expert_bytes`` each): what a step reads of the weights, against ``E * expert_bytes``
@@ -65,19 +67,27 @@ class Experts:
         self.expert_bytes = expert_bytes
         self._prepare = prepare
         self._matmuls: list[MatmulFn | None] = [None] * shape[0]
+        self._ready = np.zeros(shape[0], bool)
+        self._weights = np.zeros(shape[0], np.int64)  # JIT experts' weights' addresses
+        self._grouped: GroupedMatmul | None = None  # made with the first JIT expert
         self._scratch = scratch
         self.bytes_read = self.calls = 0
 
     @property
     def prepared(self) -> list[int]:
         """The experts prepared so far (routed to at least once)."""
-        return [e for e, mm in enumerate(self._matmuls) if mm is not None]
+        return np.flatnonzero(self._ready).tolist()
 
     def matmul(self, e: int) -> MatmulFn:
         """Expert ``e``'s matmul, prepared on first use."""
         mm = self._matmuls[e]
         if mm is None:
             mm = self._matmuls[e] = self._prepare(e)
+            self._ready[e] = True
+            if isinstance(mm, QuantMatmul):
+                self._weights[e] = mm.weights.__array_interface__["data"][0]
+                if self._grouped is None:
+                    self._grouped = GroupedMatmul(mm, self.shape[0])
         return mm
 
     def __call__(
@@ -94,17 +104,29 @@ class Experts:
         pairs = np.argsort(ids, kind="stable")  # grouped by expert
         source = pairs if len(x_rows) == len(ids) else pairs // top_k
         by_expert = ids[pairs]
-        starts = np.flatnonzero(np.diff(by_expert, prepend=-1)).tolist()
-        ends = [*starts[1:], len(pairs)]
-        # One expert at a time through views cached per row count: at decode every expert
-        # gets the same one-row views, so its matmul's bound arguments are reused (its fast
-        # path: a step shape of a new row count rebinds, which costs more than the copies).
-        for e, a, b in zip(by_expert[starts].tolist(), starts, ends, strict=True):
-            xs, ys = self._scratch.views(b - a, k_in, n)
-            np.take(x_rows, source[a:b], axis=0, out=xs)
-            self.matmul(e)(xs, ys)
+        starts = np.flatnonzero(np.diff(by_expert, prepend=-1))
+        selected = by_expert[starts]
+        for e in selected[~self._ready[selected]].tolist():
+            self.matmul(e)
+        if self._grouped is not None:  # one job for all: rows in place when one each
+            counts = np.diff(starts, append=len(pairs))
+            if len(starts) == len(pairs):  # (a decode step's every expert)
+                self._grouped(self._weights[selected], x_rows, source, counts, out_rows, pairs)
+            else:
+                xs, ys = self._scratch.views(len(pairs), k_in, n)
+                np.take(x_rows, source, axis=0, out=xs)
+                self._grouped(self._weights[selected], xs, starts, counts, ys, starts)
+                out_rows[pairs] = ys
             if bias is not None:
-                ys += bias[e]
-            out_rows[pairs[a:b]] = ys
+                out_rows[pairs] += bias[by_expert]
+        else:  # formats without a JIT kernel: one expert's matmul at a time
+            ends = [*starts[1:].tolist(), len(pairs)]
+            for e, a, b in zip(selected.tolist(), starts.tolist(), ends, strict=True):
+                xs, ys = self._scratch.views(b - a, k_in, n)
+                np.take(x_rows, source[a:b], axis=0, out=xs)
+                self.matmul(e)(xs, ys)
+                if bias is not None:
+                    ys += bias[e]
+                out_rows[pairs[a:b]] = ys
         self.bytes_read += len(starts) * self.expert_bytes
         self.calls += 1
