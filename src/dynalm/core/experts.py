@@ -23,9 +23,9 @@ MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, 
 
 
 class ExpertScratch:
-    """The rows gathered for one expert and its products: one buffer per executor (experts
-    run one at a time), grown, never shrunk. Its views are cached per (rows, K, N), so a
-    ``QuantMatmul`` given the same view again finds its arguments bound (its fast path)."""
+    """A call's (token, slot) rows gathered in expert order and their products: one buffer
+    per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
+    per (rows, K, N)."""
 
     def __init__(self) -> None:
         self._buffer = np.empty(0, np.float32)
@@ -101,32 +101,42 @@ class Experts:
         top_k = route.shape[1] // 2
         # x's and out's rows per pair: slot j of token t is row f of the [T * top_k, .] view
         x_rows, out_rows = x.reshape(-1, k_in), out.reshape(-1, n)
-        pairs = np.argsort(ids, kind="stable")  # grouped by expert
+        pairs = ids.argsort(kind="stable")  # grouped by expert
         source = pairs if len(x_rows) == len(ids) else pairs // top_k
         by_expert = ids[pairs]
-        starts = np.flatnonzero(np.diff(by_expert, prepend=-1))
-        selected = by_expert[starts]
-        for e in selected[~self._ready[selected]].tolist():
-            self.matmul(e)
-        if self._grouped is not None:  # one job for all: rows in place when one each
-            counts = np.diff(starts, append=len(pairs))
-            if len(starts) == len(pairs):  # (a decode step's every expert)
-                self._grouped(self._weights[selected], x_rows, source, counts, out_rows, pairs)
-            else:
-                xs, ys = self._scratch.views(len(pairs), k_in, n)
-                np.take(x_rows, source, axis=0, out=xs)
-                self._grouped(self._weights[selected], xs, starts, counts, ys, starts)
-                out_rows[pairs] = ys
-            if bias is not None:
-                out_rows[pairs] += bias[by_expert]
-        else:  # formats without a JIT kernel: one expert's matmul at a time
-            ends = [*starts[1:].tolist(), len(pairs)]
-            for e, a, b in zip(selected.tolist(), starts.tolist(), ends, strict=True):
-                xs, ys = self._scratch.views(b - a, k_in, n)
-                np.take(x_rows, source[a:b], axis=0, out=xs)
-                self.matmul(e)(xs, ys)
-                if bias is not None:
-                    ys += bias[e]
-                out_rows[pairs[a:b]] = ys
+        if not self._ready[by_expert].all():
+            for e in np.unique(by_expert[~self._ready[by_expert]]).tolist():
+                self.matmul(e)
+        if self._grouped is not None and (by_expert[1:] != by_expert[:-1]).all():
+            # a row each (a decode step): x's rows read and out's written in place
+            self._grouped(self._weights[by_expert], x_rows, source, None, out_rows, pairs)
+            starts = pairs  # (as many)
+        else:
+            starts = np.flatnonzero(np.diff(by_expert, prepend=-1))
+            self._by_groups(x_rows, source, by_expert, starts, out_rows, pairs)
+        if bias is not None:
+            out_rows[pairs] += bias[by_expert]
         self.bytes_read += len(starts) * self.expert_bytes
         self.calls += 1
+
+    def _by_groups(
+        self,
+        x_rows: np.ndarray,
+        source: np.ndarray,
+        by_expert: np.ndarray,
+        starts: np.ndarray,
+        out_rows: np.ndarray,
+        pairs: np.ndarray,
+    ) -> None:
+        """Experts of several rows: the rows gathered by expert, the products scattered."""
+        _, n, k_in = self.shape
+        xs, ys = self._scratch.views(len(pairs), k_in, n)
+        np.take(x_rows, source, axis=0, out=xs)
+        if self._grouped is not None:  # one job for all
+            counts = np.diff(starts, append=len(pairs))
+            self._grouped(self._weights[by_expert[starts]], xs, starts, counts, ys, starts)
+        else:  # formats without a JIT kernel: one expert's matmul at a time
+            ends = [*starts[1:].tolist(), len(pairs)]
+            for a, b in zip(starts.tolist(), ends, strict=True):
+                self.matmul(int(by_expert[a]))(xs[a:b], ys[a:b])
+        out_rows[pairs] = ys
