@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from test_matmul import activations, weights
 
 from dynalm.core.grouped_matmul import GroupedMatmul
-from dynalm.core.matmul import QuantMatmul
+from dynalm.core.matmul import ActivationScratch, QuantMatmul
 
 # N not a multiple of a row group (each group's virtual rows are padded to whole ones);
 # 136 rows of Q8_0 at K = 256 are 37 KB: split over the pool with 2 threads
@@ -32,7 +32,7 @@ def address(a: np.ndarray) -> int:
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 def test_groups_are_bitwise_their_own_matmuls(ggml_type: T, mode: str, threads: int) -> None:
     mms, _ = experts(ggml_type, mode, threads)
-    grouped = GroupedMatmul(mms[0], E)
+    grouped = GroupedMatmul(mms[0], E, ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms], np.int64)
     # ragged counts (1, 5, 64 rows; tiles with a GEMV or a smaller tile beside them), a
     # group of no rows, the groups in any expert order
@@ -52,7 +52,7 @@ def test_one_row_each_read_and_written_in_place(mode: str) -> None:
     """A decode step's call (``counts`` None): group g reads x's row ``x_first[g]`` and
     writes y's row ``y_first[g]``, wherever they lie; rows no group names stay untouched."""
     mms, _ = experts(T.Q8_0, mode, 2)
-    grouped = GroupedMatmul(mms[0], E)
+    grouped = GroupedMatmul(mms[0], E, ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms], np.int64)
     x = activations(3, K)
     y = np.full((7, N), np.nan, np.float32)
@@ -65,7 +65,7 @@ def test_one_row_each_read_and_written_in_place(mode: str) -> None:
 
 def test_refuses_what_it_cannot_run() -> None:
     mms, _ = experts(T.Q8_0, "exact", 1)
-    grouped = GroupedMatmul(mms[0], 2)
+    grouped = GroupedMatmul(mms[0], 2, ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms[:3]], np.int64)
     one = np.zeros(3, np.int64)
     y = np.empty((3, N), np.float32)
@@ -73,3 +73,20 @@ def test_refuses_what_it_cannot_run() -> None:
         grouped(at, activations(3, K), one, None, y, one)
     with pytest.raises(ValueError, match=r"C-contiguous float32 \[., 256\]"):
         grouped(at[:2], activations(3, 2 * K)[:, ::2], one[:2], None, y, one[:2])
+
+
+def test_a_shared_quantisation_scratch_that_moves() -> None:
+    """Two grouped matmuls quantise into one scratch: when the other's larger call moves it,
+    a call of a row count seen before quantises into the new buffer, not the freed one."""
+    mms, _ = experts(T.Q8_0, "auto", 1)
+    scratch = ActivationScratch()
+    first, other = GroupedMatmul(mms[0], E, scratch), GroupedMatmul(mms[0], E, scratch)
+    at = np.array([address(mm.weights) for mm in mms], np.int64)
+    rows = np.arange(3)
+    for grouped, x in ((first, activations(3, K)), (other, activations(64, K)), (first, None)):
+        x = activations(5, K)[2:] if x is None else x
+        y = np.empty((len(x), N), np.float32)
+        grouped(at[:3], x, rows, None, y, rows)
+        for e in range(3):
+            assert np.array_equal(mms[e](x[e : e + 1]), y[e : e + 1]), e
+    assert scratch.generation == 2

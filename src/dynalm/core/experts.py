@@ -17,7 +17,7 @@ import numpy as np
 
 from dynalm.core.cpu_ops import route_ids
 from dynalm.core.grouped_matmul import GroupedMatmul
-from dynalm.core.matmul import QuantMatmul
+from dynalm.core.matmul import ActivationScratch, QuantMatmul
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
 
@@ -25,9 +25,10 @@ MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, 
 class ExpertScratch:
     """A call's (token, slot) rows gathered in expert order and their products: one buffer
     per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
-    per (rows, K, N)."""
+    per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto)."""
 
     def __init__(self) -> None:
+        self.quantised = ActivationScratch()
         self._buffer = np.empty(0, np.float32)
         self._views: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -87,7 +88,7 @@ class Experts:
             if isinstance(mm, QuantMatmul):
                 self._weights[e] = mm.weights.__array_interface__["data"][0]
                 if self._grouped is None:
-                    self._grouped = GroupedMatmul(mm, self.shape[0])
+                    self._grouped = GroupedMatmul(mm, self.shape[0], self._scratch.quantised)
         return mm
 
     def __call__(

@@ -33,9 +33,12 @@ def _at(a: np.ndarray) -> int:
 
 class GroupedMatmul:
     """Up to ``n_groups`` matmuls shaped like ``like`` (same format, shape, mode, backend
-    and threads; their weights given per call by address) as one job."""
+    and threads; their weights given per call by address) as one job; ``auto`` quantises
+    x in ``quantised`` (its own: its rows, a row per (token, slot), can outnumber the
+    step's tokens the matmuls' shared scratch is reserved for; shared by an executor's
+    grouped matmuls, which run one at a time)."""
 
-    def __init__(self, like: QuantMatmul, n_groups: int) -> None:
+    def __init__(self, like: QuantMatmul, n_groups: int, quantised: ActivationScratch) -> None:
         self._kernels, self.mode = like.kernels, like.mode
         self.n_rows, self.n_cols, self.threads = like.n_rows, like.n_cols, like.threads
         self._weight_bytes = like.weights.nbytes
@@ -61,10 +64,9 @@ class GroupedMatmul:
         self._qargs = np.zeros(N_ARGS, np.int64)  # the quantiser's
         self._qargs[A_NB] = nb
         self._qargs_at = _at(self._qargs)
-        # x's quantisation: a buffer of its own (its rows, a row per (token, slot), can
-        # outnumber the step's tokens that the shared scratch is reserved for); its
-        # activation slots' addresses per row count
-        self._quantised, self._bases = ActivationScratch(), {}
+        # x's quantisation, its activation slots' addresses per row count (valid while
+        # the scratch's buffer stays where it was: generation)
+        self._quantised, self._bases, self._generation = quantised, {}, quantised.generation
         self._n = n_groups
         self._arg_at = np.arange(2 * n_groups) * (N_ARGS * _WORD) + _at(self._args)
         self._pair_at = np.arange(n_groups) * (4 * _WORD) + _at(self._pairs)
@@ -89,13 +91,13 @@ class GroupedMatmul:
         auto its quantisation (the quantiser's call appended to ``calls``)."""
         if self.mode == "exact":
             return _at(x)
-        rows = len(x)
-        bases = self._bases.get(rows)
+        rows, scratch = len(x), self._quantised
+        bases = self._bases.get(rows) if self._generation == scratch.generation else None
         if bases is None:
-            generation = self._quantised.generation
-            views = self._quantised.views(rows, self.n_cols)
-            if self._quantised.generation != generation:  # moved: the others are stale
+            views = scratch.views(rows, self.n_cols)
+            if self._generation != scratch.generation:  # moved: the others are stale
                 self._bases.clear()
+                self._generation = scratch.generation
             bases = self._bases[rows] = np.array([_at(v) for v in views], np.int64)
         q = self._qargs
         q[self._slots], q[A_Y], q[A_T] = bases, _at(x), rows
