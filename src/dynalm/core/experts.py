@@ -3,10 +3,12 @@
 Each expert is an ordinary matmul weight ``[N, K]`` (a ``QuantMatmul`` in ``exact`` and
 ``auto``), prepared by the device when a route first selects it: an expert never routed to
 is never read from the model file. A step's (token, slot) pairs are grouped by expert; each
-selected expert multiplies only its rows, gathered into a contiguous scratch, and the
-products are scattered to their slots. Every row of a ``QuantMatmul`` sums in the same order
-whatever its batch (``core.matmul``), so a slot's result is bitwise the expert's own matmul
-of that row, alone or grouped.
+selected expert multiplies only its rows, all of them in one ``GroupedMatmul`` job (one
+barrier per call, ``auto``'s activations quantised once): the rows are gathered by expert
+and the products scattered to their slots, except where every expert has one row (a decode
+step), which reads x and writes out in place. Every row of a ``QuantMatmul`` sums in the
+same order whatever its batch (``core.matmul``), so a slot's result is bitwise the expert's
+own matmul of that row, alone or grouped.
 """
 
 from __future__ import annotations
