@@ -81,6 +81,29 @@ def test_expert_matmul_matches_the_dense_reference(ggml_type: T, mode: str) -> N
             assert (np.abs(out - ref) <= bound).all(), (t_rows, top_k, shared)
 
 
+def test_experts_without_a_jit_kernel_run_one_at_a_time() -> None:
+    """F32 experts of K = 40 (not whole 32-blocks: numpy's matmul, no JIT kernel to group)
+    take the per-expert loop, gathered and scattered as the grouped job's rows are."""
+    k = 40
+    raw = weights(T.F32, E * N, k).reshape(E, N, -1)
+    device = CpuDevice("exact")
+    assert device.matmul_kernel(T.F32, (N, k)).kind == "numpy"
+    prepare = lambda e: device.matmul(raw[e], T.F32, (N, k))  # noqa: E731
+    experts = Experts((E, N, k), 4 * N * k, prepare, ExpertScratch())
+    dense = raw.view(np.float32).astype(np.float64)  # [E, N, k]
+    bias = np.random.default_rng(1).standard_normal((E, N)).astype(np.float32)
+    for t_rows, top_k, shared in CASES:
+        x = activations(t_rows, k if shared else top_k * k)
+        route = random_route(t_rows, top_k, t_rows + top_k)
+        out = expert_matmul("exact", experts, x, route, bias).reshape(t_rows, top_k, N)
+        ids = route[:, :top_k].astype(int)
+        xs = x.reshape(t_rows, -1, k).astype(np.float64)
+        ref = np.einsum("tjk,tjnk->tjn", xs, dense[ids]) + bias[ids]
+        bound = sum_bound(k + 8, np.einsum("tjk,tjnk->tjn", np.abs(xs), np.abs(dense[ids])))
+        bound += sum_bound(2, np.abs(ref))
+        assert (np.abs(out - ref) <= bound).all(), (t_rows, top_k, shared)
+
+
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0, T.F32], ids=lambda t: t.name)
 def test_each_slot_is_bitwise_its_expert_s_own_matmul(ggml_type: T, mode: str) -> None:

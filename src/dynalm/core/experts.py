@@ -3,10 +3,12 @@
 Each expert is an ordinary matmul weight ``[N, K]`` (a ``QuantMatmul`` in ``exact`` and
 ``auto``), prepared by the device when a route first selects it: an expert never routed to
 is never read from the model file. A step's (token, slot) pairs are grouped by expert; each
-selected expert multiplies only its rows, gathered into a contiguous scratch, and the
-products are scattered to their slots. Every row of a ``QuantMatmul`` sums in the same order
-whatever its batch (``core.matmul``), so a slot's result is bitwise the expert's own matmul
-of that row, alone or grouped.
+selected expert multiplies only its rows, all of them in one ``GroupedMatmul`` job (one
+barrier per call, ``auto``'s activations quantised once): the rows are gathered by expert
+and the products scattered to their slots, except where every expert has one row (a decode
+step), which reads x and writes out in place. Every row of a ``QuantMatmul`` sums in the
+same order whatever its batch (``core.matmul``), so a slot's result is bitwise the expert's
+own matmul of that row, alone or grouped.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from collections.abc import Callable
 import numpy as np
 
 from dynalm.core.cpu_ops import route_ids
+from dynalm.core.grouped_matmul import GroupedMatmul
+from dynalm.core.matmul import ActivationScratch, QuantMatmul
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
 
 
 class ExpertScratch:
-    """The rows gathered for one expert and its products: one buffer per executor (experts
-    run one at a time), grown, never shrunk. Its views are cached per (rows, K, N), so a
-    ``QuantMatmul`` given the same view again finds its arguments bound (its fast path)."""
+    """A call's (token, slot) rows gathered in expert order and their products: one buffer
+    per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
+    per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto)."""
 
     def __init__(self) -> None:
+        self.quantised = ActivationScratch()
         self._buffer = np.empty(0, np.float32)
         self._views: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -48,7 +53,7 @@ class ExpertScratch:
 
 class Experts:
     """``E`` matmul weights ``[N, K]``, each made by ``prepare(e)`` when first used;
-    ``scratch`` holds the rows gathered for one expert (shared by an executor's experts).
+    ``scratch`` holds the rows gathered for the experts (shared by an executor's experts).
 
     ``bytes_read`` adds, per call, the prepared bytes of the experts it selected
     (``expert_bytes`` each): what a step reads of the weights, against ``E * expert_bytes``
@@ -65,19 +70,27 @@ class Experts:
         self.expert_bytes = expert_bytes
         self._prepare = prepare
         self._matmuls: list[MatmulFn | None] = [None] * shape[0]
+        self._ready = np.zeros(shape[0], bool)
+        self._weights = np.zeros(shape[0], np.int64)  # JIT experts' weights' addresses
+        self._grouped: GroupedMatmul | None = None  # made with the first JIT expert
         self._scratch = scratch
         self.bytes_read = self.calls = 0
 
     @property
     def prepared(self) -> list[int]:
         """The experts prepared so far (routed to at least once)."""
-        return [e for e, mm in enumerate(self._matmuls) if mm is not None]
+        return np.flatnonzero(self._ready).tolist()
 
     def matmul(self, e: int) -> MatmulFn:
         """Expert ``e``'s matmul, prepared on first use."""
         mm = self._matmuls[e]
         if mm is None:
             mm = self._matmuls[e] = self._prepare(e)
+            self._ready[e] = True
+            if isinstance(mm, QuantMatmul):
+                self._weights[e] = mm.weights.__array_interface__["data"][0]
+                if self._grouped is None:
+                    self._grouped = GroupedMatmul(mm, self.shape[0], self._scratch.quantised)
         return mm
 
     def __call__(
@@ -91,20 +104,42 @@ class Experts:
         top_k = route.shape[1] // 2
         # x's and out's rows per pair: slot j of token t is row f of the [T * top_k, .] view
         x_rows, out_rows = x.reshape(-1, k_in), out.reshape(-1, n)
-        pairs = np.argsort(ids, kind="stable")  # grouped by expert
+        pairs = ids.argsort(kind="stable")  # grouped by expert
         source = pairs if len(x_rows) == len(ids) else pairs // top_k
         by_expert = ids[pairs]
-        starts = np.flatnonzero(np.diff(by_expert, prepend=-1)).tolist()
-        ends = [*starts[1:], len(pairs)]
-        # One expert at a time through views cached per row count: at decode every expert
-        # gets the same one-row views, so its matmul's bound arguments are reused (its fast
-        # path: a step shape of a new row count rebinds, which costs more than the copies).
-        for e, a, b in zip(by_expert[starts].tolist(), starts, ends, strict=True):
-            xs, ys = self._scratch.views(b - a, k_in, n)
-            np.take(x_rows, source[a:b], axis=0, out=xs)
-            self.matmul(e)(xs, ys)
-            if bias is not None:
-                ys += bias[e]
-            out_rows[pairs[a:b]] = ys
+        if not self._ready[by_expert].all():
+            for e in np.unique(by_expert[~self._ready[by_expert]]).tolist():
+                self.matmul(e)
+        if self._grouped is not None and (by_expert[1:] != by_expert[:-1]).all():
+            # a row each (a decode step): x's rows read and out's written in place
+            self._grouped(self._weights[by_expert], x_rows, source, None, out_rows, pairs)
+            starts = pairs  # (as many)
+        else:
+            starts = np.flatnonzero(np.diff(by_expert, prepend=-1))
+            self._by_groups(x_rows, source, by_expert, starts, out_rows, pairs)
+        if bias is not None:
+            out_rows[pairs] += bias[by_expert]
         self.bytes_read += len(starts) * self.expert_bytes
         self.calls += 1
+
+    def _by_groups(
+        self,
+        x_rows: np.ndarray,
+        source: np.ndarray,
+        by_expert: np.ndarray,
+        starts: np.ndarray,
+        out_rows: np.ndarray,
+        pairs: np.ndarray,
+    ) -> None:
+        """Experts of several rows: the rows gathered by expert, the products scattered."""
+        _, n, k_in = self.shape
+        xs, ys = self._scratch.views(len(pairs), k_in, n)
+        np.take(x_rows, source, axis=0, out=xs)
+        if self._grouped is not None:  # one job for all
+            counts = np.diff(starts, append=len(pairs))
+            self._grouped(self._weights[by_expert[starts]], xs, starts, counts, ys, starts)
+        else:  # formats without a JIT kernel: one expert's matmul at a time
+            ends = [*starts[1:].tolist(), len(pairs)]
+            for a, b in zip(starts.tolist(), ends, strict=True):
+                self.matmul(int(by_expert[a]))(xs[a:b], ys[a:b])
+        out_rows[pairs] = ys

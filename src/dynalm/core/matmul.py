@@ -196,14 +196,9 @@ class QuantMatmul:
             what = f"{u.name} [{n_rows}, {n_cols}] {layout!r}"
             cache = repack_cache.shared()
             self._weights, self.repacked = cache.load_or_build(source, what, nbytes, repack)
-        threads = threads or default_threads()
-        small = n_rows * u.row_bytes(n_cols) < _PARALLEL_MIN_BYTES
-        self._threads = 1 if small or not pool.available() else threads
-        # The pool's smallest grab (its first grabs are larger, see core.pool): small enough
-        # to even out uneven threads at the end of a job, and whole row groups and tiles
-        # (a grab that ends inside a tile computes all of its rows).
-        whole = self._kernels.row_multiple
-        self._chunk = whole * max(1, -(-self.n_rows // (16 * self._threads * whole)))
+        self.threads = threads or default_threads()  # (core.grouped_matmul's too)
+        self._threads = self.threads if self.parallel(n_rows * u.row_bytes(n_cols)) else 1
+        self._chunk = grab_chunk(self._kernels, self.n_rows, self._threads)
         # Argument blocks per row count (see CACHED_ROWS): the product's, and the
         # quantiser's own (x -> (xq, xd, xs); its y slot is the fp32 source).
         self._arg_blocks: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}
@@ -213,6 +208,20 @@ class QuantMatmul:
         self._calls: list[tuple[int, int, int, int, int]] = []
         self._scratch = scratch or ActivationScratch()
         self._generation = -1  # the scratch's generation the bound addresses belong to
+
+    @staticmethod
+    def parallel(weight_bytes: int) -> bool:
+        """Whether a product over this many bytes of weights is split over the pool."""
+        return weight_bytes >= _PARALLEL_MIN_BYTES and pool.available()
+
+    @property
+    def kernels(self) -> programs.MatmulKernels:
+        return self._kernels
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The repacked weights, in the kernels' layout."""
+        return self._weights
 
     @staticmethod
     def checked_repack(
@@ -336,20 +345,40 @@ class QuantMatmul:
             calls = [(kernels.pair, self._pair_at, self.n_rows, self._chunk)]
         if self.mode == "auto":  # quantise the activations first
             calls.insert(0, (kernels.quantize, self._qargs_at, t_rows, -(-t_rows // threads)))
-        self._calls = [
-            (pool.SPLIT if threads > 1 and total > chunk else pool.RANGE, which, args, total, chunk)
-            for which, args, total, chunk in calls
-        ]
+        self._calls = [kind_of(threads, *call) for call in calls]
         return self._calls
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """y = x @ W^T; ``x`` C-contiguous float32 [T, K], ``out`` float32 [T, N] or None."""
         if out is None:
             out = np.empty((x.shape[0], self.n_rows), np.float32)
-        for kind, which, args, total, chunk in self._plan(x, out):
-            if kind == pool.SPLIT:
-                # the pool (its code compiled, its threads started) when first needed
-                pool.pool(self._threads).run(self._kernels.address(which), args, total, chunk)
-            else:
-                self._kernels.call(which)(args, 0, total)
+        run_calls(self._kernels, self._threads, self._plan(x, out))
         return out
+
+
+def grab_chunk(kernels: programs.MatmulKernels, rows: int, threads: int) -> int:
+    """The pool's smallest grab of a job over ``rows`` weight rows (its first grabs are
+    larger, see core.pool): small enough to even out uneven threads at the end of a job,
+    and whole row groups and tiles (a grab that ends inside a tile computes all of its
+    rows)."""
+    whole = kernels.row_multiple
+    return whole * max(1, -(-rows // (16 * threads * whole)))
+
+
+def kind_of(
+    threads: int, which: int, args: int, total: int, chunk: int
+) -> tuple[int, int, int, int, int]:
+    """A call (kernel, args, total, chunk) as a record: split over the pool where it pays."""
+    return (pool.SPLIT if threads > 1 and total > chunk else pool.RANGE, which, args, total, chunk)
+
+
+def run_calls(
+    kernels: programs.MatmulKernels, threads: int, calls: list[tuple[int, int, int, int, int]]
+) -> None:
+    """Run records (kind, kernel index, args, total, chunk) of ``kernels`` from Python."""
+    for kind, which, args, total, chunk in calls:
+        if kind == pool.SPLIT:
+            # the pool (its code compiled, its threads started) when first needed
+            pool.pool(threads).run(kernels.address(which), args, total, chunk)
+        else:
+            kernels.call(which)(args, 0, total)

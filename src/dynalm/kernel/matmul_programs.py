@@ -1035,6 +1035,32 @@ def _build_pair(module: Module) -> None:
 
 
 PAIR = Program("mm_pair", _build_pair)
+
+
+def _build_grouped(module: Module) -> None:
+    """``grouped(block, lo, hi)``, ``block`` = [rows, stride, fn0, args0, fn1, args1, ...]:
+    several matmuls of ``rows`` weight rows each (a mixture's selected experts) as one job
+    of the pool over virtual rows, matmul i owning ``[i * stride, i * stride + rows)``
+    (``stride``: ``rows`` rounded up to whole row groups and tiles, so every piece starts
+    on one): each piece of ``[lo, hi)`` runs ``fn_i(args_i, piece)`` (a tile, or ``pair``
+    for a ragged cover). One barrier for all of them instead of one each."""
+    k = module.kernel(module.ir.name, _PARAMS)
+    block, lo, hi = k.args
+    n_rows, stride = k.words(block, 2)
+
+    def part(i: ir.Value) -> None:
+        start = k.mul(i, stride)
+        a = k.smax(k.sub(lo, start), k.i64(0))
+        b = k.smin(k.sub(hi, start), n_rows)
+        entry = k.index(block, k.add(k.mul(i, 2), 2), I64)
+        fn, args = (k.pointer(w) for w in k.words(entry, 2))
+        k.branch(k.lt(a, b), lambda: k.call_at(fn, VOID, args, a, b))
+
+    k.loop(k.b.sdiv(lo, stride), k.b.sdiv(k.add(hi, k.sub(stride, 1)), stride), 1, part)
+    k.ret()
+
+
+GROUPED = Program("mm_grouped", _build_grouped)
 _SIG = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 
 
@@ -1065,7 +1091,7 @@ class MatmulKernels:
         spec = {"k_blocks": nb, "ggml_type": int(ggml_type), "mode": self.mode}
         self._specs = [{**spec, "mr": mr} for mr in self._mrs] + [{"k_blocks": nb}]
         # what each index lowers: the tiles, the quantiser, then the pair of two tiles
-        self._programs = [(MATMUL, spec) for spec in self._specs] + [(PAIR, {})]
+        self._programs = [(MATMUL, spec) for spec in self._specs] + [(PAIR, {}), (GROUPED, {})]
         self._done: list[Executable | None] = [None] * len(self._programs)
         self._covers: dict[int, list[tuple[int, int, int]]] = {}  # cover's, by t_rows
         self._calls: list[Callable[[int, int, int], None] | None] = [None] * len(self._programs)
@@ -1091,6 +1117,11 @@ class MatmulKernels:
     @property
     def pair(self) -> int:
         """The index of the pair program (two tiles as one call, see ``cover``)."""
+        return len(self._programs) - 2
+
+    @property
+    def grouped(self) -> int:
+        """The index of the grouped program (several weights' matmuls as one job)."""
         return len(self._programs) - 1
 
     def tile_for(self, t_rows: int) -> int:

@@ -105,12 +105,18 @@ def activation_bytes(graph: Graph, max_tokens: int) -> int:
         default=0,
     )
     scratch = max_tokens * widest * (1 + 12 / 32)  # int8 quants + 3 fp32 per 32-block
-    # an expert's gathered rows and their products (core.experts: at most a row per token)
+    # the experts' gathered rows (fp32 and their int8 quantisation) and their products:
+    # a row per (token, slot) (core.experts)
     experts = max(
-        (sum(n.weights[0].type.shape[1:]) for n in graph.nodes if n.op == "expert_matmul"),
+        (
+            n.args[1].type.row_width // 2 * (4 * (rows + cols) + cols * (1 + 36 / 32))
+            for n in graph.nodes
+            if n.op == "expert_matmul"
+            for _, rows, cols in [n.weights[0].type.shape]
+        ),
         default=0,
     )
-    return int(4 * max_tokens * (sum(widths) + experts) + scratch)
+    return int(max_tokens * (4 * sum(widths) + experts) + scratch)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,165 @@
+"""Several matmuls of one format and shape ``[N, K]``, each over rows of its own, as one job
+of the pool: a mixture's selected experts (``core.experts``).
+
+Group g multiplies ``counts[g]`` consecutive rows of ``x`` (from ``x_first[g]``) by its
+weight into consecutive rows of ``y`` (from ``y_first[g]``). Each group runs the tiles its
+own ``QuantMatmul`` would run for that many rows (``MatmulKernels.cover``), so its
+products are bitwise that matmul's; the ``grouped`` program (``kernel.matmul_programs``)
+hands every piece of the job's virtual rows to its group's tile, so one barrier serves all
+the groups. ``auto`` quantises ``x`` once for all of them. The groups' argument blocks are
+rows of preallocated arrays, written by vectorised numpy per call (no Python per group).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynalm.core.matmul import (
+    _X_SLOTS,
+    ActivationScratch,
+    QuantMatmul,
+    grab_chunk,
+    kind_of,
+    run_calls,
+)
+from dynalm.kernel.matmul_programs import A_LDY, A_NB, A_T, A_W, A_Y, KEY_SUMS, N_ARGS
+
+_WORD = 8  # bytes of an argument block's word
+
+
+def _at(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class GroupedMatmul:
+    """Up to ``n_groups`` matmuls shaped like ``like`` (same format, shape, mode, backend
+    and threads; their weights given per call by address) as one job; ``auto`` quantises
+    x in ``quantised`` (its own: its rows, a row per (token, slot), can outnumber the
+    step's tokens the matmuls' shared scratch is reserved for; shared by an executor's
+    grouped matmuls, which run one at a time)."""
+
+    def __init__(self, like: QuantMatmul, n_groups: int, quantised: ActivationScratch) -> None:
+        self._kernels, self.mode = like.kernels, like.mode
+        self.n_rows, self.n_cols, self.threads = like.n_rows, like.n_cols, like.threads
+        self._weight_bytes = like.weights.nbytes
+        whole = self._kernels.row_multiple
+        self._stride = -(-self.n_rows // whole) * whole  # each group's virtual rows
+        nb = self.n_cols // 32
+        # the activation slots: fp32 rows, or their int8 quantisation's (quants, block
+        # scales, block sums, key sums)
+        self._slots = list(_X_SLOTS[: 1 if self.mode == "exact" else 4])
+        row_bytes = [4 * self.n_cols] if self.mode == "exact" else [self.n_cols, 8 * nb, 4 * nb]
+        # a group's block = base + x_first * per_x + y_first * per_y, then its weights and
+        # rows (base: x's and y's addresses, K's blocks, y's row length)
+        self._base, self._per_x, self._per_y = np.zeros((3, N_ARGS), np.int64)
+        self._per_x[self._slots] = row_bytes + [4 * nb * KEY_SUMS] * (self.mode == "auto")
+        self._per_y[A_Y] = 4 * self.n_rows
+        self._base[A_NB], self._base[A_LDY] = nb, self.n_rows
+        # group g's first tile's block is row g, a ragged cover's second tile row n + g
+        self._args = np.zeros((2 * n_groups, N_ARGS), np.int64)
+        self._pairs = np.zeros((n_groups, 4), np.int64)  # a ragged cover's pair blocks
+        self._table = np.zeros(2 + 2 * n_groups, np.int64)  # the grouped program's block
+        self._table[:2] = self.n_rows, self._stride
+        self._table_at = _at(self._table)
+        self._qargs = np.zeros(N_ARGS, np.int64)  # the quantiser's
+        self._qargs[A_NB] = nb
+        self._qargs_at = _at(self._qargs)
+        # x's quantisation, its activation slots' addresses per row count (valid while
+        # the scratch's buffer stays where it was: generation)
+        self._quantised, self._bases, self._generation = quantised, {}, quantised.generation
+        self._n = n_groups
+        self._arg_at = np.arange(2 * n_groups) * (N_ARGS * _WORD) + _at(self._args)
+        self._pair_at = np.arange(n_groups) * (4 * _WORD) + _at(self._pairs)
+        # per row count: the cover's first tile (address, rows) and second (address,
+        # first row, rows; address 0: none), grown as larger groups come
+        self._cover = np.zeros((0, 5), np.int64)
+
+    def _covers(self, most: int) -> np.ndarray:
+        """The covers of 0 .. ``most`` rows, as rows (see ``_cover``)."""
+        if most >= len(self._cover):
+            kernels, grown = self._kernels, []
+            for rows in range(len(self._cover), most + 1):
+                cover = kernels.cover(rows)
+                (a, _, ra), (b, fb, rb) = (cover * 2)[:2]
+                second = (kernels.address(b), fb, rb) if len(cover) > 1 else (0, 0, 0)
+                grown.append((kernels.address(a), ra, *second))
+            self._cover = np.array([*self._cover.tolist(), *grown], np.int64)
+        return self._cover
+
+    def _x_bases(self, x: np.ndarray, threads: int, calls: list) -> np.ndarray | int:
+        """Where the tiles read x's rows from, per activation slot: x itself in exact; in
+        auto its quantisation (the quantiser's call appended to ``calls``)."""
+        if self.mode == "exact":
+            return _at(x)
+        rows, scratch = len(x), self._quantised
+        bases = self._bases.get(rows) if self._generation == scratch.generation else None
+        if bases is None:
+            views = scratch.views(rows, self.n_cols)
+            if self._generation != scratch.generation:  # moved: the others are stale
+                self._bases.clear()
+                self._generation = scratch.generation
+            bases = self._bases[rows] = np.array([_at(v) for v in views], np.int64)
+        q = self._qargs
+        q[self._slots], q[A_Y], q[A_T] = bases, _at(x), rows
+        chunk = -(-rows // threads)
+        calls.append(kind_of(threads, self._kernels.quantize, self._qargs_at, rows, chunk))
+        return bases
+
+    def __call__(
+        self,
+        weights: np.ndarray,
+        x: np.ndarray,
+        x_first: np.ndarray,
+        counts: np.ndarray | None,
+        y: np.ndarray,
+        y_first: np.ndarray,
+    ) -> None:
+        """Group g: ``y[y_first[g] + i] = x[x_first[g] + i] @ W_g^T`` for i < counts[g]
+        (``counts`` None: one row each); ``weights``: the groups' repacked weights'
+        addresses (``QuantMatmul.weights``), ``x`` C-contiguous float32 [R, K] (every row
+        some group's), ``y`` [., N]."""
+        n = len(weights)
+        for a, width in ((x, self.n_cols), (y, self.n_rows)):
+            if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
+                raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")
+        if n > self._n:
+            raise ValueError(f"{n} groups, made for at most {self._n}")
+        threads = self.threads if QuantMatmul.parallel(n * self._weight_bytes) else 1
+        calls: list[tuple[int, int, int, int, int]] = []
+        args, table = self._args[:n], self._table[2 : 2 + 2 * n].reshape(n, 2)
+        base = self._base
+        base[self._slots], base[A_Y] = self._x_bases(x, threads, calls), _at(y)
+        np.multiply.outer(x_first, self._per_x, out=args)
+        args += np.multiply.outer(y_first, self._per_y)
+        args += base
+        args[:, A_W] = weights
+        table[:, 1] = self._arg_at[:n]
+        if counts is None:  # the GEMV each
+            args[:, A_T] = 1
+            table[:, 0] = self._covers(1)[1, 0]
+        else:
+            cover = self._covers(int(counts.max()))[counts]
+            args[:, A_T] = cover[:, 1]
+            table[:, 0] = cover[:, 0]
+            ragged = np.flatnonzero(cover[:, 2])
+            if len(ragged):  # the second tile from its first row on; both as one pair
+                self._pair(ragged, cover[ragged])
+        total = n * self._stride
+        chunk = grab_chunk(self._kernels, total, threads)
+        calls.append(kind_of(threads, self._kernels.grouped, self._table_at, total, chunk))
+        run_calls(self._kernels, threads, calls)
+
+    def _pair(self, ragged: np.ndarray, cover: np.ndarray) -> None:
+        """Groups ``ragged`` run two tiles (their ``cover`` rows): the second's block from
+        the first's, both as one ``pair`` call (``MatmulKernels.cover``)."""
+        at, second = cover[:, 3], self._args[self._n + ragged]
+        second[:] = self._args[ragged]
+        second += np.multiply.outer(at, self._per_x + self._per_y)
+        second[:, A_T] = cover[:, 4]
+        self._args[self._n + ragged] = second
+        self._pairs[ragged] = np.stack(
+            [cover[:, 0], self._arg_at[ragged], cover[:, 2], self._arg_at[self._n + ragged]], 1
+        )
+        table = self._table[2:].reshape(-1, 2)
+        pair = self._kernels.address(self._kernels.pair)
+        table[ragged] = np.stack([np.full_like(at, pair), self._pair_at[ragged]], 1)
