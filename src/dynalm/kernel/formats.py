@@ -178,11 +178,16 @@ class Table:
     def biased(self) -> list[int]:
         return [v + self.bias for v in self.values]
 
-    def lanes(self, k: Kernel, p: Planes) -> ir.Value:
-        return k.target.lookup16(k, self.biased, nibbles(k, p))
+    def lanes(self, k: Kernel, p: Planes, signed: bool = False) -> ir.Value:
+        """The block's 32 values biased (``signed``: as they are, ``q + offset``)."""
+        return k.target.lookup16(k, self._table(signed), nibbles(k, p))
 
-    def chunks(self, k: Kernel, p: Planes, lanes: int) -> list[ir.Value]:
-        return [k.target.lookup16(k, self.biased, c) for c in nibble_chunks(k, p, lanes)]
+    def chunks(self, k: Kernel, p: Planes, lanes: int, signed: bool = False) -> list[ir.Value]:
+        table = self._table(signed)
+        return [k.target.lookup16(k, table, c) for c in nibble_chunks(k, p, lanes)]
+
+    def _table(self, signed: bool) -> list[int]:
+        return list(self.values) if signed else self.biased
 
     @property
     def bound(self) -> int:
@@ -356,7 +361,8 @@ class Unpack:
     come from (:class:`Scale`); two ``d`` values per block are one per 16 weights.
     ``chunks`` decodes a row group's block for the ``auto`` kernels (see ``nibble_chunks``)
     and ``bound`` is the largest ``q`` it yields (whether a backend's unsigned byte dot is
-    exact for it, how many int16 products may be summed).
+    exact for it, how many int16 products may be summed). A ``table`` format's decoders
+    also give the values signed (``q + offset``: no offset to add, no bias to flip).
     """
 
     name: str
@@ -372,6 +378,7 @@ class Unpack:
     side: tuple[tuple[str, int], ...] = ()
     chunks: Callable[[Kernel, Planes, int], list[ir.Value]] | None = None
     bound: int = 0
+    table: Table | None = None  # the 16 values its nibbles select (``lanes``, ``chunks``)
 
     @property
     def has_min(self) -> bool:
@@ -494,15 +501,15 @@ UNPACKS: dict[int, Unpack] = {
     ),
     _T.IQ4_NL: _row(
         _T.IQ4_NL, (("d", 2), ("qs", 16)), None, IQ4NL_TABLE.lanes, "u8", -128, _HALF_D,
-        chunks=IQ4NL_TABLE.chunks, bound=IQ4NL_TABLE.bound,
+        chunks=IQ4NL_TABLE.chunks, bound=IQ4NL_TABLE.bound, table=IQ4NL_TABLE,
     ),
     _T.IQ4_XS: _row(
         _T.IQ4_XS, (("sc", 1), ("qs", 16)), _repack_iq4_xs, IQ4NL_TABLE.lanes, "u8", -128,
         Scale("sc", "s8", side="d"), side=(("d", 2),), chunks=IQ4NL_TABLE.chunks,
-        bound=IQ4NL_TABLE.bound,
+        bound=IQ4NL_TABLE.bound, table=IQ4NL_TABLE,
     ),
     _T.MXFP4: _row(
         _T.MXFP4, (("d", 1), ("qs", 16)), None, MXFP4_TABLE.lanes, "u8", -16,
-        Scale("d", "e8m0"), chunks=MXFP4_TABLE.chunks, bound=MXFP4_TABLE.bound,
+        Scale("d", "e8m0"), chunks=MXFP4_TABLE.chunks, bound=MXFP4_TABLE.bound, table=MXFP4_TABLE,
     ),
 }  # fmt: skip

@@ -266,7 +266,10 @@ def _integer_floats(k: Kernel, u: Unpack, p: dict[str, ir.Value]) -> ir.Value:
     """A block's ``q + offset`` as ``<32 x float>`` straight from the planes: nibbles and
     bytes widen from memory 8 at a time (``vpmovzxbd`` / ``vpmovsxbd`` loads), which
     costs about half the shuffles of converting the ``<32 x i8>`` of ``u.lanes``; Q6_K's
-    six bits the same way (its GEMV 1.09x ``u.lanes``)."""
+    six bits the same way (its GEMV 1.09x ``u.lanes``); a table format's values looked up
+    signed, no offset to add."""
+    if u.table is not None:
+        return k.convert(u.table.lanes(k, p, signed=True), F32)
     if u.lanes not in (nibbles, six_bits, byte_lanes):
         return _integers(k, u, u.lanes(k, p))
 
@@ -673,6 +676,8 @@ def _auto(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
         return starts, inside, records
 
     def weight_chunks(p: dict[str, ir.Value]) -> list[ir.Value]:
+        if not unsigned and u.table is not None:  # the table's values signed, as looked up
+            return u.table.chunks(k, p, lanes, signed=True)
         chunks = u.chunks(k, p, lanes)
         if not unsigned:  # q - offset back to q + offset = q ^ 0x80, as signed bytes
             chunks = [k.b.xor(c, const(c.type, -128)) for c in chunks]
