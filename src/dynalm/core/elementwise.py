@@ -226,6 +226,23 @@ def bias(
     return _bind("bias", backend, {"width": width}, rows, (out, x, b), block)
 
 
+def combine(
+    out: np.ndarray,
+    y: np.ndarray,
+    route: np.ndarray,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """A mixture's ``moe_combine``: ``out [T, N]`` = the slots of ``y [T, top_k * N]``
+    weighted by ``route [T, 2 top_k]``'s weights, added in slot order."""
+    n_rows, width = check("out", out, np.float32, (None, None)).shape
+    top_k = check("route", route, np.float32, (n_rows, None)).shape[1] // 2
+    require(top_k > 0 and route.shape[1] == 2 * top_k, f"route of {route.shape[1]} columns")
+    check("y", y, np.float32, (n_rows, top_k * width))
+    return _bind("combine", backend, {"width": width, "top_k": top_k}, n_rows, (out, y, route), block)
+
+
 def columns(
     out: np.ndarray,
     x: np.ndarray,

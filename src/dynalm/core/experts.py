@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dynalm.core.cpu_ops import route_ids
-from dynalm.core.grouped_matmul import GroupedMatmul
+from dynalm.core.grouped_matmul import BoundGemv, GroupedMatmul
 from dynalm.core.matmul import ActivationScratch, QuantMatmul
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
@@ -27,10 +27,15 @@ MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, 
 class ExpertScratch:
     """A call's (token, slot) rows gathered in expert order and their products: one buffer
     per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
-    per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto)."""
+    per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto).
+    ``grouped`` counts the experts' grouped matmuls made so far; ``waiting_since``: its
+    count when a step was compiled without one (its experts run from Python; compiled
+    again once more are made), else None."""
 
     def __init__(self) -> None:
         self.quantised = ActivationScratch()
+        self.grouped = 0
+        self.waiting_since: int | None = None
         self._buffer = np.empty(0, np.float32)
         self._views: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -91,7 +96,32 @@ class Experts:
                 self._weights[e] = mm.weights.__array_interface__["data"][0]
                 if self._grouped is None:
                     self._grouped = GroupedMatmul(mm, self.shape[0], self._scratch.quantised)
+                    self._scratch.grouped += 1
         return mm
+
+    def bind_one_token(self, x: np.ndarray, out: np.ndarray) -> BoundGemv | None:
+        """A one-token step's call (``x`` [1, K] or [1, top_k * K], ``out`` [1, top_k * N])
+        as a job bound for a compiled step, its experts named per step by ``select``; None
+        before the first JIT expert (then the step runs ``__call__``)."""
+        if self._grouped is None:
+            self._scratch.waiting_since = self._scratch.grouped
+            return None
+        _, n, k_in = self.shape
+        top_k = out.shape[1] // n
+        x_rows = x.reshape(-1, k_in)
+        x_first = np.arange(top_k) if len(x_rows) == top_k else np.zeros(top_k, np.int64)
+        return self._grouped.bind_gemv(x_rows, x_first, out.reshape(-1, n), np.arange(top_k))
+
+    def select(self, route: np.ndarray, bound: BoundGemv) -> None:
+        """A one-token ``route``'s experts into ``bound`` (``bind_one_token``), those never
+        used before prepared: slot j's group is expert ``route[0, j]``'s matmul."""
+        ids = route_ids(route, self.shape[0]).ravel()
+        if not self._ready[ids].all():
+            for e in ids[~self._ready[ids]].tolist():
+                self.matmul(e)
+        bound.weights[:] = self._weights[ids]
+        self.bytes_read += len(ids) * self.expert_bytes
+        self.calls += 1
 
     def __call__(
         self, x: np.ndarray, route: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None

@@ -31,6 +31,24 @@ def _at(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+class _Blocks:
+    """One job's argument blocks: group g's first tile's block is ``args`` row g, a ragged
+    cover's second tile's row n + g; the ragged covers' ``pair`` blocks; the grouped
+    program's ``table``; the quantiser's block (auto)."""
+
+    def __init__(self, n_rows: int, stride: int, n_groups: int, nb: int) -> None:
+        self.n = n_groups
+        self.args = np.zeros((2 * n_groups, N_ARGS), np.int64)
+        self.pairs = np.zeros((n_groups, 4), np.int64)
+        self.table = np.zeros(2 + 2 * n_groups, np.int64)
+        self.table[:2] = n_rows, stride
+        self.qargs = np.zeros(N_ARGS, np.int64)
+        self.qargs[A_NB] = nb
+        self.table_at, self.qargs_at = _at(self.table), _at(self.qargs)
+        self.arg_at = np.arange(2 * n_groups) * (N_ARGS * _WORD) + _at(self.args)
+        self.pair_at = np.arange(n_groups) * (4 * _WORD) + _at(self.pairs)
+
+
 class GroupedMatmul:
     """Up to ``n_groups`` matmuls shaped like ``like`` (same format, shape, mode, backend
     and threads; their weights given per call by address) as one job; ``auto`` quantises
@@ -44,7 +62,7 @@ class GroupedMatmul:
         self._weight_bytes = like.weights.nbytes
         whole = self._kernels.row_multiple
         self._stride = -(-self.n_rows // whole) * whole  # each group's virtual rows
-        nb = self.n_cols // 32
+        self._nb = nb = self.n_cols // 32
         # the activation slots: fp32 rows, or their int8 quantisation's (quants, block
         # scales, block sums, key sums)
         self._slots = list(_X_SLOTS[: 1 if self.mode == "exact" else 4])
@@ -55,21 +73,11 @@ class GroupedMatmul:
         self._per_x[self._slots] = row_bytes + [4 * nb * KEY_SUMS] * (self.mode == "auto")
         self._per_y[A_Y] = 4 * self.n_rows
         self._base[A_NB], self._base[A_LDY] = nb, self.n_rows
-        # group g's first tile's block is row g, a ragged cover's second tile row n + g
-        self._args = np.zeros((2 * n_groups, N_ARGS), np.int64)
-        self._pairs = np.zeros((n_groups, 4), np.int64)  # a ragged cover's pair blocks
-        self._table = np.zeros(2 + 2 * n_groups, np.int64)  # the grouped program's block
-        self._table[:2] = self.n_rows, self._stride
-        self._table_at = _at(self._table)
-        self._qargs = np.zeros(N_ARGS, np.int64)  # the quantiser's
-        self._qargs[A_NB] = nb
-        self._qargs_at = _at(self._qargs)
+        self._blocks = _Blocks(self.n_rows, self._stride, n_groups, nb)
         # x's quantisation, its activation slots' addresses per row count (valid while
         # the scratch's buffer stays where it was: generation)
         self._quantised, self._bases, self._generation = quantised, {}, quantised.generation
         self._n = n_groups
-        self._arg_at = np.arange(2 * n_groups) * (N_ARGS * _WORD) + _at(self._args)
-        self._pair_at = np.arange(n_groups) * (4 * _WORD) + _at(self._pairs)
         # per row count: the cover's first tile (address, rows) and second (address,
         # first row, rows; address 0: none), grown as larger groups come
         self._cover = np.zeros((0, 5), np.int64)
@@ -86,9 +94,9 @@ class GroupedMatmul:
             self._cover = np.array([*self._cover.tolist(), *grown], np.int64)
         return self._cover
 
-    def _x_bases(self, x: np.ndarray, threads: int, calls: list) -> np.ndarray | int:
+    def _x_bases(self, x: np.ndarray) -> np.ndarray | int:
         """Where the tiles read x's rows from, per activation slot: x itself in exact; in
-        auto its quantisation (the quantiser's call appended to ``calls``)."""
+        auto its quantisation in the shared scratch."""
         if self.mode == "exact":
             return _at(x)
         rows, scratch = len(x), self._quantised
@@ -99,11 +107,56 @@ class GroupedMatmul:
                 self._bases.clear()
                 self._generation = scratch.generation
             bases = self._bases[rows] = np.array([_at(v) for v in views], np.int64)
-        q = self._qargs
-        q[self._slots], q[A_Y], q[A_T] = bases, _at(x), rows
-        chunk = -(-rows // threads)
-        calls.append(kind_of(threads, self._kernels.quantize, self._qargs_at, rows, chunk))
         return bases
+
+    def _plan(
+        self,
+        blocks: _Blocks,
+        weights: np.ndarray | int,
+        n: int,
+        x: np.ndarray,
+        x_bases: np.ndarray | int,
+        x_first: np.ndarray,
+        counts: np.ndarray | None,
+        y: np.ndarray,
+        y_first: np.ndarray,
+    ) -> list[tuple[int, int, int, int, int]]:
+        """Fill ``blocks`` for ``n`` groups of ``weights``; the job's calls (kind, kernel index, args, total,
+        chunk): auto's quantiser of ``x`` into ``x_bases``, then the grouped program."""
+        for a, width in ((x, self.n_cols), (y, self.n_rows)):
+            if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
+                raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")
+        if n > self._n:
+            raise ValueError(f"{n} groups, made for at most {self._n}")
+        threads = self.threads if QuantMatmul.parallel(n * self._weight_bytes) else 1
+        calls: list[tuple[int, int, int, int, int]] = []
+        if self.mode == "auto":
+            q, rows = blocks.qargs, len(x)
+            q[self._slots], q[A_Y], q[A_T] = x_bases, _at(x), rows
+            chunk = -(-rows // threads)
+            calls.append(kind_of(threads, self._kernels.quantize, blocks.qargs_at, rows, chunk))
+        args, table = blocks.args[:n], blocks.table[2 : 2 + 2 * n].reshape(n, 2)
+        base = self._base
+        base[self._slots], base[A_Y] = x_bases, _at(y)
+        np.multiply.outer(x_first, self._per_x, out=args)
+        args += np.multiply.outer(y_first, self._per_y)
+        args += base
+        args[:, A_W] = weights
+        table[:, 1] = blocks.arg_at[:n]
+        if counts is None:  # the GEMV each
+            args[:, A_T] = 1
+            table[:, 0] = self._covers(1)[1, 0]
+        else:
+            cover = self._covers(int(counts.max()))[counts]
+            args[:, A_T] = cover[:, 1]
+            table[:, 0] = cover[:, 0]
+            ragged = np.flatnonzero(cover[:, 2])
+            if len(ragged):  # the second tile from its first row on; both as one pair
+                self._pair(blocks, ragged, cover[ragged])
+        total = n * self._stride
+        chunk = grab_chunk(self._kernels, total, threads)
+        calls.append(kind_of(threads, self._kernels.grouped, blocks.table_at, total, chunk))
+        return calls
 
     def __call__(
         self,
@@ -118,48 +171,50 @@ class GroupedMatmul:
         (``counts`` None: one row each); ``weights``: the groups' repacked weights'
         addresses (``QuantMatmul.weights``), ``x`` C-contiguous float32 [R, K] (every row
         some group's), ``y`` [., N]."""
-        n = len(weights)
-        for a, width in ((x, self.n_cols), (y, self.n_rows)):
-            if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
-                raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")
-        if n > self._n:
-            raise ValueError(f"{n} groups, made for at most {self._n}")
-        threads = self.threads if QuantMatmul.parallel(n * self._weight_bytes) else 1
-        calls: list[tuple[int, int, int, int, int]] = []
-        args, table = self._args[:n], self._table[2 : 2 + 2 * n].reshape(n, 2)
-        base = self._base
-        base[self._slots], base[A_Y] = self._x_bases(x, threads, calls), _at(y)
-        np.multiply.outer(x_first, self._per_x, out=args)
-        args += np.multiply.outer(y_first, self._per_y)
-        args += base
-        args[:, A_W] = weights
-        table[:, 1] = self._arg_at[:n]
-        if counts is None:  # the GEMV each
-            args[:, A_T] = 1
-            table[:, 0] = self._covers(1)[1, 0]
-        else:
-            cover = self._covers(int(counts.max()))[counts]
-            args[:, A_T] = cover[:, 1]
-            table[:, 0] = cover[:, 0]
-            ragged = np.flatnonzero(cover[:, 2])
-            if len(ragged):  # the second tile from its first row on; both as one pair
-                self._pair(ragged, cover[ragged])
-        total = n * self._stride
-        chunk = grab_chunk(self._kernels, total, threads)
-        calls.append(kind_of(threads, self._kernels.grouped, self._table_at, total, chunk))
-        run_calls(self._kernels, threads, calls)
+        n, blocks = len(weights), self._blocks
+        calls = self._plan(blocks, weights, n, x, self._x_bases(x), x_first, counts, y, y_first)
+        run_calls(self._kernels, self.threads, calls)
 
-    def _pair(self, ragged: np.ndarray, cover: np.ndarray) -> None:
+    def bind_gemv(
+        self, x: np.ndarray, x_first: np.ndarray, y: np.ndarray, y_first: np.ndarray
+    ) -> BoundGemv:
+        """One row each from ``x``'s rows ``x_first`` into ``y``'s rows ``y_first``, bound
+        once for a compiled step (blocks and, in auto, a quantisation of its own: nothing
+        another call rewrites or moves); its weights set per step."""
+        own = ActivationScratch()
+        bases = (
+            _at(x)
+            if self.mode == "exact"
+            else np.array([_at(v) for v in own.views(len(x), self.n_cols)], np.int64)
+        )
+        blocks = _Blocks(self.n_rows, self._stride, len(x_first), self._nb)
+        calls = self._plan(blocks, 0, len(x_first), x, bases, x_first, None, y, y_first)
+        address = self._kernels.address
+        records = [(kind, address(k), *rest) for kind, k, *rest in calls]
+        return BoundGemv(blocks, records, own)
+
+    def _pair(self, blocks: _Blocks, ragged: np.ndarray, cover: np.ndarray) -> None:
         """Groups ``ragged`` run two tiles (their ``cover`` rows): the second's block from
         the first's, both as one ``pair`` call (``MatmulKernels.cover``)."""
-        at, second = cover[:, 3], self._args[self._n + ragged]
-        second[:] = self._args[ragged]
+        at, second = cover[:, 3], blocks.args[blocks.n + ragged]
+        second[:] = blocks.args[ragged]
         second += np.multiply.outer(at, self._per_x + self._per_y)
         second[:, A_T] = cover[:, 4]
-        self._args[self._n + ragged] = second
-        self._pairs[ragged] = np.stack(
-            [cover[:, 0], self._arg_at[ragged], cover[:, 2], self._arg_at[self._n + ragged]], 1
+        blocks.args[blocks.n + ragged] = second
+        blocks.pairs[ragged] = np.stack(
+            [cover[:, 0], blocks.arg_at[ragged], cover[:, 2], blocks.arg_at[blocks.n + ragged]], 1
         )
-        table = self._table[2:].reshape(-1, 2)
+        table = blocks.table[2:].reshape(-1, 2)
         pair = self._kernels.address(self._kernels.pair)
-        table[ragged] = np.stack([np.full_like(at, pair), self._pair_at[ragged]], 1)
+        table[ragged] = np.stack([np.full_like(at, pair), blocks.pair_at[ragged]], 1)
+
+
+class BoundGemv:
+    """A ``GroupedMatmul``'s one-row-each job bound to fixed rows (``bind_gemv``): its
+    ``records`` (``pool.Program``'s) run whatever experts ``weights`` names, set per step."""
+
+    def __init__(
+        self, blocks: _Blocks, records: list[tuple[int, int, int, int, int]], own: object
+    ) -> None:
+        self.weights = blocks.args[: blocks.n, A_W]  # a view: the blocks the records read
+        self.records, self._blocks, self._own = records, blocks, own  # (kept alive)

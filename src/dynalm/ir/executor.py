@@ -310,6 +310,9 @@ class Executor:
                 ins[name][:n_tokens] = values
         self._kv = batch.kv
         self.binder.begin_step(batch, ins["positions"])
+        if self.binder.stale():
+            self._compiled.clear()
+            self._shape = None
         if self._shape != (n_tokens, n_logits):
             self._resize(n_tokens, n_logits)
         elif batch.kv is not self._compiled_kv:  # programs hold the KV pages' addresses

@@ -30,7 +30,7 @@ from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
 ARRAYS = {
     "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3, "rows": 3,
     "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
-    "encoder_attention": 5,
+    "encoder_attention": 5, "combine": 3,
 }  # fmt: skip  # addresses after the count
 # pooling modes, numbered as llama.cpp's ``{arch}.pooling_type`` (0 none, 4 rank: not here)
 POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
@@ -142,6 +142,33 @@ def _build_bias(module: Module, width: int) -> None:
             _put(k, k.add(_floats(k, x, at, w), _floats(k, bias, i, w)), out, at)
 
         k.lanes(k.i64(0), k.i64(width), k.target.lanes, add)
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _build_combine(module: Module, width: int, top_k: int) -> None:
+    """A mixture's weighted sum per row: ``out = sum_j route[k + j] * y[j*width ..]``
+    (``route`` a row of ``2 top_k``: ids, then weights; ``y`` a row of ``top_k * width``),
+    each product rounded, then added in slot order (``cpu_ops.moe_combine``)."""
+    k, rows, (out, y, route) = _kernel(module, "combine")
+
+    def row(r: ir.Value) -> None:
+        ys, weights = k.mul(r, top_k * width), k.add(k.mul(r, 2 * top_k), top_k)
+        scalars = [k.load(F32, k.index(route, k.add(weights, j), F32), 0, 4) for j in range(top_k)]
+        at = k.mul(r, width)
+
+        def column(i: ir.Value, w: int) -> None:
+            def term(j: int) -> ir.Value:
+                at_j = k.add(k.add(ys, i), j * width)
+                return k.mul(_floats(k, y, at_j, w), k.splat(scalars[j], w))
+
+            acc = term(0)
+            for j in range(1, top_k):
+                acc = k.add(acc, term(j))
+            _put(k, acc, out, k.add(at, i))
+
+        k.lanes(k.i64(0), k.i64(width), k.target.lanes, column)
 
     k.loop(0, rows, 1, row)
     k.ret()
@@ -665,6 +692,7 @@ PROGRAMS = {
     "act": Program("ew_act", _build_act),
     "gated": Program("ew_gated", _build_gated),
     "bias": Program("ew_bias", _build_bias),
+    "combine": Program("ew_combine", _build_combine),
     "columns": Program("ew_columns", _build_columns),
     "rows": Program("ew_rows", _build_rows),
     "rms_norm": Program("ew_rms_norm", _build_rms_norm),

@@ -125,6 +125,11 @@ class Binder(ABC):
             return True
         return False
 
+    def stale(self) -> bool:
+        """Whether the compiled steps must be compiled again (their calls would now run
+        differently); checked before each step."""
+        return False
+
     @abstractmethod
     def begin_step(self, batch: AttentionBatch, positions: np.ndarray) -> None:
         """A step over ``batch`` starts (the attention layout)."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from dynalm.core import attention, cpu_ops, elementwise, pool
 from dynalm.core.experts import Experts, ExpertScratch, MatmulFn
+from dynalm.core.grouped_matmul import BoundGemv
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
@@ -75,6 +76,65 @@ class _Kernels:
         return [r for kernel in self._kernels for r in kernel.records()]
 
 
+class _Route:
+    """``moe_route`` (numpy: a few top-k choices per token), then each expert matmul that
+    reads the route names its experts for a compiled one-token step (``_ExpertMatmul``)."""
+
+    def __init__(self, route: Call) -> None:
+        self._route, self.readers = route, []
+
+    def __call__(self) -> None:
+        self._route()
+        for reader in self.readers:
+            reader.select()
+
+
+class _ExpertMatmul:
+    """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
+    one-token step, a job bound once (``Experts.bind_one_token``: native records in a
+    compiled step) whose experts its route names before it (``select``)."""
+
+    def __init__(
+        self,
+        experts: Experts,
+        views: list[np.ndarray],
+        x: int,
+        route: int,
+        o: int,
+        bias: np.ndarray | None,
+        threads: int,
+    ) -> None:
+        self._experts, self._views, self._bias, self._threads = experts, views, bias, threads
+        self._x, self._route, self._o = x, route, o
+        self._bound: BoundGemv | None = None
+        self._program: pool.Program | None = None
+        self._selected = False  # this step's experts are named in the bound job
+
+    def select(self) -> None:
+        route = self._views[self._route]
+        self._selected = self._bound is not None and len(route) == 1
+        if self._selected:
+            self._experts.select(route, self._bound)
+
+    def __call__(self) -> None:
+        v = self._views
+        if not self._selected:
+            self._experts(v[self._x], v[self._route], v[self._o], self._bias)
+            return
+        if self._program is None:  # (a step run call by call: profiled, or not compiled)
+            self._program = pool.Program(self._bound.records, self._threads)
+        self._program()
+
+    def records(self) -> list[tuple[int, int, int, int, int]] | None:
+        """A one-token step's native calls (None: run from Python)."""
+        v = self._views
+        if self._bias is not None or len(v[self._x]) != 1:
+            return None
+        if self._bound is None:
+            self._bound = self._experts.bind_one_token(v[self._x], v[self._o])
+        return None if self._bound is None else self._bound.records
+
+
 class CpuBinder(Binder):
     """One graph's ops bound on a ``CpuDevice`` (see the module docstring)."""
 
@@ -88,6 +148,7 @@ class CpuBinder(Binder):
         self._expert_rows = ExpertScratch()  # and the experts' gathered rows
         self._batch: AttentionBatch | None = None
         self._layout = attention.StepLayout()  # what the native attention kernels read
+        self._routes: dict[int, _Route] = {}  # moe_route's calls by their value's id
 
     # -- binding -------------------------------------------------------------------
     def reserve(self, rows: int, widest: int) -> None:
@@ -271,19 +332,27 @@ class CpuBinder(Binder):
         v, args, o, *_ = self._operands(node)
         a = node.attrs
         attrs = (a["top_k"], a["gating"], a["normalize"], a["scale"])
-        return lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
+        route = self._routes[node.out.id] = _Route(
+            lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
+        )
+        return route
 
     def _expert_matmul(self, node: Node) -> Call:
         v, (x, route), o, *_, w = self._operands(node)
         experts = self.prepare(w[0], "experts")
         bias = self.prepare(w[1], "vector") if len(w) > 1 else None
         if self._native:  # grouped by expert, each expert's JIT matmul over its rows
-            return lambda: experts(v[x], v[route], v[o], bias)
+            call = _ExpertMatmul(experts, v, x, route, o, bias, self.device.threads)
+            if node.args[1].id in self._routes:
+                self._routes[node.args[1].id].readers.append(call)
+            return call
         shape = experts.shape
         return lambda: cpu_ops.expert_matmul(v[o], v[x], v[route], experts.matmul, shape, bias)
 
     def _moe_combine(self, node: Node) -> Call:
-        v, (y, route), o, *_ = self._operands(node)
+        v, (y, route), o, out, ins, rows, _ = self._operands(node)
+        if self._native:
+            return self._kernel(elementwise.combine, out, *ins, rows=rows)
         return lambda: cpu_ops.moe_combine(v[o], v[y], v[route])
 
     # -- the encoder's ops (bert.lum) -----------------------------------------------
@@ -370,6 +439,15 @@ class CpuBinder(Binder):
         if self._native:
             self._layout.set(batch, positions)
 
+    def stale(self) -> bool:
+        """Whether compiled steps would now run differently: an expert matmul that ran
+        from Python for want of a grouped matmul has one now."""
+        rows = self._expert_rows
+        if rows.waiting_since is not None and rows.grouped > rows.waiting_since:
+            rows.waiting_since = None
+            return True
+        return False
+
     def resize(self, n_tokens: int, n_logits: int) -> None:
         counts = np.where(self._on_tokens, n_tokens, n_logits) * self._per_row
         self._blocks[: len(counts), 0] = counts
@@ -391,8 +469,9 @@ class CpuBinder(Binder):
         run: list[tuple[int, int, int, int, int]] = []
         for call in [*calls, None]:
             records = getattr(call, "records", None)
+            records = records() if records is not None else None
             if records is not None:
-                run += records()
+                run += records
                 continue
             if run:
                 steps.append(pool.Program(run, self.device.threads))
