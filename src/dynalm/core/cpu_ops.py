@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dynalm.kernel.elementwise_programs import MIN_WEIGHT_SUM
+
 if TYPE_CHECKING:
     from dynalm.core.kv_storage import AttentionBatch
 
@@ -302,9 +304,6 @@ def attention(
 
 
 # --- mixture of experts --------------------------------------------------------------------
-
-# The least sum the chosen weights are normalised by (llama.cpp's clamp: f16's smallest normal)
-MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 def moe_route(

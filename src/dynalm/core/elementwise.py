@@ -243,6 +243,53 @@ def combine(
     return _bind("combine", backend, {"width": width, "top_k": top_k}, n_rows, (out, y, route), block)
 
 
+def moe_route(
+    out: np.ndarray,
+    logits: np.ndarray,
+    top_k: int,
+    gating: int,
+    normalize: bool,
+    scale: float,
+    block: np.ndarray | None = None,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """A mixture's router: ``out [T, 2 top_k]`` = each row of ``logits [T, E]``'s chosen
+    experts, then their weights (``cpu_ops.moe_route``, the reference: the same choices
+    and weights within the exponential's rounding)."""
+    n_rows, n_experts = check("logits", logits, np.float32, (None, None)).shape
+    check("out", out, np.float32, (n_rows, 2 * top_k))
+    require(0 < top_k <= n_experts and gating in (1, 2), f"top {top_k} of {n_experts}, gating {gating}")
+    params = {
+        "n_experts": n_experts,
+        "top_k": top_k,
+        "gating": gating,
+        "normalize": bool(normalize),
+        "scale": float(np.float32(scale)),
+    }
+    return _bind("moe_route", backend, params, n_rows, (out, logits), block)
+
+
+def select_experts(
+    weights: np.ndarray,
+    route: np.ndarray,
+    table: np.ndarray,
+    counter: np.ndarray,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """A one-token ``route [1, 2 top_k]``'s experts' weights into ``weights`` (an int64
+    column, one row a slot: a grouped matmul's argument blocks) from ``table`` (int64 [E]:
+    each expert's weights' address), ``counter`` (int64 [2]) += (top_k, 1)."""
+    top_k = check("route", route, np.float32, (None, None)).shape[1] // 2
+    column = weights.dtype == np.int64 and weights.shape == (top_k,) and weights.strides[0] >= 8
+    require(column, f"weights: an int64 column of {top_k}, got {weights.dtype} {weights.shape}")
+    check("table", table, np.int64, (None,))
+    check("counter", counter, np.int64, (2,))
+    params = {"n_experts": len(table), "stride": weights.strides[0] // 8}
+    return _bind("select_experts", backend, params, top_k, (weights, route, table, counter), None)
+
+
 def columns(
     out: np.ndarray,
     x: np.ndarray,

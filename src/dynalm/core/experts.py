@@ -17,9 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dynalm.core import elementwise
 from dynalm.core.cpu_ops import route_ids
 from dynalm.core.grouped_matmul import BoundGemv, GroupedMatmul
 from dynalm.core.matmul import ActivationScratch, QuantMatmul
+from dynalm.kernel import backends
 
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
 
@@ -28,13 +30,15 @@ class ExpertScratch:
     """A call's (token, slot) rows gathered in expert order and their products: one buffer
     per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
     per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto).
-    ``grouped`` counts the experts' grouped matmuls made so far; ``waiting_since``: its
-    count when a step was compiled without one (its experts run from Python; compiled
-    again once more are made), else None."""
+
+    ``changes`` counts what changes how a compiled one-token step runs an executor's
+    experts (a grouped matmul made; every expert of a stack prepared); ``waiting_since``
+    its count when a step was compiled before such a change (else None): the executor
+    compiles its steps again once ``changes`` has moved on (``CpuBinder.stale``)."""
 
     def __init__(self) -> None:
         self.quantised = ActivationScratch()
-        self.grouped = 0
+        self.changes = 0
         self.waiting_since: int | None = None
         self._buffer = np.empty(0, np.float32)
         self._views: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -62,7 +66,12 @@ class Experts:
 
     ``bytes_read`` adds, per call, the prepared bytes of the experts it selected
     (``expert_bytes`` each): what a step reads of the weights, against ``E * expert_bytes``
-    for the dense equivalent; ``calls`` counts the calls."""
+    for the dense equivalent; ``calls`` counts the calls (both counted in ``_read``, which
+    the native ``select_experts`` kernel adds to as well).
+
+    A one-token step's call can run as native records (``bind_one_token``): its experts
+    named from Python by ``select`` while some are not prepared yet, then (every expert
+    prepared) by the native kernel ``select_kernel`` binds."""
 
     def __init__(
         self,
@@ -78,8 +87,27 @@ class Experts:
         self._ready = np.zeros(shape[0], bool)
         self._weights = np.zeros(shape[0], np.int64)  # JIT experts' weights' addresses
         self._grouped: GroupedMatmul | None = None  # made with the first JIT expert
+        self._all_ready = False
         self._scratch = scratch
-        self.bytes_read = self.calls = 0
+        self._read = np.zeros(2, np.int64)  # experts read, calls
+
+    @property
+    def bytes_read(self) -> int:
+        return int(self._read[0]) * self.expert_bytes
+
+    @property
+    def calls(self) -> int:
+        return int(self._read[1])
+
+    def one_token_native(self) -> bool | None:
+        """How a one-token step compiled now can run: None from Python (no JIT expert
+        prepared yet), False as native records with its experts named from Python
+        (``select``), True entirely native (``select_kernel``); short of True, the step
+        waits for a change (``ExpertScratch``)."""
+        ready = None if self._grouped is None else self._all_ready
+        if not ready and self._scratch.waiting_since is None:
+            self._scratch.waiting_since = self._scratch.changes
+        return ready
 
     @property
     def prepared(self) -> list[int]:
@@ -96,7 +124,10 @@ class Experts:
                 self._weights[e] = mm.weights.__array_interface__["data"][0]
                 if self._grouped is None:
                     self._grouped = GroupedMatmul(mm, self.shape[0], self._scratch.quantised)
-                    self._scratch.grouped += 1
+                    self._scratch.changes += 1
+                if self._ready.all():
+                    self._all_ready = True
+                    self._scratch.changes += 1
         return mm
 
     def bind_one_token(self, x: np.ndarray, out: np.ndarray) -> BoundGemv | None:
@@ -104,7 +135,6 @@ class Experts:
         as a job bound for a compiled step, its experts named per step by ``select``; None
         before the first JIT expert (then the step runs ``__call__``)."""
         if self._grouped is None:
-            self._scratch.waiting_since = self._scratch.grouped
             return None
         _, n, k_in = self.shape
         top_k = out.shape[1] // n
@@ -120,8 +150,15 @@ class Experts:
             for e in ids[~self._ready[ids]].tolist():
                 self.matmul(e)
         bound.weights[:] = self._weights[ids]
-        self.bytes_read += len(ids) * self.expert_bytes
-        self.calls += 1
+        self._read += (len(ids), 1)
+
+    def select_kernel(
+        self, route: np.ndarray, bound: BoundGemv, backend: backends.Backend
+    ) -> elementwise.BoundKernel:
+        """``select`` as a native kernel, once every expert is prepared (their weights'
+        addresses all known)."""
+        assert self._all_ready, "the native selection reads every expert's weights"
+        return elementwise.select_experts(bound.weights, route, self._weights, self._read, backend=backend)
 
     def __call__(
         self, x: np.ndarray, route: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None
@@ -149,8 +186,7 @@ class Experts:
             self._by_groups(x_rows, source, by_expert, starts, out_rows, pairs)
         if bias is not None:
             out_rows[pairs] += bias[by_expert]
-        self.bytes_read += len(starts) * self.expert_bytes
-        self.calls += 1
+        self._read += (len(starts), 1)
 
     def _by_groups(
         self,

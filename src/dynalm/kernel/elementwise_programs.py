@@ -25,12 +25,12 @@ from collections.abc import Callable
 import llvmlite.ir as ir
 
 from dynalm.kernel.backends import Program
-from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, const, vec
+from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, Var, const, vec
 
 ARRAYS = {
     "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3, "rows": 3,
     "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
-    "encoder_attention": 5, "combine": 3,
+    "encoder_attention": 5, "combine": 3, "moe_route": 2, "select_experts": 4,
 }  # fmt: skip  # addresses after the count
 # pooling modes, numbered as llama.cpp's ``{arch}.pooling_type`` (0 none, 4 rank: not here)
 POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
@@ -40,6 +40,9 @@ POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
 # model's outputs do not depend on the host's vector width. The rest is lane-wise and
 # bitwise the same at any width.
 SUM_LANES = 8
+# The least sum a router's chosen weights are normalised by (llama.cpp's clamp: f16's
+# smallest normal), here and in ``cpu_ops.moe_route``
+MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 def _kernel(module: Module, kind: str) -> tuple[Kernel, ir.Value, list[ir.Value]]:
@@ -171,6 +174,89 @@ def _build_combine(module: Module, width: int, top_k: int) -> None:
         k.lanes(k.i64(0), k.i64(width), k.target.lanes, column)
 
     k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _build_moe_route(
+    module: Module, n_experts: int, top_k: int, gating: int, normalize: bool, scale: float
+) -> None:
+    """A mixture's router per row of ``n_experts`` logits (``cpu_ops.moe_route``): gated
+    (1: softmax, its sum in expert order; 2: each logit's sigmoid), the ``top_k`` most
+    probable experts picked one by one (highest first, ties to the lower id), their ids
+    (as f32) then weights (over their sum in pick order if ``normalize``, times
+    ``scale``) into a row of ``2 top_k``."""
+    k, rows, (out, logits) = _kernel(module, "moe_route")
+    probs, left = k.stack(4 * n_experts), k.stack(4 * n_experts)  # gated; not picked yet
+    minus_inf = const(F32, float("-inf"))
+
+    def at(array: ir.Value, i: ir.Value) -> ir.Value:
+        return k.load(F32, k.index(array, i, F32), 0, 4)
+
+    def put(value: ir.Value, array: ir.Value, i: ir.Value) -> None:
+        k.store(value, k.index(array, i, F32), 0, 4)
+
+    def row(r: ir.Value) -> None:
+        x, y = k.index(logits, k.mul(r, n_experts), F32), k.index(out, k.mul(r, 2 * top_k), F32)
+        if gating == 1:
+            most, total = k.var(minus_inf, F32), k.var(0.0, F32)
+            k.loop(0, n_experts, 1, lambda i: most.set(k.fmax(most.get(), at(x, i))))
+
+            def exp(i: ir.Value) -> None:
+                e = k.exp(k.sub(at(x, i), most.get()))
+                put(e, probs, i)
+                total.set(k.add(total.get(), e))
+
+            k.loop(0, n_experts, 1, exp)
+            gate = lambda i: k.b.fdiv(at(probs, i), total.get())  # noqa: E731
+        else:
+            gate = lambda i: k.b.fdiv(const(F32, 1.0), k.add(k.exp(k.mul(at(x, i), -1.0)), 1.0))  # noqa: E731
+
+        def gated(i: ir.Value) -> None:
+            p = gate(i)
+            put(p, probs, i)
+            put(p, left, i)
+
+        k.loop(0, n_experts, 1, gated)
+        weights = []
+        for j in range(top_k):
+            best, pick = k.var(minus_inf, F32), k.var(0)
+
+            def scan(i: ir.Value, best: Var = best, pick: Var = pick) -> None:
+                v = at(left, i)
+                better = k.b.fcmp_ordered(">", v, best.get())
+                best.set(k.select(better, v, best.get()))
+                pick.set(k.select(better, i, pick.get()))
+
+            k.loop(0, n_experts, 1, scan)
+            put(minus_inf, left, pick.get())
+            put(k.convert(pick.get(), F32), y, k.i64(j))
+            weights.append(at(probs, pick.get()))
+        if normalize:
+            total = k.fmax(k.total(weights), MIN_WEIGHT_SUM)
+            weights = [k.b.fdiv(w, total) for w in weights]
+        for j, w in enumerate(weights):
+            put(k.mul(w, scale), y, k.i64(top_k + j))
+
+    k.loop(0, rows, 1, row)
+    k.ret()
+
+
+def _build_select_experts(module: Module, n_experts: int, stride: int) -> None:
+    """A one-token route's experts into a grouped matmul's argument blocks:
+    ``weights[j * stride] = table[route[j]]`` for each of the ``count`` slots (an id
+    clamped to the experts), then ``counter += (count, 1)`` (experts read, calls)."""
+    k, count, (weights, route, table, counter) = _kernel(module, "select_experts")
+
+    def slot(j: ir.Value) -> None:
+        e = k.convert(k.load(F32, k.index(route, j, F32), 0, 4), I64)
+        e = k.smin(k.smax(e, 0), n_experts - 1)
+        address = k.load(I64, k.index(table, e, I64), 0, 8)
+        k.store(address, k.index(weights, k.mul(j, stride), I64), 0, 8)
+
+    k.loop(0, count, 1, slot)
+    for i, step in enumerate((count, k.i64(1))):
+        word = k.index(counter, i, I64)
+        k.store(k.add(k.load(I64, word, 0, 8), step), word, 0, 8)
     k.ret()
 
 
@@ -693,6 +779,8 @@ PROGRAMS = {
     "gated": Program("ew_gated", _build_gated),
     "bias": Program("ew_bias", _build_bias),
     "combine": Program("ew_combine", _build_combine),
+    "moe_route": Program("ew_moe_route", _build_moe_route),
+    "select_experts": Program("ew_select_experts", _build_select_experts),
     "columns": Program("ew_columns", _build_columns),
     "rows": Program("ew_rows", _build_rows),
     "rms_norm": Program("ew_rms_norm", _build_rms_norm),

@@ -77,38 +77,56 @@ class _Kernels:
 
 
 class _Route:
-    """``moe_route`` (numpy: a few top-k choices per token), then each expert matmul that
-    reads the route names its experts for a compiled one-token step (``_ExpertMatmul``)."""
+    """``moe_route``'s native kernel; where an expert matmul reading the route names its
+    experts from Python (``_ExpertMatmul``), a Python call: the kernel, then their
+    ``select``."""
 
-    def __init__(self, route: Call) -> None:
-        self._route, self.readers = route, []
+    def __init__(self, kernel: elementwise.BoundKernel) -> None:
+        self._kernel, self.readers = kernel, []
 
     def __call__(self) -> None:
-        self._route()
+        self._kernel()
         for reader in self.readers:
             reader.select()
+
+    def pending(self) -> list[backends.Request]:
+        return self._kernel.pending()
+
+    def records(self) -> list[tuple[int, int, int, int, int]] | None:
+        if any(reader.one_token() is False for reader in self.readers):
+            return None
+        return self._kernel.records()
 
 
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
-    one-token step, a job bound once (``Experts.bind_one_token``: native records in a
-    compiled step) whose experts its route names before it (``select``)."""
+    one-token step: a job bound once (``Experts.bind_one_token``), native records in a
+    compiled step, its experts named by a native kernel once every expert is prepared,
+    before that by ``select``, which the route's Python call runs."""
 
     def __init__(
         self,
         experts: Experts,
         views: list[np.ndarray],
-        x: int,
-        route: int,
-        o: int,
+        operands: tuple[int, int, int],
         bias: np.ndarray | None,
         threads: int,
+        backend: backends.Backend,
     ) -> None:
-        self._experts, self._views, self._bias, self._threads = experts, views, bias, threads
-        self._x, self._route, self._o = x, route, o
+        self._experts, self._views, self._bias = experts, views, bias
+        self._x, self._route, self._o = operands
+        self._threads, self._backend = threads, backend
         self._bound: BoundGemv | None = None
-        self._program: pool.Program | None = None
+        self._selector: elementwise.BoundKernel | None = None  # the native selection
+        self._program: pool.Program | None = None  # the bound job, run from Python
         self._selected = False  # this step's experts are named in the bound job
+
+    def one_token(self) -> bool | None:
+        """This step as native records: None not (not one token, a bias, no JIT expert
+        yet), False with its experts named from Python, True entirely."""
+        if self._bias is not None or len(self._views[self._x]) != 1:
+            return None
+        return self._experts.one_token_native()
 
     def select(self) -> None:
         route = self._views[self._route]
@@ -127,12 +145,18 @@ class _ExpertMatmul:
 
     def records(self) -> list[tuple[int, int, int, int, int]] | None:
         """A one-token step's native calls (None: run from Python)."""
-        v = self._views
-        if self._bias is not None or len(v[self._x]) != 1:
+        native = self.one_token()
+        if native is None:
             return None
+        v = self._views
         if self._bound is None:
             self._bound = self._experts.bind_one_token(v[self._x], v[self._o])
-        return None if self._bound is None else self._bound.records
+        if not native:
+            return self._bound.records
+        if self._selector is None:
+            route = v[self._route]
+            self._selector = self._experts.select_kernel(route, self._bound, self._backend)
+        return self._selector.records() + self._bound.records
 
 
 class CpuBinder(Binder):
@@ -329,20 +353,22 @@ class CpuBinder(Binder):
 
     # -- mixture of experts: data-dependent rows, so Python calls between native programs
     def _moe_route(self, node: Node) -> Call:
-        v, args, o, *_ = self._operands(node)
+        v, args, o, out, ins, rows, _ = self._operands(node)
         a = node.attrs
         attrs = (a["top_k"], a["gating"], a["normalize"], a["scale"])
-        route = self._routes[node.out.id] = _Route(
-            lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
-        )
-        return route
+        if self._native:
+            kernel = self._kernel(elementwise.moe_route, out, ins[0], *attrs, rows=rows)
+            route = self._routes[node.out.id] = _Route(kernel)
+            return route
+        return lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
 
     def _expert_matmul(self, node: Node) -> Call:
         v, (x, route), o, *_, w = self._operands(node)
         experts = self.prepare(w[0], "experts")
         bias = self.prepare(w[1], "vector") if len(w) > 1 else None
         if self._native:  # grouped by expert, each expert's JIT matmul over its rows
-            call = _ExpertMatmul(experts, v, x, route, o, bias, self.device.threads)
+            threads, backend = self.device.threads, self._backend
+            call = _ExpertMatmul(experts, v, (x, route, o), bias, threads, backend)
             if node.args[1].id in self._routes:
                 self._routes[node.args[1].id].readers.append(call)
             return call
@@ -440,10 +466,10 @@ class CpuBinder(Binder):
             self._layout.set(batch, positions)
 
     def stale(self) -> bool:
-        """Whether compiled steps would now run differently: an expert matmul that ran
-        from Python for want of a grouped matmul has one now."""
+        """Whether compiled steps would now run differently: their experts changed since
+        (``ExpertScratch``)."""
         rows = self._expert_rows
-        if rows.waiting_since is not None and rows.grouped > rows.waiting_since:
+        if rows.waiting_since is not None and rows.changes > rows.waiting_since:
             rows.waiting_since = None
             return True
         return False
