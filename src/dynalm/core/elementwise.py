@@ -124,18 +124,25 @@ class RowsKernel(BoundKernel):
 MAX_WORDS = 1 + max(programs.ARRAYS.values())  # the largest argument block (rope's)
 
 
+def _address(a: np.ndarray | ctypes._CFuncPtr) -> int:
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return ctypes.cast(a, ctypes.c_void_p).value
+
+
 def _bind(
     kind: str,
     backend: backends.Backend | None,
     params: dict[str, object],
     count: int,
-    arrays: tuple[np.ndarray, ...],
+    arrays: tuple[np.ndarray | ctypes._CFuncPtr, ...],
     block: np.ndarray | None,
     threads: int | None = None,
 ) -> BoundKernel:
     """The kernel ``kind`` over ``count`` bound to ``arrays`` (its words written into
-    ``block``); with ``threads``, a ``RowsKernel`` whose count is split over them."""
-    words = [count, *(a.__array_interface__["data"][0] for a in arrays)]
+    ``block``; a ctypes function: its address); with ``threads``, a ``RowsKernel`` whose
+    count is split over them."""
+    words = [count, *(_address(a) for a in arrays)]
     if block is None:
         block = np.empty(len(words), np.int64)
     check("argument block", block, np.int64, (None,))
@@ -270,24 +277,31 @@ def moe_route(
     return _bind("moe_route", backend, params, n_rows, (out, logits), block)
 
 
+# ``select_experts``' miss: an expert's weights' address, that expert prepared first
+MISS = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)
+
+
 def select_experts(
     weights: np.ndarray,
     route: np.ndarray,
     table: np.ndarray,
     counter: np.ndarray,
+    miss: ctypes._CFuncPtr,
     *,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """A one-token ``route [1, 2 top_k]``'s experts' weights into ``weights`` (an int64
     column, one row a slot: a grouped matmul's argument blocks) from ``table`` (int64 [E]:
-    each expert's weights' address), ``counter`` (int64 [2]) += (top_k, 1)."""
+    each expert's weights' address, 0 where ``miss(e)`` (a ``MISS``, kept alive by the
+    caller) gives it); ``counter`` (int64 [2]) += (top_k, 1)."""
     top_k = check("route", route, np.float32, (None, None)).shape[1] // 2
     column = weights.dtype == np.int64 and weights.shape == (top_k,) and weights.strides[0] >= 8
     require(column, f"weights: an int64 column of {top_k}, got {weights.dtype} {weights.shape}")
     check("table", table, np.int64, (None,))
     check("counter", counter, np.int64, (2,))
     params = {"n_experts": len(table), "stride": weights.strides[0] // 8}
-    return _bind("select_experts", backend, params, top_k, (weights, route, table, counter), None)
+    arrays = (weights, route, table, counter, miss)
+    return _bind("select_experts", backend, params, top_k, arrays, None)
 
 
 def columns(

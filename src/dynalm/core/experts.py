@@ -31,15 +31,17 @@ class ExpertScratch:
     per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
     per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto).
 
-    ``changes`` counts what changes how a compiled one-token step runs an executor's
-    experts (a grouped matmul made; every expert of a stack prepared); ``waiting_since``
-    its count when a step was compiled before such a change (else None): the executor
-    compiles its steps again once ``changes`` has moved on (``CpuBinder.stale``)."""
+    ``grouped`` counts the grouped matmuls its experts made (a compiled one-token step runs
+    an expert matmul natively once it has one); ``waiting_since`` that count when a step
+    was compiled without one (else None): the executor compiles its steps again once more
+    are made (``CpuBinder.stale``). ``error``: what preparing an expert raised inside a
+    native step (``Experts.select_kernel``), raised when the step ends."""
 
     def __init__(self) -> None:
         self.quantised = ActivationScratch()
-        self.changes = 0
+        self.grouped = 0
         self.waiting_since: int | None = None
+        self.error: BaseException | None = None
         self._buffer = np.empty(0, np.float32)
         self._views: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -69,9 +71,9 @@ class Experts:
     for the dense equivalent; ``calls`` counts the calls (both counted in ``_read``, which
     the native ``select_experts`` kernel adds to as well).
 
-    A one-token step's call can run as native records (``bind_one_token``): its experts
-    named from Python by ``select`` while some are not prepared yet, then (every expert
-    prepared) by the native kernel ``select_kernel`` binds."""
+    A one-token step's call can run as native records: a job bound once
+    (``bind_one_token``) whose experts a native kernel names (``select_kernel``), calling
+    back into Python to prepare one not used before."""
 
     def __init__(
         self,
@@ -87,7 +89,8 @@ class Experts:
         self._ready = np.zeros(shape[0], bool)
         self._weights = np.zeros(shape[0], np.int64)  # JIT experts' weights' addresses
         self._grouped: GroupedMatmul | None = None  # made with the first JIT expert
-        self._all_ready = False
+        self._miss = elementwise.MISS(self._prepared_at)  # (kept: native code calls it)
+        self._zeros: np.ndarray | None = None  # weights of zeros: an expert that failed
         self._scratch = scratch
         self._read = np.zeros(2, np.int64)  # experts read, calls
 
@@ -99,15 +102,12 @@ class Experts:
     def calls(self) -> int:
         return int(self._read[1])
 
-    def one_token_native(self) -> bool | None:
-        """How a one-token step compiled now can run: None from Python (no JIT expert
-        prepared yet), False as native records with its experts named from Python
-        (``select``), True entirely native (``select_kernel``); short of True, the step
-        waits for a change (``ExpertScratch``)."""
-        ready = None if self._grouped is None else self._all_ready
-        if not ready and self._scratch.waiting_since is None:
-            self._scratch.waiting_since = self._scratch.changes
-        return ready
+    def one_token_native(self) -> bool:
+        """Whether a one-token step compiled now runs natively (``bind_one_token``): once
+        a JIT expert is prepared; until then the step waits for one (``ExpertScratch``)."""
+        if self._grouped is None and self._scratch.waiting_since is None:
+            self._scratch.waiting_since = self._scratch.grouped
+        return self._grouped is not None
 
     @property
     def prepared(self) -> list[int]:
@@ -124,41 +124,40 @@ class Experts:
                 self._weights[e] = mm.weights.__array_interface__["data"][0]
                 if self._grouped is None:
                     self._grouped = GroupedMatmul(mm, self.shape[0], self._scratch.quantised)
-                    self._scratch.changes += 1
-                if self._ready.all():
-                    self._all_ready = True
-                    self._scratch.changes += 1
+                    self._scratch.grouped += 1
         return mm
 
-    def bind_one_token(self, x: np.ndarray, out: np.ndarray) -> BoundGemv | None:
+    def bind_one_token(self, x: np.ndarray, out: np.ndarray) -> BoundGemv:
         """A one-token step's call (``x`` [1, K] or [1, top_k * K], ``out`` [1, top_k * N])
-        as a job bound for a compiled step, its experts named per step by ``select``; None
-        before the first JIT expert (then the step runs ``__call__``)."""
-        if self._grouped is None:
-            return None
+        as a job bound for a compiled step, its experts named per step by
+        ``select_kernel``'s (``one_token_native`` first)."""
+        assert self._grouped is not None, "no JIT expert prepared yet"
         _, n, k_in = self.shape
         top_k = out.shape[1] // n
         x_rows = x.reshape(-1, k_in)
         x_first = np.arange(top_k) if len(x_rows) == top_k else np.zeros(top_k, np.int64)
         return self._grouped.bind_gemv(x_rows, x_first, out.reshape(-1, n), np.arange(top_k))
 
-    def select(self, route: np.ndarray, bound: BoundGemv) -> None:
-        """A one-token ``route``'s experts into ``bound`` (``bind_one_token``), those never
-        used before prepared: slot j's group is expert ``route[0, j]``'s matmul."""
-        ids = route_ids(route, self.shape[0]).ravel()
-        if not self._ready[ids].all():
-            for e in ids[~self._ready[ids]].tolist():
-                self.matmul(e)
-        bound.weights[:] = self._weights[ids]
-        self._read += (len(ids), 1)
-
     def select_kernel(
         self, route: np.ndarray, bound: BoundGemv, backend: backends.Backend
     ) -> elementwise.BoundKernel:
-        """``select`` as a native kernel, once every expert is prepared (their weights'
-        addresses all known)."""
-        assert self._all_ready, "the native selection reads every expert's weights"
-        return elementwise.select_experts(bound.weights, route, self._weights, self._read, backend=backend)
+        """The native kernel naming a one-token ``route``'s experts in ``bound``: slot j's
+        group is expert ``route[0, j]``'s matmul, prepared (called back) when first used."""
+        read, miss = self._read, self._miss
+        return elementwise.select_experts(bound.weights, route, self._weights, read, miss, backend=backend)
+
+    def _prepared_at(self, e: int) -> int:
+        """Expert ``e`` prepared (from native code): its weights' address. What that
+        raises is kept for the step's end (``ExpertScratch.error``; ctypes would print and
+        drop it), the expert's weights zeros meanwhile."""
+        try:
+            self.matmul(e)
+            return int(self._weights[e])
+        except BaseException as error:  # noqa: BLE001 - re-raised when the step ends
+            self._scratch.error = self._scratch.error or error
+            if self._zeros is None:
+                self._zeros = np.zeros(self.expert_bytes + 64, np.uint8)
+            return -(-self._zeros.ctypes.data // 64) * 64
 
     def __call__(
         self, x: np.ndarray, route: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None

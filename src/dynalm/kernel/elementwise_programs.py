@@ -30,7 +30,7 @@ from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, Var, const, v
 ARRAYS = {
     "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3, "rows": 3,
     "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
-    "encoder_attention": 5, "combine": 3, "moe_route": 2, "select_experts": 4,
+    "encoder_attention": 5, "combine": 3, "moe_route": 2, "select_experts": 5,
 }  # fmt: skip  # addresses after the count
 # pooling modes, numbered as llama.cpp's ``{arch}.pooling_type`` (0 none, 4 rank: not here)
 POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
@@ -244,14 +244,18 @@ def _build_moe_route(
 def _build_select_experts(module: Module, n_experts: int, stride: int) -> None:
     """A one-token route's experts into a grouped matmul's argument blocks:
     ``weights[j * stride] = table[route[j]]`` for each of the ``count`` slots (an id
-    clamped to the experts), then ``counter += (count, 1)`` (experts read, calls)."""
-    k, count, (weights, route, table, counter) = _kernel(module, "select_experts")
+    clamped to the experts), ``miss(e)`` giving the address where the table holds 0 (an
+    expert not prepared yet: the caller prepares it); then ``counter += (count, 1)``
+    (experts read, calls)."""
+    k, count, (weights, route, table, counter, miss) = _kernel(module, "select_experts")
 
     def slot(j: ir.Value) -> None:
         e = k.convert(k.load(F32, k.index(route, j, F32), 0, 4), I64)
         e = k.smin(k.smax(e, 0), n_experts - 1)
-        address = k.load(I64, k.index(table, e, I64), 0, 8)
-        k.store(address, k.index(weights, k.mul(j, stride), I64), 0, 8)
+        address = k.var(k.load(I64, k.index(table, e, I64), 0, 8))
+        unknown = k.b.icmp_signed("==", address.get(), k.i64(0))
+        k.branch(unknown, lambda: address.set(k.call_at(miss, I64, e)))
+        k.store(address.get(), k.index(weights, k.mul(j, stride), I64), 0, 8)
 
     k.loop(0, count, 1, slot)
     for i, step in enumerate((count, k.i64(1))):

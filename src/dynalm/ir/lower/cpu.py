@@ -23,7 +23,6 @@ import numpy as np
 
 from dynalm.core import attention, cpu_ops, elementwise, pool
 from dynalm.core.experts import Experts, ExpertScratch, MatmulFn
-from dynalm.core.grouped_matmul import BoundGemv
 from dynalm.core.kv_storage import AttentionBatch
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.ir.graph import Graph, Node
@@ -76,33 +75,10 @@ class _Kernels:
         return [r for kernel in self._kernels for r in kernel.records()]
 
 
-class _Route:
-    """``moe_route``'s native kernel; where an expert matmul reading the route names its
-    experts from Python (``_ExpertMatmul``), a Python call: the kernel, then their
-    ``select``."""
-
-    def __init__(self, kernel: elementwise.BoundKernel) -> None:
-        self._kernel, self.readers = kernel, []
-
-    def __call__(self) -> None:
-        self._kernel()
-        for reader in self.readers:
-            reader.select()
-
-    def pending(self) -> list[backends.Request]:
-        return self._kernel.pending()
-
-    def records(self) -> list[tuple[int, int, int, int, int]] | None:
-        if any(reader.one_token() is False for reader in self.readers):
-            return None
-        return self._kernel.records()
-
-
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
-    one-token step: a job bound once (``Experts.bind_one_token``), native records in a
-    compiled step, its experts named by a native kernel once every expert is prepared,
-    before that by ``select``, which the route's Python call runs."""
+    compiled one-token step: native records, a kernel naming the route's experts in a job
+    bound once (``Experts.bind_one_token``, ``Experts.select_kernel``)."""
 
     def __init__(
         self,
@@ -110,53 +86,27 @@ class _ExpertMatmul:
         views: list[np.ndarray],
         operands: tuple[int, int, int],
         bias: np.ndarray | None,
-        threads: int,
         backend: backends.Backend,
     ) -> None:
-        self._experts, self._views, self._bias = experts, views, bias
+        self._experts, self._views, self._bias, self._backend = experts, views, bias, backend
         self._x, self._route, self._o = operands
-        self._threads, self._backend = threads, backend
-        self._bound: BoundGemv | None = None
-        self._selector: elementwise.BoundKernel | None = None  # the native selection
-        self._program: pool.Program | None = None  # the bound job, run from Python
-        self._selected = False  # this step's experts are named in the bound job
-
-    def one_token(self) -> bool | None:
-        """This step as native records: None not (not one token, a bias, no JIT expert
-        yet), False with its experts named from Python, True entirely."""
-        if self._bias is not None or len(self._views[self._x]) != 1:
-            return None
-        return self._experts.one_token_native()
-
-    def select(self) -> None:
-        route = self._views[self._route]
-        self._selected = self._bound is not None and len(route) == 1
-        if self._selected:
-            self._experts.select(route, self._bound)
+        self._native: list[tuple[int, int, int, int, int]] | None = None
 
     def __call__(self) -> None:
         v = self._views
-        if not self._selected:
-            self._experts(v[self._x], v[self._route], v[self._o], self._bias)
-            return
-        if self._program is None:  # (a step run call by call: profiled, or not compiled)
-            self._program = pool.Program(self._bound.records, self._threads)
-        self._program()
+        self._experts(v[self._x], v[self._route], v[self._o], self._bias)
 
     def records(self) -> list[tuple[int, int, int, int, int]] | None:
-        """A one-token step's native calls (None: run from Python)."""
-        native = self.one_token()
-        if native is None:
-            return None
+        """A one-token step's native calls (None: a step run from Python)."""
         v = self._views
-        if self._bound is None:
-            self._bound = self._experts.bind_one_token(v[self._x], v[self._o])
-        if not native:
-            return self._bound.records
-        if self._selector is None:
-            route = v[self._route]
-            self._selector = self._experts.select_kernel(route, self._bound, self._backend)
-        return self._selector.records() + self._bound.records
+        if self._bias is not None or len(v[self._x]) != 1:
+            return None
+        if self._native is None and self._experts.one_token_native():
+            bound = self._experts.bind_one_token(v[self._x], v[self._o])
+            select = self._experts.select_kernel(v[self._route], bound, self._backend)
+            self._keep = bound, select  # (what the records point into)
+            self._native = select.records() + bound.records
+        return self._native
 
 
 class CpuBinder(Binder):
@@ -172,7 +122,6 @@ class CpuBinder(Binder):
         self._expert_rows = ExpertScratch()  # and the experts' gathered rows
         self._batch: AttentionBatch | None = None
         self._layout = attention.StepLayout()  # what the native attention kernels read
-        self._routes: dict[int, _Route] = {}  # moe_route's calls by their value's id
 
     # -- binding -------------------------------------------------------------------
     def reserve(self, rows: int, widest: int) -> None:
@@ -357,9 +306,7 @@ class CpuBinder(Binder):
         a = node.attrs
         attrs = (a["top_k"], a["gating"], a["normalize"], a["scale"])
         if self._native:
-            kernel = self._kernel(elementwise.moe_route, out, ins[0], *attrs, rows=rows)
-            route = self._routes[node.out.id] = _Route(kernel)
-            return route
+            return self._kernel(elementwise.moe_route, out, ins[0], *attrs, rows=rows)
         return lambda: cpu_ops.moe_route(v[o], v[args[0]], *attrs)
 
     def _expert_matmul(self, node: Node) -> Call:
@@ -367,11 +314,7 @@ class CpuBinder(Binder):
         experts = self.prepare(w[0], "experts")
         bias = self.prepare(w[1], "vector") if len(w) > 1 else None
         if self._native:  # grouped by expert, each expert's JIT matmul over its rows
-            threads, backend = self.device.threads, self._backend
-            call = _ExpertMatmul(experts, v, (x, route, o), bias, threads, backend)
-            if node.args[1].id in self._routes:
-                self._routes[node.args[1].id].readers.append(call)
-            return call
+            return _ExpertMatmul(experts, v, (x, route, o), bias, self._backend)
         shape = experts.shape
         return lambda: cpu_ops.expert_matmul(v[o], v[x], v[route], experts.matmul, shape, bias)
 
@@ -469,10 +412,15 @@ class CpuBinder(Binder):
         """Whether compiled steps would now run differently: their experts changed since
         (``ExpertScratch``)."""
         rows = self._expert_rows
-        if rows.waiting_since is not None and rows.changes > rows.waiting_since:
+        if rows.waiting_since is not None and rows.grouped > rows.waiting_since:
             rows.waiting_since = None
             return True
         return False
+
+    def end_step(self, greedy: bool = False) -> None:
+        error, self._expert_rows.error = self._expert_rows.error, None
+        if error is not None:  # (an expert prepared inside the native step failed)
+            raise error
 
     def resize(self, n_tokens: int, n_logits: int) -> None:
         counts = np.where(self._on_tokens, n_tokens, n_logits) * self._per_row
