@@ -223,6 +223,31 @@ def test_every_backend(backend: backends.Backend):
         np.testing.assert_allclose(out, expected, rtol=rms_norm_rtol(width), atol=0)
         elementwise.rms_norm(selected, x, w, 1e-6)()
         np.testing.assert_array_equal(out, selected)
+    # a mixture's programs: the router (its exp: bitwise the selected backend's), the
+    # combine and a one-token step's expert biases (bitwise numpy's), the naming of experts
+    logits = rand(3, 64, scale=3, seed=16)
+    for gating in (1, 2):
+        route, selected_route = np.empty((2, 3, 16), np.float32)
+        elementwise.moe_route(route, logits, 8, gating, True, 2.5, **on)()
+        elementwise.moe_route(selected_route, logits, 8, gating, True, 2.5)()
+        np.testing.assert_array_equal(route, selected_route)
+    y = rand(3, 8 * 37, seed=17)
+    combined, expected = np.empty((2, 3, 37), np.float32)
+    elementwise.combine(combined, y, route, **on)()
+    cpu_ops.moe_combine(expected, y, route)
+    np.testing.assert_array_equal(combined, expected)
+    bias, slots = rand(64, 37, seed=18), y[:1].reshape(8, 37).copy()
+    expected = slots + bias[route[0, :8].astype(int)]
+    elementwise.expert_bias(slots, bias, route[:1], **on)()
+    np.testing.assert_array_equal(slots, expected)
+    table, counter, blocks = (
+        np.arange(64, dtype=np.int64) + 1,
+        np.zeros(2, np.int64),
+        np.zeros((8, 9), np.int64),
+    )
+    miss = elementwise.MISS(lambda e: 0)  # (every expert in the table: never called)
+    elementwise.select_experts(blocks[:, 0], route[:1], table, counter, miss, **on)()
+    assert blocks[:, 0].tolist() == (route[0, :8].astype(int) + 1).tolist()
     positions = np.array([7, 0, 300], np.int64)
     for neox in (False, True):
         for head_dim, rope_dim in ((64, 64), (18, 18), (40, 24)):

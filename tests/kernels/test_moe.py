@@ -1,7 +1,9 @@
-"""The mixture-of-experts kernels: ``moe_route`` against torch, ``expert_matmul`` (grouped by
-expert over each expert's ``QuantMatmul``; ``safe``: the numpy reference) against an fp64
-dense reference, and bitwise against each expert's own matmul of the same rows in ``exact``
-and ``auto``; ``moe_combine`` against its sum.
+"""The mixture-of-experts kernels: ``moe_route`` (the numpy reference and the native kernel)
+against torch, ``expert_matmul`` (grouped by expert over each expert's ``QuantMatmul``;
+``safe``: the numpy reference) against an fp64 dense reference, and bitwise against each
+expert's own matmul of the same rows in ``exact`` and ``auto``; ``moe_combine`` against its
+sum (the native kernel bitwise the reference); ``select_experts``, a one-token step's
+experts named natively, preparing those not used before.
 
 Budgets as in test_matmul.py: ``safe`` and ``exact`` each output within the rounding of an
 fp32 sum of its K products (`tolerances.sum_bound`; the bias one rounding more); ``auto``
@@ -16,11 +18,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 from test_matmul import activations, weights
 
-from dynalm.core import cpu_ops
+from dynalm.core import cpu_ops, elementwise, pool
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.experts import Experts, ExpertScratch
 from dynalm.core.matmul import ActivationScratch, QuantMatmul
 from dynalm.core.quant import dequantize
+from dynalm.kernel import backends
 from tolerances import sum_bound
 
 E, N, K = 12, 40, 256  # experts of [N, K]
@@ -152,29 +155,45 @@ def torch_route(logits: np.ndarray, top_k: int, gating: int, normalize: bool, sc
     return ids.numpy(), (weights * scale).numpy()
 
 
+def moe_route(native: bool, logits: np.ndarray, *attrs: object) -> np.ndarray:
+    """``moe_route``'s reference (numpy) or the native kernel the CPU binds."""
+    out = np.full((len(logits), 2 * attrs[0]), np.nan, np.float32)
+    if native:
+        elementwise.moe_route(out, logits, *attrs)()
+    else:
+        cpu_ops.moe_route(out, logits, *attrs)
+    return out
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
 @pytest.mark.parametrize("gating", [1, 2])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2, 8])
-def test_moe_route_matches_torch(gating: int, normalize: bool, top_k: int) -> None:
+def test_moe_route_matches_torch(gating: int, normalize: bool, top_k: int, native: bool) -> None:
     logits = 3 * np.random.default_rng(top_k).standard_normal((37, 64)).astype(np.float32)
     scale = 2.5 if normalize else 1.0
-    out = np.full((37, 2 * top_k), np.nan, np.float32)
-    cpu_ops.moe_route(out, logits, top_k, gating, normalize, scale)
+    out = moe_route(native, logits, top_k, gating, normalize, scale)
     ids, expected = torch_route(logits, top_k, gating, normalize, scale)
     assert np.array_equal(out[:, :top_k], ids)  # exact integers, highest first
     # a few fp32 roundings of values <= scale (exp, a sum of 64, a division or two)
     np.testing.assert_allclose(out[:, top_k:], expected, rtol=0, atol=sum_bound(64, scale))
 
 
-def test_moe_route_ties_go_to_the_lower_id_and_mixtral_is_softmax_normalised() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "native"])
+def test_moe_route_ties_go_to_the_lower_id_and_mixtral_is_softmax_normalised(
+    native: bool,
+) -> None:
     logits = np.array([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]], np.float32)
-    out = np.empty((2, 6), np.float32)
-    cpu_ops.moe_route(out, logits, 3, 1, False, 1.0)
+    out = moe_route(native, logits, 3, 1, False, 1.0)
     assert out[:, :3].tolist() == [[1, 2, 4], [0, 1, 2]]
+    # ranked by the logits: probabilities that underflow alike (exp(-95), exp(-190))
+    # still rank as their logits do
+    logits = np.array([[0.0, 95.0, 190.0, 0.0]], np.float32)
+    for gating in (1, 2):
+        assert moe_route(native, logits, 2, gating, False, 1.0)[0, :2].tolist() == [2, 1]
     # Mixtral / gpt-oss: the top k of the logits, then a softmax over those k
     logits = np.random.default_rng(3).standard_normal((9, 8)).astype(np.float32)
-    out = np.empty((9, 4), np.float32)
-    cpu_ops.moe_route(out, logits, 2, 1, True, 1.0)
+    out = moe_route(native, logits, 2, 1, True, 1.0)
     top = torch.topk(torch.from_numpy(logits), 2, dim=-1)
     assert np.array_equal(out[:, :2], top.indices.numpy())
     np.testing.assert_allclose(out[:, 2:], torch.softmax(top.values, -1).numpy(), atol=1e-6)
@@ -188,3 +207,89 @@ def test_moe_combine_sums_the_weighted_slots() -> None:
     cpu_ops.moe_combine(out, y, route)
     terms = route[:, 3:, None].astype(np.float64) * y.reshape(6, 3, 16)
     assert (np.abs(out - terms.sum(axis=1)) <= sum_bound(3 + 1, np.abs(terms).sum(1))).all()
+
+
+@pytest.mark.parametrize(("t_rows", "top_k", "n"), [(1, 8, 2048), (5, 2, 37), (3, 1, 16)])
+def test_native_moe_combine_is_bitwise_the_reference(t_rows: int, top_k: int, n: int) -> None:
+    """Each slot's product rounded, then added in slot order, as numpy does (no FMA),
+    across the vector loop and its 1-lane tail (n = 37)."""
+    y = np.random.default_rng(n).standard_normal((t_rows, top_k * n)).astype(np.float32)
+    route = random_route(t_rows, top_k, n)
+    want, got = np.empty((2, t_rows, n), np.float32)
+    cpu_ops.moe_combine(want, y, route)
+    elementwise.combine(got, y, route)()
+    assert np.array_equal(got, want)
+
+
+def test_select_experts_names_each_slot_s_weights_and_prepares_the_unknown() -> None:
+    """A one-token route's experts' addresses into a column of argument blocks; where the
+    table holds 0 the kernel calls back (the caller prepares that expert); the counter
+    adds (experts, calls)."""
+    table = np.arange(E, dtype=np.int64) * 4096 + 64
+    table[[2, 7]] = 0
+    asked: list[int] = []
+
+    def prepare(e: int) -> int:
+        asked.append(e)
+        table[e] = 1_000_000 + e
+        return int(table[e])
+
+    miss = elementwise.MISS(prepare)
+    blocks, counter = np.zeros((4, 9), np.int64), np.zeros(2, np.int64)
+    route = np.array([[7, 0, 11, 2, 0.4, 0.3, 0.2, 0.1]], np.float32)
+    select = elementwise.select_experts(blocks[:, 4], route, table, counter, miss)
+    select()
+    select()  # prepared now: no call back
+    assert asked == [7, 2]
+    assert blocks[:, 4].tolist() == [1_000_007, 64, 11 * 4096 + 64, 1_000_002]
+    assert (blocks[:, [0, 1, 2, 3, 5, 6, 7, 8]] == 0).all()
+    assert counter.tolist() == [8, 2]
+
+
+@pytest.mark.parametrize("mode", ["exact", "auto"])
+def test_a_one_token_job_named_natively_is_bitwise_the_python_grouping(mode: str) -> None:
+    """``one_token_records`` as a compiled step runs them (one native program), for shared
+    x (gate/up) and a row per slot (down), with and without biases: the same bits as the
+    Python grouping of the same route, experts prepared on the way as the route asks."""
+    bias = np.random.default_rng(2).standard_normal((E, N)).astype(np.float32)
+    for shared, b in ((True, None), (False, None), (True, bias)):
+        experts, _ = experts_of(mode, T.Q4_K)
+        experts.matmul(0)  # (a JIT expert: the grouped matmul exists)
+        top_k = 3
+        x = activations(1, K if shared else top_k * K)
+        out = np.full((1, top_k * N), np.nan, np.float32)
+        route = np.zeros((1, 2 * top_k), np.float32)
+        records, keep = experts.one_token_records(x, route, out, b, backends.select())
+        program = pool.Program(records, 2)
+        for seed in range(3):
+            route[:] = random_route(1, top_k, seed)
+            program()
+            want = expert_matmul(mode, experts, x, route, b)
+            assert np.array_equal(out, want), (shared, seed)
+        assert set(experts.prepared) == {0} | set(
+            int(e) for seed in range(3) for e in random_route(1, top_k, seed)[0, :top_k]
+        )
+        assert experts.calls == 6  # 3 native, 3 in Python
+
+
+def test_an_expert_failing_to_prepare_inside_a_native_step_is_kept_for_the_step_s_end() -> None:
+    """ctypes would print and drop what the call back raises: it is kept (the executor
+    raises it when the step ends) and the expert's slot reads zeros meanwhile, no crash."""
+    raw = weights(T.Q8_0, E * N, K).reshape(E, N, -1)
+    device, scratch = CpuDevice("exact"), ActivationScratch()
+
+    def prepare(e: int) -> object:
+        if e == 5:
+            raise ValueError("blk.0.ffn_up_exps.weight: expert 5's scales are NaN")
+        return device.matmul(raw[e], T.Q8_0, (N, K), scratch=scratch)
+
+    rows = ExpertScratch()
+    nbytes = device.prepared_bytes(T.Q8_0, (N, K), "matmul")
+    experts = Experts((E, N, K), nbytes, prepare, rows)
+    experts.matmul(1)
+    x, out = activations(1, K), np.full((1, 2 * N), np.nan, np.float32)
+    route = np.array([[1, 5, 0.5, 0.5]], np.float32)
+    records, keep = experts.one_token_records(x, route, out, None, backends.select())
+    pool.Program(records, 1)()
+    assert isinstance(rows.error, ValueError) and "expert 5's scales" in str(rows.error)
+    assert (out[0, N:] == 0).all() and np.isfinite(out[0, :N]).all()

@@ -38,6 +38,7 @@ from tiny_models import (
 )
 from transformers import PreTrainedModel
 
+from dynalm.core import pool
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.errors import DynaError, UnsupportedModel
 from dynalm.models.arch import check_file, family_file
@@ -154,6 +155,31 @@ def test_exact_greedy_continuation_is_transformers(case: Case) -> None:
         e.token for e in gen.generate(prompt, greedy, stop_ids=frozenset()) if e.token is not None
     ]
     assert got == want
+
+
+def test_decode_steps_run_natively_as_the_python_path_does(case: Case) -> None:
+    """A one-token step compiles to one native program (the route, the naming of its
+    experts, their matmuls, the combine: no Python between its layers), and gives the
+    tokens the same steps give run op by op from Python (the executor's profiled path),
+    also for a second prompt after decoding (a longer step among compiled one-token ones,
+    whose route runs natively too)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, repeat_penalty=1.0)
+    native, python = _generator(case.model, "auto"), _generator(case.model, "auto")
+    python.engine.executor.profile = {}  # every op called from Python, one by one
+    for prompt in (IDS[:PROMPT], IDS[PROMPT:]):
+        runs = [
+            [
+                e.token
+                for e in gen.generate(prompt, greedy, stop_ids=frozenset())
+                if e.token is not None
+            ]
+            for gen in (native, python)
+        ]
+        assert runs[0] == runs[1]
+        # the last (one-token) step's submission: the embedding lookup (rows dequantised
+        # on demand, from Python), then every layer and the head as one native program
+        steps = native.engine.executor._steps
+        assert len(steps) == 2 and isinstance(steps[1], pool.Program), steps
 
 
 def test_check_passes_on_the_family_file(case: Case) -> None:

@@ -312,15 +312,17 @@ def moe_route(
     """Row t of ``out``: the ids of the ``top_k`` most probable experts (as f32; highest
     first, ties to the lower id), then their weights. ``gating`` 1: a softmax over every
     logit, 2: each logit's sigmoid; ``normalize`` divides the chosen weights by their sum,
-    then ``scale`` multiplies them."""
+    then ``scale`` multiplies them. Experts are ranked by their logits: both gatings keep
+    the order, and unlike the probabilities two different logits never tie (a softmax
+    underflows to 0 far below the largest)."""
     if gating == 1:
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
     else:
         with np.errstate(over="ignore"):  # exp(-x) of a very negative x: inf, weight 0
             probs = 1.0 / (1.0 + np.exp(-logits))
-    # a stable sort of the negated probabilities: equal ones keep their (id) order
-    ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    # a stable sort of the negated logits: equal ones keep their (id) order
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
     weights = np.take_along_axis(probs, ids, axis=1)
     if normalize:
         weights /= np.maximum(weights.sum(axis=1, keepdims=True), np.float32(MIN_WEIGHT_SUM))

@@ -247,7 +247,9 @@ def combine(
     top_k = check("route", route, np.float32, (n_rows, None)).shape[1] // 2
     require(top_k > 0 and route.shape[1] == 2 * top_k, f"route of {route.shape[1]} columns")
     check("y", y, np.float32, (n_rows, top_k * width))
-    return _bind("combine", backend, {"width": width, "top_k": top_k}, n_rows, (out, y, route), block)
+    return _bind(
+        "combine", backend, {"width": width, "top_k": top_k}, n_rows, (out, y, route), block
+    )
 
 
 def moe_route(
@@ -266,7 +268,9 @@ def moe_route(
     and weights within the exponential's rounding)."""
     n_rows, n_experts = check("logits", logits, np.float32, (None, None)).shape
     check("out", out, np.float32, (n_rows, 2 * top_k))
-    require(0 < top_k <= n_experts and gating in (1, 2), f"top {top_k} of {n_experts}, gating {gating}")
+    require(
+        0 < top_k <= n_experts and gating in (1, 2), f"top {top_k} of {n_experts}, gating {gating}"
+    )
     params = {
         "n_experts": n_experts,
         "top_k": top_k,
@@ -302,6 +306,22 @@ def select_experts(
     params = {"n_experts": len(table), "stride": weights.strides[0] // 8}
     arrays = (weights, route, table, counter, miss)
     return _bind("select_experts", backend, params, top_k, arrays, None)
+
+
+def expert_bias(
+    out: np.ndarray,
+    bias: np.ndarray,
+    route: np.ndarray,
+    *,
+    backend: backends.Backend | None = None,
+) -> BoundKernel:
+    """A one-token step's expert matmul's biases: ``out [top_k, N]`` row j += ``bias
+    [E, N]`` row ``route[0, j]`` (``route [1, 2 top_k]``)."""
+    top_k = check("route", route, np.float32, (None, None)).shape[1] // 2
+    n_experts, width = check("bias", bias, np.float32, (None, None)).shape
+    check("out", out, np.float32, (top_k, width))
+    params = {"width": width, "n_experts": n_experts}
+    return _bind("expert_bias", backend, params, top_k, (out, bias, route), None)
 
 
 def columns(

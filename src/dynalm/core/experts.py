@@ -138,13 +138,36 @@ class Experts:
         x_first = np.arange(top_k) if len(x_rows) == top_k else np.zeros(top_k, np.int64)
         return self._grouped.bind_gemv(x_rows, x_first, out.reshape(-1, n), np.arange(top_k))
 
+    def one_token_records(
+        self,
+        x: np.ndarray,
+        route: np.ndarray,
+        out: np.ndarray,
+        bias: np.ndarray | None,
+        backend: backends.Backend,
+    ) -> tuple[list[tuple[int, int, int, int, int]], tuple]:
+        """A one-token step's call as native records (``one_token_native`` first): a
+        kernel naming the route's experts (``select_kernel``) in a job bound once
+        (``bind_one_token``), then their biases' kernel; and what the records point into
+        (kept by the caller)."""
+        bound = self.bind_one_token(x, out)
+        kernels = [self.select_kernel(route, bound, backend)]
+        records = kernels[0].records() + bound.records
+        if bias is not None:
+            rows = out.reshape(-1, self.shape[1])
+            kernels.append(elementwise.expert_bias(rows, bias, route, backend=backend))
+            records += kernels[1].records()
+        return records, (bound, *kernels)
+
     def select_kernel(
         self, route: np.ndarray, bound: BoundGemv, backend: backends.Backend
     ) -> elementwise.BoundKernel:
         """The native kernel naming a one-token ``route``'s experts in ``bound``: slot j's
         group is expert ``route[0, j]``'s matmul, prepared (called back) when first used."""
         read, miss = self._read, self._miss
-        return elementwise.select_experts(bound.weights, route, self._weights, read, miss, backend=backend)
+        return elementwise.select_experts(
+            bound.weights, route, self._weights, read, miss, backend=backend
+        )
 
     def _prepared_at(self, e: int) -> int:
         """Expert ``e`` prepared (from native code): its weights' address. What that

@@ -121,8 +121,9 @@ class GroupedMatmul:
         y: np.ndarray,
         y_first: np.ndarray,
     ) -> list[tuple[int, int, int, int, int]]:
-        """Fill ``blocks`` for ``n`` groups of ``weights``; the job's calls (kind, kernel index, args, total,
-        chunk): auto's quantiser of ``x`` into ``x_bases``, then the grouped program."""
+        """Fill ``blocks`` for ``n`` groups of ``weights``; the job's calls (kind, kernel
+        index, args, total, chunk): auto's quantiser of ``x`` into ``x_bases``, then the
+        grouped program."""
         for a, width in ((x, self.n_cols), (y, self.n_rows)):
             if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
                 raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")

@@ -30,7 +30,7 @@ from dynalm.kernel.lang import F32, I32, I64, PTR, Kernel, Module, Var, const, v
 ARRAYS = {
     "add": 3, "mul": 3, "scale": 2, "act": 2, "gated": 3, "bias": 3, "columns": 3, "rows": 3,
     "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
-    "encoder_attention": 5, "combine": 3, "moe_route": 2, "select_experts": 5,
+    "encoder_attention": 5, "combine": 3, "moe_route": 2, "select_experts": 5, "expert_bias": 3,
 }  # fmt: skip  # addresses after the count
 # pooling modes, numbered as llama.cpp's ``{arch}.pooling_type`` (0 none, 4 rank: not here)
 POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
@@ -182,11 +182,12 @@ def _build_moe_route(
 ) -> None:
     """A mixture's router per row of ``n_experts`` logits (``cpu_ops.moe_route``): gated
     (1: softmax, its sum in expert order; 2: each logit's sigmoid), the ``top_k`` most
-    probable experts picked one by one (highest first, ties to the lower id), their ids
-    (as f32) then weights (over their sum in pick order if ``normalize``, times
-    ``scale``) into a row of ``2 top_k``."""
+    probable experts picked one by one by their logits (highest first, ties to the lower
+    id), their ids (as f32) then weights (over their sum in pick order if ``normalize``,
+    times ``scale``) into a row of ``2 top_k``."""
     k, rows, (out, logits) = _kernel(module, "moe_route")
-    probs, left = k.stack(4 * n_experts), k.stack(4 * n_experts)  # gated; not picked yet
+    # the gated weights; the logits of the experts not picked yet
+    probs, left = k.stack(4 * n_experts), k.stack(4 * n_experts)
     minus_inf = const(F32, float("-inf"))
 
     def at(array: ir.Value, i: ir.Value) -> ir.Value:
@@ -212,9 +213,8 @@ def _build_moe_route(
             gate = lambda i: k.b.fdiv(const(F32, 1.0), k.add(k.exp(k.mul(at(x, i), -1.0)), 1.0))  # noqa: E731
 
         def gated(i: ir.Value) -> None:
-            p = gate(i)
-            put(p, probs, i)
-            put(p, left, i)
+            put(gate(i), probs, i)
+            put(at(x, i), left, i)
 
         k.loop(0, n_experts, 1, gated)
         weights = []
@@ -261,6 +261,26 @@ def _build_select_experts(module: Module, n_experts: int, stride: int) -> None:
     for i, step in enumerate((count, k.i64(1))):
         word = k.index(counter, i, I64)
         k.store(k.add(k.load(I64, word, 0, 8), step), word, 0, 8)
+    k.ret()
+
+
+def _build_expert_bias(module: Module, width: int, n_experts: int) -> None:
+    """A one-token step's expert biases: row j of ``out`` += row ``route[j]`` of ``bias``
+    ([n_experts, width]; an id clamped to the experts) for each of the ``count`` slots."""
+    k, count, (out, bias, route) = _kernel(module, "expert_bias")
+
+    def slot(j: ir.Value) -> None:
+        e = k.convert(k.load(F32, k.index(route, j, F32), 0, 4), I64)
+        source = k.mul(k.smin(k.smax(e, 0), n_experts - 1), width)
+        base = k.mul(j, width)
+
+        def add(i: ir.Value, w: int) -> None:
+            at = k.add(base, i)
+            _put(k, k.add(_floats(k, out, at, w), _floats(k, bias, k.add(source, i), w)), out, at)
+
+        k.lanes(k.i64(0), k.i64(width), k.target.lanes, add)
+
+    k.loop(0, count, 1, slot)
     k.ret()
 
 
@@ -785,6 +805,7 @@ PROGRAMS = {
     "combine": Program("ew_combine", _build_combine),
     "moe_route": Program("ew_moe_route", _build_moe_route),
     "select_experts": Program("ew_select_experts", _build_select_experts),
+    "expert_bias": Program("ew_expert_bias", _build_expert_bias),
     "columns": Program("ew_columns", _build_columns),
     "rows": Program("ew_rows", _build_rows),
     "rms_norm": Program("ew_rms_norm", _build_rms_norm),

@@ -77,8 +77,7 @@ class _Kernels:
 
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
-    compiled one-token step: native records, a kernel naming the route's experts in a job
-    bound once (``Experts.bind_one_token``, ``Experts.select_kernel``)."""
+    compiled one-token step: native records (``Experts.one_token_records``)."""
 
     def __init__(
         self,
@@ -91,6 +90,7 @@ class _ExpertMatmul:
         self._experts, self._views, self._bias, self._backend = experts, views, bias, backend
         self._x, self._route, self._o = operands
         self._native: list[tuple[int, int, int, int, int]] | None = None
+        self._keep: tuple = ()  # what the native records point into
 
     def __call__(self) -> None:
         v = self._views
@@ -99,13 +99,11 @@ class _ExpertMatmul:
     def records(self) -> list[tuple[int, int, int, int, int]] | None:
         """A one-token step's native calls (None: a step run from Python)."""
         v = self._views
-        if self._bias is not None or len(v[self._x]) != 1:
+        if len(v[self._x]) != 1:
             return None
         if self._native is None and self._experts.one_token_native():
-            bound = self._experts.bind_one_token(v[self._x], v[self._o])
-            select = self._experts.select_kernel(v[self._route], bound, self._backend)
-            self._keep = bound, select  # (what the records point into)
-            self._native = select.records() + bound.records
+            operands = (v[self._x], v[self._route], v[self._o], self._bias, self._backend)
+            self._native, self._keep = self._experts.one_token_records(*operands)
         return self._native
 
 
