@@ -222,7 +222,8 @@ class Experts:
         """Experts of several rows: the rows gathered by expert, the products scattered."""
         _, n, k_in = self.shape
         xs, ys = self._scratch.views(len(pairs), k_in, n)
-        np.take(x_rows, source, axis=0, out=xs)
+        # (native row copies: numpy's take and fancy assignment ran 1.4-4.5x slower)
+        elementwise.rows(xs, x_rows, source)()
         if self._grouped is not None:  # one job for all
             counts = np.diff(starts, append=len(pairs))
             self._grouped(self._weights[by_expert[starts]], xs, starts, counts, ys, starts)
@@ -230,4 +231,6 @@ class Experts:
             ends = [*starts[1:].tolist(), len(pairs)]
             for a, b in zip(starts.tolist(), ends, strict=True):
                 self.matmul(int(by_expert[a]))(xs[a:b], ys[a:b])
-        out_rows[pairs] = ys
+        slot_of = np.empty_like(pairs)  # the scatter out[pairs] = ys as a gather
+        slot_of[pairs] = np.arange(len(pairs))
+        elementwise.rows(out_rows, ys, slot_of)()
