@@ -247,29 +247,34 @@ def test_select_experts_names_each_slot_s_weights_and_prepares_the_unknown() -> 
 
 
 @pytest.mark.parametrize("mode", ["exact", "auto"])
-def test_a_one_token_job_named_natively_is_bitwise_the_python_grouping(mode: str) -> None:
-    """``one_token_records`` as a compiled step runs them (one native program), for shared
-    x (gate/up) and a row per slot (down), with and without biases: the same bits as the
-    Python grouping of the same route, experts prepared on the way as the route asks."""
+def test_a_small_step_s_native_records_are_bitwise_the_python_grouping(mode: str) -> None:
+    """``step_records`` as a compiled step runs them (one native program), for shared x
+    (gate/up) and a row per slot (down), with and without biases, one token and three
+    (pairs sharing an expert among them): the same bits as the Python grouping of the same
+    route, experts prepared on the way as the route asks."""
     bias = np.random.default_rng(2).standard_normal((E, N)).astype(np.float32)
-    for shared, b in ((True, None), (False, None), (True, bias)):
+    top_k = 3
+    for t_rows, shared, b in ((1, True, None), (1, False, None), (3, True, bias), (3, False, bias)):
         experts, _ = experts_of(mode, T.Q4_K)
         experts.matmul(0)  # (a JIT expert: the grouped matmul exists)
-        top_k = 3
-        x = activations(1, K if shared else top_k * K)
-        out = np.full((1, top_k * N), np.nan, np.float32)
-        route = np.zeros((1, 2 * top_k), np.float32)
-        records, keep = experts.one_token_records(x, route, out, b, backends.select())
+        x = activations(t_rows, K if shared else top_k * K)
+        out = np.full((t_rows, top_k * N), np.nan, np.float32)
+        route = np.zeros((t_rows, 2 * top_k), np.float32)
+        records, keep = experts.step_records(x, route, out, b, backends.select())
         program = pool.Program(records, 2)
-        for seed in range(3):
-            route[:] = random_route(1, top_k, seed)
+        routes = [random_route(t_rows, top_k, seed) for seed in range(3)]
+        routes[2][1:, :top_k] = routes[2][0, :top_k]  # every token to the same experts
+        for r in routes:
+            route[:] = r
             program()
             want = expert_matmul(mode, experts, x, route, b)
-            assert np.array_equal(out, want), (shared, seed)
-        assert set(experts.prepared) == {0} | set(
-            int(e) for seed in range(3) for e in random_route(1, top_k, seed)[0, :top_k]
-        )
+            assert np.array_equal(out, want), (t_rows, shared)
+        used = {int(e) for r in routes for e in r[:, :top_k].ravel()}
+        assert set(experts.prepared) == {0} | used
         assert experts.calls == 6  # 3 native, 3 in Python
+        assert experts.bytes_read == 2 * 3 * t_rows * top_k * experts.expert_bytes - sum(
+            (t_rows * top_k - len(np.unique(r[:, :top_k]))) * experts.expert_bytes for r in routes
+        )
 
 
 def test_an_expert_failing_to_prepare_inside_a_native_step_is_kept_for_the_step_s_end() -> None:
@@ -289,7 +294,7 @@ def test_an_expert_failing_to_prepare_inside_a_native_step_is_kept_for_the_step_
     experts.matmul(1)
     x, out = activations(1, K), np.full((1, 2 * N), np.nan, np.float32)
     route = np.array([[1, 5, 0.5, 0.5]], np.float32)
-    records, keep = experts.one_token_records(x, route, out, None, backends.select())
+    records, keep = experts.step_records(x, route, out, None, backends.select())
     pool.Program(records, 1)()
     assert isinstance(rows.error, ValueError) and "expert 5's scales" in str(rows.error)
     assert (out[0, N:] == 0).all() and np.isfinite(out[0, :N]).all()

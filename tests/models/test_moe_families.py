@@ -182,6 +182,28 @@ def test_decode_steps_run_natively_as_the_python_path_does(case: Case) -> None:
         assert len(steps) == 2 and isinstance(steps[1], pool.Program), steps
 
 
+def test_sequences_decoding_together_get_their_tokens_alone(case: Case) -> None:
+    """Three sequences decoding in one batch (steps of up to three tokens: native records,
+    a GEMV per (token, slot) pair) get the tokens each gets alone, to the bit: a row's
+    product does not depend on what else the step holds."""
+    prompts = [IDS[:6], IDS[6:14], IDS[14:]]
+    greedy = SamplingParams(max_tokens=10, temperature=0, repeat_penalty=1.0)
+    alone = _generator(case.model, "auto")
+    want = [
+        [e.token for e in alone.generate(p, greedy, stop_ids=frozenset()) if e.token is not None]
+        for p in prompts
+    ]
+    config = dataclasses.replace(generator_config(128), max_num_seqs=3)
+    engine = Engine(case.model, CpuDevice("auto"), config)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy, stop_ids=frozenset())
+    got: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert [got[str(i)] for i in range(3)] == want
+
+
 def test_check_passes_on_the_family_file(case: Case) -> None:
     lum = family_file(case.model.hparams.arch)
     assert lum.name == {"mixtral": "llama.lum"}.get(case.spec.family, f"{case.spec.family}.lum")

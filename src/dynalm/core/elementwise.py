@@ -294,18 +294,20 @@ def select_experts(
     *,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """A one-token ``route [1, 2 top_k]``'s experts' weights into ``weights`` (an int64
-    column, one row a slot: a grouped matmul's argument blocks) from ``table`` (int64 [E]:
-    each expert's weights' address, 0 where ``miss(e)`` (a ``MISS``, kept alive by the
-    caller) gives it); ``counter`` (int64 [2]) += (top_k, 1)."""
-    top_k = check("route", route, np.float32, (None, None)).shape[1] // 2
-    column = weights.dtype == np.int64 and weights.shape == (top_k,) and weights.strides[0] >= 8
-    require(column, f"weights: an int64 column of {top_k}, got {weights.dtype} {weights.shape}")
+    """A small step's experts' weights into ``weights`` (an int64 column, a row per (token,
+    slot) pair of ``route [T, 2 top_k]``: a grouped matmul's argument blocks) from
+    ``table`` (int64 [E]: each expert's weights' address, 0 where ``miss(e)`` (a ``MISS``,
+    kept alive by the caller) gives it); ``counter`` (int64 [2]) += (T top_k, 1)."""
+    n_rows, width2 = check("route", route, np.float32, (None, None)).shape
+    top_k = width2 // 2
+    pairs = n_rows * top_k
+    column = weights.dtype == np.int64 and weights.shape == (pairs,) and weights.strides[0] >= 8
+    require(column, f"weights: an int64 column of {pairs}, got {weights.dtype} {weights.shape}")
     check("table", table, np.int64, (None,))
     check("counter", counter, np.int64, (2,))
-    params = {"n_experts": len(table), "stride": weights.strides[0] // 8}
+    params = {"n_experts": len(table), "top_k": top_k, "stride": weights.strides[0] // 8}
     arrays = (weights, route, table, counter, miss)
-    return _bind("select_experts", backend, params, top_k, arrays, None)
+    return _bind("select_experts", backend, params, n_rows, arrays, None)
 
 
 def expert_bias(
@@ -315,13 +317,14 @@ def expert_bias(
     *,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
-    """A one-token step's expert matmul's biases: ``out [top_k, N]`` row j += ``bias
-    [E, N]`` row ``route[0, j]`` (``route [1, 2 top_k]``)."""
-    top_k = check("route", route, np.float32, (None, None)).shape[1] // 2
+    """A small step's expert matmul's biases: ``out [T top_k, N]`` row f += ``bias [E, N]``
+    row e, e the expert of (token, slot) pair f in ``route [T, 2 top_k]``."""
+    n_rows, width2 = check("route", route, np.float32, (None, None)).shape
+    top_k = width2 // 2
     n_experts, width = check("bias", bias, np.float32, (None, None)).shape
-    check("out", out, np.float32, (top_k, width))
-    params = {"width": width, "n_experts": n_experts}
-    return _bind("expert_bias", backend, params, top_k, (out, bias, route), None)
+    check("out", out, np.float32, (n_rows * top_k, width))
+    params = {"width": width, "n_experts": n_experts, "top_k": top_k}
+    return _bind("expert_bias", backend, params, n_rows, (out, bias, route), None)
 
 
 def columns(

@@ -35,7 +35,7 @@ class ExpertScratch:
     an expert matmul natively once it has one); ``waiting_since`` that count when a step
     was compiled without one (else None): the executor compiles its steps again once more
     are made (``CpuBinder.stale``). ``error``: what preparing an expert raised inside a
-    native step (``Experts.select_kernel``), raised when the step ends."""
+    native step (``Experts.step_records``), raised when the step ends."""
 
     def __init__(self) -> None:
         self.quantised = ActivationScratch()
@@ -71,9 +71,9 @@ class Experts:
     for the dense equivalent; ``calls`` counts the calls (both counted in ``_read``, which
     the native ``select_experts`` kernel adds to as well).
 
-    A one-token step's call can run as native records: a job bound once
-    (``bind_one_token``) whose experts a native kernel names (``select_kernel``), calling
-    back into Python to prepare one not used before."""
+    A small step's call (a few tokens: decoding) can run as native records
+    (``step_records``): a job bound once whose experts a native kernel names, calling back
+    into Python to prepare one not used before."""
 
     def __init__(
         self,
@@ -102,9 +102,9 @@ class Experts:
     def calls(self) -> int:
         return int(self._read[1])
 
-    def one_token_native(self) -> bool:
-        """Whether a one-token step compiled now runs natively (``bind_one_token``): once
-        a JIT expert is prepared; until then the step waits for one (``ExpertScratch``)."""
+    def native_steps(self) -> bool:
+        """Whether a small step compiled now runs natively (``step_records``): once a JIT
+        expert is prepared; until then the step waits for one (``ExpertScratch``)."""
         if self._grouped is None and self._scratch.waiting_since is None:
             self._scratch.waiting_since = self._scratch.grouped
         return self._grouped is not None
@@ -127,18 +127,7 @@ class Experts:
                     self._scratch.grouped += 1
         return mm
 
-    def bind_one_token(self, x: np.ndarray, out: np.ndarray) -> BoundGemv:
-        """A one-token step's call (``x`` [1, K] or [1, top_k * K], ``out`` [1, top_k * N])
-        as a job bound for a compiled step, its experts named per step by
-        ``select_kernel``'s (``one_token_native`` first)."""
-        assert self._grouped is not None, "no JIT expert prepared yet"
-        _, n, k_in = self.shape
-        top_k = out.shape[1] // n
-        x_rows = x.reshape(-1, k_in)
-        x_first = np.arange(top_k) if len(x_rows) == top_k else np.zeros(top_k, np.int64)
-        return self._grouped.bind_gemv(x_rows, x_first, out.reshape(-1, n), np.arange(top_k))
-
-    def one_token_records(
+    def step_records(
         self,
         x: np.ndarray,
         route: np.ndarray,
@@ -146,28 +135,29 @@ class Experts:
         bias: np.ndarray | None,
         backend: backends.Backend,
     ) -> tuple[list[tuple[int, int, int, int, int]], tuple]:
-        """A one-token step's call as native records (``one_token_native`` first): a
-        kernel naming the route's experts (``select_kernel``) in a job bound once
-        (``bind_one_token``), then their biases' kernel; and what the records point into
-        (kept by the caller)."""
-        bound = self.bind_one_token(x, out)
-        kernels = [self.select_kernel(route, bound, backend)]
-        records = kernels[0].records() + bound.records
+        """A small step's call (``x`` [T, K] or [T, top_k K], ``route`` [T, 2 top_k],
+        ``out`` [T, top_k N]; ``native_steps`` first) as native records, and what they
+        point into (kept by the caller): a kernel naming each (token, slot) pair's expert
+        (prepared, called back, when first used) in a grouped job bound once, a one-row
+        group per pair, then the experts' biases. (Pairs of one expert read its weights
+        once each: a few tokens' pairs rarely share one, and grouping them is Python.)"""
+        _, n, k_in = self.shape
+        top_k = route.shape[1] // 2
+        pairs = np.arange(out.size // n)  # f = t * top_k + j
+        x_rows = x.reshape(-1, k_in)
+        x_first = pairs if len(x_rows) == len(pairs) else pairs // top_k
+        bound = self._grouped.bind_gemv(x_rows, x_first, out.reshape(-1, n), pairs)
+        kernels = [
+            elementwise.select_experts(
+                bound.weights, route, self._weights, self._read, self._miss, backend=backend
+            )
+        ]
         if bias is not None:
-            rows = out.reshape(-1, self.shape[1])
+            rows = out.reshape(-1, n)
             kernels.append(elementwise.expert_bias(rows, bias, route, backend=backend))
-            records += kernels[1].records()
+        records = kernels[0].records() + bound.records
+        records += [r for kernel in kernels[1:] for r in kernel.records()]
         return records, (bound, *kernels)
-
-    def select_kernel(
-        self, route: np.ndarray, bound: BoundGemv, backend: backends.Backend
-    ) -> elementwise.BoundKernel:
-        """The native kernel naming a one-token ``route``'s experts in ``bound``: slot j's
-        group is expert ``route[0, j]``'s matmul, prepared (called back) when first used."""
-        read, miss = self._read, self._miss
-        return elementwise.select_experts(
-            bound.weights, route, self._weights, read, miss, backend=backend
-        )
 
     def _prepared_at(self, e: int) -> int:
         """Expert ``e`` prepared (from native code): its weights' address. What that

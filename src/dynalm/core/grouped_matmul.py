@@ -127,8 +127,8 @@ class GroupedMatmul:
         for a, width in ((x, self.n_cols), (y, self.n_rows)):
             if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
                 raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")
-        if n > self._n:
-            raise ValueError(f"{n} groups, made for at most {self._n}")
+        if n > blocks.n:
+            raise ValueError(f"{n} groups, made for at most {blocks.n}")
         threads = self.threads if QuantMatmul.parallel(n * self._weight_bytes) else 1
         calls: list[tuple[int, int, int, int, int]] = []
         if self.mode == "auto":

@@ -241,38 +241,51 @@ def _build_moe_route(
     k.ret()
 
 
-def _build_select_experts(module: Module, n_experts: int, stride: int) -> None:
-    """A one-token route's experts into a grouped matmul's argument blocks:
-    ``weights[j * stride] = table[route[j]]`` for each of the ``count`` slots (an id
-    clamped to the experts), ``miss(e)`` giving the address where the table holds 0 (an
-    expert not prepared yet: the caller prepares it); then ``counter += (count, 1)``
-    (experts read, calls)."""
-    k, count, (weights, route, table, counter, miss) = _kernel(module, "select_experts")
+def _pairs(
+    k: Kernel, rows: ir.Value, top_k: int, n_experts: int, route: ir.Value, body: Callable
+) -> None:
+    """``body(f, e)`` for each (token t, slot j) of a route ``[rows, 2 top_k]``: f = t
+    top_k + j, e = the slot's expert id (clamped to the experts)."""
 
-    def slot(j: ir.Value) -> None:
-        e = k.convert(k.load(F32, k.index(route, j, F32), 0, 4), I64)
-        e = k.smin(k.smax(e, 0), n_experts - 1)
+    def token(t: ir.Value) -> None:
+        def slot(j: ir.Value) -> None:
+            e = k.load(F32, k.index(route, k.add(k.mul(t, 2 * top_k), j), F32), 0, 4)
+            e = k.smin(k.smax(k.convert(e, I64), 0), n_experts - 1)
+            body(k.add(k.mul(t, top_k), j), e)
+
+        k.loop(0, top_k, 1, slot)
+
+    k.loop(0, rows, 1, token)
+
+
+def _build_select_experts(module: Module, n_experts: int, top_k: int, stride: int) -> None:
+    """A small step's experts into a grouped matmul's argument blocks, a group per (token,
+    slot) pair f: ``weights[f * stride] = table[e]``, e the pair's expert in the route
+    ``[count, 2 top_k]``, ``miss(e)`` giving the address where the table holds 0 (an
+    expert not prepared yet: the caller prepares it); then ``counter += (pairs, 1)``
+    (experts read, calls)."""
+    k, rows, (weights, route, table, counter, miss) = _kernel(module, "select_experts")
+
+    def pair(f: ir.Value, e: ir.Value) -> None:
         address = k.var(k.load(I64, k.index(table, e, I64), 0, 8))
         unknown = k.b.icmp_signed("==", address.get(), k.i64(0))
         k.branch(unknown, lambda: address.set(k.call_at(miss, I64, e)))
-        k.store(address.get(), k.index(weights, k.mul(j, stride), I64), 0, 8)
+        k.store(address.get(), k.index(weights, k.mul(f, stride), I64), 0, 8)
 
-    k.loop(0, count, 1, slot)
-    for i, step in enumerate((count, k.i64(1))):
+    _pairs(k, rows, top_k, n_experts, route, pair)
+    for i, step in enumerate((k.mul(rows, top_k), k.i64(1))):
         word = k.index(counter, i, I64)
         k.store(k.add(k.load(I64, word, 0, 8), step), word, 0, 8)
     k.ret()
 
 
-def _build_expert_bias(module: Module, width: int, n_experts: int) -> None:
-    """A one-token step's expert biases: row j of ``out`` += row ``route[j]`` of ``bias``
-    ([n_experts, width]; an id clamped to the experts) for each of the ``count`` slots."""
-    k, count, (out, bias, route) = _kernel(module, "expert_bias")
+def _build_expert_bias(module: Module, width: int, n_experts: int, top_k: int) -> None:
+    """A small step's expert biases: row f of ``out`` ([count top_k, width]) += row e of
+    ``bias`` ([n_experts, width]), e pair f's expert in the route ``[count, 2 top_k]``."""
+    k, rows, (out, bias, route) = _kernel(module, "expert_bias")
 
-    def slot(j: ir.Value) -> None:
-        e = k.convert(k.load(F32, k.index(route, j, F32), 0, 4), I64)
-        source = k.mul(k.smin(k.smax(e, 0), n_experts - 1), width)
-        base = k.mul(j, width)
+    def pair(f: ir.Value, e: ir.Value) -> None:
+        base, source = k.mul(f, width), k.mul(e, width)
 
         def add(i: ir.Value, w: int) -> None:
             at = k.add(base, i)
@@ -280,7 +293,7 @@ def _build_expert_bias(module: Module, width: int, n_experts: int) -> None:
 
         k.lanes(k.i64(0), k.i64(width), k.target.lanes, add)
 
-    k.loop(0, count, 1, slot)
+    _pairs(k, rows, top_k, n_experts, route, pair)
     k.ret()
 
 

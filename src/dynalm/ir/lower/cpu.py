@@ -75,9 +75,16 @@ class _Kernels:
         return [r for kernel in self._kernels for r in kernel.records()]
 
 
+# Steps of up to this many tokens run their expert matmuls as native records, a GEMV per
+# (token, slot) pair (``Experts.step_records``): decoding, a few sequences at once or a
+# speculative draft's verification; longer ones group the pairs by expert from Python.
+NATIVE_EXPERT_TOKENS = 4
+
+
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
-    compiled one-token step: native records (``Experts.one_token_records``)."""
+    compiled step of up to ``NATIVE_EXPERT_TOKENS``: native records (bound once per step
+    shape: ``Experts.step_records``)."""
 
     def __init__(
         self,
@@ -89,22 +96,24 @@ class _ExpertMatmul:
     ) -> None:
         self._experts, self._views, self._bias, self._backend = experts, views, bias, backend
         self._x, self._route, self._o = operands
-        self._native: list[tuple[int, int, int, int, int]] | None = None
-        self._keep: tuple = ()  # what the native records point into
+        # per step size: the native records and what they point into
+        self._native: dict[int, tuple[list[tuple[int, int, int, int, int]], tuple]] = {}
 
     def __call__(self) -> None:
         v = self._views
         self._experts(v[self._x], v[self._route], v[self._o], self._bias)
 
     def records(self) -> list[tuple[int, int, int, int, int]] | None:
-        """A one-token step's native calls (None: a step run from Python)."""
+        """A small step's native calls (None: a step run from Python)."""
         v = self._views
-        if len(v[self._x]) != 1:
+        tokens = len(v[self._x])
+        if tokens > NATIVE_EXPERT_TOKENS:
             return None
-        if self._native is None and self._experts.one_token_native():
+        if tokens not in self._native and self._experts.native_steps():
             operands = (v[self._x], v[self._route], v[self._o], self._bias, self._backend)
-            self._native, self._keep = self._experts.one_token_records(*operands)
-        return self._native
+            self._native[tokens] = self._experts.step_records(*operands)
+        found = self._native.get(tokens)
+        return None if found is None else found[0]
 
 
 class CpuBinder(Binder):
