@@ -19,7 +19,7 @@ import numpy as np
 
 from dynalm.core import elementwise
 from dynalm.core.cpu_ops import route_ids
-from dynalm.core.grouped_matmul import BoundGemv, GroupedMatmul
+from dynalm.core.grouped_matmul import GroupedMatmul
 from dynalm.core.matmul import ActivationScratch, QuantMatmul
 from dynalm.kernel import backends
 
