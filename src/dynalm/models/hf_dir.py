@@ -236,7 +236,7 @@ class HFDirectory:
 
     def _native_mxfp4(self) -> bool:
         """A released gpt-oss's ``quantization_config`` (quant_method mxfp4): its experts'
-        blocks and scales are read as GGUF MXFP4 blocks (`hf_gpt_oss`), no repack."""
+        blocks and scales are read as GGUF MXFP4 blocks (`hf_gpt_oss`), not dequantised."""
         qc = self.config.get("quantization_config")
         return self.arch == "gpt-oss" and isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"
 
