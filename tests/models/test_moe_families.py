@@ -7,8 +7,10 @@ writes it (`tiny_models`):
 * a 64-token greedy continuation in ``exact`` is transformers' ``generate``'s, token for token;
 * ``dynalm check`` passes on each family's ``.lum``, alone and against its file;
 * the same model as a ``save_pretrained`` directory (one SafeTensors matrix per expert) runs
-  on the same graph, its experts stacked without a copy (gpt-oss's directory is refused,
-  naming what is missing);
+  on the same graph, its experts stacked without a copy (gpt-oss's stacks, gate and up
+  interleaved, made one expert at a time in the converter's layout); gpt-oss's released
+  layout too (MXFP4 blocks and scales, packed here from the format's definition, checked
+  against transformers' dequantiser, read as GGUF MXFP4 blocks);
 * a file whose experts disagree with its metadata is refused, naming what is wrong.
 """
 
@@ -19,10 +21,13 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from gguf_edit import Layout, V, value
+from safetensors.numpy import load_file, save_file
 from test_families import reference_logits
 from tiny_models import (
     EOS_ID,
@@ -40,7 +45,8 @@ from transformers import PreTrainedModel
 
 from dynalm.core import pool
 from dynalm.core.cpu_device import CpuDevice
-from dynalm.errors import DynaError, UnsupportedModel
+from dynalm.core.quant import QUANT_FORMATS
+from dynalm.errors import DynaError, ModelFormatError, UnsupportedModel
 from dynalm.models.arch import check_file, family_file
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine.engine import Engine
@@ -212,48 +218,157 @@ def test_check_passes_on_the_family_file(case: Case) -> None:
     assert summary.endswith("nodes") and f"{case.path}: a graph of " in summary
 
 
-# the families hf_dir maps from SafeTensors; gpt-oss is refused (the test after this one)
-FROM_SAFETENSORS = [f for f in MOE if f != "gpt-oss"]
+def _matches_transformers(case: Case, model: LoadedModel) -> None:
+    """The directory's model gives transformers' logits (within the bound, top-1 equal, in
+    safe and exact), its tokens transformers' experts, and the GGUF's shapes."""
+    assert model.hparams.arch == gguf_arch(case.spec)
+    for name, info in case.model.gguf.tensors.items():
+        assert model.gguf.tensors[name].shape == info.shape, name
+    want = reference_logits(case.reference, IDS)
+    for mode in ("safe", "exact"):
+        got = _generator(model, mode).forward(IDS, all_logits=True)
+        ratio = np.abs(got - want) / forward_bound(case.spec.n_layers, K_MAX, logit_scale(want))
+        assert ratio.max() <= 1, f"{mode}: {ratio.max():.3g} of the bound"
+        assert (got.argmax(1) == want.argmax(1)).all()
+    routes = dynalm_routes(model, "exact", IDS)
+    k = case.reference.config.num_experts_per_tok
+    for route, (_, experts, _) in zip(routes, reference_routes(case.reference, IDS), strict=True):
+        assert (route[:, :k] == experts).all()
 
 
-@pytest.mark.parametrize("case", FROM_SAFETENSORS, indirect=True)
+@pytest.mark.parametrize("case", MOE, indirect=True)
 def test_safetensors_directory_matches_transformers(case: Case, tmp_path: Path) -> None:
     path = write_hf_dir(case.reference, tmp_path / case.spec.family)
     model = load_model(path)
     try:
-        assert model.hparams.arch == gguf_arch(case.spec)
         gate = model.gguf.tensors["blk.1.ffn_gate_exps.weight"]
-        assert gate.shape == case.model.gguf.tensors["blk.1.ffn_gate_exps.weight"].shape
         stacked = model.gguf.raw("blk.1.ffn_gate_exps.weight")
         one = stacked[3]  # expert 3 alone: a view of its own tensor in the file
-        assert not one.flags.owndata and one.shape == (gate.shape[1], 4 * gate.shape[2])
+        assert one.shape == (gate.shape[1], 4 * gate.shape[2])
+        if case.spec.family != "gpt-oss":  # (whose gate, every other column of its
+            assert not one.flags.owndata  # gate_up_proj transposed, is made: a copy)
         np.testing.assert_array_equal(np.asarray(stacked)[3], one)
-        want = reference_logits(case.reference, IDS)
-        for mode in ("safe", "exact"):
-            got = _generator(model, mode).forward(IDS, all_logits=True)
-            ratio = np.abs(got - want) / forward_bound(case.spec.n_layers, K_MAX, logit_scale(want))
-            assert ratio.max() <= 1, f"{mode}: {ratio.max():.3g} of the bound"
-            assert (got.argmax(1) == want.argmax(1)).all()
-        routes = dynalm_routes(model, "exact", IDS)
-        k = case.reference.config.num_experts_per_tok
-        for route, (_, experts, _) in zip(
-            routes, reference_routes(case.reference, IDS), strict=True
-        ):
-            assert (route[:, :k] == experts).all()
+        _matches_transformers(case, model)
     finally:
         model.gguf.close()
 
 
-def test_a_gpt_oss_directory_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
-    path = write_hf_dir(reference_model(SPECS["gpt-oss"]), tmp_path / "gpt-oss")
-    with pytest.raises(UnsupportedModel) as refused:
+# e2m1, MXFP4's element (OCP Microscaling spec): sign bit 3, exponent bits 2-1 (bias 1),
+# mantissa bit 0; code 0b0001 is the subnormal 0.5
+E2M1 = np.array(
+    [s * m * 2.0**e for s in (1, -1) for e, m in [(0, 0), (0, 0.5), (0, 1), (0, 1.5)]
+     + [(1, 1), (1, 1.5), (2, 1), (2, 1.5)]],
+    np.float32,
+)  # fmt: skip
+E2M1_EMAX = 2  # the largest element's exponent (6 = 1.5 * 2**2)
+
+
+def mxfp4_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` ``[..., n]`` as the released checkpoints' MXFP4 ``(blocks [..., n/32, 16],
+    scales [..., n/32])``, by the spec: a block's shared scale is ``2**(floor(log2(amax)) -
+    emax)`` (an e8m0 byte, bias 127), each element the nearest e2m1 of ``x / scale``, packed
+    two a byte, element 2j in the low nibble."""
+    x = w.reshape(*w.shape[:-1], -1, 32).astype(np.float32)
+    amax = np.abs(x).max(-1)
+    assert (amax > 0).all(), "an all-zero block: no exponent"
+    exponent = np.floor(np.log2(amax)) - E2M1_EMAX
+    # (C order: safetensors' save_file writes an array's buffer as it lies in memory)
+    scales = np.ascontiguousarray(exponent + 127, np.uint8)
+    codes = np.abs(x[..., None] / 2.0 ** exponent[..., None, None] - E2M1).argmin(-1)
+    blocks = (codes[..., 0::2] | codes[..., 1::2] << 4).astype(np.uint8)
+    return blocks, scales
+
+
+def write_mxfp4_dir(reference: PreTrainedModel, path: Path) -> Path:
+    """``reference`` as a released gpt-oss directory: its experts' stacks as MXFP4
+    ``*_blocks`` / ``*_scales`` of the ``[E, out, in]`` matrices, config.json's
+    quantization_config mxfp4; checks that transformers dequantises them to ``reference``'s
+    weights (they are MXFP4 values already: `tiny_models`)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path = write_hf_dir(reference, path)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name)  # [E, in, out]
+        blocks, scales = mxfp4_pack(w.swapaxes(1, 2))
+        back = convert_moe_packed_tensors(
+            torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+        )
+        np.testing.assert_array_equal(back.numpy(), w, err_msg=name)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("case", ["gpt-oss"], indirect=True)
+def test_a_released_gpt_oss_directory_runs_its_mxfp4_experts(case: Case, tmp_path: Path) -> None:
+    model = load_model(write_mxfp4_dir(case.reference, tmp_path / "gpt-oss-mxfp4"))
+    try:
+        mxfp4 = QUANT_FORMATS[GGMLQuantizationType.MXFP4]
+        experts = case.reference.model.layers[1].mlp.experts
+        gate_up = experts.gate_up_proj.detach().numpy().swapaxes(1, 2)  # [E, 2 ff, d]
+        want = {"gate": gate_up[:, 0::2], "up": gate_up[:, 1::2]}
+        want["down"] = experts.down_proj.detach().numpy().swapaxes(1, 2)
+        for proj, w in want.items():
+            name = f"blk.1.ffn_{proj}_exps.weight"
+            assert model.gguf.tensors[name].ggml_type == GGMLQuantizationType.MXFP4
+            raw = np.asarray(model.gguf.raw(name)).reshape(-1, mxfp4.type_size)
+            # GGUF MXFP4 blocks as DynaLM and gguf-py read them: the weights transformers runs
+            np.testing.assert_array_equal(mxfp4.dequantize(raw).reshape(w.shape), w)
+            by_gguf = gguf.quants.dequantize(raw, GGMLQuantizationType.MXFP4)
+            np.testing.assert_array_equal(by_gguf.reshape(w.shape), w)
+        _matches_transformers(case, model)
+    finally:
+        model.gguf.close()
+
+
+# a gpt-oss directory's tensor missing or misshapen: (layout, tensor, its new shape or None
+# to drop it, what the refusal says: hf_dir's for the experts, the graph's for the others,
+# by their GGUF names)
+BROKEN = [
+    ("mxfp4", "model.layers.1.mlp.experts.down_proj_scales", None,
+     "model.safetensors: no tensor 'model.layers.1.mlp.experts.down_proj_scales' "
+     "(MXFP4 blocks and scales experts: [8, 64, 1] by config.json)"),
+    ("mxfp4", "model.layers.0.mlp.experts.gate_up_proj_blocks", (8, 32, 2, 16),
+     "model.safetensors: tensor 'model.layers.0.mlp.experts.gate_up_proj_blocks' "
+     "is U8 [8, 32, 2, 16], expected U8 [8, 64, 2, 16]"),
+    ("dense", "model.layers.2.mlp.experts.gate_up_proj", (8, 64, 62),
+     "model.safetensors: tensor 'model.layers.2.mlp.experts.gate_up_proj' "
+     "is F32 [8, 64, 62], expected F32/F16/BF16 [8, 64, 64]"),
+    ("dense", "model.layers.1.mlp.experts.gate_up_proj_bias", None,
+     "model.safetensors: no tensor 'model.layers.1.mlp.experts.gate_up_proj_bias' "
+     "(save_pretrained's experts: [8, 64] by config.json)"),
+    ("mxfp4", "model.layers.1.self_attn.sinks", None,
+     "the model has no tensor 'blk.1.attn_sinks.weight'"),
+    ("dense", "model.layers.1.self_attn.sinks", (5,),
+     "tensor 'blk.1.attn_sinks.weight' has shape [5], expected [4]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layout", "name", "shape", "message"), BROKEN, ids=[f"{b[1]}-{b[2]}" for b in BROKEN]
+)
+def test_a_gpt_oss_directory_missing_a_tensor_is_refused(
+    layout: str, name: str, shape: tuple[int, ...] | None, message: str, tmp_path: Path
+) -> None:
+    reference = reference_model(SPECS["gpt-oss"])
+    write = write_mxfp4_dir if layout == "mxfp4" else write_hf_dir
+    path = write(reference, tmp_path / layout)
+    tensors = load_file(path / "model.safetensors")
+    w = tensors.pop(name)
+    if shape is not None:
+        tensors[name] = np.resize(w, shape)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFormatError) as refused:
         load_model(path)
-    message = str(refused.value)
-    assert f"{path / 'config.json'}: model_type 'gpt_oss' is not supported from SafeTensors" in (
-        message
-    )
-    for missing in ("experts", "attention sinks", "convert_hf_to_gguf.py"):
-        assert missing in message, message
+    assert str(refused.value).startswith(str(path)), str(refused.value)
+    assert message in str(refused.value), str(refused.value)
 
 
 def test_a_directory_says_whether_the_weights_are_renormalised(tmp_path: Path) -> None:
@@ -320,3 +435,47 @@ def test_a_file_whose_experts_lie_is_refused(
     with pytest.raises(DynaError) as refused:
         load_model(lie)
     assert message in str(refused.value), str(refused.value)
+
+
+def _gpt_oss_config_edit(path: Path, edit: dict) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+
+
+def test_a_released_gpt_oss_config_gives_the_converters_keys(tmp_path: Path) -> None:
+    """gpt-oss-20b's config.json as released (transformers 4's top-level ``rope_theta`` and
+    ``rope_scaling``, YaRN's ``truncate`` false, its ``experts_per_token``) gives the keys
+    the directory's transformers 5 config gives, which are the converter's."""
+    path = write_hf_dir(reference_model(SPECS["gpt-oss"]), tmp_path / "gpt-oss")
+    with load_model(path).gguf as now:
+        want = {k: v for k, v in now.metadata.items() if k.startswith("gpt-oss.")}
+    assert want["gpt-oss.rope.scaling.type"] == "yarn"
+    assert want["gpt-oss.attention.sliding_window"] == SPECS["gpt-oss"].sliding_window
+    config = json.loads((path / "config.json").read_text())
+    yarn = {k: v for k, v in config.pop("rope_parameters").items() if k != "rope_theta"}
+    released = config | dict(rope_theta=SPECS["gpt-oss"].rope_theta, experts_per_token=2)
+    released["rope_scaling"] = yarn | {"truncate": False}
+    (path / "config.json").write_text(json.dumps(released))
+    with load_model(path).gguf as then:
+        assert {k: v for k, v in then.metadata.items() if k.startswith("gpt-oss.")} == want
+
+
+# a gpt-oss config.json's traits gpt-oss.lum (as llama.cpp's graph) fixes: (edit, refusal)
+UNLIKE = [
+    ({"swiglu_limit": 10.0}, "swiglu_limit = 10.0 is not supported (gpt-oss's 7.0"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types ['full_attention', 'full_attention'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                          "original_max_position_embeddings": 64}},
+     "YaRN's mscale not supported"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "message"), UNLIKE, ids=[next(iter(e)) for e, _ in UNLIKE])
+def test_a_gpt_oss_config_unlike_the_graph_is_refused(
+    edit: dict, message: str, tmp_path: Path
+) -> None:
+    path = write_hf_dir(reference_model(SPECS["gpt-oss"]), tmp_path / "gpt-oss")
+    _gpt_oss_config_edit(path, edit)
+    with pytest.raises(UnsupportedModel) as refused:
+        load_model(path)
+    assert f"{path / 'config.json'}: {message}" in str(refused.value), str(refused.value)

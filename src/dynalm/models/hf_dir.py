@@ -15,7 +15,9 @@ are repacked at load into Q4_0 / Q5_0 blocks (``gptq_awq``); an act-order layer 
 an ``input_perm`` index tensor, which the graph applies to its input (``gather_cols``).
 A mixture of experts' per-expert matrices (``experts.{e}.gate_proj``, ...) read as the
 converter's stacked ``[expert, rows, cols]`` tensors, each expert still a view of its own
-tensor, mapped only when a route first selects it.
+tensor, mapped only when a route first selects it. gpt-oss's stacked experts (dense, or the
+released MXFP4 blocks and scales) are made one expert at a time in the converter's layout
+(`hf_gpt_oss`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,7 @@ from gguf import GGMLQuantizationType
 from dynalm.core.quant import QUANT_FORMATS
 from dynalm.errors import ModelFormatError, ModelNotFound, UnsupportedModel, show
 from dynalm.files import read_source
-from dynalm.models import gptq_awq
+from dynalm.models import gptq_awq, hf_gpt_oss
 from dynalm.models.gguf_file import TensorInfo
 from dynalm.models.safetensors_file import SafeTensor, SafeTensorsFile
 
@@ -54,15 +57,17 @@ ARCHITECTURES: dict[str, tuple[str, gguf.MODEL_ARCH]] = {
     "qwen3_moe": ("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE),
     "olmoe": ("olmoe", gguf.MODEL_ARCH.OLMOE),
     "mixtral": ("llama", gguf.MODEL_ARCH.LLAMA),  # llama.cpp converts Mixtral as llama
+    "gpt_oss": ("gpt-oss", gguf.MODEL_ARCH.GPT_OSS),
     "bert": ("bert", gguf.MODEL_ARCH.BERT),  # an encoder: see _sentence_transformers
 }
-# families DynaLM runs from GGUF but not from SafeTensors: model_type -> what is missing
-NOT_FROM_SAFETENSORS: dict[str, str] = {
-    "gpt_oss": "gpt-oss's experts are not mapped from SafeTensors (released checkpoints store "
-    "them as MXFP4 *_blocks/*_scales, save_pretrained as [expert, in, out] stacks with gate "
-    "and up interleaved: neither is the converter's ffn_*_exps layout without a repack), nor "
-    "its attention sinks and expert biases",
-}
+# the families whose graphs read the YaRN keys (others refuse a YaRN config)
+_YARN_GRAPHS = {"gpt-oss"}
+# gpt-oss's stacked experts (`hf_gpt_oss`): (the layer's experts, the tensor)
+_GPT_OSS_EXPERTS = re.compile(
+    r"^(.+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias|_blocks|_scales)?)$"
+)
+# the row halves of gpt-oss's gate_up_proj: even rows the gate, odd the up (all: down_proj)
+_HALVES = {"gate": slice(0, None, 2), "up": slice(1, None, 2), "down": slice(None)}
 # one expert's matrix of a mixture of experts: (layer's experts, expert id, projection);
 # Mixtral's w1, w2, w3 are gate, down and up
 _EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -118,16 +123,20 @@ class _Source:
     layer: str | None = None
     perm_of: str | None = None
     experts: tuple[tuple[SafeTensorsFile, SafeTensor], ...] = ()  # one per expert, in order
+    # gpt-oss: expert e's bytes made from ``stacks`` (HF tensors ``[E, ...]``) by ``expert``
+    stacks: tuple[tuple[SafeTensorsFile, SafeTensor], ...] = ()
+    expert: Callable[[int], np.ndarray] | None = None
+    made: Callable[[], np.ndarray] | None = None  # a small tensor made on each read
 
 
 class _Experts:
     """A layer's stacked experts ``[E, N, row bytes]`` as `HFDirectory.raw` gives them:
-    ``stack[e]`` is expert e's own tensor (a view of its file), so an expert never routed
-    to is never read; ``np.asarray(stack)`` stacks them all (a copy)."""
+    ``stack[e]`` is expert e's alone (``expert(e)``: a view of its own tensor in the file,
+    or gpt-oss's made from its slice of the stack), so an expert never routed to is never
+    read; ``np.asarray(stack)`` stacks them all (a copy)."""
 
-    def __init__(self, parts: tuple[tuple[SafeTensorsFile, SafeTensor], ...], row_bytes: int):
-        self._parts, self.row_bytes = parts, row_bytes
-        self.shape = (len(parts), parts[0][1].shape[0], row_bytes)
+    def __init__(self, shape: tuple[int, int, int], expert: Callable[[int], np.ndarray]):
+        self.shape, self._expert = shape, expert
         self.dtype, self.ndim = np.dtype(np.uint8), 3
 
     def __len__(self) -> int:
@@ -135,8 +144,9 @@ class _Experts:
 
     def __getitem__(self, e: object) -> np.ndarray:
         if isinstance(e, (int, np.integer)):
-            shard, t = self._parts[e]
-            return shard.bytes(t.name).reshape(t.shape[0], self.row_bytes)
+            if not -len(self) <= e < len(self):
+                raise IndexError(f"expert {e} of {len(self)}")
+            return self._expert(int(e) % len(self))
         return np.asarray(self)[e]
 
     def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
@@ -160,7 +170,9 @@ class HFDirectory:
             self._hf = self._open_shards()
             self.arch, model_arch = self._architecture()
             example = next((n for n in self._hf if n.endswith(".qweight")), "no qweight")
-            self.quant = gptq_awq.read_quant_config(self.config, str(self.config_path), example)
+            self.quant = None
+            if not self._native_mxfp4():
+                self.quant = gptq_awq.read_quant_config(self.config, str(self.config_path), example)
             self.metadata = self._metadata()
             self.tensors: dict[str, TensorInfo] = {}
             self._sources: dict[str, _Source] = {}
@@ -214,12 +226,6 @@ class HFDirectory:
 
     def _architecture(self) -> tuple[str, gguf.MODEL_ARCH]:
         model_type = self.config.get("model_type")
-        if isinstance(model_type, str) and model_type in NOT_FROM_SAFETENSORS:
-            raise UnsupportedModel(
-                f"{self.config_path}: model_type {show(model_type)} is not supported from "
-                f"SafeTensors: {NOT_FROM_SAFETENSORS[model_type]}; convert the directory with "
-                "llama.cpp's convert_hf_to_gguf.py and run the GGUF file"
-            )
         if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             names = self.config.get("architectures")
             raise UnsupportedModel(
@@ -227,6 +233,12 @@ class HFDirectory:
                 f"({show(names)}; supported from SafeTensors: {', '.join(ARCHITECTURES)})"
             )
         return ARCHITECTURES[model_type]
+
+    def _native_mxfp4(self) -> bool:
+        """A released gpt-oss's ``quantization_config`` (quant_method mxfp4): its experts'
+        blocks and scales are read as GGUF MXFP4 blocks (`hf_gpt_oss`), not dequantised."""
+        qc = self.config.get("quantization_config")
+        return self.arch == "gpt-oss" and isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"
 
     # -- hyper-parameters ------------------------------------------------------------
     def _metadata(self) -> dict[str, Any]:
@@ -267,6 +279,8 @@ class HFDirectory:
         if kind == "linear":
             meta[f"{arch}.rope.scaling.type"] = "linear"
             meta[f"{arch}.rope.scaling.factor"] = scaling.get("factor")
+        elif kind == "yarn" and arch in _YARN_GRAPHS:
+            meta.update(hf_gpt_oss.yarn(scaling, self.config_path, arch))
         elif kind != "default":
             raise UnsupportedModel(
                 f"{self.config_path}: rope scaling {show(kind)} is not supported yet"
@@ -279,6 +293,8 @@ class HFDirectory:
         if arch == "llama":
             meta[NEOX_KEY] = True
         meta.update(self._experts_metadata())
+        if arch == "gpt-oss":
+            meta.update(hf_gpt_oss.metadata(c, self.config_path, arch))
         if arch == "bert":
             kind = c.get("position_embedding_type", "absolute")
             if kind != "absolute":
@@ -384,10 +400,16 @@ class HFDirectory:
         names = gguf.get_tensor_name_map(model_arch, n_layers)
         layers: dict[str, dict[str, str]] = {}  # quantised layer -> part -> HF name
         experts: dict[str, dict[int, str]] = {}  # stacked name -> expert id -> HF name
+        gpt_oss: dict[str, dict[str, str]] = {}  # a layer's experts -> tensor -> HF name
         for hf_name, (shard, t) in self._hf.items():
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if self.arch == "gpt-oss" and (m := _GPT_OSS_EXPERTS.match(hf_name)) is not None:
+                gpt_oss.setdefault(m[1], {})[m[2]] = hf_name
+                continue
             mapped = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's as Qwen-MoE's
+            if self.arch == "gpt-oss" and mapped.endswith(".self_attn.sinks"):
+                mapped += ".weight"  # as the converter names them
             if (m := _EXPERT.match(mapped)) is not None:
                 stacked = f"{m[1]}.{_MIXTRAL.get(m[3], m[3])}.weight"
                 experts.setdefault(stacked, {})[int(m[2])] = hf_name
@@ -411,6 +433,8 @@ class HFDirectory:
             self._add_quantised(names, stem, parts)
         for stacked, by_id in experts.items():
             self._add_experts(names, stacked, by_id)
+        for layer, parts in gpt_oss.items():
+            self._add_gpt_oss_experts(names, layer, parts)
 
     def _add(self, name: str, shape: tuple[int, ...], ggml_type: int, src: _Source) -> None:
         if name in self.tensors:
@@ -453,6 +477,73 @@ class HFDirectory:
             )
         shape = (len(parts), *first.shape)
         self._add(name, shape, _FLOAT_TYPES[first.dtype], _Source(experts=parts))
+
+    def _add_gpt_oss_experts(
+        self, names: gguf.TensorNameMap, layer: str, parts: dict[str, str]
+    ) -> None:
+        """One gpt-oss layer's experts (``layer``: ``model.layers.N.mlp.experts``; ``parts``:
+        its tensors by name, dense or MXFP4, `hf_gpt_oss`) as the converter's gate, up and
+        down stacks ``[E, out, in]`` and their biases ``[E, out]``."""
+        shard = self._hf[next(iter(parts.values()))][0]
+        packed = any(p.endswith(("_blocks", "_scales")) for p in parts)
+        want = hf_gpt_oss.expert_shapes(self.config, self.config_path, packed)
+        layout = "MXFP4 blocks and scales" if packed else "save_pretrained's"
+        extra = sorted(set(parts) - set(want))
+        if extra:
+            raise ModelFormatError(
+                f"{shard.path}: tensor {show(f'{layer}.{extra[0]}')} does not belong with "
+                f"{layout} experts ({', '.join(want)})"
+            )
+        found = {}
+        for part, shape in want.items():
+            if part not in parts:
+                raise ModelFormatError(
+                    f"{shard.path}: no tensor {show(f'{layer}.{part}')} ({layout} experts: "
+                    f"{list(shape)} by {self.config_path.name})"
+                )
+            where, t = found[part] = self._hf[parts[part]]
+            dtypes = ("U8",) if part.endswith(("_blocks", "_scales")) else tuple(_FLOAT_TYPES)
+            if t.shape != shape or t.dtype not in dtypes:
+                raise ModelFormatError(
+                    f"{where.path}: tensor {show(t.name)} is {t.dtype} {list(t.shape)}, expected "
+                    f"{'/'.join(dtypes)} {list(shape)} (by {self.config_path.name})"
+                )
+        stem = layer.rpartition(".")[0]  # model.layers.N.mlp: the converter's per-proj names
+        for proj, half in _HALVES.items():
+            source = "down_proj" if proj == "down" else "gate_up_proj"
+            name = names.get_name(f"{stem}.experts.{proj}_proj.weight", try_suffixes=(".weight",))
+            bias = names.get_name(f"{stem}.experts.{proj}_proj.bias", try_suffixes=(".bias",))
+            assert name is not None and bias is not None, f"gpt-oss's map has no {stem} {proj}"
+            b_shard, b = found[f"{source}_bias"]
+            if proj == "down":
+                self._add(bias, b.shape, _FLOAT_TYPES[b.dtype], _Source(b_shard, b))
+            else:
+                made = lambda b_shard=b_shard, b=b, half=half: np.ascontiguousarray(  # noqa: E731
+                    b_shard.array(b.name)[:, half]
+                ).view(np.uint8)
+                shape = (b.shape[0], len(range(b.shape[1])[half]))
+                self._add(bias, shape, _FLOAT_TYPES[b.dtype], _Source(made=made))
+            if packed:
+                stacks = (found[f"{source}_blocks"], found[f"{source}_scales"])
+                (bs, blocks), (ss, scales) = stacks
+                e, rows, groups, _ = blocks.shape
+                shape = (e, len(range(rows)[half]), groups * hf_gpt_oss.BLOCK)
+
+                def expert(i: int, bs=bs, blocks=blocks, ss=ss, scales=scales, half=half):
+                    b, s = bs.array(blocks.name)[i][half], ss.array(scales.name)[i][half]
+                    return hf_gpt_oss.mxfp4_rows(b, s)
+
+                self._add(name, shape, _T.MXFP4, _Source(stacks=stacks, expert=expert))
+            else:
+                ws, w = found[source]
+                e, n_in, n_out = w.shape  # each expert [in, out]: made [out, in]
+                shape = (e, len(range(n_out)[half]), n_in)
+
+                def expert(i: int, ws=ws, w=w, half=half):  # type: ignore[misc]
+                    return np.ascontiguousarray(ws.array(w.name)[i][:, half].T).view(np.uint8)
+
+                src = _Source(stacks=(found[source],), expert=expert)
+                self._add(name, shape, _FLOAT_TYPES[w.dtype], src)
 
     def _add_quantised(self, names: gguf.TensorNameMap, stem: str, parts: dict[str, str]) -> None:
         assert self.quant is not None
@@ -497,20 +588,31 @@ class HFDirectory:
         return self.arch
 
     def raw(self, name: str) -> np.ndarray:
-        """uint8 ``[*shape[:-1], row bytes]``: a view of the file, the stacked views of a
-        layer's experts (`_Experts`), or the repacked blocks of a GPTQ/AWQ layer (made on
-        each call: the device keeps its own copy)."""
+        """uint8 ``[*shape[:-1], row bytes]``: a view of the file, a layer's stacked experts
+        (`_Experts`: views, or gpt-oss's made per expert), or what is made on each call (the
+        device keeps its own copy): gpt-oss's gate and up biases, the repacked blocks of a
+        GPTQ/AWQ layer."""
         info, src = self.tensors[name], self._sources[name]
-        if src.experts:
-            row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
-            return _Experts(src.experts, row_bytes)  # type: ignore[return-value]
-        if src.tensor is not None:
-            assert src.shard is not None
-            row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
-            return src.shard.bytes(src.tensor.name).reshape(*info.shape[:-1], row_bytes)
-        if src.perm_of is not None:
+        if src.perm_of is not None:  # an index tensor: no row geometry
             perm = gptq_awq.input_perm(self._unpacked(src.perm_of).g_idx)
             return perm.view(np.uint8).reshape(-1)
+        row_bytes = QUANT_FORMATS[info.ggml_type].row_bytes(info.shape[-1])
+        if src.experts:
+            parts, n = src.experts, info.shape[1]
+
+            def expert(e: int) -> np.ndarray:
+                shard, t = parts[e]
+                return shard.bytes(t.name).reshape(n, row_bytes)
+
+            return _Experts((len(parts), n, row_bytes), expert)  # type: ignore[return-value]
+        if src.expert is not None:
+            shape = (info.shape[0], info.shape[1], row_bytes)
+            return _Experts(shape, src.expert)  # type: ignore[return-value]
+        if src.made is not None:
+            return src.made().reshape(*info.shape[:-1], row_bytes)
+        if src.tensor is not None:
+            assert src.shard is not None
+            return src.shard.bytes(src.tensor.name).reshape(*info.shape[:-1], row_bytes)
         assert src.layer is not None and self.quant is not None
         blocks = gptq_awq.repack(self._unpacked(src.layer), self.quant.ggml_type, src.layer)
         for part in gptq_awq.PARTS:  # the packed parts are read: drop their pages from RSS
@@ -549,6 +651,14 @@ class HFDirectory:
                 row_bytes = t.nbytes // n
                 first, last = max(lo - e * n, 0), min(hi - e * n, n)
                 shard.release_pages(t.offset + first * row_bytes, t.offset + last * row_bytes)
+            return
+        if src.stacks:  # gpt-oss: each touched expert's slice of the HF stacks (made copies)
+            n, n_experts = info.shape[1], info.shape[0]
+            lo, hi = rows or (0, n_experts * n)
+            for e in range(lo // n, -(-hi // n)):
+                for shard, t in src.stacks:
+                    size = t.nbytes // n_experts
+                    shard.release_pages(t.offset + e * size, t.offset + (e + 1) * size)
             return
         if src.shard is None:
             return
