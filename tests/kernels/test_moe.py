@@ -20,8 +20,8 @@ from test_matmul import activations, weights
 
 from dynalm.core import cpu_ops, elementwise, pool
 from dynalm.core.cpu_device import CpuDevice
-from dynalm.core.experts import Experts, ExpertScratch
-from dynalm.core.matmul import ActivationScratch, QuantMatmul
+from dynalm.core.experts import NATIVE_REREAD_BYTES, Experts, ExpertScratch
+from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
 from dynalm.core.quant import dequantize
 from dynalm.kernel import backends
 from tolerances import sum_bound
@@ -298,3 +298,21 @@ def test_an_expert_failing_to_prepare_inside_a_native_step_is_kept_for_the_step_
     pool.Program(records, 1)()
     assert isinstance(rows.error, ValueError) and "expert 5's scales" in str(rows.error)
     assert (out[0, N:] == 0).all() and np.isfinite(out[0, :N]).all()
+
+
+def test_small_steps_run_natively_while_their_expected_rereads_stay_small() -> None:
+    """``native_tokens``: a step's pairs beyond the distinct experts they name read an expert
+    again each; within ``NATIVE_REREAD_BYTES`` the step runs natively."""
+
+    def experts(n_experts: int, expert_bytes: int) -> Experts:
+        return Experts((n_experts, 1, 1), expert_bytes, lambda e: None, ExpertScratch())
+
+    olmoe = experts(64, 1_190_000)  # a Q4_K gate/up expert of OLMoE-1B-7B's shape
+    tokens = olmoe.native_tokens(8)
+    for t, native in ((tokens, True), (tokens + 1, False)):
+        pairs = 8 * t
+        rereads = pairs - 64 * (1 - (1 - 1 / 64) ** pairs)
+        assert (rereads * olmoe.expert_bytes <= NATIVE_REREAD_BYTES) == native
+    assert tokens == 6
+    assert experts(8, 33_000_000).native_tokens(2) == 1  # Mixtral 8x7B: one token only
+    assert experts(E, 5000).native_tokens(2) == CACHED_ROWS  # tiny experts: every cached step

@@ -75,15 +75,9 @@ class _Kernels:
         return [r for kernel in self._kernels for r in kernel.records()]
 
 
-# Steps of up to this many tokens run their expert matmuls as native records, a GEMV per
-# (token, slot) pair (``Experts.step_records``): decoding, a few sequences at once or a
-# speculative draft's verification; longer ones group the pairs by expert from Python.
-NATIVE_EXPERT_TOKENS = 4
-
-
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
-    compiled step of up to ``NATIVE_EXPERT_TOKENS``: native records (bound once per step
+    compiled step of up to ``Experts.native_tokens``: native records (bound once per step
     shape: ``Experts.step_records``)."""
 
     def __init__(
@@ -107,7 +101,7 @@ class _ExpertMatmul:
         """A small step's native calls (None: a step run from Python)."""
         v = self._views
         tokens = len(v[self._x])
-        if tokens > NATIVE_EXPERT_TOKENS:
+        if tokens > self._experts.native_tokens(v[self._route].shape[1] // 2):
             return None
         if tokens not in self._native and self._experts.native_steps():
             operands = (v[self._x], v[self._route], v[self._o], self._bias, self._backend)
