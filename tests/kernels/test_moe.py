@@ -307,12 +307,12 @@ def test_small_steps_run_natively_while_their_expected_rereads_stay_small() -> N
     def experts(n_experts: int, expert_bytes: int) -> Experts:
         return Experts((n_experts, 1, 1), expert_bytes, lambda e: None, ExpertScratch())
 
-    olmoe = experts(64, 1_190_000)  # a Q4_K gate/up expert of OLMoE-1B-7B's shape
+    olmoe = experts(64, 1_700_000)  # a Q6_K down expert of OLMoE-1B-7B's shape
     tokens = olmoe.native_tokens(8)
     for t, native in ((tokens, True), (tokens + 1, False)):
         pairs = 8 * t
         rereads = pairs - 64 * (1 - (1 - 1 / 64) ** pairs)
         assert (rereads * olmoe.expert_bytes <= NATIVE_REREAD_BYTES) == native
-    assert tokens == 6
-    assert experts(8, 33_000_000).native_tokens(2) == 1  # Mixtral 8x7B: one token only
+    assert tokens == 8  # (measured: as fast natively as grouped from Python at 8 sequences)
+    assert experts(8, 33_000_000).native_tokens(2) == 2  # Mixtral 8x7B
     assert experts(E, 5000).native_tokens(2) == CACHED_ROWS  # tiny experts: every cached step

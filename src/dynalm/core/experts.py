@@ -13,6 +13,7 @@ own matmul of that row, alone or grouped.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -26,12 +27,13 @@ from dynalm.kernel import backends
 MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, N])
 
 # A small step's (token, slot) pairs each read their expert's weights (``step_records``);
-# grouping the pairs by expert instead costs ~1 ms of Python a call (a decode step of the
-# OLMoE-shaped file, Zen 2). Steps run natively while the expected re-reads (the pairs beyond
-# the distinct experts they name) stay within this many bytes: up to 6 tokens of 64 experts
-# of 1.2 MB, top 8 (6 sequences decoding together measured 1.10-1.13x natively, 8 the same
-# either way); one token of Mixtral 8x7B's 33 MB experts (a token never repeats one).
-NATIVE_REREAD_BYTES = 16 * 2**20
+# grouping the pairs by expert instead is Python between native programs. Steps run natively
+# while the expected re-reads (the pairs beyond the distinct experts they name) stay within
+# this many bytes. Measured on the OLMoE-shaped file (64 experts of 1.2-1.7 MB, top 8; Zen
+# 2), sequences decoding together: natively 1.2-1.4x the Python grouping at 2-4 sequences,
+# 1.10-1.13x at 6, the same at 8 (about this many bytes re-read a call); so up to 8 tokens
+# there, 2 of Mixtral 8x7B's 33 MB experts.
+NATIVE_REREAD_BYTES = 40 * 2**20
 
 
 class ExpertScratch:
@@ -110,6 +112,7 @@ class Experts:
     def calls(self) -> int:
         return int(self._read[1])
 
+    @functools.cache  # noqa: B019 - a few top_k values, the object lives as long as its model
     def native_tokens(self, top_k: int) -> int:
         """The most tokens a step may hold to run natively (``NATIVE_REREAD_BYTES``): its
         T top_k pairs name about E (1 - (1 - 1/E)^(T top_k)) distinct experts of E."""

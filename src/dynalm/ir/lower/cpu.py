@@ -77,8 +77,8 @@ class _Kernels:
 
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
-    compiled step of up to ``Experts.native_tokens``: native records (bound once per step
-    shape: ``Experts.step_records``)."""
+    compiled step of up to ``Experts.native_tokens`` (the fewest of the graph's): native
+    records (bound once per step shape: ``Experts.step_records``)."""
 
     def __init__(
         self,
@@ -87,9 +87,11 @@ class _ExpertMatmul:
         operands: tuple[int, int, int],
         bias: np.ndarray | None,
         backend: backends.Backend,
+        graph_experts: list[tuple[Experts, int]],
     ) -> None:
         self._experts, self._views, self._bias, self._backend = experts, views, bias, backend
         self._x, self._route, self._o = operands
+        self._graph_experts = graph_experts  # every expert matmul's experts and top_k
         # per step size: the native records and what they point into
         self._native: dict[int, tuple[list[tuple[int, int, int, int, int]], tuple]] = {}
 
@@ -101,7 +103,9 @@ class _ExpertMatmul:
         """A small step's native calls (None: a step run from Python)."""
         v = self._views
         tokens = len(v[self._x])
-        if tokens > self._experts.native_tokens(v[self._route].shape[1] // 2):
+        # all of a step's expert matmuls natively or none: one from Python would break the
+        # step's native program anyway
+        if tokens > min(e.native_tokens(k) for e, k in self._graph_experts):
             return None
         if tokens not in self._native and self._experts.native_steps():
             operands = (v[self._x], v[self._route], v[self._o], self._bias, self._backend)
@@ -133,6 +137,7 @@ class CpuBinder(Binder):
         # up to two kernels a node (a matmul's bias and residual)
         self._blocks = np.zeros((2 * len(self.graph.nodes), elementwise.MAX_WORDS), np.int64)
         self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
+        self._graph_experts: list[tuple[Experts, int]] = []  # expert matmuls: experts, top_k
 
     def end_bind(self) -> None:
         self._per_row = np.array([per_row for per_row, _ in self._counted], np.int64)
@@ -315,7 +320,10 @@ class CpuBinder(Binder):
         experts = self.prepare(w[0], "experts")
         bias = self.prepare(w[1], "vector") if len(w) > 1 else None
         if self._native:  # grouped by expert, each expert's JIT matmul over its rows
-            return _ExpertMatmul(experts, v, (x, route, o), bias, self._backend)
+            self._graph_experts.append((experts, int(node.args[1].type.shape[1]) // 2))
+            return _ExpertMatmul(
+                experts, v, (x, route, o), bias, self._backend, self._graph_experts
+            )
         shape = experts.shape
         return lambda: cpu_ops.expert_matmul(v[o], v[x], v[route], experts.matmul, shape, bias)
 
