@@ -313,6 +313,6 @@ def test_small_steps_run_natively_while_their_expected_rereads_stay_small() -> N
         pairs = 8 * t
         rereads = pairs - 64 * (1 - (1 - 1 / 64) ** pairs)
         assert (rereads * olmoe.expert_bytes <= NATIVE_REREAD_BYTES) == native
-    assert tokens == 8  # (measured: as fast natively as grouped from Python at 8 sequences)
+    assert tokens == 7  # (measured: 8 sequences ran 0.96-0.98x natively, 6 1.08x)
     assert experts(8, 33_000_000).native_tokens(2) == 2  # Mixtral 8x7B
     assert experts(E, 5000).native_tokens(2) == CACHED_ROWS  # tiny experts: every cached step

@@ -30,10 +30,10 @@ MatmulFn = Callable[[np.ndarray, np.ndarray], None]  # (x [rows, K], out [rows, 
 # grouping the pairs by expert instead is Python between native programs. Steps run natively
 # while the expected re-reads (the pairs beyond the distinct experts they name) stay within
 # this many bytes. Measured on the OLMoE-shaped file (64 experts of 1.2-1.7 MB, top 8; Zen
-# 2), sequences decoding together: natively 1.2-1.4x the Python grouping at 2-4 sequences,
-# 1.10-1.13x at 6, the same at 8 (about this many bytes re-read a call); so up to 8 tokens
-# there, 2 of Mixtral 8x7B's 33 MB experts.
-NATIVE_REREAD_BYTES = 40 * 2**20
+# 2; `benchmarks/batched_decode.py`), sequences decoding together natively against grouped
+# from Python: 1.2-1.4x at 2-4 sequences, 1.08x at 6, 0.96-0.98x at 8 (~40 MB re-read a
+# call); so up to 7 tokens there, 2 of Mixtral 8x7B's 33 MB experts.
+NATIVE_REREAD_BYTES = 32 * 2**20
 
 
 class ExpertScratch:
