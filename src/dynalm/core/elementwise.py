@@ -233,6 +233,13 @@ def bias(
     return _bind("bias", backend, {"width": width}, rows, (out, x, b), block)
 
 
+def _route_top_k(route: np.ndarray, n_rows: int | None = None) -> int:
+    """A route's slots: it must be float32 ``[T, 2 top_k]`` (ids, then weights)."""
+    width = check("route", route, np.float32, (n_rows, None)).shape[1]
+    require(width > 0 and width % 2 == 0, f"route of {width} columns: not ids then weights")
+    return width // 2
+
+
 def combine(
     out: np.ndarray,
     y: np.ndarray,
@@ -244,8 +251,7 @@ def combine(
     """A mixture's ``moe_combine``: ``out [T, N]`` = the slots of ``y [T, top_k * N]``
     weighted by ``route [T, 2 top_k]``'s weights, added in slot order."""
     n_rows, width = check("out", out, np.float32, (None, None)).shape
-    top_k = check("route", route, np.float32, (n_rows, None)).shape[1] // 2
-    require(top_k > 0 and route.shape[1] == 2 * top_k, f"route of {route.shape[1]} columns")
+    top_k = _route_top_k(route, n_rows)
     check("y", y, np.float32, (n_rows, top_k * width))
     return _bind(
         "combine", backend, {"width": width, "top_k": top_k}, n_rows, (out, y, route), block
@@ -298,8 +304,7 @@ def select_experts(
     slot) pair of ``route [T, 2 top_k]``: a grouped matmul's argument blocks) from
     ``table`` (int64 [E]: each expert's weights' address, 0 where ``miss(e)`` (a ``MISS``,
     kept alive by the caller) gives it); ``counter`` (int64 [2]) += (T top_k, 1)."""
-    n_rows, width2 = check("route", route, np.float32, (None, None)).shape
-    top_k = width2 // 2
+    n_rows, top_k = len(route), _route_top_k(route)
     pairs = n_rows * top_k
     column = weights.dtype == np.int64 and weights.shape == (pairs,) and weights.strides[0] >= 8
     require(column, f"weights: an int64 column of {pairs}, got {weights.dtype} {weights.shape}")
@@ -319,8 +324,7 @@ def expert_bias(
 ) -> BoundKernel:
     """A small step's expert matmul's biases: ``out [T top_k, N]`` row f += ``bias [E, N]``
     row e, e the expert of (token, slot) pair f in ``route [T, 2 top_k]``."""
-    n_rows, width2 = check("route", route, np.float32, (None, None)).shape
-    top_k = width2 // 2
+    n_rows, top_k = len(route), _route_top_k(route)
     n_experts, width = check("bias", bias, np.float32, (None, None)).shape
     check("out", out, np.float32, (n_rows * top_k, width))
     params = {"width": width, "n_experts": n_experts, "top_k": top_k}

@@ -41,8 +41,8 @@ class ExpertScratch:
     per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
     per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto).
 
-    ``grouped`` counts the grouped matmuls its experts made (a compiled one-token step runs
-    an expert matmul natively once it has one); ``waiting_since`` that count when a step
+    ``grouped`` counts the grouped matmuls its experts made (a compiled small step runs an
+    expert matmul natively once it has one); ``waiting_since`` that count when a step
     was compiled without one (else None): the executor compiles its steps again once more
     are made (``CpuBinder.stale``). ``error``: what preparing an expert raised inside a
     native step (``Experts.step_records``), raised when the step ends."""
@@ -169,18 +169,16 @@ class Experts:
         pairs = np.arange(out.size // n)  # f = t * top_k + j
         x_rows = x.reshape(-1, k_in)
         x_first = pairs if len(x_rows) == len(pairs) else pairs // top_k
-        bound = self._grouped.bind_gemv(x_rows, x_first, out.reshape(-1, n), pairs)
-        kernels = [
-            elementwise.select_experts(
-                bound.weights, route, self._weights, self._read, self._miss, backend=backend
-            )
-        ]
+        y_rows = out.reshape(-1, n)
+        bound = self._grouped.bind_gemv(x_rows, x_first, y_rows, pairs)
+        select = elementwise.select_experts(
+            bound.weights, route, self._weights, self._read, self._miss, backend=backend
+        )
+        records, keep = select.records() + bound.records, (bound, select)
         if bias is not None:
-            rows = out.reshape(-1, n)
-            kernels.append(elementwise.expert_bias(rows, bias, route, backend=backend))
-        records = kernels[0].records() + bound.records
-        records += [r for kernel in kernels[1:] for r in kernel.records()]
-        return records, (bound, *kernels)
+            add = elementwise.expert_bias(y_rows, bias, route, backend=backend)
+            records, keep = records + add.records(), (*keep, add)
+        return records, keep
 
     def _prepared_at(self, e: int) -> int:
         """Expert ``e`` prepared (from native code): its weights' address. What that

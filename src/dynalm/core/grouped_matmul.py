@@ -77,7 +77,6 @@ class GroupedMatmul:
         # x's quantisation, its activation slots' addresses per row count (valid while
         # the scratch's buffer stays where it was: generation)
         self._quantised, self._bases, self._generation = quantised, {}, quantised.generation
-        self._n = n_groups
         # per row count: the cover's first tile (address, rows) and second (address,
         # first row, rows; address 0: none), grown as larger groups come
         self._cover = np.zeros((0, 5), np.int64)
@@ -113,7 +112,6 @@ class GroupedMatmul:
         self,
         blocks: _Blocks,
         weights: np.ndarray | int,
-        n: int,
         x: np.ndarray,
         x_bases: np.ndarray | int,
         x_first: np.ndarray,
@@ -121,12 +119,13 @@ class GroupedMatmul:
         y: np.ndarray,
         y_first: np.ndarray,
     ) -> list[tuple[int, int, int, int, int]]:
-        """Fill ``blocks`` for ``n`` groups of ``weights``; the job's calls (kind, kernel
-        index, args, total, chunk): auto's quantiser of ``x`` into ``x_bases``, then the
-        grouped program."""
+        """Fill ``blocks`` for the groups (one per ``x_first``) of ``weights``; the job's
+        calls (kind, kernel index, args, total, chunk): auto's quantiser of ``x`` into
+        ``x_bases``, then the grouped program."""
         for a, width in ((x, self.n_cols), (y, self.n_rows)):
             if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
                 raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")
+        n = len(x_first)
         if n > blocks.n:
             raise ValueError(f"{n} groups, made for at most {blocks.n}")
         threads = self.threads if QuantMatmul.parallel(n * self._weight_bytes) else 1
@@ -172,8 +171,8 @@ class GroupedMatmul:
         (``counts`` None: one row each); ``weights``: the groups' repacked weights'
         addresses (``QuantMatmul.weights``), ``x`` C-contiguous float32 [R, K] (every row
         some group's), ``y`` [., N]."""
-        n, blocks = len(weights), self._blocks
-        calls = self._plan(blocks, weights, n, x, self._x_bases(x), x_first, counts, y, y_first)
+        blocks = self._blocks
+        calls = self._plan(blocks, weights, x, self._x_bases(x), x_first, counts, y, y_first)
         run_calls(self._kernels, self.threads, calls)
 
     def bind_gemv(
@@ -189,7 +188,7 @@ class GroupedMatmul:
             else np.array([_at(v) for v in own.views(len(x), self.n_cols)], np.int64)
         )
         blocks = _Blocks(self.n_rows, self._stride, len(x_first), self._nb)
-        calls = self._plan(blocks, 0, len(x_first), x, bases, x_first, None, y, y_first)
+        calls = self._plan(blocks, 0, x, bases, x_first, None, y, y_first)
         address = self._kernels.address
         records = [(kind, address(k), *rest) for kind, k, *rest in calls]
         return BoundGemv(blocks, records, own)

@@ -29,16 +29,6 @@ import numpy as np
 from dynalm.errors import ModelFormatError, UnsupportedModel, show
 
 BLOCK = 32  # MXFP4 elements per block (one scale byte)
-# a layer's expert tensors (under ``model.layers.N.mlp.experts.``) in each layout
-DENSE = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-PACKED = (
-    "gate_up_proj_blocks",
-    "gate_up_proj_scales",
-    "gate_up_proj_bias",
-    "down_proj_blocks",
-    "down_proj_scales",
-    "down_proj_bias",
-)
 # llama.cpp's graph hard-codes its clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE), as gpt-oss.lum
 SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 # the YaRN fields gpt-oss.lum reads (as the converter's keys); others are refused by name

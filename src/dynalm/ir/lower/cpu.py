@@ -306,7 +306,8 @@ class CpuBinder(Binder):
         reference = getattr(cpu_ops, node.op)  # silu, gelu_tanh, tanh: the op's own name
         return lambda: reference(v[o], v[args[0]])
 
-    # -- mixture of experts: data-dependent rows, so Python calls between native programs
+    # -- mixture of experts: the route and combine native; the expert matmuls native in a
+    # small step (``_ExpertMatmul``), else grouped by expert from Python (data-dependent rows)
     def _moe_route(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
         a = node.attrs
