@@ -1,7 +1,7 @@
 """``GroupedMatmul``: several experts' matmuls as one pool job, each group's rows bitwise its
 own ``QuantMatmul``'s product of the same rows (ragged groups, a group of no rows, groups
-of one row read and written in place), in exact and auto, on one thread and split over
-two (the experts' weights above the pool's split threshold)."""
+of one row read and written in place, rows gathered by ``gather``), in exact and auto, on
+one thread and split over two (the experts' weights above the pool's split threshold)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def address(a: np.ndarray) -> int:
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 def test_groups_are_bitwise_their_own_matmuls(ggml_type: T, mode: str, threads: int) -> None:
     mms, _ = experts(ggml_type, mode, threads)
-    grouped = GroupedMatmul(mms[0], E, ActivationScratch())
+    grouped = GroupedMatmul(mms[0], E, ActivationScratch(), ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms], np.int64)
     # ragged counts (1, 5, 64 rows; tiles with a GEMV or a smaller tile beside them), a
     # group of no rows, the groups in any expert order
@@ -47,12 +47,43 @@ def test_groups_are_bitwise_their_own_matmuls(ggml_type: T, mode: str, threads: 
             assert np.array_equal(alone, y[a : a + c]), (counts.tolist(), e)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", ["exact", "auto"])
+def test_gathered_rows_are_the_copied_rows(mode: str, threads: int) -> None:
+    """``gather``: a mixture's source rows in expert order, each read by several groups (a
+    token's row by each of its experts); in auto quantised once and the int8 rows copied.
+    The products are bitwise those of the fp32 rows copied first, and the quantised rows
+    (scales, sums and quants) bitwise the quantiser's of the copied rows."""
+    mms, _ = experts(T.Q4_K, mode, threads)
+    grouped = GroupedMatmul(mms[0], E, ActivationScratch(), ActivationScratch())
+    at = np.array([address(mm.weights) for mm in mms], np.int64)
+    x = activations(9, K)
+    rows = np.random.default_rng(3).integers(0, len(x), 40)
+    counts, order = np.array([11, 3, 0, 26]), np.array([4, 0, 2, 5])
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    copied = np.ascontiguousarray(x[rows])
+    out = np.empty_like(copied)
+    gathered = grouped.gather(x, rows, out)
+    y = np.full((len(rows), N), np.nan, np.float32)
+    grouped(at[order], gathered, first, counts, y, first)
+    scratch = ActivationScratch()  # another job quantises the copied fp32 rows
+    other = GroupedMatmul(mms[0], E, scratch, ActivationScratch())
+    expected = np.full_like(y, np.nan)
+    other(at[order], copied, first, counts, expected, first)
+    assert np.array_equal(y, expected)
+    if mode == "exact":
+        assert gathered is out and np.array_equal(out, copied)
+    else:
+        for mine, theirs in zip(gathered, scratch.views(len(rows), K), strict=True):
+            assert np.array_equal(mine, theirs)
+
+
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 def test_one_row_each_read_and_written_in_place(mode: str) -> None:
     """A decode step's call (``counts`` None): group g reads x's row ``x_first[g]`` and
     writes y's row ``y_first[g]``, wherever they lie; rows no group names stay untouched."""
     mms, _ = experts(T.Q8_0, mode, 2)
-    grouped = GroupedMatmul(mms[0], E, ActivationScratch())
+    grouped = GroupedMatmul(mms[0], E, ActivationScratch(), ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms], np.int64)
     x = activations(3, K)
     y = np.full((7, N), np.nan, np.float32)
@@ -65,7 +96,7 @@ def test_one_row_each_read_and_written_in_place(mode: str) -> None:
 
 def test_refuses_what_it_cannot_run() -> None:
     mms, _ = experts(T.Q8_0, "exact", 1)
-    grouped = GroupedMatmul(mms[0], 2, ActivationScratch())
+    grouped = GroupedMatmul(mms[0], 2, ActivationScratch(), ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms[:3]], np.int64)
     one = np.zeros(3, np.int64)
     y = np.empty((3, N), np.float32)
@@ -80,7 +111,8 @@ def test_a_shared_quantisation_scratch_that_moves() -> None:
     a call of a row count seen before quantises into the new buffer, not the freed one."""
     mms, _ = experts(T.Q8_0, "auto", 1)
     scratch = ActivationScratch()
-    first, other = GroupedMatmul(mms[0], E, scratch), GroupedMatmul(mms[0], E, scratch)
+    sources = ActivationScratch()
+    first, other = (GroupedMatmul(mms[0], E, scratch, sources) for _ in range(2))
     at = np.array([address(mm.weights) for mm in mms], np.int64)
     rows = np.arange(3)
     for grouped, x in ((first, activations(3, K)), (other, activations(64, K)), (first, None)):

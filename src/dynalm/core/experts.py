@@ -39,7 +39,8 @@ NATIVE_REREAD_BYTES = 32 * 2**20
 class ExpertScratch:
     """A call's (token, slot) rows gathered in expert order and their products: one buffer
     per executor (expert matmuls run one at a time), grown, never shrunk; its views cached
-    per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto).
+    per (rows, K, N). ``quantised``: the gathered rows' int8 quantisation (auto), made by
+    copying the rows of ``sources``, the quantisation of the rows they are gathered from.
 
     ``grouped`` counts the grouped matmuls its experts made (a compiled small step runs an
     expert matmul natively once it has one); ``waiting_since`` that count when a step
@@ -48,7 +49,7 @@ class ExpertScratch:
     native step (``Experts.step_records``), raised when the step ends."""
 
     def __init__(self) -> None:
-        self.quantised = ActivationScratch()
+        self.quantised, self.sources = ActivationScratch(), ActivationScratch()
         self.grouped = 0
         self.waiting_since: int | None = None
         self.error: BaseException | None = None
@@ -146,7 +147,10 @@ class Experts:
             if isinstance(mm, QuantMatmul):
                 self._weights[e] = mm.weights.__array_interface__["data"][0]
                 if self._grouped is None:
-                    self._grouped = GroupedMatmul(mm, self.shape[0], self._scratch.quantised)
+                    scratch = self._scratch
+                    self._grouped = GroupedMatmul(
+                        mm, self.shape[0], scratch.quantised, scratch.sources
+                    )
                     self._scratch.grouped += 1
         return mm
 
@@ -234,11 +238,12 @@ class Experts:
         _, n, k_in = self.shape
         xs, ys = self._scratch.views(len(pairs), k_in, n)
         # (native row copies: numpy's take and fancy assignment ran 1.4-4.5x slower)
-        elementwise.rows(xs, x_rows, source)()
         if self._grouped is not None:  # one job for all
             counts = np.diff(starts, append=len(pairs))
-            self._grouped(self._weights[by_expert[starts]], xs, starts, counts, ys, starts)
+            rows = self._grouped.gather(x_rows, source, xs)
+            self._grouped(self._weights[by_expert[starts]], rows, starts, counts, ys, starts)
         else:  # formats without a JIT kernel: one expert's matmul at a time
+            elementwise.rows(xs, x_rows, source)()
             ends = [*starts[1:].tolist(), len(pairs)]
             for a, b in zip(starts.tolist(), ends, strict=True):
                 self.matmul(int(by_expert[a]))(xs[a:b], ys[a:b])

@@ -6,14 +6,18 @@ weight into consecutive rows of ``y`` (from ``y_first[g]``). Each group runs the
 own ``QuantMatmul`` would run for that many rows (``MatmulKernels.cover``), so its
 products are bitwise that matmul's; the ``grouped`` program (``kernel.matmul_programs``)
 hands every piece of the job's virtual rows to its group's tile, so one barrier serves all
-the groups. ``auto`` quantises ``x`` once for all of them. The groups' argument blocks are
-rows of preallocated arrays, written by vectorised numpy per call (no Python per group).
+the groups. ``auto`` quantises ``x`` once for all of them, or takes rows quantised already:
+``gather`` quantises a mixture's source rows once (a token's row, read by each of its
+top-k experts, once instead of top-k times) and copies the quantised rows into expert order
+(a quarter to a half of the fp32 rows' bytes). The groups' argument blocks are rows of
+preallocated arrays, written by vectorised numpy per call (no Python per group).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from dynalm.core import elementwise
 from dynalm.core.matmul import (
     _X_SLOTS,
     ActivationScratch,
@@ -22,13 +26,28 @@ from dynalm.core.matmul import (
     kind_of,
     run_calls,
 )
-from dynalm.kernel.matmul_programs import A_LDY, A_NB, A_T, A_W, A_Y, KEY_SUMS, N_ARGS
+from dynalm.kernel.matmul_programs import (
+    A_LDY,
+    A_NB,
+    A_T,
+    A_W,
+    A_Y,
+    KEY_SUMS,
+    N_ARGS,
+    ROW_OVERREAD,
+)
 
 _WORD = 8  # bytes of an argument block's word
 
 
 def _at(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
+
+
+def _float_rows(a: np.ndarray) -> np.ndarray:
+    """A quantised part's rows as float32 words (each row a multiple of 4 bytes), for the
+    row copy kernel: its loads and stores move the bits unchanged."""
+    return a.reshape(len(a), -1).view(np.float32)
 
 
 class _Blocks:
@@ -44,9 +63,13 @@ class _Blocks:
         self.table[:2] = n_rows, stride
         self.qargs = np.zeros(N_ARGS, np.int64)
         self.qargs[A_NB] = nb
-        self.table_at, self.qargs_at = _at(self.table), _at(self.qargs)
+        self.table_at = _at(self.table)
         self.arg_at = np.arange(2 * n_groups) * (N_ARGS * _WORD) + _at(self.args)
         self.pair_at = np.arange(n_groups) * (4 * _WORD) + _at(self.pairs)
+
+
+# The quantised rows of ``x`` (``ActivationScratch.views``): what ``gather`` makes in auto.
+Quantised = tuple[np.ndarray, ...]
 
 
 class GroupedMatmul:
@@ -54,9 +77,16 @@ class GroupedMatmul:
     and threads; their weights given per call by address) as one job; ``auto`` quantises
     x in ``quantised`` (its own: its rows, a row per (token, slot), can outnumber the
     step's tokens the matmuls' shared scratch is reserved for; shared by an executor's
-    grouped matmuls, which run one at a time)."""
+    grouped matmuls, which run one at a time), and ``gather``'s source rows in
+    ``sources``."""
 
-    def __init__(self, like: QuantMatmul, n_groups: int, quantised: ActivationScratch) -> None:
+    def __init__(
+        self,
+        like: QuantMatmul,
+        n_groups: int,
+        quantised: ActivationScratch,
+        sources: ActivationScratch,
+    ) -> None:
         self._kernels, self.mode = like.kernels, like.mode
         self.n_rows, self.n_cols, self.threads = like.n_rows, like.n_cols, like.threads
         self._weight_bytes = like.weights.nbytes
@@ -77,6 +107,9 @@ class GroupedMatmul:
         # x's quantisation, its activation slots' addresses per row count (valid while
         # the scratch's buffer stays where it was: generation)
         self._quantised, self._bases, self._generation = quantised, {}, quantised.generation
+        self._sources = sources
+        self._quantiser = np.zeros(N_ARGS, np.int64)  # ``gather``'s quantiser block
+        self._quantiser[A_NB] = nb
         # per row count: the cover's first tile (address, rows) and second (address,
         # first row, rows; address 0: none), grown as larger groups come
         self._cover = np.zeros((0, 5), np.int64)
@@ -108,11 +141,50 @@ class GroupedMatmul:
             bases = self._bases[rows] = np.array([_at(v) for v in views], np.int64)
         return bases
 
+    def _quantise(
+        self, q: np.ndarray, x: np.ndarray, bases: np.ndarray, threads: int
+    ) -> tuple[int, int, int, int, int]:
+        """The record quantising ``x``'s rows into the activation slots at ``bases``,
+        its argument block ``q``."""
+        rows = len(x)
+        q[self._slots], q[A_Y], q[A_T] = bases, _at(x), rows
+        return kind_of(threads, self._kernels.quantize, _at(q), rows, -(-rows // threads))
+
+    def _threads(self, n_groups: int) -> int:
+        return self.threads if QuantMatmul.parallel(n_groups * self._weight_bytes) else 1
+
+    def gather(self, x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray | Quantised:
+        """``x``'s rows ``rows``, in that order, as a job's ``x``: in exact copied into
+        ``out`` (float32 [len(rows), K]); in auto, ``x`` quantised once (into ``sources``)
+        and its quantisation's rows copied: the bytes the job would make of the copied
+        fp32 rows (the quantiser works row by row), without quantising a row once per
+        copy. The quantised rows are valid until the next ``gather`` or call."""
+        if self.mode == "exact":
+            elementwise.rows(out, x, rows)()
+            return out
+        self._check("x", x, self.n_cols)
+        source = self._sources.views(len(x), self.n_cols)
+        bases = np.array([_at(v) for v in source], np.int64)
+        threads = self._threads(1)
+        run_calls(self._kernels, threads, [self._quantise(self._quantiser, x, bases, threads)])
+        n = len(rows)
+        gathered = self._quantised.views(n + ROW_OVERREAD, self.n_cols)
+        for into, of in zip(gathered, source, strict=True):  # as float32 rows: bit copies
+            elementwise.rows(_float_rows(into[:n]), _float_rows(of), rows)()
+        for a in gathered[1:]:  # the tiles' overread rows: zero scales, as the quantiser's
+            a[n:] = 0
+        return tuple(a[:n] for a in gathered)
+
+    @staticmethod
+    def _check(what: str, a: np.ndarray, width: int) -> None:
+        if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
+            raise ValueError(f"{what}: expected C-contiguous float32 [., {width}], got {a.shape}")
+
     def _plan(
         self,
         blocks: _Blocks,
         weights: np.ndarray | int,
-        x: np.ndarray,
+        x: np.ndarray | Quantised,
         x_bases: np.ndarray | int,
         x_first: np.ndarray,
         counts: np.ndarray | None,
@@ -121,20 +193,20 @@ class GroupedMatmul:
     ) -> list[tuple[int, int, int, int, int]]:
         """Fill ``blocks`` for the groups (one per ``x_first``) of ``weights``; the job's
         calls (kind, kernel index, args, total, chunk): auto's quantiser of ``x`` into
-        ``x_bases``, then the grouped program."""
-        for a, width in ((x, self.n_cols), (y, self.n_rows)):
-            if a.dtype != np.float32 or a.shape[1:] != (width,) or not a.flags.c_contiguous:
-                raise ValueError(f"expected C-contiguous float32 [., {width}], got {a.shape}")
+        ``x_bases`` (none for rows quantised already), then the grouped program."""
+        if isinstance(x, tuple):
+            if x[0].dtype != np.int8 or x[0].shape[1:] != (self.n_cols,):
+                raise ValueError(f"x: expected the quantised rows of [., {self.n_cols}]")
+        else:
+            self._check("x", x, self.n_cols)
+        self._check("y", y, self.n_rows)
         n = len(x_first)
         if n > blocks.n:
             raise ValueError(f"{n} groups, made for at most {blocks.n}")
-        threads = self.threads if QuantMatmul.parallel(n * self._weight_bytes) else 1
+        threads = self._threads(n)
         calls: list[tuple[int, int, int, int, int]] = []
-        if self.mode == "auto":
-            q, rows = blocks.qargs, len(x)
-            q[self._slots], q[A_Y], q[A_T] = x_bases, _at(x), rows
-            chunk = -(-rows // threads)
-            calls.append(kind_of(threads, self._kernels.quantize, blocks.qargs_at, rows, chunk))
+        if self.mode == "auto" and not isinstance(x, tuple):
+            calls.append(self._quantise(blocks.qargs, x, x_bases, threads))
         args, table = blocks.args[:n], blocks.table[2 : 2 + 2 * n].reshape(n, 2)
         base = self._base
         base[self._slots], base[A_Y] = x_bases, _at(y)
@@ -161,7 +233,7 @@ class GroupedMatmul:
     def __call__(
         self,
         weights: np.ndarray,
-        x: np.ndarray,
+        x: np.ndarray | Quantised,
         x_first: np.ndarray,
         counts: np.ndarray | None,
         y: np.ndarray,
@@ -170,9 +242,13 @@ class GroupedMatmul:
         """Group g: ``y[y_first[g] + i] = x[x_first[g] + i] @ W_g^T`` for i < counts[g]
         (``counts`` None: one row each); ``weights``: the groups' repacked weights'
         addresses (``QuantMatmul.weights``), ``x`` C-contiguous float32 [R, K] (every row
-        some group's), ``y`` [., N]."""
+        some group's) or, in auto, rows quantised by ``gather``; ``y`` [., N]."""
         blocks = self._blocks
-        calls = self._plan(blocks, weights, x, self._x_bases(x), x_first, counts, y, y_first)
+        if isinstance(x, tuple):
+            bases = np.array([_at(v) for v in x], np.int64)
+        else:
+            bases = self._x_bases(x)
+        calls = self._plan(blocks, weights, x, bases, x_first, counts, y, y_first)
         run_calls(self._kernels, self.threads, calls)
 
     def bind_gemv(
