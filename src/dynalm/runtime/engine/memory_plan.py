@@ -105,8 +105,9 @@ def activation_bytes(graph: Graph, max_tokens: int) -> int:
         default=0,
     )
     scratch = max_tokens * widest * (1 + 12 / 32)  # int8 quants + 3 fp32 per 32-block
-    # the experts' gathered rows (fp32 and their int8 quantisation) and their products:
-    # a row per (token, slot) (core.experts)
+    # the experts' gathered rows and their products, a row per (token, slot) (core.experts):
+    # at most fp32 rows and products (exact), or products and two int8 quantisations (auto:
+    # the source rows' and the gathered rows', ``GroupedMatmul.gather``)
     experts = max(
         (
             n.args[1].type.row_width // 2 * (4 * (rows + cols) + cols * (1 + 36 / 32))
