@@ -425,3 +425,120 @@ def test_split_k_prefill_equals_decode_of_each_token():
         at = slice(t, t + 1)
         alone = attend(decode, positions[at].copy(), q[at], k[at], v[at], *geometry)
         assert np.array_equal(alone, together[at])
+
+
+# A prefill step of tiles and tokens alone: 29 tokens at 241..269 (across the first CHUNK
+# edge: 15 and 14 tokens, a tile and the rest alone on each side), a whole 21-token prompt,
+# a decode token and a 9-token prompt; on 8 pages of 16 each but the decode's.
+TILED = [
+    ([*range(0, 17)], 270, 29),
+    ([17, 18], 21, 21),
+    ([19, 20, 21], 40, 1),
+    ([22], 9, 9),
+]
+
+
+def test_work_order_puts_whole_tiles_after_the_tokens_alone():
+    from dynalm.core.attention import work_order
+    from dynalm.kernel.attention_program import TILE
+
+    _, batch, positions, *_ = ragged_step("f16", TILED, n_pages=24)
+    seq_of = batch.kernel_tables[1]
+    order, singles, tiles = work_order(batch.query_start, seq_of, positions)
+    assert TILE == 8 and (singles, tiles) == (20, 5)
+    assert sorted(order) == list(range(len(seq_of)))
+    runs = order[singles:].reshape(tiles, TILE)
+    assert (np.diff(runs, axis=1) == 1).all()  # consecutive tokens, of one sequence,
+    assert (seq_of[runs] == seq_of[runs[:, :1]]).all()
+    at = positions[runs]  # at consecutive positions within one chunk of keys
+    assert (np.diff(at, axis=1) == 1).all() and (at // 256 == at[:, :1] // 256).all()
+    assert [int(positions[t]) for t in runs[:, 0]] == [241, 256, 0, 8, 0]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 32), (9, 3, 64), (4, 2, 128)]
+)
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks", "window"])
+def test_tiled_prefill_gives_each_token_what_it_gets_alone(
+    dtype: str, heads: int, kv_heads: int, head_dim: int, variant: str
+):
+    """A prefill's tiles (a work item of several consecutive query tokens, each key and
+    value loaded once for all of them, each query masking the keys past its own) give each
+    token bitwise what a step of that token alone gives (its chunks split over 2
+    threads): MHA, groups of 4 (a tile's item of 4 tokens x 2 heads) and of 3 (8 tokens x 1
+    head), f32 and f16 pages, with a score cap or sinks; a window runs each token alone.
+    All within the numpy reference's budget."""
+    scale, window = 0.3, 37 if variant == "window" else 0
+    cap = 2.0 if variant == "softcap" else 0.0
+    sinks = np.linspace(-3.0, 3.0, heads).astype(np.float32) if variant == "sinks" else None
+    geometry = (heads, kv_heads, head_dim, scale, window)
+    how = {"softcap": cap, "sinks": sinks}
+    pool, batch, positions, q, k, v = ragged_step(
+        dtype, TILED, 3, heads, kv_heads, head_dim, n_pages=24
+    )
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry, **how)
+    together = attend(batch, positions, q, k, v, *geometry, 2, **how)
+    bound = attention_bound(pool, *tables(batch), q, heads, head_dim, scale, cap, sinks)
+    assert_close(together, ref, bound)
+    starts = np.cumsum([0] + [n for *_, n in TILED])
+    for s, (pages, n_ctx, n_new) in enumerate(TILED):  # the pool now holds every key
+        for t in range(starts[s], starts[s + 1]):
+            n = n_ctx - n_new + t - starts[s] + 1
+            alone = AttentionBatch(
+                batch.kv, np.array([0, 1]), np.array([n]), [np.array(pages)], batch.slots[t : t + 1]
+            )
+            at = slice(t, t + 1)
+            got = attend(alone, positions[at].copy(), q[at], k[at], v[at], *geometry, 2, **how)
+            assert np.array_equal(got, together[at]), t
+
+
+@pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
+def test_tiles_on_every_backend_compute_the_same(backend: backends.Backend):
+    """The tiles' walk, like the rest of the program, lowers to the same float order on
+    every backend and twin: a step of tiles bitwise the selected backend's, on one thread
+    (``run``) and on two (``items`` and ``tiles`` split over the pool)."""
+    geometry = (8, 2, 32, 0.3, 0)
+    _, batch, positions, q, k, v = ragged_step("f16", TILED, 4, 8, 2, 32, n_pages=24)
+    expected = attend(batch, positions, q, k, v, *geometry, 2)
+    for threads in (1, 2):
+        _, batch, *_ = ragged_step("f16", TILED, 4, 8, 2, 32, n_pages=24)
+        out = attend(batch, positions, q, k, v, *geometry, threads, backend=runnable(backend))
+        assert np.array_equal(out, expected)
+
+
+def test_a_plan_kept_for_a_token_count_runs_any_step_of_that_count():
+    """The executor keeps a step's native records while its token count stays: a plan made
+    for a prompt of 16 (two tiles) runs a step of 16 other tokens (a tile and 8 alone)
+    exactly as that step's own plan does, the kernels taking each step's work from its
+    block."""
+    from dynalm.core import pool as native
+
+    seqs = [([0], 16, 16), ([1, 2, 3], 40, 11), ([4], 5, 5)]
+    kv_pool, batch, positions, q, k, v = ragged_step("f16", seqs, 6)
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0, 2)
+
+    def part(rows: slice, at: slice) -> tuple:
+        starts = batch.query_start[at.start : at.stop + 1] - rows.start
+        sub = AttentionBatch(
+            kv_pool.storage, starts, batch.seq_lens[at], batch.page_tables[at], batch.slots[rows]
+        )
+        return sub, positions[rows].copy(), q[rows], k[rows], v[rows]
+
+    steps = [part(slice(0, 16), slice(0, 1)), part(slice(16, 32), slice(1, 3))]
+    expected = [attend(*step, *geometry) for step in steps]
+    layout = StepLayout()
+    buffers = [
+        np.zeros((16, w), np.float32) for w in (q.shape[1], q.shape[1], k.shape[1], k.shape[1])
+    ]
+    out, *qkv = buffers
+    att = PagedAttention(layout, 0, *geometry, out, *qkv)
+    program = None
+    for (sub, at, *values), want in zip(steps, expected, strict=True):
+        layout.set(sub, at)
+        for buffer, x in zip(qkv, values, strict=True):
+            buffer[:] = x
+        program = program or native.Program(att.records(), 2)
+        program()
+        assert np.array_equal(out, want)

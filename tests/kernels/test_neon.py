@@ -56,9 +56,15 @@ K = 256  # every format's blocks fit (K-quants: 256 per super-block)
 T_ROWS = (1, 5)  # the GEMV and the GEMM bucket (a ragged 4-row tile)
 QEMU_CPU = {"aarch64-neon-dotprod": "neoverse-n1", "aarch64-neon": "cortex-a72"}
 AARCH64 = [backends.NEON_DOTPROD, backends.NEON]
-ATTENTION_DTYPES = ("f32", "f16", "q8_0")
 ATTENTION_SEQS = [([3, 7, 1], 40, 5), ([5, 9], 17, 1), ([2], 1, 1)]
 GEOMETRY = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 5, 1)  # window 5, one thread
+# Per dtype its step and geometry: f16 pages without a window and with a prompt of 13
+# tokens, so a tile of 8 (``tiles``) besides 5 tokens alone.
+ATTENTION_STEPS = {
+    "f32": (ATTENTION_SEQS, GEOMETRY),
+    "f16": ([([3, 7, 1], 40, 13), *ATTENTION_SEQS[1:]], (*GEOMETRY[:4], 0, 1)),
+    "q8_0": (ATTENTION_SEQS, GEOMETRY),
+}
 POOL_REPEATS = 20
 
 
@@ -135,7 +141,7 @@ _ATTN_POINTERS = [
 ]  # fmt: skip
 _STEP_POINTERS = [
     attention.S_PAGES, attention.S_SEQ_OF, attention.S_POS, attention.S_SLOTS,
-    attention.S_FIRST_ROW, attention.S_RECENT_ROW, attention.S_RECENT_FROM,
+    attention.S_FIRST_ROW, attention.S_RECENT_ROW, attention.S_RECENT_FROM, attention.S_ORDER,
 ]  # fmt: skip
 
 
@@ -148,22 +154,22 @@ def _attention_calls(h: Harness, b: backends.Backend, run: Run) -> None:
     ``PagedAttention`` fills it (bound to the host's generic kernel), every address in it
     moved to the arena."""
     arena = h.arena
-    for dtype in ATTENTION_DTYPES:
-        ref_pool, batch, positions, q, k, v = ragged_step(dtype, ATTENTION_SEQS)
+    for dtype, (seqs, geometry) in ATTENTION_STEPS.items():
+        ref_pool, batch, positions, q, k, v = ragged_step(dtype, seqs)
         ref = np.zeros_like(q)
-        cpu_ops.attention(ref, q, k, v, positions, batch, 0, *GEOMETRY[:-1])
-        host = attend(batch, positions, q, k, v, *GEOMETRY, backend=backends.GENERIC)
+        cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry[:-1])
+        host = attend(batch, positions, q, k, v, *geometry, backend=backends.GENERIC)
         bound = attention_bound(ref_pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125)
-        ours, batch, *_ = ragged_step(dtype, ATTENTION_SEQS)
+        ours, batch, *_ = ragged_step(dtype, seqs)
         step = StepLayout()
         step.set(batch, positions)
         out = np.full_like(q, np.nan)
-        att = PagedAttention(step, 0, *GEOMETRY, out, q, k, v, backend=backends.GENERIC)
+        att = PagedAttention(step, 0, *geometry, out, q, k, v, backend=backends.GENERIC)
         ((kind, _, args_at, *_),) = att.records()  # binds the pages: one PLAIN "run" call
         assert kind == pool.PLAIN
         kv = batch.kv
         stores = [kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_recent, kv.v_recent]
-        for a in [q, k, v, out, positions, batch.slots, *batch.kernel_tables]:
+        for a in [q, k, v, out, positions, batch.slots, *batch.kernel_tables, step.order]:
             arena.mirror(a)
         for arrays in stores:
             if arrays:
@@ -266,7 +272,7 @@ def test_matmuls_match_reference_and_auto_is_bitwise_the_hosts(emulated) -> None
 
 def test_attention_matches_numpy_and_the_host(emulated) -> None:
     _, run = emulated
-    for dtype in ATTENTION_DTYPES:
+    for dtype in ATTENTION_STEPS:
         out, ours, ref_pool, ref, bound, host = run.attention[dtype]
         assert_close(out, ref, bound)
         assert_same_pages(ours, ref_pool)  # the step's k/v stored as PagePool.write does

@@ -38,6 +38,7 @@ from dynalm.kernel.attention_program import (
     A_SINKS,
     A_SLICES,
     A_STEP,
+    A_TILED,
     A_V,
     A_V_NEW,
     A_V_STRIDE,
@@ -45,13 +46,15 @@ from dynalm.kernel.attention_program import (
     A_VS,
     A_WINDOW,
     ATTENTION,
+    CHUNK,
     FUNCTIONS,
     N_ARGS,
     N_STEP,
     S_PARTS,
-    item_heads,
+    TILE,
     parts_bytes,
     supported,
+    work_items,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +99,29 @@ def check_layout(batch: AttentionBatch, n: int) -> None:
         require(recent_rows.min() >= 0 and end <= g.recent_shape[0], "a recent buffer outside")
 
 
+def work_order(
+    query_start: np.ndarray, seq_of: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, int, int]:
+    """The step's tokens in work order: those that run alone, then tiles of ``TILE``
+    consecutive tokens of a sequence at consecutive positions within one ``CHUNK`` of keys
+    (so, without a window, each query of a tile has as many split-K chunks); and the
+    counts of both. Each run of such tokens makes as many whole tiles as it holds. A step
+    of no sequence with a tile's tokens (a decode) costs a few microseconds."""
+    n = len(seq_of)
+    if n < TILE or np.diff(query_start).max() < TILE:
+        return np.arange(n, dtype=np.int64), n, 0
+    p = positions[:n]
+    breaks = np.ones(n, bool)
+    breaks[1:] = (seq_of[1:] != seq_of[:-1]) | (p[1:] != p[:-1] + 1) | (p[1:] % CHUNK == 0)
+    starts = np.flatnonzero(breaks)
+    run = np.cumsum(breaks) - 1
+    lengths = np.diff(starts, append=n)
+    tiled = np.arange(n) - starts[run] < (lengths - lengths % TILE)[run]
+    order = np.concatenate([np.flatnonzero(~tiled), np.flatnonzero(tiled)])
+    n_tiled = int(np.count_nonzero(tiled))
+    return order, n - n_tiled, n_tiled // TILE
+
+
 class StepLayout:
     """Where a step's tokens go, as every layer's kernel reads it: one block set per step."""
 
@@ -104,6 +130,7 @@ class StepLayout:
         self.address = _addr(self._block)
         self.kv: HostKVStorage | None = None
         self.tokens = 0
+        self.order = np.zeros(0, np.int64)  # the tokens in work order (``work_order``)
         self._arrays: tuple[np.ndarray, ...] = ()
         self._parts = np.zeros(0, np.float32)
 
@@ -123,9 +150,11 @@ class StepLayout:
         check("positions", positions, np.int64, (None,))
         require(len(positions) >= n, f"{len(positions)} positions for {n} tokens")
         check_layout(batch, n)
-        self._arrays = (pages, seq_of, positions, slots, *per_seq)  # alive while kernels run
-        words = (n, _addr(pages), pages.shape[1], _addr(seq_of), _addr(positions), _addr(slots))
-        self._block[:S_PARTS] = (*words, *map(_addr, per_seq))
+        self.order, singles, tiles = work_order(batch.query_start, seq_of, positions)
+        arrays = (pages, seq_of, positions, slots, *per_seq, self.order)
+        self._arrays = arrays  # alive while kernels run
+        words = (n, _addr(pages), pages.shape[1], *map(_addr, arrays[1:]))
+        self._block[:S_PARTS] = (*words, singles, tiles)
         self.kv, self.tokens = batch.kv, n
 
 
@@ -163,9 +192,12 @@ class PagedAttention:
         )
         require(softcap >= 0, f"a score cap of {softcap}")
         self._step, self._layer, self._softcap = step, layer, float(softcap)
+        self._window = window
         self._backend = backend or backends.select()
         self._geometry = (n_heads, n_kv_heads, head_dim)
-        self._per_token = n_heads // item_heads(n_heads // n_kv_heads)
+        self._per_token, self._per_tile = (
+            work_items(n_heads, n_kv_heads, tiled) for tiled in (False, True)
+        )
         self._threads = threads if pool.available() else 1
         self._rows = len(out)
         check("out", out, np.float32, (self._rows, n_heads * head_dim))
@@ -230,29 +262,35 @@ class PagedAttention:
             rows = None if name.endswith("recent") else slots
             array = check(f"KV {name}[{layer}]", arrays[layer], dtype, (rows, *inner))
             self._args[at] = _addr(array)
+        # a tile's queries share their keys' start and segments: no window, no recent keys
+        self._args[A_TILED] = self._window == 0 and not kv.recent
         self._kv = kv
 
     def _plan(self) -> list[tuple[int, int, int, int, int]]:
         """Bind the step's KV storage; this step's calls as ``pool.Program`` records (valid
         while the step's token count and KV storage stay the same). One thread: ``run``.
-        With two items per thread or more, the items split over the pool. Fewer (a decode
+        With two items per thread or more, the items split over the pool: those of the tokens
+        alone, then (where the layer has tiles) those of the tiles, each launch over as many
+        rows as the step's tokens can make, the kernels doing the step's own (from its
+        block: the records stay valid while the token count does). Fewer (a decode
         step: a T=1 decode of 3 items gains at most 1.5x from items alone): split-K,
         ``4 x threads`` slices an item (the pool's guided grabs even out a long item's
         chunks; a short context's items are one slice each), then ``merge``."""
         if self._step.kv is not self._kv:
             self._bind_kv(self._step.kv)
         require(self._step.tokens <= self._rows, f"{self._step.tokens} tokens in {self._rows} rows")
-        items, threads, fns, ptr = (
-            self._step.tokens * self._per_token,
-            self._threads,
-            self._fns,
-            self._ptr,
-        )
+        step, threads, fns, ptr = self._step, self._threads, self._fns, self._ptr
         if threads == 1:
             return [(pool.PLAIN, fns["run"], ptr, 0, 0)]
         records = [(pool.PLAIN, fns["write"], ptr, 0, 0)]
+        items = step.tokens * self._per_token
         if items >= 2 * threads:
-            records.append((pool.SPLIT, fns["items"], ptr, items, max(1, items // (4 * threads))))
+            work = [("items", items)]
+            if self._args[A_TILED]:
+                work.append(("tiles", step.tokens // TILE * self._per_tile))
+            for kind, n in work:
+                if n:
+                    records.append((pool.SPLIT, fns[kind], ptr, n, max(1, n // (4 * threads))))
         else:
             slices = self._args[A_SLICES] = 4 * threads
             n_heads, n_kv_heads, head_dim = self._geometry

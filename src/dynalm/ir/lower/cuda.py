@@ -323,7 +323,9 @@ class CudaBinder(Binder):
             self._context.copy_in(copy, host, offset)
         copy, offset = self.device.device_view(positions)
         pages, seq_of, *per_seq = batch.kernel_tables
-        arrays = [pages, seq_of, np.ascontiguousarray(batch.slots, np.int64), *per_seq]
+        order = np.arange(n, dtype=np.int64)  # each token alone: the device runs no tiles
+        slots = np.ascontiguousarray(batch.slots, np.int64)
+        arrays = [pages, seq_of, slots, *per_seq, order]
         packed = np.concatenate([a.ravel() for a in arrays]).astype(np.int64, copy=False)
         if self._arena is None or packed.nbytes > self._arena.nbytes:
             if self._arena is not None:
@@ -336,7 +338,8 @@ class CudaBinder(Binder):
             n, starts[0], pages.shape[1], starts[1]
         )  # fmt: skip
         words[P.S_POS], words[P.S_SLOTS] = copy.ptr + offset, starts[2]
-        words[[P.S_FIRST_ROW, P.S_RECENT_ROW, P.S_RECENT_FROM]] = starts[3:6]
+        words[[P.S_FIRST_ROW, P.S_RECENT_ROW, P.S_RECENT_FROM, P.S_ORDER]] = starts[3:7]
+        words[P.S_SINGLES] = n
         words[P.S_PARTS] = self._parts.ptr if self._parts is not None else 0
         self._context.copy_in(self._step, words)
         self._kv = batch.kv
