@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from test_matmul import activations, weights
 
-from dynalm.core.grouped_matmul import GroupedMatmul
+from dynalm.core.grouped_matmul import QUANTISED_GATHER_ROWS, GroupedMatmul
 from dynalm.core.matmul import ActivationScratch, QuantMatmul
 
 # N not a multiple of a row group (each group's virtual rows are padded to whole ones);
@@ -47,19 +47,21 @@ def test_groups_are_bitwise_their_own_matmuls(ggml_type: T, mode: str, threads: 
             assert np.array_equal(alone, y[a : a + c]), (counts.tolist(), e)
 
 
+@pytest.mark.parametrize("n", [40, QUANTISED_GATHER_ROWS + 32])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mode", ["exact", "auto"])
-def test_gathered_rows_are_the_copied_rows(mode: str, threads: int) -> None:
+def test_gathered_rows_are_the_copied_rows(mode: str, threads: int, n: int) -> None:
     """``gather``: a mixture's source rows in expert order, each read by several groups (a
-    token's row by each of its experts); in auto quantised once and the int8 rows copied.
-    The products are bitwise those of the fp32 rows copied first, and the quantised rows
-    (scales, sums and quants) bitwise the quantiser's of the copied rows."""
+    token's row by each of its experts); in auto, from ``QUANTISED_GATHER_ROWS`` rows,
+    quantised once and the int8 rows copied, else the fp32 rows copied. The products are
+    bitwise those of the fp32 rows copied first, and quantised rows (scales, sums and
+    quants) bitwise the quantiser's of the copied rows."""
     mms, _ = experts(T.Q4_K, mode, threads)
     grouped = GroupedMatmul(mms[0], E, ActivationScratch(), ActivationScratch())
     at = np.array([address(mm.weights) for mm in mms], np.int64)
     x = activations(9, K)
-    rows = np.random.default_rng(3).integers(0, len(x), 40)
-    counts, order = np.array([11, 3, 0, 26]), np.array([4, 0, 2, 5])
+    rows = np.random.default_rng(3).integers(0, len(x), n)
+    counts, order = np.array([11, 3, 0, n - 14]), np.array([4, 0, 2, 5])
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
     copied = np.ascontiguousarray(x[rows])
     out = np.empty_like(copied)
@@ -71,7 +73,7 @@ def test_gathered_rows_are_the_copied_rows(mode: str, threads: int) -> None:
     expected = np.full_like(y, np.nan)
     other(at[order], copied, first, counts, expected, first)
     assert np.array_equal(y, expected)
-    if mode == "exact":
+    if grouped.copies_fp32(n):
         assert gathered is out and np.array_equal(out, copied)
     else:
         for mine, theirs in zip(gathered, scratch.views(len(rows), K), strict=True):

@@ -236,9 +236,9 @@ class Experts:
     ) -> None:
         """Experts of several rows: the rows gathered by expert, the products scattered."""
         _, n, k_in = self.shape
-        # auto gathers the int8 rows (``GroupedMatmul.gather``): no fp32 copies of its own
-        exact = self._grouped is None or self._grouped.mode == "exact"
-        xs, ys = self._scratch.views(len(pairs), k_in if exact else 0, n)
+        # large calls in auto gather int8 rows (``GroupedMatmul.gather``): no fp32 copies
+        fp32 = self._grouped is None or self._grouped.copies_fp32(len(pairs))
+        xs, ys = self._scratch.views(len(pairs), k_in if fp32 else 0, n)
         # (native row copies: numpy's take and fancy assignment ran 1.4-4.5x slower)
         if self._grouped is not None:  # one job for all
             counts = np.diff(starts, append=len(pairs))
