@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_matmul import VECTOR_BACKENDS, runnable
 
-from dynalm.core import cpu_ops, elementwise
+from dynalm.core import cpu_ops, elementwise, pool
 from dynalm.kernel import backends
 from tolerances import U, sum_bound
 
@@ -260,6 +260,65 @@ def test_every_backend(backend: backends.Backend):
                 out, x, positions, table.cos, table.sin, head_dim, rope_dim, neox, **on
             )()
             np.testing.assert_array_equal(out, expected)
+
+
+def _split_kernels(threads: int) -> tuple[list[elementwise.BoundKernel], list[np.ndarray]]:
+    """Each row-range kernel over 64 rows (or their elements) of width 576, bound with
+    ``threads``, and the arrays they write."""
+    rows, width, top_k = 64, 576, 8
+    x, y = rand(rows, width, scale=3, seed=30), rand(rows, width, seed=31)
+    w, slots = rand(width, seed=32), rand(rows, top_k * width, seed=33)
+    logits, bias = rand(rows, 64, scale=3, seed=34), rand(64, width, seed=35)
+    table = cpu_ops.RopeTable(64, 10000.0, 1.0)
+    table.ensure(512)
+    positions = np.random.default_rng(36).integers(0, 512, rows)
+    ids = np.random.default_rng(37).permutation(rows).astype(np.int64)
+    outs = [np.full((rows, width), np.nan, np.float32) for _ in range(12)]
+    route, experts = np.empty((rows, 2 * top_k), np.float32), slots.reshape(-1, width).copy()
+    ends = np.arange(0, rows, 2, dtype=np.int64) + 1  # sequences of two rows
+    pooled = np.empty((len(ends), width), np.float32)
+    on = {"threads": threads}
+    elementwise.moe_route(route, logits, top_k, 1, True, 1.0, **on)()  # (combine's input)
+    kernels = [
+        elementwise.add(outs[0], x, y, **on),
+        elementwise.mul(outs[1], x, y, **on),
+        elementwise.scale(outs[2], x, 0.1, **on),
+        elementwise.activation(outs[3], x, "silu", **on),
+        elementwise.gated(outs[4], x, y, "silu", **on),
+        elementwise.bias(outs[5], x, w, **on),
+        elementwise.combine(outs[6], slots, route, **on),
+        elementwise.columns(outs[7], slots, 5, **on),
+        elementwise.rows(outs[8], x, ids, **on),
+        elementwise.rms_norm(outs[9], x, w, 1e-6, **on),
+        elementwise.rope(outs[10], x, positions, table.cos, table.sin, 64, 64, False, **on),
+        elementwise.l2_norm(outs[11], x, **on),
+        elementwise.moe_route(np.empty_like(route), logits, top_k, 1, True, 1.0, **on),
+        elementwise.expert_bias(experts, bias, route, **on),
+        elementwise.pool_rows(pooled, x, ends, 1, **on),
+        elementwise.layer_norm(np.empty_like(x), x, w, w, 1e-5, **on),
+        elementwise.gelu(np.empty_like(x), x, **on),
+    ]
+    written = [*outs, kernels[12].arrays[0], experts, pooled, *(k.arrays[0] for k in kernels[15:])]
+    return kernels, written
+
+
+def test_split_over_threads_is_one_threads_result():
+    """Every row-range kernel split over the pool's two threads (a row, or an element, each
+    alone): bitwise what one thread computes; and a count too small to pay for the hand-off
+    stays on the caller."""
+    alone, expected = _split_kernels(1)
+    split, got = _split_kernels(2)
+    for kernel in alone:
+        kernel()
+    for kernel in split:
+        if pool.available():
+            assert kernel.records()[0][0] == pool.SPLIT, kernel.request[1].name
+        kernel()
+    for kernel, a, b in zip(split, expected, got, strict=True):
+        np.testing.assert_array_equal(b, a, err_msg=kernel.request[1].name)
+    x = rand(4, 576, seed=38)
+    small = elementwise.rms_norm(np.empty_like(x), x, rand(576, seed=39), 1e-6, threads=2)
+    assert small.records()[0][0] == pool.RANGE  # 4 rows of 576: ~28 KB
 
 
 def test_refuses_non_contiguous_arrays():

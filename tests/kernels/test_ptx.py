@@ -101,7 +101,7 @@ def test_checker_rejects_broken_ptx(small_ptx: str, name: str) -> None:
         ptx_check.check(broken)
 
 
-SPIRV_KERNELS = [(p, s) for p, s in KERNELS if p.name in nvptx.ROW_BYTES]
+SPIRV_KERNELS = [(p, s) for p, s in KERNELS if p.name in spirv.PROGRAMS]
 
 
 @pytest.mark.parametrize("item", SPIRV_KERNELS, ids=[_id(i) for i in SPIRV_KERNELS])

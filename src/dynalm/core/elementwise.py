@@ -81,13 +81,20 @@ class BoundKernel:
         return [(pool.PLAIN, address, self._at, 0, 0)]
 
 
+# The bytes a thread must have to read and write for a split to pay for its hand-off (a
+# pool job costs a few microseconds; a thread streams ~64 KB in that time)
+SPLIT_BYTES = 1 << 16
+
+
 class RowsKernel(BoundKernel):
     """A kernel of rows ``fn(block, lo, hi)``, its rows ``[0, block[0])`` split over
-    ``threads`` of the native pool (run on the calling thread with one)."""
+    ``threads`` of the native pool when each gets two rows and ``SPLIT_BYTES`` at least
+    (``unit_bytes``: what a row of the count reads and writes); else run by the caller."""
 
-    def __init__(self, *args: object, threads: int) -> None:
+    def __init__(self, *args: object, threads: int, unit_bytes: int) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
         self.threads = threads if pool.available() else 1
+        self._least = max(2, -(-SPLIT_BYTES // max(1, unit_bytes)))  # rows a thread
         self._address = 0
 
     def _lower(self) -> Callable[..., None]:
@@ -97,10 +104,9 @@ class RowsKernel(BoundKernel):
         return self._fn
 
     def _split(self) -> tuple[int, int] | None:
-        """(rows, chunk) when the rows are split over the pool, else None: with two rows
-        per thread at least."""
+        """(rows, chunk) when the rows are split over the pool, else None."""
         rows = int(self.block[0])
-        if self.threads > 1 and rows >= 2 * self.threads:
+        if self.threads > 1 and rows >= self._least * self.threads:
             return rows, max(1, rows // (8 * self.threads))
         return None
 
@@ -137,11 +143,13 @@ def _bind(
     count: int,
     arrays: tuple[np.ndarray | ctypes._CFuncPtr, ...],
     block: np.ndarray | None,
-    threads: int | None = None,
+    threads: int = 1,
+    unit_bytes: int = SPLIT_BYTES,
 ) -> BoundKernel:
     """The kernel ``kind`` over ``count`` bound to ``arrays`` (its words written into
-    ``block``; a ctypes function: its address); with ``threads``, a ``RowsKernel`` whose
-    count is split over them."""
+    ``block``; a ctypes function: its address): a ``RowsKernel`` whose count is split over
+    ``threads`` (``unit_bytes`` a unit of the count's bytes; by default every split
+    pays), or a ``BoundKernel`` for the ``programs.SERIAL`` ones."""
     words = [count, *(_address(a) for a in arrays)]
     if block is None:
         block = np.empty(len(words), np.int64)
@@ -149,9 +157,9 @@ def _bind(
     require(block.size >= len(words), f"argument block of {block.size} words, need {len(words)}")
     block[: len(words)] = words
     backend = backend or backends.select()
-    if threads is None:
+    if kind in programs.SERIAL:
         return BoundKernel(backend, kind, params, block, arrays)
-    return RowsKernel(backend, kind, params, block, arrays, threads=threads)
+    return RowsKernel(backend, kind, params, block, arrays, threads=threads, unit_bytes=unit_bytes)
 
 
 def _same(names: str, *arrays: np.ndarray) -> tuple[int, ...]:
@@ -168,12 +176,13 @@ def add(
     y: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = x + y`` (same shapes; ``out`` may be ``x`` or ``y``). Every binder runs its
     kernel as ``backend`` (default ``backends.select()``) lowers it."""
     _same("out x y", out, x, y)
-    return _bind("add", backend, {}, out.size, (out, x, y), block)
+    return _bind("add", backend, {}, out.size, (out, x, y), block, threads, 12)
 
 
 def mul(
@@ -182,11 +191,12 @@ def mul(
     y: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = x * y`` (same shapes)."""
     _same("out x y", out, x, y)
-    return _bind("mul", backend, {}, out.size, (out, x, y), block)
+    return _bind("mul", backend, {}, out.size, (out, x, y), block, threads, 12)
 
 
 def scale(
@@ -195,13 +205,14 @@ def scale(
     factor: float,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = x * factor``, the factor rounded to fp32 (numpy's ``x * np.float32(factor)``)."""
     _same("out x", out, x)
     require(math.isfinite(factor), f"scale factor {factor} is not finite")
     params = {"factor": float(np.float32(factor))}
-    return _bind("scale", backend, params, out.size, (out, x), block)
+    return _bind("scale", backend, params, out.size, (out, x), block, threads, 8)
 
 
 def activation(
@@ -210,13 +221,14 @@ def activation(
     kind: str,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = act(x)``, ``kind`` "silu" or "gelu_tanh" (the gated kernels' activation), or
     "tanh" (a reranker's classification head)."""
     _same("out x", out, x)
     require(kind in ("silu", "gelu_tanh", "tanh"), f"unknown activation {kind!r}")
-    return _bind("act", backend, {"activation": kind}, out.size, (out, x), block)
+    return _bind("act", backend, {"activation": kind}, out.size, (out, x), block, threads, 8)
 
 
 def bias(
@@ -225,12 +237,13 @@ def bias(
     b: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = x + b`` per row of ``x [rows, width]``, ``b [width]`` (``out`` may be ``x``)."""
     rows, width = _same("out x", out, x)
     check("bias", b, np.float32, (width,))
-    return _bind("bias", backend, {"width": width}, rows, (out, x, b), block)
+    return _bind("bias", backend, {"width": width}, rows, (out, x, b), block, threads, 8 * width)
 
 
 def _route_top_k(route: np.ndarray, n_rows: int | None = None) -> int:
@@ -246,6 +259,7 @@ def combine(
     route: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """A mixture's ``moe_combine``: ``out [T, N]`` = the slots of ``y [T, top_k * N]``
@@ -253,9 +267,8 @@ def combine(
     n_rows, width = check("out", out, np.float32, (None, None)).shape
     top_k = _route_top_k(route, n_rows)
     check("y", y, np.float32, (n_rows, top_k * width))
-    return _bind(
-        "combine", backend, {"width": width, "top_k": top_k}, n_rows, (out, y, route), block
-    )
+    params, unit = {"width": width, "top_k": top_k}, 4 * width * (top_k + 1)
+    return _bind("combine", backend, params, n_rows, (out, y, route), block, threads, unit)
 
 
 def moe_route(
@@ -267,6 +280,7 @@ def moe_route(
     scale: float,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """A mixture's router: ``out [T, 2 top_k]`` = each row of ``logits [T, E]``'s chosen
@@ -284,7 +298,8 @@ def moe_route(
         "normalize": bool(normalize),
         "scale": float(np.float32(scale)),
     }
-    return _bind("moe_route", backend, params, n_rows, (out, logits), block)
+    unit = 4 * n_experts * (top_k + 3)  # (the top-k scans: a pass over the logits each)
+    return _bind("moe_route", backend, params, n_rows, (out, logits), block, threads, unit)
 
 
 # ``select_experts``' miss: an expert's weights' address, that expert prepared first
@@ -320,6 +335,7 @@ def expert_bias(
     bias: np.ndarray,
     route: np.ndarray,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """A small step's expert matmul's biases: ``out [T top_k, N]`` row f += ``bias [E, N]``
@@ -328,7 +344,8 @@ def expert_bias(
     n_experts, width = check("bias", bias, np.float32, (None, None)).shape
     check("out", out, np.float32, (n_rows * top_k, width))
     params = {"width": width, "n_experts": n_experts, "top_k": top_k}
-    return _bind("expert_bias", backend, params, n_rows, (out, bias, route), None)
+    unit = 12 * width * top_k
+    return _bind("expert_bias", backend, params, n_rows, (out, bias, route), None, threads, unit)
 
 
 def columns(
@@ -338,6 +355,7 @@ def columns(
     index: np.ndarray | None = None,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = x[:, start:start + width]`` (a split's copy), or with ``index`` (int32, one per
@@ -359,7 +377,7 @@ def columns(
         "dst_stride": out.strides[0] // 4,
         "gather": index is not None,
     }
-    return _bind("columns", backend, params, rows, arrays, block)
+    return _bind("columns", backend, params, rows, arrays, block, threads, 8 * width)
 
 
 def rows(
@@ -368,6 +386,7 @@ def rows(
     index: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out[r] = x[index[r]]`` for each row of ``out`` (``index`` int64, one per row of
@@ -384,7 +403,7 @@ def rows(
         "dst_stride": out.strides[0] // 4,
         "n_src": len(x),
     }
-    return _bind("rows", backend, params, n, (out, x, index), block)
+    return _bind("rows", backend, params, n, (out, x, index), block, threads, 8 * width)
 
 
 def gated(
@@ -396,6 +415,7 @@ def gated(
     *,
     alpha: float = 1.0,
     limit: float = 0.0,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """``out = act(gate) * up`` with ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU),
@@ -408,7 +428,7 @@ def gated(
         finite = math.isfinite(alpha) and math.isfinite(limit) and limit >= 0
         require(finite, f"swiglu_oai alpha {alpha}, limit {limit}: finite, the limit >= 0")
         params |= {"alpha": float(np.float32(alpha)), "limit": float(np.float32(limit))}
-    return _bind("gated", backend, params, out.size, (out, gate, up), block)
+    return _bind("gated", backend, params, out.size, (out, gate, up), block, threads, 12)
 
 
 def rms_norm(
@@ -418,6 +438,7 @@ def rms_norm(
     eps: float,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """RMSNorm of each row of ``x [rows, width]`` scaled by ``weight [width]``."""
@@ -426,7 +447,7 @@ def rms_norm(
     check("weight", weight, np.float32, (width,))
     require(math.isfinite(eps) and eps > 0, f"rms_norm epsilon {eps} is not a positive number")
     params = {"width": width, "eps": float(np.float32(eps))}
-    return _bind("rms_norm", backend, params, rows, (out, x, weight), block)
+    return _bind("rms_norm", backend, params, rows, (out, x, weight), block, threads, 12 * width)
 
 
 def rope(
@@ -440,6 +461,7 @@ def rope(
     neox: bool,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """Rotary embedding of ``x [T, heads * head_dim]`` at ``positions [T]`` (int64) with
@@ -464,7 +486,8 @@ def rope(
         "neox": neox,
         "stride": x.strides[0] // 4,
     }
-    return _bind("rope", backend, params, rows, (out, x, positions, cos, sin), block)
+    arrays = (out, x, positions, cos, sin)
+    return _bind("rope", backend, params, rows, arrays, block, threads, 12 * width)
 
 
 def layer_norm(
@@ -486,7 +509,8 @@ def layer_norm(
     check("bias", bias, np.float32, (width,))
     require(math.isfinite(eps) and eps > 0, f"layer_norm epsilon {eps} is not a positive number")
     params = {"width": width, "eps": float(np.float32(eps))}
-    return _bind("layer_norm", backend, params, rows, (out, x, weight, bias), block, threads)
+    arrays = (out, x, weight, bias)
+    return _bind("layer_norm", backend, params, rows, arrays, block, threads, 12 * width)
 
 
 def gelu(
@@ -500,7 +524,7 @@ def gelu(
     """``out = gelu(x)``, the erf form (same shapes; ``out`` may be ``x``), the elements
     split over ``threads`` (each lane on its own: bitwise the same however split)."""
     _same("out x", out, x)
-    return _bind("gelu", backend, {}, out.size, (out, x), block, threads)
+    return _bind("gelu", backend, {}, out.size, (out, x), block, threads, 8)
 
 
 def l2_norm(
@@ -508,11 +532,12 @@ def l2_norm(
     x: np.ndarray,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """Each row of ``x`` divided by its Euclidean norm (at least 1e-12)."""
     rows, width = _same("out x", out, x)
-    return _bind("l2_norm", backend, {"width": width}, rows, (out, x), block)
+    return _bind("l2_norm", backend, {"width": width}, rows, (out, x), block, threads, 12 * width)
 
 
 def pool_rows(
@@ -522,6 +547,7 @@ def pool_rows(
     mode: int,
     block: np.ndarray | None = None,
     *,
+    threads: int = 1,
     backend: backends.Backend | None = None,
 ) -> BoundKernel:
     """One row of ``out`` per sequence of ``x [T, width]``: the mean of its rows, its first
@@ -534,7 +560,8 @@ def pool_rows(
     require(len(last) >= seqs, f"{len(last)} sequence ends for {seqs} rows")
     modes = (programs.POOL_MEAN, programs.POOL_CLS, programs.POOL_LAST)
     require(mode in modes, f"pooling mode {mode} is not one of {modes}")
-    return _bind("pool", backend, {"width": width, "mode": mode}, seqs, (out, x, last), block)
+    params = {"width": width, "mode": mode}
+    return _bind("pool", backend, params, seqs, (out, x, last), block, threads)
 
 
 def encoder_attention(

@@ -240,6 +240,7 @@ class Experts:
         fp32 = self._grouped is None or self._grouped.copies_fp32(len(pairs))
         xs, ys = self._scratch.views(len(pairs), k_in if fp32 else 0, n)
         # (native row copies: numpy's take and fancy assignment ran 1.4-4.5x slower)
+        threads = 1 if self._grouped is None else self._grouped.threads
         if self._grouped is not None:  # one job for all
             counts = np.diff(starts, append=len(pairs))
             rows = self._grouped.gather(x_rows, source, xs)
@@ -251,4 +252,4 @@ class Experts:
                 self.matmul(int(by_expert[a]))(xs[a:b], ys[a:b])
         slot_of = np.empty_like(pairs)  # the scatter out[pairs] = ys as a gather
         slot_of[pairs] = np.arange(len(pairs))
-        elementwise.rows(out_rows, ys, slot_of)()
+        elementwise.rows(out_rows, ys, slot_of, threads=threads)()

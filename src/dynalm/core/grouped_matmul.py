@@ -167,7 +167,7 @@ class GroupedMatmul:
         the copied fp32 rows (the quantiser works row by row), without quantising a row
         once per copy. The quantised rows are valid until the next ``gather`` or call."""
         if self.copies_fp32(len(rows)):
-            elementwise.rows(out, x, rows)()
+            elementwise.rows(out, x, rows, threads=self.threads)()
             return out
         self._check("x", x, self.n_cols)
         source = self._sources.views(len(x), self.n_cols)
@@ -177,7 +177,7 @@ class GroupedMatmul:
         n = len(rows)
         gathered = self._quantised.views(n + ROW_OVERREAD, self.n_cols)
         for into, of in zip(gathered, source, strict=True):  # as float32 rows: bit copies
-            elementwise.rows(_float_rows(into[:n]), _float_rows(of), rows)()
+            elementwise.rows(_float_rows(into[:n]), _float_rows(of), rows, threads=self.threads)()
         for a in gathered[1:]:  # the tiles' overread rows: zero scales, as the quantiser's
             a[n:] = 0
         return tuple(a[:n] for a in gathered)

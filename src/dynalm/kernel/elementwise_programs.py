@@ -11,10 +11,12 @@ tail, so odd sizes work and nothing depends on the auto-vectoriser (which would 
 in-place calls such as ``out += residual``). ``exp`` is the language's polynomial (about
 1 ulp), so SiLU and GELU vectorise instead of calling libm per element.
 
-Kernel signature: ``void f(i64 *args)``, ``args`` a count (rows, or elements for ``add``,
-``mul``, ``scale``, ``act``, ``gated`` and ``gelu``) followed by the arrays' addresses
-(``core.elementwise`` binds them); ``layer_norm``, ``gelu`` and ``encoder_attention`` take
-``(args, lo, hi)``, a range of the count, so the pool splits them over its threads.
+Kernel signature: ``void f(i64 *args, i64 lo, i64 hi)``, ``args`` a count (rows, or
+elements for ``add``, ``mul``, ``scale``, ``act``, ``gated`` and ``gelu``) followed by the
+arrays' addresses (``core.elementwise`` binds them), ``[lo, hi)`` the part of the count a
+call runs: each row (element) is computed alone, so the pool splits a count over its
+threads, and the GPU's grid over its, with the same results however it is split.
+``select_experts`` alone is ``f(args)`` over its whole count (it counts what it reads).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ ARRAYS = {
     "rms_norm": 3, "rope": 5, "layer_norm": 4, "gelu": 2, "l2_norm": 2, "pool": 3,
     "encoder_attention": 5, "combine": 3, "moe_route": 2, "select_experts": 5, "expert_bias": 3,
 }  # fmt: skip  # addresses after the count
+# Programs of one call over their whole count, ``f(args)``: the rest take a part of it
+SERIAL = frozenset({"select_experts"})
 # pooling modes, numbered as llama.cpp's ``{arch}.pooling_type`` (0 none, 4 rank: not here)
 POOL_MEAN, POOL_CLS, POOL_LAST = 1, 2, 3
 # RMSNorm sums its squares in 8 lanes on every backend: the one reduction here, and its
@@ -45,11 +49,14 @@ SUM_LANES = 8
 MIN_WEIGHT_SUM = 6.103515625e-5
 
 
-def _kernel(module: Module, kind: str) -> tuple[Kernel, ir.Value, list[ir.Value]]:
-    """The program's one function, its count and its arrays (the words of its block)."""
-    k = module.kernel(f"{module.ir.name}_{kind}", (PTR,))
-    count, *arrays = k.words(k.args[0], 1 + ARRAYS[kind])
-    return k, count, [k.pointer(a) for a in arrays]
+def _kernel(module: Module, kind: str) -> tuple[Kernel, ir.Value, ir.Value, list[ir.Value]]:
+    """The program's one function ``f(block, lo, hi)``, over ``[lo, hi)`` of the block's
+    count (the pool or the GPU's grid splits the count), and its arrays (the block's words
+    after the count)."""
+    k = module.kernel(f"{module.ir.name}_{kind}", (PTR, I64, I64))
+    block, lo, hi = k.args
+    _, *arrays = k.words(block, 1 + ARRAYS[kind])
+    return k, lo, hi, [k.pointer(a) for a in arrays]
 
 
 def _floats(k: Kernel, array: ir.Value, i: ir.Value, w: int) -> ir.Value:
@@ -74,10 +81,10 @@ def _copy(k: Kernel, out: ir.Value, dst: ir.Value, x: ir.Value, src: ir.Value, n
 def _elementwise(module: Module, kind: str, body: Callable[..., ir.Value]) -> None:
     """``out[i] = body(k, x[i], y[i])`` over ``count`` elements (``body(k, x[i])`` for a
     program of one input)."""
-    k, count, (out, *ins) = _kernel(module, kind)
+    k, lo, hi, (out, *ins) = _kernel(module, kind)
     k.lanes(
-        k.i64(0),
-        count,
+        lo,
+        hi,
         k.target.lanes,
         lambda i, w: _put(k, body(k, *(_floats(k, a, i, w) for a in ins)), out, i),
     )
@@ -135,7 +142,7 @@ def _build_gated(module: Module, activation: str, alpha: float = 1.0, limit: flo
 
 def _build_bias(module: Module, width: int) -> None:
     """Per row of ``width``: out = x + bias (a matmul's bias; ``out`` may be ``x``)."""
-    k, rows, (out, x, bias) = _kernel(module, "bias")
+    k, lo, hi, (out, x, bias) = _kernel(module, "bias")
 
     def row(r: ir.Value) -> None:
         base = k.mul(r, width)
@@ -146,7 +153,7 @@ def _build_bias(module: Module, width: int) -> None:
 
         k.lanes(k.i64(0), k.i64(width), k.target.lanes, add)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
@@ -154,7 +161,7 @@ def _build_combine(module: Module, width: int, top_k: int) -> None:
     """A mixture's weighted sum per row: ``out = sum_j route[k + j] * y[j*width ..]``
     (``route`` a row of ``2 top_k``: ids, then weights; ``y`` a row of ``top_k * width``),
     each product rounded, then added in slot order (``cpu_ops.moe_combine``)."""
-    k, rows, (out, y, route) = _kernel(module, "combine")
+    k, lo, hi, (out, y, route) = _kernel(module, "combine")
 
     def row(r: ir.Value) -> None:
         ys, weights = k.mul(r, top_k * width), k.add(k.mul(r, 2 * top_k), top_k)
@@ -173,7 +180,7 @@ def _build_combine(module: Module, width: int, top_k: int) -> None:
 
         k.lanes(k.i64(0), k.i64(width), k.target.lanes, column)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
@@ -185,7 +192,7 @@ def _build_moe_route(
     probable experts picked one by one by their logits (highest first, ties to the lower
     id), their ids (as f32) then weights (over their sum in pick order if ``normalize``,
     times ``scale``) into a row of ``2 top_k``."""
-    k, rows, (out, logits) = _kernel(module, "moe_route")
+    k, lo, hi, (out, logits) = _kernel(module, "moe_route")
     # the gated weights; the logits of the experts not picked yet
     probs, left = k.stack(4 * n_experts), k.stack(4 * n_experts)
     minus_inf = const(F32, float("-inf"))
@@ -237,15 +244,21 @@ def _build_moe_route(
         for j, w in enumerate(weights):
             put(k.mul(w, scale), y, k.i64(top_k + j))
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
 def _pairs(
-    k: Kernel, rows: ir.Value, top_k: int, n_experts: int, route: ir.Value, body: Callable
+    k: Kernel,
+    lo: ir.Value,
+    hi: ir.Value,
+    top_k: int,
+    n_experts: int,
+    route: ir.Value,
+    body: Callable,
 ) -> None:
-    """``body(f, e)`` for each (token t, slot j) of a route ``[rows, 2 top_k]``: f = t
-    top_k + j, e = the slot's expert id (clamped to the experts)."""
+    """``body(f, e)`` for each (token t, slot j), t in ``[lo, hi)``, of a route ``[., 2
+    top_k]``: f = t top_k + j, e = the slot's expert id (clamped to the experts)."""
 
     def token(t: ir.Value) -> None:
         def slot(j: ir.Value) -> None:
@@ -255,7 +268,7 @@ def _pairs(
 
         k.loop(0, top_k, 1, slot)
 
-    k.loop(0, rows, 1, token)
+    k.loop(lo, hi, 1, token)
 
 
 def _build_select_experts(module: Module, n_experts: int, top_k: int, stride: int) -> None:
@@ -264,7 +277,10 @@ def _build_select_experts(module: Module, n_experts: int, top_k: int, stride: in
     ``[count, 2 top_k]``, ``miss(e)`` giving the address where the table holds 0 (an
     expert not prepared yet: the caller prepares it); then ``counter += (pairs, 1)``
     (experts read, calls)."""
-    k, rows, (weights, route, table, counter, miss) = _kernel(module, "select_experts")
+    # one call over all the pairs (``f(block)``): it counts what the step reads
+    k = module.kernel(f"{module.ir.name}_select_experts", (PTR,))
+    rows, *arrays = k.words(k.args[0], 1 + ARRAYS["select_experts"])
+    weights, route, table, counter, miss = (k.pointer(a) for a in arrays)
 
     def pair(f: ir.Value, e: ir.Value) -> None:
         address = k.var(k.load(I64, k.index(table, e, I64), 0, 8))
@@ -272,7 +288,7 @@ def _build_select_experts(module: Module, n_experts: int, top_k: int, stride: in
         k.branch(unknown, lambda: address.set(k.call_at(miss, I64, e)))
         k.store(address.get(), k.index(weights, k.mul(f, stride), I64), 0, 8)
 
-    _pairs(k, rows, top_k, n_experts, route, pair)
+    _pairs(k, k.i64(0), rows, top_k, n_experts, route, pair)
     for i, step in enumerate((k.mul(rows, top_k), k.i64(1))):
         word = k.index(counter, i, I64)
         k.store(k.add(k.load(I64, word, 0, 8), step), word, 0, 8)
@@ -282,7 +298,7 @@ def _build_select_experts(module: Module, n_experts: int, top_k: int, stride: in
 def _build_expert_bias(module: Module, width: int, n_experts: int, top_k: int) -> None:
     """A small step's expert biases: row f of ``out`` ([count top_k, width]) += row e of
     ``bias`` ([n_experts, width]), e pair f's expert in the route ``[count, 2 top_k]``."""
-    k, rows, (out, bias, route) = _kernel(module, "expert_bias")
+    k, lo, hi, (out, bias, route) = _kernel(module, "expert_bias")
 
     def pair(f: ir.Value, e: ir.Value) -> None:
         base, source = k.mul(f, width), k.mul(e, width)
@@ -293,7 +309,7 @@ def _build_expert_bias(module: Module, width: int, n_experts: int, top_k: int) -
 
         k.lanes(k.i64(0), k.i64(width), k.target.lanes, add)
 
-    _pairs(k, rows, top_k, n_experts, route, pair)
+    _pairs(k, lo, hi, top_k, n_experts, route, pair)
     k.ret()
 
 
@@ -304,7 +320,7 @@ def _build_columns(
     (rows ``dst_stride`` apart): the next ones from ``x``'s address (a split's copy: the
     address is its first column's), or with ``gather`` those an int32 ``index`` names
     (``gather_cols``: its index is a permutation, ``gptq_awq.input_perm``'s argsort)."""
-    k, rows, (out, x, index) = _kernel(module, "columns")
+    k, lo, hi, (out, x, index) = _kernel(module, "columns")
 
     def row(r: ir.Value) -> None:
         src, dst = k.mul(r, src_stride), k.mul(r, dst_stride)
@@ -319,7 +335,7 @@ def _build_columns(
         else:
             _copy(k, out, dst, x, src, width)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
@@ -330,7 +346,7 @@ def _build_rows(module: Module, width: int, src_stride: int, dst_stride: int, n_
     ``select_rows`` (``x`` the hidden states, ``index`` the rows whose logits are wanted).
     The ids are checked on the host; an index outside ``[0, n_src)`` reads row ``n_src - 1``
     (unsigned min) rather than memory outside ``x``."""
-    k, rows, (out, x, index) = _kernel(module, "rows")
+    k, lo, hi, (out, x, index) = _kernel(module, "rows")
 
     def row(r: ir.Value) -> None:
         at = k.load(I64, k.index(index, r, I64), align=8)
@@ -338,14 +354,14 @@ def _build_rows(module: Module, width: int, src_stride: int, dst_stride: int, n_
         at = k.select(k.b.icmp_unsigned("<", at, last), at, last)
         _copy(k, out, k.mul(r, dst_stride), x, k.mul(at, src_stride), width)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
 def _build_rms_norm(module: Module, width: int, eps: float) -> None:
     """Per row: out = x / sqrt(mean(x^2) + eps) * w (the reference's order of operations;
     the squares summed in ``SUM_LANES`` lanes, the scaling at the backend's width)."""
-    k, rows, (out, x, weight) = _kernel(module, "rms_norm")
+    k, lo, hi, (out, x, weight) = _kernel(module, "rms_norm")
     lanes, d = k.target.lanes, k.i64(width)
 
     def row(r: ir.Value) -> None:
@@ -375,7 +391,7 @@ def _build_rms_norm(module: Module, width: int, eps: float) -> None:
 
         k.lanes(k.i64(0), d, lanes, scale)
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
@@ -385,7 +401,7 @@ def _build_rope(
     """Rotate each head's first ``rope_dim`` dims by the token's angles; NeoX pairs
     (i, i + rope_dim/2), the GGUF llama layout pairs (2i, 2i + 1); the rest is copied.
     The rows of ``x`` are ``stride`` floats apart (a column range of a wider buffer)."""
-    k, tokens, (out, x, pos, cos, sin) = _kernel(module, "rope")
+    k, lo, hi, (out, x, pos, cos, sin) = _kernel(module, "rope")
     lanes, half = k.target.lanes, rope_dim // 2
 
     def token(t: ir.Value) -> None:
@@ -424,7 +440,7 @@ def _build_rope(
 
         k.loop(0, n_heads, 1, head)
 
-    k.loop(0, tokens, 1, token)
+    k.loop(lo, hi, 1, token)
     k.ret()
 
 
@@ -451,11 +467,8 @@ def _row_sum(
 
 def _build_layer_norm(module: Module, width: int, eps: float) -> None:
     """Per row: out = (x - mean) / sqrt(var + eps) * w + b (var: the biased variance, as
-    torch's LayerNorm; two passes over the row, so no cancellation of large means).
-    ``fn(block, lo, hi)`` over the rows ``[lo, hi)`` (the pool splits them over its threads)."""
-    k = module.kernel(f"{module.ir.name}_layer_norm", (PTR, I64, I64))
-    block, lo, hi = k.args
-    _, out, x, weight, bias = (k.pointer(a) for a in k.words(block, 1 + ARRAYS["layer_norm"]))
+    torch's LayerNorm; two passes over the row, so no cancellation of large means)."""
+    k, lo, hi, (out, x, weight, bias) = _kernel(module, "layer_norm")
     lanes, n = k.target.lanes, float(width)
 
     def row(r: ir.Value) -> None:
@@ -500,12 +513,8 @@ def _erf(k: Kernel, z: ir.Value) -> ir.Value:
 
 
 def _build_gelu(module: Module) -> None:
-    """out = x / 2 (1 + erf(x / sqrt 2)) (BERT's exact GELU): ``fn(block, lo, hi)`` over the
-    elements ``[lo, hi)`` of the ``count`` (the pool splits them over its threads: an FFN's
-    T x 1536 erfs are ~5 % of an encoder step on one thread)."""
-    k = module.kernel(f"{module.ir.name}_gelu", (PTR, I64, I64))
-    block, lo, hi = k.args
-    _, out, x = (k.pointer(a) for a in k.words(block, 1 + ARRAYS["gelu"]))
+    """out = x / 2 (1 + erf(x / sqrt 2)) (BERT's exact GELU)."""
+    k, lo, hi, (out, x) = _kernel(module, "gelu")
 
     def body(i: ir.Value, w: int) -> None:
         v = _floats(k, x, i, w)
@@ -519,7 +528,7 @@ def _build_gelu(module: Module) -> None:
 def _build_l2_norm(module: Module, width: int) -> None:
     """Per row: out = x / max(|x|, 1e-12) (torch's ``F.normalize``, as sentence-transformers'
     Normalize module)."""
-    k, rows, (out, x) = _kernel(module, "l2_norm")
+    k, lo, hi, (out, x) = _kernel(module, "l2_norm")
 
     def row(r: ir.Value) -> None:
         base = k.mul(r, k.i64(width))
@@ -539,7 +548,7 @@ def _build_l2_norm(module: Module, width: int) -> None:
             ),
         )
 
-    k.loop(0, rows, 1, row)
+    k.loop(lo, hi, 1, row)
     k.ret()
 
 
@@ -555,7 +564,7 @@ def _sequence(k: Kernel, last: ir.Value, s: ir.Value) -> tuple[ir.Value, ir.Valu
 def _build_pool(module: Module, width: int, mode: int) -> None:
     """Per sequence: the mean of its rows (``POOL_MEAN``), its first row (``POOL_CLS``) or
     its last (``POOL_LAST``)."""
-    k, seqs, (out, x, last) = _kernel(module, "pool")
+    k, lo, hi, (out, x, last) = _kernel(module, "pool")
     lanes, d = k.target.lanes, k.i64(width)
 
     def seq(s: ir.Value) -> None:
@@ -595,7 +604,7 @@ def _build_pool(module: Module, width: int, mode: int) -> None:
             ),
         )
 
-    k.loop(0, seqs, 1, seq)
+    k.loop(lo, hi, 1, seq)
     k.ret()
 
 
@@ -655,17 +664,13 @@ def _build_encoder_attention(
 ) -> None:
     """Bidirectional attention: each query of a sequence attends to every key of that
     sequence (no mask; sequences of different lengths packed one after another, no
-    padding). ``fn(block, lo, hi)`` runs the query rows ``[lo, hi)`` (the pool splits a
-    step's rows over its threads). Per head, ``ATTENTION_ROWS`` rows at a time where they
-    are of one sequence (else one): the queries' slices stay in registers while the scores
-    of the sequence's keys go to a buffer of ``max_keys`` a row (the step's rows: no
-    sequence is longer); then their softmax weights, ``lanes`` at a time, and the weighted
+    padding), over the query rows ``[lo, hi)``. Per head, ``ATTENTION_ROWS`` rows at a time
+    where they are of one sequence (else one): the queries' slices stay in registers while
+    the scores of the sequence's keys go to a buffer of ``max_keys`` a row (the step's rows:
+    no sequence is longer); then their softmax weights, ``lanes`` at a time, and the weighted
     sum of the values, accumulated in registers and stored once. A row's every sum is taken
     in the same order whether it is computed alone or beside another (bitwise the same)."""
-    k = module.kernel(f"{module.ir.name}_encoder_attention", (PTR, I64, I64))
-    block, lo, hi = k.args
-    _, *arrays = k.words(block, 1 + ARRAYS["encoder_attention"])
-    out, q, key, val, last = (k.pointer(a) for a in arrays)
+    k, lo, hi, (out, q, key, val, last) = _kernel(module, "encoder_attention")
     lanes, width = k.target.lanes, n_heads * head_dim
     whole = head_dim - head_dim % lanes
     pieces = [(o, lanes) for o in range(0, whole, lanes)] + [(o, 1) for o in range(whole, head_dim)]

@@ -13,10 +13,8 @@ The grid: each function a program exports with the row-range signature
 (``ptx_kernel`` calling convention: a PTX ``.entry``) in which global thread
 ``g = ctaid.x * ntid.x + tid.x`` runs rows ``[g * chunk, min((g + 1) * chunk, rows))``
 through the program's body, inlined. ``chunk`` is the rows one call must start on: the
-auto matmul's lane groups (8 weight rows), the exact matmul's row groups (4), else 1.
-The element-wise programs take ``void f(i64 *args)`` with a count first; their entry
-builds each thread's own argument block (count ``hi - lo``, each array advanced by ``lo``
-rows of its stride, ``ROW_BYTES``) so they split the same way. The attention program's
+auto matmul's lane groups (8 weight rows), the exact matmul's row groups (4), else 1
+(the element-wise programs: a row or an element each). The attention program's
 ``write_rows`` (a (token, kv head) row of the step's keys and values per thread),
 ``items``, ``parts`` (split-K: a thread per item and chunk) and ``merge`` are row ranges;
 its ``write``/``write_recent``/``run`` (not row ranges) get single-thread entries
@@ -62,7 +60,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
@@ -77,25 +75,6 @@ PTX_FEATURES = "+ptx75"  # PTX ISA 7.5 (CUDA 11.5 drivers and later)
 LANES = 8
 THREADS = 128  # threads per block a launch uses by default
 
-# Element-wise programs: bytes each array word advances per row of the count (0: shared).
-ROW_BYTES: dict[str, Callable[[Mapping[str, object]], tuple[int, ...]]] = {
-    "ew_add": lambda spec: (4, 4, 4),
-    "ew_mul": lambda spec: (4, 4, 4),
-    "ew_scale": lambda spec: (4, 4),
-    "ew_act": lambda spec: (4, 4),
-    "ew_gated": lambda spec: (4, 4, 4),
-    "ew_bias": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
-    "ew_columns": lambda spec: (4 * int(spec["dst_stride"]), 4 * int(spec["src_stride"]), 0),
-    "ew_rows": lambda spec: (4 * int(spec["dst_stride"]), 0, 8),
-    "ew_rms_norm": lambda spec: (4 * int(spec["width"]), 4 * int(spec["width"]), 0),
-    "ew_rope": lambda spec: (
-        4 * int(spec["n_heads"]) * int(spec["head_dim"]),
-        4 * int(spec["stride"]),
-        8,
-        0,
-        0,
-    ),
-}
 CPU_ONLY = {
     "pool": "the native thread pool (futex syscalls, CPU pause/cycle counter)",
     "mm_pair": "two matmul tiles called through host function pointers (a pool job)",
@@ -277,7 +256,6 @@ def _entry(
     k = module.kernel(f"{body.name}_grid", (PTR, I64, I64) if loop else (PTR, I64))
     k.fn.calling_convention = cc
     args, rows = k.args[:2]
-    row_bytes = ROW_BYTES.get(program.name)
     if loop:  # the host twin: every thread of the launch, one after another
         threads = k.args[2]
         thread = lambda k: index.get()  # noqa: E731 - the loop's
@@ -287,7 +265,7 @@ def _entry(
         k.b.position_at_end(head)
     warp = params == ["ptr", "i64", "i64", "i64"]
     width = WARP if warp else 1
-    if params == ["ptr", "i64", "i64"] or warp or (params == ["ptr"] and row_bytes):
+    if params == ["ptr", "i64", "i64"] or warp:
         chunk = chunk_of(program, spec)
         me = thread(k)
         lo = k.mul(k.udiv(me, width) if warp else me, chunk)
@@ -297,17 +275,7 @@ def _entry(
             if warp:
                 k.b.call(body, [args, lo, hi, k.and_(me, WARP - 1)])
                 return
-            if len(body.args) == 3:
-                k.b.call(body, [args, lo, hi])
-                return
-            # the element-wise form: this thread's own block, its rows [lo, hi)
-            strides = row_bytes(spec)
-            block = k.stack(8 * (1 + len(strides)))
-            k.store(k.sub(hi, lo), block, 0, 8)
-            for i, stride in enumerate(strides, 1):
-                word = k.load(I64, args, 8 * i, 8)
-                k.store(k.add(word, k.mul(lo, stride)), block, 8 * i, 8)
-            k.b.call(body, [block])
+            k.b.call(body, [args, lo, hi])
 
         k.branch(k.lt(lo, rows), run)
     elif params == ["ptr"]:

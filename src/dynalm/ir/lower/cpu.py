@@ -15,7 +15,6 @@ once per kernel; the kernels a step calls are lowered first, the pending ones to
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -157,9 +156,11 @@ class CpuBinder(Binder):
         self, bind: Callable[..., elementwise.BoundKernel], *args: object, rows: str, **kw: object
     ) -> elementwise.BoundKernel:
         """``bind(*args, **kw)`` a JIT kernel over full buffers, its argument block a row
-        of ``_blocks``, so that ``resize`` sets its count."""
+        of ``_blocks``, so that ``resize`` sets its count; its rows split over the threads
+        where a step has enough of them (``elementwise.RowsKernel``)."""
         block = self._blocks[len(self._counted)]
-        kernel = bind(*args, block=block, backend=self._backend, **kw)
+        threads = self.device.threads
+        kernel = bind(*args, block=block, backend=self._backend, threads=threads, **kw)
         self._counted.append((int(block[0]) // self.buffers.capacity, rows))
         return kernel
 
@@ -340,15 +341,13 @@ class CpuBinder(Binder):
         weight, bias = (self.prepare(name, "vector") for name in w)
         eps = node.attrs["eps"]
         if self._native:
-            bind = functools.partial(elementwise.layer_norm, threads=self.device.threads)
-            return self._kernel(bind, out, ins[0], weight, bias, eps, rows=rows)
+            return self._kernel(elementwise.layer_norm, out, ins[0], weight, bias, eps, rows=rows)
         return lambda: cpu_ops.layer_norm(v[o], v[args[0]], weight, bias, eps)
 
     def _gelu(self, node: Node) -> Call:
         v, args, o, out, ins, rows, _ = self._operands(node)
         if self._native:
-            bind = functools.partial(elementwise.gelu, threads=self.device.threads)
-            return self._kernel(bind, out, ins[0], rows=rows)
+            return self._kernel(elementwise.gelu, out, ins[0], rows=rows)
         return lambda: cpu_ops.gelu(v[o], v[args[0]])
 
     def _l2_norm(self, node: Node) -> Call:
@@ -368,7 +367,7 @@ class CpuBinder(Binder):
         v, (q, k, vv, last), o, out, ins, rows, _ = self._operands(node)
         head_dim, scale = node.attrs["head_dim"], node.attrs["scale"]
         if self._native:  # over the query rows, split over the threads
-            bind = functools.partial(elementwise.encoder_attention, threads=self.device.threads)
+            bind = elementwise.encoder_attention
             return self._kernel(bind, out, *ins, head_dim, scale, rows=rows)
         return lambda: cpu_ops.encoder_attention(v[o], v[q], v[k], v[vv], v[last], head_dim, scale)
 
