@@ -235,6 +235,7 @@ PEAK_KEYS = {
 
 def peaks(backend_names: list[str], threads: int) -> dict:
     """Streaming-read GB/s (1 and ``threads`` threads) and int8 GMAC/s per backend."""
+    from dynalm.bench import streaming_read_gbs
     from dynalm.core import pool
     from dynalm.kernel import backends, jit, probes
 
@@ -253,13 +254,8 @@ def peaks(backend_names: list[str], threads: int) -> dict:
         return best
 
     out: dict = {"stream_gbs": {}, **{key: {} for key in PEAK_KEYS}}
-    host = backends.select()
-    buf = np.ones(256 << 20, np.uint8)
-    sums = np.zeros(buf.size // probes.PAGE, np.int32)
-    args = np.array([buf.ctypes.data, sums.ctypes.data], np.int64)
-    fn = host.lower(probes.STREAM, {}).addresses[""]
     for n in sorted({1, threads}):
-        out["stream_gbs"][n] = buf.nbytes / run(fn, args, buf.size // probes.PAGE, n) / 1e9
+        out["stream_gbs"][n] = streaming_read_gbs(n)
     rounds = 1 << 22
     result = np.zeros(threads, np.int32)
     for name in backend_names:

@@ -332,8 +332,39 @@ def experts_line(runner: DynaLMRunner, read: DecodeBytes) -> str:
     )
 
 
-def decode_bandwidth(results: list[Result], ours: int, file_bytes: int) -> str:
-    """What each engine's tg rate streams: its weight bytes per token times tokens/s."""
+def streaming_read_gbs(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """The host's streaming-read bandwidth now, GB/s: ``probes.STREAM`` summing a buffer
+    of ``nbytes`` (far past any cache) on ``threads`` of the pool, best of ``repeats``. The
+    roof of a decode step, which reads every weight it uses once; measured when asked, as a
+    shared machine's bandwidth moves with its neighbours."""
+    import ctypes
+
+    from dynalm.core import pool
+    from dynalm.kernel import backends, jit, probes
+
+    buf = np.ones(nbytes, np.uint8)
+    pages = buf.size // probes.PAGE
+    sums = np.zeros(pages, np.int32)
+    args = np.array([buf.ctypes.data, sums.ctypes.data], np.int64)
+    fn = backends.select().lower(probes.STREAM, {}).addresses[""]
+    at = args.__array_interface__["data"][0]
+    threads = threads if pool.available() else 1
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if threads > 1:
+            pool.pool(threads).run(fn, at, pages, -(-pages // threads))
+        else:
+            jit.cfunc(fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(at, 0, pages)
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / 1e9
+
+
+def decode_bandwidth(
+    results: list[Result], ours: int, file_bytes: int, roof: float | None = None
+) -> str:
+    """What each engine's tg rate streams: its weight bytes per token times tokens/s; with
+    ``roof`` (``streaming_read_gbs``, GB/s), each as a share of it."""
     rates = {r.engine: statistics.fmean(r.rates) for r in results if r.test.startswith("tg")}
     if not rates:
         return ""
@@ -341,10 +372,13 @@ def decode_bandwidth(results: list[Result], ours: int, file_bytes: int) -> str:
     parts = []
     for engine, rate in rates.items():
         nbytes = file_bytes if engine == "llama.cpp" else ours
-        parts.append(
-            f"{engine} {nbytes / mib:,.0f} MiB x {rate:.1f} t/s = {nbytes * rate / 1e9:.1f} GB/s"
-        )
-    return "decode streams weights per token: " + "; ".join(parts)
+        gbs = nbytes * rate / 1e9
+        share = f" ({gbs / roof:.0%} of the roof)" if roof else ""
+        parts.append(f"{engine} {nbytes / mib:,.0f} MiB x {rate:.1f} t/s = {gbs:.1f} GB/s{share}")
+    line = "decode streams weights per token: " + "; ".join(parts)
+    if roof:
+        line += f"\nroof: the host's streaming read {roof:.1f} GB/s, measured after the runs"
+    return line
 
 
 PLAN_MARGIN = 0.10  # the memory plan's accuracy (tests/models/test_memory_plan.py)
@@ -587,6 +621,9 @@ def bench_command(
     spec = runners[0].engine.spec_stats if speculative else None  # type: ignore[attr-defined]
     read = file_decode_bytes(path)
     weights, file_bytes = ours.engine.memory_plan.weights, read.per_token
+    decoded = any(r.test.startswith("tg") for r in results)
+    # the CPU's memory roof, on the threads the engines ran (a GPU reads its own memory)
+    roof = streaming_read_gbs(device.threads) if decoded and submitted is None else None
     experts = experts_line(ours, read)
     if experts:  # a mixture: the experts its decode steps read, not every expert
         nbytes, dense, tokens = ours.decode_experts
@@ -603,6 +640,7 @@ def bench_command(
                 **summary,
                 "results": [r.as_json() for r in results],
                 "memory": memory.as_json(),
+                "stream_gbs": roof,
                 "decode_bytes": {
                     "dynalm": weights,
                     "file": file_bytes,
@@ -627,7 +665,7 @@ def bench_command(
         f"cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
     )
     table = format_table(results, header, [r.name for r in runners])
-    if bandwidth := decode_bandwidth(results, weights, file_bytes):
+    if bandwidth := decode_bandwidth(results, weights, file_bytes, roof):
         table += f"\n\n{bandwidth}"
         if experts:
             table += f"\n{read.line()}\n{experts}"
