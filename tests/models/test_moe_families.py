@@ -47,6 +47,7 @@ from dynalm.core import pool
 from dynalm.core.cpu_device import CpuDevice
 from dynalm.core.quant import QUANT_FORMATS
 from dynalm.errors import DynaError, ModelFormatError, UnsupportedModel
+from dynalm.models import hf_dir, loader
 from dynalm.models.arch import check_file, family_file
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine.engine import Engine
@@ -479,3 +480,39 @@ def test_a_gpt_oss_config_unlike_the_graph_is_refused(
     with pytest.raises(UnsupportedModel) as refused:
         load_model(path)
     assert f"{path / 'config.json'}: {message}" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "layout"), [("qwen3moe", "dense"), ("gpt-oss", "mxfp4")], indirect=["case"]
+)
+def test_a_directorys_experts_are_mapped_from_the_repack_cache(
+    case: Case, layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory's experts (one SafeTensors matrix each, or gpt-oss's MXFP4 stacks, made
+    one expert at a time) repacked once: a later load maps each routed expert and gives the
+    same tokens; a change to the code that makes the stacks' bytes makes them anew."""
+    monkeypatch.setenv("DYNALM_REPACK_CACHE", str(tmp_path / "repack"))
+    monkeypatch.setattr(loader, "RACY_SECONDS", -1.0)  # the shards were written just now
+    write = write_mxfp4_dir if layout == "mxfp4" else write_hf_dir
+    path = write(case.reference, tmp_path / case.spec.family)
+    greedy = SamplingParams(max_tokens=8, temperature=0, repeat_penalty=1.0)
+
+    def run() -> tuple[list[int], int, int]:
+        model = load_model(path)
+        try:
+            device = CpuDevice("auto")
+            gen = Generator(Engine(model, device, generator_config(128)))
+            out = gen.generate(IDS[:PROMPT], greedy, stop_ids=frozenset())
+            return [e.token for e in out if e.token is not None], device.repacked, device.mapped
+        finally:
+            model.gguf.close()
+
+    tokens, repacked, _ = run()
+    assert repacked > 3 * N_EXPERTS  # (each layer's routed experts: most of its 8, x 3)
+    again, none, mapped = run()
+    assert again == tokens and none == 0 and mapped == repacked
+    if layout == "mxfp4":
+        monkeypatch.setattr(hf_dir, "_made_version", lambda: "another maker")
+        _, remade, kept = run()
+        experts = remade  # the made experts only: the attention's weights are read as stored
+        assert 0 < experts < repacked and kept == repacked - experts

@@ -217,8 +217,10 @@ class Executor:
             elif use == "experts":  # [E, N, K]: each expert prepared when first routed to
 
                 def expert(e: int, raw=raw, n=shape[1]) -> object:
+                    # its bytes read (or made: gpt-oss's directory) only if not cached
                     with self._setup():  # (inside a step: not the step's own cost)
-                        return self._matmul(name, raw[e], qtype, shape[1:], rows=e * n)
+                        at = lambda: raw[e]  # noqa: E731
+                        return self._matmul(name, at, qtype, shape[1:], rows=e * n)
 
                 nbytes = self.device.prepared_bytes(qtype, shape[1:], "matmul")
                 prepared = self.binder.prepare_experts(shape, nbytes, expert)

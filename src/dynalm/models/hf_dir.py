@@ -22,6 +22,8 @@ released MXFP4 blocks and scales) are made one expert at a time in the converter
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
@@ -152,6 +154,21 @@ class _Experts:
     def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
         stacked = np.stack([self[e] for e in range(len(self))])
         return stacked if dtype is None else stacked.astype(dtype)
+
+
+def _identity(shard: SafeTensorsFile) -> str:
+    """A shard's identity as the file system reports it when opened (any change to it
+    changes one of them: see ``kernel.repack_cache``)."""
+    st = shard.stat
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+@functools.cache
+def _made_version() -> str:
+    """A hash of the code that makes experts' bytes from a directory's stacks (this module
+    and ``hf_gpt_oss``): a cached repack of them is stale when it changes."""
+    code = b"".join(Path(f).read_bytes() for f in (__file__, hf_gpt_oss.__file__))
+    return hashlib.sha256(code).hexdigest()[:16]
 
 
 class HFDirectory:
@@ -625,16 +642,24 @@ class HFDirectory:
 
     def source(self, names: tuple[str, ...]) -> tuple[str, str] | None:
         """The repack cache's key of ``names`` (see ``GGUFWeights.source``): the shard and
-        byte ranges, and the shard's identity; None for repacked GPTQ/AWQ layers."""
+        byte ranges, and the shard's identity; a layer's experts (``GGUFWeights`` adds an
+        expert's rows): the directory and the tensor's GGUF name, and the identities of
+        the shards it reads, with this code's version where it makes their bytes (gpt-oss's
+        MXFP4 stacks); None for repacked GPTQ/AWQ layers."""
         srcs = [self._sources[n] for n in names]
+        if len(srcs) == 1 and (srcs[0].experts or srcs[0].stacks):
+            read = {id(shard): shard for shard, _ in srcs[0].experts or srcs[0].stacks}
+            identity = ";".join(sorted(map(_identity, read.values())))
+            if srcs[0].stacks:
+                identity += f";made by {_made_version()}"
+            return f"{os.path.realpath(self.path)}#{names[0]}", identity
         if any(s.tensor is None for s in srcs) or len({id(s.shard) for s in srcs}) != 1:
             return None
         shard = srcs[0].shard
         assert shard is not None
-        st = shard.stat
         where = os.path.realpath(shard.path) + "@"
         where += ",".join(f"{s.tensor.offset}+{s.tensor.nbytes}" for s in srcs if s.tensor)
-        return where, f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        return where, _identity(shard)
 
     def release_pages(self, name: str | None = None, rows: tuple[int, int] | None = None) -> None:
         """Drop mapped pages from RSS (all, or of a tensor or its rows), as GGUFFile does."""
