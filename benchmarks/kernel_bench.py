@@ -235,8 +235,8 @@ PEAK_KEYS = {
 
 def peaks(backend_names: list[str], threads: int) -> dict:
     """Streaming-read GB/s (1 and ``threads`` threads) and int8 GMAC/s per backend."""
-    from dynalm.bench import streaming_read_gbs
     from dynalm.core import pool
+    from dynalm.core.cpu_device import streaming_read_gbs
     from dynalm.kernel import backends, jit, probes
 
     signature = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dynalm.core import cpu_device
 from dynalm.errors import InvalidRequest
 from dynalm.flags import MAX_TOKENS, parse_int
 from dynalm.runtime.engine.build import EngineSpec, build_engine
@@ -332,39 +333,11 @@ def experts_line(runner: DynaLMRunner, read: DecodeBytes) -> str:
     )
 
 
-def streaming_read_gbs(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """The host's streaming-read bandwidth now, GB/s: ``probes.STREAM`` summing a buffer
-    of ``nbytes`` (far past any cache) on ``threads`` of the pool, best of ``repeats``. The
-    roof of a decode step, which reads every weight it uses once; measured when asked, as a
-    shared machine's bandwidth moves with its neighbours."""
-    import ctypes
-
-    from dynalm.core import pool
-    from dynalm.kernel import backends, jit, probes
-
-    buf = np.ones(nbytes, np.uint8)
-    pages = buf.size // probes.PAGE
-    sums = np.zeros(pages, np.int32)
-    args = np.array([buf.ctypes.data, sums.ctypes.data], np.int64)
-    fn = backends.select().lower(probes.STREAM, {}).addresses[""]
-    at = args.__array_interface__["data"][0]
-    threads = threads if pool.available() else 1
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        if threads > 1:
-            pool.pool(threads).run(fn, at, pages, -(-pages // threads))
-        else:
-            jit.cfunc(fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(at, 0, pages)
-        best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best / 1e9
-
-
 def decode_bandwidth(
     results: list[Result], ours: int, file_bytes: int, roof: float | None = None
 ) -> str:
     """What each engine's tg rate streams: its weight bytes per token times tokens/s; with
-    ``roof`` (``streaming_read_gbs``, GB/s), each as a share of it."""
+    ``roof`` (``cpu_device.streaming_read_gbs``, GB/s), each as a share of it."""
     rates = {r.engine: statistics.fmean(r.rates) for r in results if r.test.startswith("tg")}
     if not rates:
         return ""
@@ -623,7 +596,8 @@ def bench_command(
     weights, file_bytes = ours.engine.memory_plan.weights, read.per_token
     decoded = any(r.test.startswith("tg") for r in results)
     # the CPU's memory roof, on the threads the engines ran (a GPU reads its own memory)
-    roof = streaming_read_gbs(device.threads) if decoded and submitted is None else None
+    cpu = decoded and submitted is None
+    roof = cpu_device.streaming_read_gbs(device.threads) if cpu else None
     experts = experts_line(ours, read)
     if experts:  # a mixture: the experts its decode steps read, not every expert
         nbytes, dense, tokens = ours.decode_experts

@@ -7,6 +7,7 @@ native worker pool (``core.pool``) on weights kept quantised.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -16,11 +17,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from dynalm.core import quant
+from dynalm.core import pool, quant
 from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.matmul import AUTO_VALIDATED, ActivationScratch, QuantMatmul
 from dynalm.errors import InvalidRequest
-from dynalm.kernel import backends
+from dynalm.kernel import backends, jit, probes
 from dynalm.kernel.formats import QK, UNPACKS
 
 if TYPE_CHECKING:
@@ -50,6 +51,29 @@ def physical_cores() -> int:
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask): the most threads worth running."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def streaming_read_gbs(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """The host's streaming-read bandwidth now, GB/s: ``probes.STREAM`` summing a buffer
+    of ``nbytes`` (far past any cache) on ``threads`` of the pool, best of ``repeats``. The
+    roof of a decode step, which reads every weight it uses once; measured when asked, as a
+    shared machine's bandwidth moves with its neighbours."""
+    buf = np.ones(nbytes, np.uint8)
+    pages = buf.size // probes.PAGE
+    sums = np.zeros(pages, np.int32)
+    args = np.array([buf.ctypes.data, sums.ctypes.data], np.int64)
+    fn = backends.select().lower(probes.STREAM, {}).addresses[""]
+    at = args.__array_interface__["data"][0]
+    threads = threads if pool.available() else 1
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if threads > 1:
+            pool.pool(threads).run(fn, at, pages, -(-pages // threads))
+        else:
+            jit.cfunc(fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(at, 0, pages)
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / 1e9
 
 
 class CpuDevice(Device):
