@@ -45,8 +45,11 @@ from transformers import PreTrainedModel
 
 from dynalm.core import pool
 from dynalm.core.cpu_device import CpuDevice
+from dynalm.core.matmul import CACHED_ROWS
 from dynalm.core.quant import QUANT_FORMATS
 from dynalm.errors import DynaError, ModelFormatError, UnsupportedModel
+from dynalm.ir.lower import cpu as cpu_lower
+from dynalm.ir.lower.cpu import expert_ffns
 from dynalm.models import hf_dir, loader
 from dynalm.models.arch import check_file, family_file
 from dynalm.models.loader import LoadedModel, load_model
@@ -516,3 +519,21 @@ def test_a_directorys_experts_are_mapped_from_the_repack_cache(
         _, remade, kept = run()
         experts = remade  # the made experts only: the attention's weights are read as stored
         assert 0 < experts < repacked and kept == repacked - experts
+
+
+def test_an_expert_ffn_keeps_its_rows_in_expert_order(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill too long to run natively keeps each FFN's rows in expert order between its
+    matmuls (``expert_ffns``: gate and up write them so, the gated op reads them, down
+    reads them so): the logits bitwise those of every row in token order."""
+    tokens = np.random.default_rng(7).integers(0, VOCAB, CACHED_ROWS + 36).tolist()  # (ctx 128)
+    graph = _generator(case.model, "auto").engine.executor.binder.graph
+    sorted_x, sorted_out = expert_ffns(graph)
+    assert len(sorted_x) == case.model.hparams.n_layers and len(sorted_out) == 2 * len(sorted_x)
+    for mode in ("auto", "exact"):
+        ordered = _generator(case.model, mode).forward(tokens, all_logits=True)
+        monkeypatch.setattr(cpu_lower, "expert_ffns", lambda graph: (set(), set()))
+        plain = _generator(case.model, mode).forward(tokens, all_logits=True)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(ordered, plain, err_msg=mode)

@@ -198,31 +198,48 @@ class Experts:
             return -(-self._zeros.ctypes.data // 64) * 64
 
     def __call__(
-        self, x: np.ndarray, route: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        route: np.ndarray,
+        out: np.ndarray,
+        bias: np.ndarray | None = None,
+        *,
+        sorted_x: bool = False,
+        sorted_out: bool = False,
     ) -> None:
         """``out [T, top_k * N]``: each slot's row of ``x`` (``[T, K]``: every slot reads
         row t; ``[T, top_k * K]``: slot j its columns j*K..) times its expert (see
-        ``cpu_ops.expert_matmul``, the reference)."""
+        ``cpu_ops.expert_matmul``, the reference). With ``sorted_x``, ``x``'s rows
+        (``[T, top_k * K]``) hold the pairs in expert order instead (sorted by expert,
+        stably: what ``sorted_out`` writes for this route); with ``sorted_out``, the
+        products go to ``out``'s rows in that order. An expert FFN keeps its rows so
+        between its matmuls (``CpuBinder``): no scatter after gate and up, no gather before
+        down, the same bits (a row's product does not depend on where it lies)."""
         n_experts, n, k_in = self.shape
         ids = route_ids(route, n_experts).ravel()  # pair f = t * top_k + j
         top_k = route.shape[1] // 2
         # x's and out's rows per pair: slot j of token t is row f of the [T * top_k, .] view
         x_rows, out_rows = x.reshape(-1, k_in), out.reshape(-1, n)
+        if sorted_x and len(x_rows) != len(ids):
+            raise ValueError(f"x of {len(x_rows)} rows in expert order: {len(ids)} pairs")
         pairs = ids.argsort(kind="stable")  # grouped by expert
-        source = pairs if len(x_rows) == len(ids) else pairs // top_k
+        in_order = np.arange(len(pairs))
+        source = in_order if sorted_x else pairs if len(x_rows) == len(ids) else pairs // top_k
+        dest = in_order if sorted_out else pairs
         by_expert = ids[pairs]
         if not self._ready[by_expert].all():
             for e in np.unique(by_expert[~self._ready[by_expert]]).tolist():
                 self.matmul(e)
         if self._grouped is not None and (by_expert[1:] != by_expert[:-1]).all():
             # a row each (a decode step): x's rows read and out's written in place
-            self._grouped(self._weights[by_expert], x_rows, source, None, out_rows, pairs)
+            self._grouped(self._weights[by_expert], x_rows, source, None, out_rows, dest)
             starts = pairs  # (as many)
         else:
             starts = np.flatnonzero(np.diff(by_expert, prepend=-1))
-            self._by_groups(x_rows, source, by_expert, starts, out_rows, pairs)
+            order = (sorted_x, sorted_out)
+            self._by_groups(x_rows, source, by_expert, starts, out_rows, dest, *order)
         if bias is not None:
-            out_rows[pairs] += bias[by_expert]
+            out_rows[dest] += bias[by_expert]
         self._read += (len(starts), 1)
 
     def _by_groups(
@@ -232,24 +249,32 @@ class Experts:
         by_expert: np.ndarray,
         starts: np.ndarray,
         out_rows: np.ndarray,
-        pairs: np.ndarray,
+        dest: np.ndarray,
+        sorted_x: bool,
+        sorted_out: bool,
     ) -> None:
-        """Experts of several rows: the rows gathered by expert, the products scattered."""
+        """Experts of several rows: the rows gathered by expert (``sorted_x``: in that order
+        already), the products scattered to ``dest`` (``sorted_out``: written in place)."""
         _, n, k_in = self.shape
+        rows, in_place = len(dest), sorted_out
         # large calls in auto gather int8 rows (``GroupedMatmul.gather``): no fp32 copies
-        fp32 = self._grouped is None or self._grouped.copies_fp32(len(pairs))
-        xs, ys = self._scratch.views(len(pairs), k_in if fp32 else 0, n)
+        fp32 = not sorted_x and (self._grouped is None or self._grouped.copies_fp32(rows))
+        xs, ys = self._scratch.views(rows, k_in if fp32 else 0, 0 if in_place else n)
+        ys = out_rows[:rows] if in_place else ys
         # (native row copies: numpy's take and fancy assignment ran 1.4-4.5x slower)
         threads = 1 if self._grouped is None else self._grouped.threads
         if self._grouped is not None:  # one job for all
-            counts = np.diff(starts, append=len(pairs))
-            rows = self._grouped.gather(x_rows, source, xs)
-            self._grouped(self._weights[by_expert[starts]], rows, starts, counts, ys, starts)
+            counts = np.diff(starts, append=rows)
+            x = x_rows if sorted_x else self._grouped.gather(x_rows, source, xs)
+            self._grouped(self._weights[by_expert[starts]], x, starts, counts, ys, starts)
         else:  # formats without a JIT kernel: one expert's matmul at a time
-            elementwise.rows(xs, x_rows, source)()
-            ends = [*starts[1:].tolist(), len(pairs)]
+            if not sorted_x:
+                elementwise.rows(xs, x_rows, source)()
+            x = x_rows if sorted_x else xs
+            ends = [*starts[1:].tolist(), rows]
             for a, b in zip(starts.tolist(), ends, strict=True):
-                self.matmul(int(by_expert[a]))(xs[a:b], ys[a:b])
-        slot_of = np.empty_like(pairs)  # the scatter out[pairs] = ys as a gather
-        slot_of[pairs] = np.arange(len(pairs))
-        elementwise.rows(out_rows, ys, slot_of, threads=threads)()
+                self.matmul(int(by_expert[a]))(x[a:b], ys[a:b])
+        if not in_place:
+            slot_of = np.empty_like(dest)  # the scatter out[dest] = ys as a gather
+            slot_of[dest] = np.arange(rows)
+            elementwise.rows(out_rows, ys, slot_of, threads=threads)()

@@ -74,6 +74,45 @@ class _Kernels:
         return [r for kernel in self._kernels for r in kernel.records()]
 
 
+# Lane-wise ops of two values of one shape: the order of their rows is free
+_ROW_FREE = frozenset({*GATES, "swiglu_oai"})
+
+
+def expert_ffns(graph: Graph) -> tuple[set[int], set[int]]:
+    """An expert FFN's matmuls that may keep their rows in expert order (``Experts``'
+    ``sorted_x`` and ``sorted_out``): where an ``expert_matmul`` reads a gated op (swiglu,
+    geglu, swiglu_oai) of two ``expert_matmul`` outputs of the same route that nothing
+    else reads, the two write their products in expert order and it reads them so (the
+    gated op is lane-wise). Returns the output ids of the readers (``sorted_x``) and of
+    the two (``sorted_out``)."""
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for arg in node.args:
+            readers[arg.id] = readers.get(arg.id, 0) + 1
+    for value in graph.outputs.values():
+        readers[value.id] = readers.get(value.id, 0) + 1
+    made = {node.out.id: node for node in graph.nodes}
+    sorted_x, sorted_out = set(), set()
+    for node in graph.nodes:
+        if node.op != "expert_matmul":
+            continue
+        x, route = node.args[0].id, node.args[1].id
+        gated = made.get(x)
+        if gated is None or gated.op not in _ROW_FREE or readers[x] != 1:
+            continue
+        parts = [made.get(arg.id) for arg in gated.args]
+        if all(
+            p is not None
+            and p.op == "expert_matmul"
+            and p.args[1].id == route
+            and readers[p.out.id] == 1
+            for p in parts
+        ):
+            sorted_x.add(node.out.id)
+            sorted_out.update(p.out.id for p in parts if p is not None)
+    return sorted_x, sorted_out
+
+
 class _ExpertMatmul:
     """``expert_matmul`` on JIT experts: ``core.experts``' Python grouping, except in a
     compiled step of up to ``Experts.native_tokens`` (the fewest of the graph's): native
@@ -87,24 +126,35 @@ class _ExpertMatmul:
         bias: np.ndarray | None,
         backend: backends.Backend,
         graph_experts: list[tuple[Experts, int]],
+        order: tuple[bool, bool] = (False, False),
     ) -> None:
         self._experts, self._views, self._bias, self._backend = experts, views, bias, backend
         self._x, self._route, self._o = operands
         self._graph_experts = graph_experts  # every expert matmul's experts and top_k
+        self._order = order  # (sorted_x, sorted_out) of a step too large to run natively
         # per step size: the native records and what they point into
         self._native: dict[int, tuple[list[tuple[int, int, int, int, int]], tuple]] = {}
 
+    def _from_python(self, tokens: int) -> bool:
+        """Whether every expert matmul of a step of ``tokens`` runs from Python: one from
+        Python would break the step's native program anyway, so all or none run natively."""
+        return tokens > min(e.native_tokens(k) for e, k in self._graph_experts)
+
     def __call__(self) -> None:
         v = self._views
-        self._experts(v[self._x], v[self._route], v[self._o], self._bias)
+        x = v[self._x]
+        # the expert-order rows of an expert FFN: only where its three matmuls all run here
+        # (a step small enough runs some natively, in token order)
+        sorted_x, sorted_out = self._order if self._from_python(len(x)) else (False, False)
+        self._experts(
+            x, v[self._route], v[self._o], self._bias, sorted_x=sorted_x, sorted_out=sorted_out
+        )
 
     def records(self) -> list[tuple[int, int, int, int, int]] | None:
         """A small step's native calls (None: a step run from Python)."""
         v = self._views
         tokens = len(v[self._x])
-        # all of a step's expert matmuls natively or none: one from Python would break the
-        # step's native program anyway
-        if tokens > min(e.native_tokens(k) for e, k in self._graph_experts):
+        if self._from_python(tokens):
             return None
         if tokens not in self._native and self._experts.native_steps():
             operands = (v[self._x], v[self._route], v[self._o], self._bias, self._backend)
@@ -137,6 +187,7 @@ class CpuBinder(Binder):
         self._blocks = np.zeros((2 * len(self.graph.nodes), elementwise.MAX_WORDS), np.int64)
         self._counted: list[tuple[int, str]] = []  # per kernel: count per row, row symbol
         self._graph_experts: list[tuple[Experts, int]] = []  # expert matmuls: experts, top_k
+        self._sorted_x, self._sorted_out = expert_ffns(self.graph)
 
     def end_bind(self) -> None:
         self._per_row = np.array([per_row for per_row, _ in self._counted], np.int64)
@@ -323,8 +374,9 @@ class CpuBinder(Binder):
         bias = self.prepare(w[1], "vector") if len(w) > 1 else None
         if self._native:  # grouped by expert, each expert's JIT matmul over its rows
             self._graph_experts.append((experts, int(node.args[1].type.shape[1]) // 2))
+            order = (node.out.id in self._sorted_x, node.out.id in self._sorted_out)
             return _ExpertMatmul(
-                experts, v, (x, route, o), bias, self._backend, self._graph_experts
+                experts, v, (x, route, o), bias, self._backend, self._graph_experts, order
             )
         shape = experts.shape
         return lambda: cpu_ops.expert_matmul(v[o], v[x], v[route], experts.matmul, shape, bias)
