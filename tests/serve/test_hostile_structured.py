@@ -326,6 +326,30 @@ def test_a_huge_counted_repeat_is_a_400_naming_the_field_and_the_limit(
     assert content.startswith("ab") and not content.replace("ab", ""), content
 
 
+# A possessive quantifier (Python's re and PCRE: x?+ is x? that never gives back) read by
+# llguidance as a repeat of a repeat, (x?)+: the structured fuzz's seed 3205089014 got
+# 'xxxxxx   ' for x?+ {1,3}. Refused, naming the quantifier; a lazy one (x??) is the
+# same language as its greedy twin and is served.
+POSSESSIVE = {
+    "x?+ {1,3}": ("guided_regex", "guided_regex: the possessive quantifier '?+' at character 2"),
+    "a{2}+b": ("guided_regex", "guided_regex: the possessive quantifier '}+' at character 4"),
+    "start: /x*+y/": (
+        "guided_grammar",
+        "guided_grammar: the regex /x*+y/: the possessive quantifier '*+' at character 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("pattern", POSSESSIVE)
+def test_a_possessive_quantifier_is_a_400_naming_it(server: LiveServer, pattern: str) -> None:
+    field, message = POSSESSIVE[pattern]
+    r = chat(server, **{field: pattern}, max_tokens=8)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+    ok = chat(server, guided_regex="x?? {1,3}", max_tokens=8, temperature=1.5, seed=9)
+    assert ok.status_code == 200, ok.text
+    assert re.fullmatch("x? {1,3}", ok.json()["choices"][0]["message"]["content"]), ok.text
+
+
 # Issue 25: the regexes and counted repeats of a Lark or GBNF grammar were not checked (the
 # same costs as a regex's: each step's mask). Counted the same way, through the rules a rule
 # uses (nested repeats multiply), and refused past the same limit, naming the rule.

@@ -205,15 +205,24 @@ class _Expansion:
         return min(sum(f[0] + f[1] for f in self.frames), _CAP)
 
 
-def regex_expansion(regex: str) -> int:
+def regex_expansion(regex: str, what: str) -> int:
     """How many characters ``regex`` spells out once its counted repeats are unrolled
     (``x{m,n}`` counts max(m, n)). A scan of the regex's structure only: escapes and
     character classes are one character, groups nest, anchors are none; what is not valid
-    is left to llguidance to refuse."""
+    is left to llguidance to refuse, except a possessive quantifier (``x?+``, ``x*+``,
+    ``x{2}+``: Python's ``re`` and PCRE's), which llguidance would read as a repeat of a
+    repeat, another language: refused (400 naming ``what``)."""
     e = _Expansion()
     i, n = 0, len(regex)
+    repeated = False  # the last token was a quantifier
     while i < n:
         c = regex[i]
+        if c == "+" and repeated:
+            raise InvalidRequest(
+                f"{what}: the possessive quantifier {regex[max(0, i - 1) : i + 1]!r} at "
+                f"character {i} is not supported (without its '+' it matches the same strings)"
+            )
+        repeated = c in "?*+"
         if c == "\\":
             i += 2
             if i - 1 < n and regex[i - 1] in "pPxu" and i < n and regex[i] == "{":
@@ -240,7 +249,7 @@ def regex_expansion(regex: str) -> int:
             i += 1
         elif c == "{" and (m := _REPEAT.match(regex, i)) and (m.group(1) or m.group(3)):
             e.repeat(_count(m.group(1), m.group(3) or ""))
-            i = m.end()
+            i, repeated = m.end(), True
         else:
             if c not in "^$":  # (anchors match no character)
                 e.atom(1)
@@ -252,7 +261,9 @@ def check_regex(regex: str, what: str) -> None:
     """Refuse (400 naming ``what`` and the limit) a regex whose counted repeats expand past
     `MAX_REGEX_EXPANSION` characters (see there)."""
     _check_expansion(
-        regex_expansion(regex), len(regex), f"{what}: its counted repeats expand the regex to"
+        regex_expansion(regex, what),
+        len(regex),
+        f"{what}: its counted repeats expand the regex to",
     )
 
 
@@ -341,7 +352,8 @@ def check_grammar(lark: str, what: str) -> None:
         elif kind == "string":
             body.append(("atom", max(1, len(m.group().rstrip("i")) - 2)))
         elif kind == "regex":
-            body.append(("atom", regex_expansion(m.group()[1 : m.group().rindex("/")])))
+            pattern = m.group()[1 : m.group().rindex("/")]
+            body.append(("atom", regex_expansion(pattern, f"{what}: the regex /{pattern}/")))
         elif kind == "token":
             body.append(("atom", 1))
         elif kind == "repeat" and (m.group("low") or m.group("high")):
