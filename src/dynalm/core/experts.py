@@ -256,25 +256,28 @@ class Experts:
         """Experts of several rows: the rows gathered by expert (``sorted_x``: in that order
         already), the products scattered to ``dest`` (``sorted_out``: written in place)."""
         _, n, k_in = self.shape
-        rows, in_place = len(dest), sorted_out
+        rows = len(dest)
         # large calls in auto gather int8 rows (``GroupedMatmul.gather``): no fp32 copies
         fp32 = not sorted_x and (self._grouped is None or self._grouped.copies_fp32(rows))
-        xs, ys = self._scratch.views(rows, k_in if fp32 else 0, 0 if in_place else n)
-        ys = out_rows[:rows] if in_place else ys
+        xs, ys = self._scratch.views(rows, k_in if fp32 else 0, 0 if sorted_out else n)
+        ys = out_rows[:rows] if sorted_out else ys
         # (native row copies: numpy's take and fancy assignment ran 1.4-4.5x slower)
         threads = 1 if self._grouped is None else self._grouped.threads
+        if sorted_x:
+            x = x_rows
+        elif self._grouped is not None:
+            x = self._grouped.gather(x_rows, source, xs)
+        else:
+            elementwise.rows(xs, x_rows, source)()
+            x = xs
         if self._grouped is not None:  # one job for all
             counts = np.diff(starts, append=rows)
-            x = x_rows if sorted_x else self._grouped.gather(x_rows, source, xs)
             self._grouped(self._weights[by_expert[starts]], x, starts, counts, ys, starts)
         else:  # formats without a JIT kernel: one expert's matmul at a time
-            if not sorted_x:
-                elementwise.rows(xs, x_rows, source)()
-            x = x_rows if sorted_x else xs
             ends = [*starts[1:].tolist(), rows]
             for a, b in zip(starts.tolist(), ends, strict=True):
                 self.matmul(int(by_expert[a]))(x[a:b], ys[a:b])
-        if not in_place:
+        if not sorted_out:
             slot_of = np.empty_like(dest)  # the scatter out[dest] = ys as a gather
             slot_of[dest] = np.arange(rows)
             elementwise.rows(out_rows, ys, slot_of, threads=threads)()

@@ -132,13 +132,17 @@ class _ExpertMatmul:
         self._x, self._route, self._o = operands
         self._graph_experts = graph_experts  # every expert matmul's experts and top_k
         self._order = order  # (sorted_x, sorted_out) of a step too large to run natively
+        self._most_native: int | None = None
         # per step size: the native records and what they point into
         self._native: dict[int, tuple[list[tuple[int, int, int, int, int]], tuple]] = {}
 
     def _from_python(self, tokens: int) -> bool:
         """Whether every expert matmul of a step of ``tokens`` runs from Python: one from
-        Python would break the step's native program anyway, so all or none run natively."""
-        return tokens > min(e.native_tokens(k) for e, k in self._graph_experts)
+        Python would break the step's native program anyway, so all or none run natively.
+        (The graph's fewest native tokens, taken once its binding is done: steps run after.)"""
+        if self._most_native is None:
+            self._most_native = min(e.native_tokens(k) for e, k in self._graph_experts)
+        return tokens > self._most_native
 
     def __call__(self) -> None:
         v = self._views
