@@ -555,7 +555,7 @@ def bench_command(
     t1 = time.perf_counter()
     ours = DynaLMRunner(build_engine(EngineSpec(model, bench_config(ctx), backend, mode, threads)))
     device, n_vocab = ours.engine.device, model.hparams.n_vocab
-    load = {  # binding repacks the weights, or maps them from the repack cache
+    load = {  # binding repacks the weights, or reads them from the repack cache
         "file_s": round(t1 - t0, 3),
         "bind_s": round(time.perf_counter() - t1, 3),
         "repack_s": round(device.repack_seconds, 3),
@@ -635,8 +635,7 @@ def bench_command(
     loaded = (
         f"load: file {load['file_s']:.2f} s, bind {load['bind_s']:.2f} s (weight repack "
         f"{load['repack_s']:.2f} s; {load['weights_mapped']} of "
-        f"{load['weights_mapped'] + load['weights_repacked']} weights mapped from the repack "
-        f"cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
+        f"{load['weights_mapped'] + load['weights_repacked']} weights from the repack cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
     )
     table = format_table(results, header, [r.name for r in runners])
     if bandwidth := decode_bandwidth(results, weights, file_bytes, roof):

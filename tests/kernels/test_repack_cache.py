@@ -1,5 +1,5 @@
 """The repack cache (``kernel.repack_cache``) under ``QuantMatmul``: the first build writes,
-later ones map the file; a mapped weight computes bitwise what a fresh repack does; a file
+later ones read the file into huge-page memory or map it; a cached weight computes bitwise what a fresh repack does; a file
 that is truncated, corrupted, of another key or of other layout code is never trusted but
 repacked and replaced; an unwritable cache directory only costs the repack; the size cap
 evicts the least recently used files."""
@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from test_matmul import K_QUANTS, TABLES, activations, weights
 
+from dynalm.core import memory
 from dynalm.core.matmul import QuantMatmul
 from dynalm.kernel import repack_cache
 
@@ -34,11 +35,16 @@ def entries(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.bin"))
 
 
+@pytest.mark.parametrize("pages", ["huge", "mapped"])
 @pytest.mark.parametrize("mode", ["exact", "auto"])
 @pytest.mark.parametrize(
     "ggml_type", [T.Q4_1, T.Q8_0, T.Q5_0, *K_QUANTS, *TABLES], ids=lambda t: t.name
 )
-def test_second_build_maps_the_first_ones_file(cache_dir: Path, ggml_type: T, mode: str):
+def test_second_build_maps_the_first_ones_file(
+    cache_dir: Path, ggml_type: T, mode: str, pages: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A hit maps the file (``mapped``) or reads it into huge-page memory (``huge``)."""
+    monkeypatch.setenv("DYNALM_WEIGHT_PAGES", pages)
     k = 512
     raw = weights(ggml_type, 67, k)
     fresh = QuantMatmul(raw, ggml_type, k, mode=mode, threads=1)  # no source: no cache
@@ -50,7 +56,8 @@ def test_second_build_maps_the_first_ones_file(cache_dir: Path, ggml_type: T, mo
         source=SOURCE, n_rows=67,
     )  # fmt: skip
     assert not second.repacked and not calls, "a mapped weight reads no GGUF rows"
-    assert not second._weights.flags.writeable  # the file's pages, read-only
+    in_memory = memory.huge_pages()
+    assert second._weights.flags.writeable == in_memory  # else the file's pages, read-only
     for t_rows in (1, 5, 40):
         x = activations(t_rows, k)
         want = fresh(x)

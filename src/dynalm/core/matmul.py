@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as _T
 
-from dynalm.core import pool, quant
+from dynalm.core import memory, pool, quant
 from dynalm.kernel import backends, layouts, repack_cache
 from dynalm.kernel import matmul_programs as programs
 from dynalm.kernel.formats import QK, UNPACKS, Unpack
@@ -189,13 +189,14 @@ class QuantMatmul:
             rows = raw() if callable(raw) else raw
             return self.checked_repack(ggml_type, rows, n_cols, n_rows, layout, release_rows)
 
+        into = memory.weight_buffer if memory.huge_pages() else None
         if source is None:
-            self._weights, self.repacked = repack(), True
+            self._weights, self.repacked = repack_cache.placed(repack(), into), True
         else:
             nbytes = -(-n_rows // layout.rows) * layout.rows * u.packed_bytes(n_cols)
             what = f"{u.name} [{n_rows}, {n_cols}] {layout!r}"
             cache = repack_cache.shared()
-            self._weights, self.repacked = cache.load_or_build(source, what, nbytes, repack)
+            self._weights, self.repacked = cache.load_or_build(source, what, nbytes, repack, into)
         self.threads = threads or default_threads()  # (core.grouped_matmul's too)
         self._threads = self.threads if self.parallel(n_rows * u.row_bytes(n_cols)) else 1
         self._chunk = grab_chunk(self._kernels, self.n_rows, self._threads)

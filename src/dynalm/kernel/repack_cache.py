@@ -4,8 +4,9 @@ A weight's repacked stream (``layouts.repack``) is a pure function of its GGUF b
 type and shape, the layout and the layout code. It is written once, beside the JIT cache,
 to ``$DYNALM_CACHE/repack`` (default ``~/.cache/dynalm/repack``; ``$DYNALM_REPACK_CACHE``
 names another directory, or ``off`` disables the cache), one file per weight and layout,
-and later loads map that file read-only instead of repacking: no repack time, and the
-weights are file-backed pages the kernel can drop and re-read rather than anonymous memory.
+and later loads read that file (or map it read-only) instead of repacking: no repack time.
+Read into memory the caller gives (``into``: the CPU's weights go to huge pages, see
+``core.memory``), or mapped: file-backed pages the kernel can drop and re-read.
 
 Keys. A file's *name* is a hash of where the weight comes from (the GGUF's real path and
 the tensors' byte ranges in it) and how it is laid out (type, shape, layout), so a changed
@@ -92,9 +93,15 @@ def _header(key: bytes, payload: np.ndarray, about: dict[str, str]) -> bytes:
     return (body + struct.pack("<I", zlib.crc32(body))).ljust(HEADER_BYTES, b"\0")
 
 
-def _read(path: Path, key: bytes, nbytes: int, verify: bool = True) -> np.ndarray | None:
-    """The payload of ``path`` mapped read-only, or ``None`` when the file is missing or
-    does not hold ``nbytes`` of this ``key`` intact."""
+def _read(
+    path: Path,
+    key: bytes,
+    nbytes: int,
+    verify: bool = True,
+    into: Callable[[int], np.ndarray] | None = None,
+) -> np.ndarray | None:
+    """The payload of ``path`` mapped read-only (or read into ``into(nbytes)``), or
+    ``None`` when the file is missing or does not hold ``nbytes`` of this ``key`` intact."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
@@ -110,10 +117,19 @@ def _read(path: Path, key: bytes, nbytes: int, verify: bool = True) -> np.ndarra
                 return None
             if nbytes == 0:
                 return np.empty(0, np.uint8)
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if into is None:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                payload = np.frombuffer(mapped, np.uint8, count=nbytes, offset=HEADER_BYTES)
+            else:
+                payload = into(nbytes)
+                view, done = memoryview(payload), 0
+                while done < nbytes:  # (one read returns at most ~2 GiB)
+                    n = f.readinto(view[done:])
+                    if not n:
+                        return None
+                    done += n
     except (OSError, ValueError, struct.error):
         return None
-    payload = np.frombuffer(mapped, np.uint8, count=nbytes, offset=HEADER_BYTES)
     if verify and zlib.crc32(payload) != crc:
         return None
     return payload
@@ -134,19 +150,22 @@ class RepackCache:
         layout: str,
         nbytes: int,
         build: Callable[[], np.ndarray],
+        into: Callable[[int], np.ndarray] | None = None,
     ) -> tuple[np.ndarray, bool]:
         """The repacked weight: mapped from the cache, or ``build()`` (uint8, ``nbytes``)
         then stored. ``source``: (where the GGUF bytes lie: path and byte ranges; the GGUF
-        file's identity: its stat), ``layout``: type, shape and layout of the result.
-        Returns the weight and whether it was built."""
+        file's identity: its stat), ``layout``: type, shape and layout of the result;
+        ``into(nbytes)``: memory to hold the weight instead of the file's map (the cache's
+        copy is read, or the built one copied, into it). Returns the weight and whether it
+        was built."""
         if self.directory is None:
             self.misses += 1
-            return build(), True
+            return placed(build(), into), True
         where, identity = source
         name = hashlib.sha256(f"{where}\0{layout}".encode()).hexdigest()[:40]
         path = self.directory / f"{name}.bin"
         key = hashlib.sha256(f"{where}\0{layout}\0{identity}\0{code_version()}".encode()).digest()
-        found = _read(path, key, nbytes)
+        found = _read(path, key, nbytes, into=into)
         if found is not None:
             self.hits += 1
             with contextlib.suppress(OSError):
@@ -157,6 +176,9 @@ class RepackCache:
         if built.dtype != np.uint8 or built.size != nbytes:
             raise ValueError(f"repacked {built.dtype} {built.size} bytes, expected {nbytes}")
         about = {"source": where, "identity": identity, "layout": layout}
+        if into is not None:
+            self._store(path, key, built, about)
+            return placed(built, into), True
         if self._store(path, key, built, about):
             # The stored copy's pages are the page cache's: map it and let the anonymous
             # copy go (so a first load's resident set does not hold every repacked weight).
@@ -206,6 +228,15 @@ class RepackCache:
                 break
             if file != str(keep) and _unlink(file):
                 self._total -= size
+
+
+def placed(weight: np.ndarray, into: Callable[[int], np.ndarray] | None) -> np.ndarray:
+    """``weight`` copied into ``into(its size)`` (``None``: itself)."""
+    if into is None:
+        return weight
+    out = into(weight.size)
+    out[:] = weight
+    return out
 
 
 def _unlink(path: str) -> bool:
