@@ -635,7 +635,8 @@ def bench_command(
     loaded = (
         f"load: file {load['file_s']:.2f} s, bind {load['bind_s']:.2f} s (weight repack "
         f"{load['repack_s']:.2f} s; {load['weights_mapped']} of "
-        f"{load['weights_mapped'] + load['weights_repacked']} weights from the repack cache), peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
+        f"{load['weights_mapped'] + load['weights_repacked']} weights from the repack cache), "
+        f"peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
     )
     table = format_table(results, header, [r.name for r in runners])
     if bandwidth := decode_bandwidth(results, weights, file_bytes, roof):

@@ -1,8 +1,8 @@
 """The repack cache (``kernel.repack_cache``) under ``QuantMatmul``: the first build writes,
-later ones read the file into huge-page memory or map it; a cached weight computes bitwise what a fresh repack does; a file
-that is truncated, corrupted, of another key or of other layout code is never trusted but
-repacked and replaced; an unwritable cache directory only costs the repack; the size cap
-evicts the least recently used files."""
+later ones read the file into huge-page memory or map it; a cached weight computes bitwise
+what a fresh repack does; a file that is truncated, corrupted, of another key or of other
+layout code is never trusted but repacked and replaced; an unwritable cache directory only
+costs the repack; the size cap evicts the least recently used files."""
 
 from __future__ import annotations
 

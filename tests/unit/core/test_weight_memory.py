@@ -18,7 +18,9 @@ def address(a: np.ndarray) -> int:
 def huge_kib(a: np.ndarray) -> int:
     """``AnonHugePages`` of the mapping holding ``a`` (/proc/self/smaps), KiB."""
     at, inside = address(a), False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.readlines()
+    for line in lines:
         field = line.split()
         if "-" in field[0] and not field[0].endswith(":"):
             lo, hi = (int(x, 16) for x in field[0].split("-"))
@@ -35,7 +37,7 @@ def test_buffers_are_aligned_and_disjoint():
         assert buf.dtype == np.uint8 and buf.size == n and buf.flags.writeable
         assert address(buf) % 64 == 0
     spans = sorted((address(b), address(b) + b.size) for b in bufs)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     for i, buf in enumerate(bufs):  # written through, none clobbers another
         buf[:] = i
     assert all((buf == i).all() for i, buf in enumerate(bufs))
