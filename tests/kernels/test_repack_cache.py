@@ -169,3 +169,27 @@ def test_size_cap_evicts_least_recently_used(cache_dir: Path, monkeypatch: pytes
     )
     assert not stale.exists(), "a crashed writer's temporary is cleared"
     assert [p.name for p in entries(cache_dir)] != []  # the file just written stays
+
+
+def test_a_process_never_evicts_the_entries_it_uses(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """One model's weights past the cap (gpt-oss-20b's experts past 8 GiB) all stay: the
+    process writing them evicts none of its own; the next process that writes evicts them,
+    least recently used first, down to the cap."""
+    size = 4096
+    one = repack_cache.HEADER_BYTES + size
+
+    def weight(name: str, cache: repack_cache.RepackCache) -> bool:
+        return cache.load_or_build((name, "1"), "x", size, lambda: np.ones(size, np.uint8))[1]
+
+    monkeypatch.setenv("DYNALM_REPACK_CACHE_MAX", str(2 * one))
+    model = repack_cache.RepackCache(cache_dir)
+    assert all(weight(name, model) for name in "abcd")
+    assert len(entries(cache_dir)) == 4, "none of the process's own entries evicted"
+    again = repack_cache.RepackCache(cache_dir)  # the next start of the same model: all hits
+    assert not any(weight(name, again) for name in "abcd")
+    assert len(entries(cache_dir)) == 4
+    other = repack_cache.RepackCache(cache_dir)  # another model's process
+    assert weight("e", other)
+    assert len(entries(cache_dir)) == 2

@@ -29,7 +29,8 @@ replaced. The payload's crc32 is checked on every load (~70 ms per 100 MB; it al
 the pages in, which the first step would do anyway), so a file half-persisted by a crash
 (no fsync is done) is never trusted. A read-only or full cache directory costs only time.
 The cache is kept under ``$DYNALM_REPACK_CACHE_MAX`` bytes (default 8 GiB) by deleting the
-least recently used files (a hit refreshes a file's mtime).
+least recently used files (a hit refreshes a file's mtime), never those the deleting process
+uses (the cap yields to one model's weights).
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ class RepackCache:
         self.directory = directory
         self.hits = self.misses = self.written = 0
         self._total: int | None = None  # bytes in the directory, once scanned
+        self._used: set[str] = set()  # files this process read or wrote: never evicted by it
 
     def load_or_build(
         self,
@@ -168,6 +170,7 @@ class RepackCache:
         found = _read(path, key, nbytes, into=into)
         if found is not None:
             self.hits += 1
+            self._used.add(str(path))
             with contextlib.suppress(OSError):
                 os.utime(path)  # recently used: evicted last
             return found, False
@@ -201,12 +204,16 @@ class RepackCache:
                 _unlink(tmp)
             return False
         self.written += 1
-        self._evict(path, HEADER_BYTES + payload.size)
+        self._used.add(str(path))
+        self._evict(HEADER_BYTES + payload.size)
         return True
 
-    def _evict(self, keep: Path, added: int) -> None:
+    def _evict(self, added: int) -> None:
         """Delete least recently used files while the directory holds over ``max_bytes()``
-        (scanned once per process, then counted as files are added)."""
+        (scanned once per process, then counted as files are added), except those this
+        process used: a model whose weights alone pass the cap (gpt-oss-20b's experts,
+        ~12 GB) would otherwise evict its own earlier entries as it writes later ones, and
+        repack them again on every start."""
         if self._total is not None:
             self._total += added
             if self._total <= max_bytes():
@@ -226,7 +233,7 @@ class RepackCache:
         for _, size, file in sorted(entries):
             if self._total <= max_bytes():
                 break
-            if file != str(keep) and _unlink(file):
+            if file not in self._used and _unlink(file):
                 self._total -= size
 
 
