@@ -2,7 +2,7 @@
 gpt-oss expert matrix (MXFP4 blocks and scales as the released checkpoints store them,
 random bytes, ``--rows`` x ``--cols``: gpt-oss-20b's 2880 x 2880 by default) made in
 ggml's block order (``hf_gpt_oss.mxfp4_rows``) and repacked into the auto kernels'
-layout on a first start, then mapped from the cache on later ones (a fresh cache
+layout on a first start, then read from the cache on later ones (a fresh cache
 directory; the key's shape as ``HFDirectory.source`` gives it). Best of ``--repeat``.
 
     python benchmarks/expert_cache.py [--rows 2880] [--cols 2880] [--repeat 5]
@@ -33,10 +33,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (args.rows, args.cols // 32, 16), dtype=np.uint8)
     scales = rng.integers(118, 130, (args.rows, args.cols // 32), dtype=np.uint8)
-    made, mapped = [], []
+    made, cached = [], []
     for i in range(args.repeat):  # a new key per round: its first prepare makes and writes
         key = (f"/model#blk.0.ffn_gate_exps.weight:{i}+{args.rows}", "identity;made by bench")
-        for times in (made, mapped):
+        for times in (made, cached):
             t0 = time.perf_counter()
             mm = QuantMatmul(
                 lambda: hf_gpt_oss.mxfp4_rows(blocks, scales),
@@ -51,7 +51,7 @@ def main() -> None:
     mib = args.rows * args.cols * 17 / 32 / 2**20
     print(
         f"MXFP4 expert {args.rows} x {args.cols} ({mib:.1f} MiB): made and repacked "
-        f"{min(made) * 1e3:.1f} ms, mapped from the cache {min(mapped) * 1e3:.1f} ms"
+        f"{min(made) * 1e3:.1f} ms, read from the cache {min(cached) * 1e3:.1f} ms"
     )
 
 
