@@ -459,7 +459,7 @@ def test_work_order_puts_whole_tiles_after_the_tokens_alone():
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 32), (9, 3, 64), (4, 2, 128)]
 )
-@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks", "window"])
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks", "window", "wide window"])
 def test_tiled_prefill_gives_each_token_what_it_gets_alone(
     dtype: str, heads: int, kv_heads: int, head_dim: int, variant: str
 ):
@@ -467,9 +467,10 @@ def test_tiled_prefill_gives_each_token_what_it_gets_alone(
     value loaded once for all of them, each query masking the keys past its own) give each
     token bitwise what a step of that token alone gives (its chunks split over 2
     threads): MHA, groups of 4 (a tile's item of 4 tokens x 2 heads) and of 3 (8 tokens x 1
-    head), f32 and f16 pages, with a score cap or sinks; a window runs each token alone.
-    All within the numpy reference's budget."""
-    scale, window = 0.3, 37 if variant == "window" else 0
+    head), f32 and f16 pages, with a score cap or sinks; a window that cuts the step's
+    keys runs each token alone, one the step's positions (0..269) all lie inside runs tiles
+    and gives bitwise what no window gives. All within the numpy reference's budget."""
+    scale, window = 0.3, {"window": 37, "wide window": 270}.get(variant, 0)
     cap = 2.0 if variant == "softcap" else 0.0
     sinks = np.linspace(-3.0, 3.0, heads).astype(np.float32) if variant == "sinks" else None
     geometry = (heads, kv_heads, head_dim, scale, window)
@@ -482,6 +483,9 @@ def test_tiled_prefill_gives_each_token_what_it_gets_alone(
     together = attend(batch, positions, q, k, v, *geometry, 2, **how)
     bound = attention_bound(pool, *tables(batch), q, heads, head_dim, scale, cap, sinks)
     assert_close(together, ref, bound)
+    if variant == "wide window":  # (the step's keys stored again: the same values)
+        unwindowed = attend(batch, positions, q, k, v, *geometry[:4], 0, 2, **how)
+        assert np.array_equal(together, unwindowed)
     starts = np.cumsum([0] + [n for *_, n in TILED])
     for s, (pages, n_ctx, n_new) in enumerate(TILED):  # the pool now holds every key
         for t in range(starts[s], starts[s + 1]):

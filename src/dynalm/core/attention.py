@@ -50,6 +50,7 @@ from dynalm.kernel.attention_program import (
     FUNCTIONS,
     N_ARGS,
     N_STEP,
+    S_END,
     S_PARTS,
     TILE,
     parts_bytes,
@@ -155,6 +156,7 @@ class StepLayout:
         self._arrays = arrays  # alive while kernels run
         words = (n, _addr(pages), pages.shape[1], *map(_addr, arrays[1:]))
         self._block[:S_PARTS] = (*words, singles, tiles)
+        self._block[S_END] = int(positions[:n].max()) + 1 if n else 0
         self.kv, self.tokens = batch.kv, n
 
 
@@ -262,8 +264,9 @@ class PagedAttention:
             rows = None if name.endswith("recent") else slots
             array = check(f"KV {name}[{layer}]", arrays[layer], dtype, (rows, *inner))
             self._args[at] = _addr(array)
-        # a tile's queries share their keys' start and segments: no window, no recent keys
-        self._args[A_TILED] = self._window == 0 and not kv.recent
+        # a tile's queries share their segments: no recent keys (and their keys' start: a
+        # window layer's step runs tiles where its positions all lie inside the window)
+        self._args[A_TILED] = not kv.recent
         self._kv = kv
 
     def _plan(self) -> list[tuple[int, int, int, int, int]]:

@@ -11,8 +11,9 @@ key. Items are independent, so the result of a token never depends on what else 
 batch, and the native pool splits items across threads.
 
 Tiles: in a prefill, an item of one token loads each key and value vector for its group's
-heads alone (one FMA a load for MHA). So, without a window or q8_0's recent f16 keys (where
-each query has its own key range or segments), a step's runs of consecutive tokens of a
+heads alone (one FMA a load for MHA). So, without q8_0's recent f16 keys (where each query
+has its own segments) and where every query's keys start at 0 (no window, or a step whose
+positions all lie inside the window: ``S_END``), a step's runs of consecutive tokens of a
 sequence within one ``CHUNK`` of positions form tiles of ``TILE`` tokens (``work_order``
 in ``core.attention``; the rest run alone), and an item (``tiles``) is ``tile_tokens``
 queries of a tile times a group of heads: it walks the keys to its last query's, in the
@@ -66,8 +67,9 @@ A_K, A_V, A_KS, A_VS, A_KR, A_VR, A_WINDOW, A_SCALE, A_STEP, A_SLICES = range(7,
 A_SINKS, A_TILED, N_ARGS = range(17, 20)
 # ``A_SLICES``: the slices of an item ``parts`` runs (see split-K below); ``A_SINKS``: the
 # heads' sink logits (f32 [n_heads]), read by a program built with ``sinks``; ``A_TILED``:
-# whether the layer runs the step's tiles (``run`` and the host's plan), not each token
-# alone (see Tiles above).
+# whether the layer can run a step's tiles (``run`` and the host's plan), not each token
+# alone (see Tiles above): no recent keys; a layer with a window runs them in a step whose
+# positions all lie inside it (``S_END`` <= window).
 # The step's layout block: token count, page tables ``[S, MAX_PAGES]``, each token's
 # sequence, position and KV slot, per sequence its first row in the step, its recent
 # buffer's first row and the first position the buffer holds, the tokens in work order
@@ -75,7 +77,7 @@ A_SINKS, A_TILED, N_ARGS = range(17, 20)
 # and the partial results' scratch of ``parts`` (``records(...)`` per item and chunk).
 S_TOKENS, S_PAGES, S_MAX_PAGES, S_SEQ_OF, S_POS, S_SLOTS = range(6)
 S_FIRST_ROW, S_RECENT_ROW, S_RECENT_FROM, S_ORDER, S_SINGLES, S_TILES = range(6, 12)
-S_PARTS, N_STEP = range(12, 14)
+S_PARTS, S_END, N_STEP = range(12, 15)  # S_END: one past the step's last position
 LANES = 8  # f32 lanes of the program's vectors
 BLOCK = 2 * LANES  # keys per online-softmax step
 Q8_BLOCK = 32
@@ -298,7 +300,7 @@ def _item(
 ) -> _Item:
     """Work item ``w`` of the step's tokens alone (``tile`` 1), or of its tiles' parts of
     ``tile`` tokens (which follow them in ``S_ORDER``): its keys are from ``max(0, p -
-    window + 1)`` (0 without a window, the only case with tiles) to its last position
+    window + 1)`` (0 without a window; always 0 where tiles run) to its last position
     ``p``."""
     b, group = k.b, n_heads // n_kv_heads
     heads = item_heads(group, tile)
@@ -319,10 +321,13 @@ def _rows(
     k: Kernel, a: list[ir.Value], s: list[ir.Value], tiles: bool, n_heads: int, n_kv_heads: int
 ) -> ir.Value:
     """The step's work items of ``items`` (its tokens alone) or ``tiles``: with
-    ``A_TILED``, its ``S_SINGLES`` tokens and ``S_TILES`` tiles, else all its tokens alone.
-    Read from the step block, so a launch over as many rows as the step has tokens' items
-    (the host's plan, kept while the token count stays) does each step's own work."""
-    tiled = k.b.icmp_signed("!=", a[A_TILED], k.i64(0))
+    ``A_TILED`` and every query's keys from 0 (no window, or the step's positions inside
+    it), its ``S_SINGLES`` tokens and ``S_TILES`` tiles, else all its tokens alone. Read
+    from the step block, so a launch over as many rows as the step has tokens' items (the
+    host's plan, kept while the token count stays) does each step's own work."""
+    b, window = k.b, a[A_WINDOW]
+    from_zero = b.or_(b.icmp_signed("==", window, k.i64(0)), b.icmp_signed("<=", s[S_END], window))
+    tiled = b.and_(b.icmp_signed("!=", a[A_TILED], k.i64(0)), from_zero)
     count = k.select(tiled, *((s[S_TILES], 0) if tiles else (s[S_SINGLES], s[S_TOKENS])))
     return k.mul(count, work_items(n_heads, n_kv_heads, tiles))
 
