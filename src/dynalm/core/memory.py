@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dynalm.errors import InvalidRequest
+
 
 @cache
 def _malloc_trim() -> ctypes._CFuncPtr | None:
@@ -54,7 +56,9 @@ def huge_pages() -> bool:
     the kernel has transparent huge pages and does not say ``never``."""
     choice = os.environ.get("DYNALM_WEIGHT_PAGES", "huge")
     if choice not in ("huge", "mapped"):
-        raise ValueError(f"DYNALM_WEIGHT_PAGES={choice!r}: choose 'huge' or 'mapped'")
+        raise InvalidRequest(
+            f"$DYNALM_WEIGHT_PAGES: unknown value {choice!r} (choose huge or mapped)"
+        )
     return choice == "huge" and transparent_huge_pages()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dynalm.core import memory
+from dynalm.errors import InvalidRequest
 
 
 def address(a: np.ndarray) -> int:
@@ -58,5 +59,7 @@ def test_weight_pages_setting(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("DYNALM_WEIGHT_PAGES", "huge")
     assert memory.huge_pages() == memory.transparent_huge_pages()
     monkeypatch.setenv("DYNALM_WEIGHT_PAGES", "big")
-    with pytest.raises(ValueError, match="DYNALM_WEIGHT_PAGES='big'.*'huge' or 'mapped'"):
+    with pytest.raises(
+        InvalidRequest, match="WEIGHT_PAGES: unknown value 'big' .choose huge or mapped"
+    ):
         memory.huge_pages()
