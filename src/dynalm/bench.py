@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from dynalm.core import cpu_device
+from dynalm.core import memory as process_memory
 from dynalm.errors import InvalidRequest
 from dynalm.flags import MAX_TOKENS, parse_int
 from dynalm.runtime.engine.build import EngineSpec, build_engine
@@ -561,6 +562,7 @@ def bench_command(
         "repack_s": round(device.repack_seconds, 3),
         "weights_repacked": device.repacked,
         "weights_mapped": device.mapped,
+        "weight_pages": "huge" if process_memory.huge_pages() else "mapped",  # (CPU weights)
         "peak_rss_bytes": peak_rss(),
     }
     summary = {"model": model.name, "file": str(path), "threads": device.threads, "mode": mode}
@@ -635,7 +637,8 @@ def bench_command(
     loaded = (
         f"load: file {load['file_s']:.2f} s, bind {load['bind_s']:.2f} s (weight repack "
         f"{load['repack_s']:.2f} s; {load['weights_mapped']} of "
-        f"{load['weights_mapped'] + load['weights_repacked']} weights from the repack cache), "
+        f"{load['weights_mapped'] + load['weights_repacked']} weights from the repack cache; "
+        f"on {'2 MiB huge pages' if load['weight_pages'] == 'huge' else 'mapped file pages'}), "
         f"peak RSS after load {load['peak_rss_bytes'] / 10**6:.1f} MB"
     )
     table = format_table(results, header, [r.name for r in runners])
