@@ -112,7 +112,6 @@ def weight_buffer(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 array of ``nbytes`` for a weight the kernels stream, on
     transparent huge pages (``huge_pages()`` says whether they are on). A decode step reads
     every weight once: on 4 KiB pages the hardware prefetcher stops at each page's end and
-    every page costs a TLB walk. The OLMoE-shaped file decoded from 4 KiB-page maps at
-    41-44 tokens/s where 2 MiB pages gave 48-52 (Zen 4, 2 threads, memory read at ~60 GB/s;
-    ~10 % at ~35 GB/s)."""
+    every page costs a TLB walk. The OLMoE-shaped Q4_K_M file's decode: 1.11x the 4 KiB
+    maps' (49.2 against 44.3 tokens/s, Zen 4, 2 threads; `benchmarks/revision_bench.py`)."""
     return _arena.take(nbytes)
