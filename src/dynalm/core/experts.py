@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dynalm.core import elementwise
+from dynalm.core import elementwise, memory
 from dynalm.core.cpu_ops import route_ids
 from dynalm.core.grouped_matmul import GroupedMatmul
 from dynalm.core.matmul import CACHED_ROWS, ActivationScratch, QuantMatmul
@@ -228,7 +228,10 @@ class Experts:
         dest = in_order if sorted_out else pairs
         by_expert = ids[pairs]
         if not self._ready[by_expert].all():
-            for e in np.unique(by_expert[~self._ready[by_expert]]).tolist():
+            new = np.unique(by_expert[~self._ready[by_expert]]).tolist()
+            if len(new) > 1:  # (their memory faulted in meanwhile, off this thread)
+                memory.reserve_weights(self.expert_bytes, len(new))
+            for e in new:
                 self.matmul(e)
         if self._grouped is not None and (by_expert[1:] != by_expert[:-1]).all():
             # a row each (a decode step): x's rows read and out's written in place

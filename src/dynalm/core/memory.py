@@ -28,10 +28,11 @@ from dynalm.errors import InvalidRequest
 
 
 @cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:
-    name = ctypes.util.find_library("c")
+def _libc_function(name: str) -> ctypes._CFuncPtr | None:
+    """libc's ``name`` (None where there is no such libc function)."""
+    library = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        return getattr(ctypes.CDLL(library, use_errno=True), name) if library else None
     except (OSError, AttributeError):
         return None
 
@@ -39,7 +40,7 @@ def _malloc_trim() -> ctypes._CFuncPtr | None:
 def trim_heap() -> None:
     """Collect garbage, then return the heap's free pages to the OS (where glibc can)."""
     gc.collect()
-    if (trim := _malloc_trim()) is not None:
+    if (trim := _libc_function("malloc_trim")) is not None:
         trim(0)
 
 
@@ -87,11 +88,25 @@ class _Arena:
         if nbytes > _CHUNK // 2:  # its own mapping: no chunk left half empty
             return self._mapping(nbytes)[:nbytes]
         with self._lock:
-            start = -(-self._used // _ALIGN) * _ALIGN
-            if self._chunk is None or start + nbytes > self._chunk.size:
-                self._chunk, start = self._mapping(_CHUNK), 0
+            return self._next(nbytes, advance=True)
+
+    def reserve(self, each: int, count: int) -> None:
+        """Have the memory of the next ``count`` pieces of ``each`` bytes that ``take``
+        hands out faulted in by a thread of its own while the caller fills the first."""
+        if count <= 0 or each > _CHUNK // 2:  # (such a piece gets a mapping of its own)
+            return
+        with self._lock:
+            region = self._next(count * (-(-each // _ALIGN) * _ALIGN), advance=False)
+        threading.Thread(target=_populate, args=(region,), daemon=True).start()
+
+    def _next(self, nbytes: int, advance: bool) -> np.ndarray:
+        start = -(-self._used // _ALIGN) * _ALIGN
+        if self._chunk is None or start + nbytes > self._chunk.size:
+            self._chunk, start = self._mapping(max(_CHUNK, nbytes)), 0
+            self._used = 0
+        if advance:
             self._used = start + nbytes
-            return self._chunk[start : start + nbytes]
+        return self._chunk[start : start + nbytes]
 
     @staticmethod
     def _mapping(nbytes: int) -> np.ndarray:
@@ -106,6 +121,25 @@ class _Arena:
 
 
 _arena = _Arena()
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, their contents unchanged
+
+
+def _populate(region: np.ndarray) -> None:
+    """Fault ``region``'s pages in (ctypes lets the GIL go for the call): a huge page's
+    first write zeroes 2 MiB and may wait for the kernel to compact memory, 45-1,000 ms
+    for 490 MB of experts here, which a thread of its own takes off the loading one. An
+    older kernel refuses the advice: the pages then fault as they are written."""
+    madvise = _libc_function("madvise")
+    if madvise is not None:
+        at = region.__array_interface__["data"][0]
+        madvise(ctypes.c_void_p(at), ctypes.c_size_t(region.size), _MADV_POPULATE_WRITE)
+
+
+def reserve_weights(each: int, count: int) -> None:
+    """``count`` weights of ``each`` bytes are about to be made one after another (a step's
+    newly routed experts): their memory is faulted in beside the making (``_Arena.reserve``)."""
+    if huge_pages():
+        _arena.reserve(each, count)
 
 
 def weight_buffer(nbytes: int) -> np.ndarray:
