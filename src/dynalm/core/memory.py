@@ -75,7 +75,9 @@ def transparent_huge_pages() -> bool:
 
 
 class _Arena:
-    """Bump allocation from anonymous private mappings advised ``MADV_HUGEPAGE``. A mapping
+    """Bump allocation from anonymous private mappings advised ``MADV_HUGEPAGE``. A piece
+    of a huge page or more is faulted in by a thread of its own (``_populate``) while the
+    caller fills it, a reserved run of pieces before the caller reaches them. A mapping
     lives while any array cut from it does (each holds it as its base): a model's weights
     free their pages when the model goes, but for the mapping still being filled."""
 
@@ -86,27 +88,32 @@ class _Arena:
 
     def take(self, nbytes: int) -> np.ndarray:
         if nbytes > _CHUNK // 2:  # its own mapping: no chunk left half empty
-            return self._mapping(nbytes)[:nbytes]
-        with self._lock:
-            return self._next(nbytes, advance=True)
+            piece = self._mapping(nbytes)[:nbytes]
+        else:
+            with self._lock:
+                start = self._room(nbytes)
+                self._used = start + nbytes
+                piece = self._chunk[start : start + nbytes]
+        if nbytes >= HUGE_PAGE:
+            _populate_beside(piece)
+        return piece
 
     def reserve(self, each: int, count: int) -> None:
-        """Have the memory of the next ``count`` pieces of ``each`` bytes that ``take``
-        hands out faulted in by a thread of its own while the caller fills the first."""
-        if count <= 0 or each > _CHUNK // 2:  # (such a piece gets a mapping of its own)
-            return
-        with self._lock:
-            region = self._next(count * (-(-each // _ALIGN) * _ALIGN), advance=False)
-        threading.Thread(target=_populate, args=(region,), daemon=True).start()
+        """Have the next ``count`` pieces of ``each`` bytes that ``take`` hands out lie in
+        one mapping (a new one if the current lacks the room), faulted in meanwhile."""
+        if count > 0 and each <= _CHUNK // 2:  # (a larger piece gets a mapping of its own)
+            nbytes = count * (-(-each // _ALIGN) * _ALIGN)
+            with self._lock:
+                start = self._room(nbytes)
+                run = self._chunk[start : start + nbytes]
+            _populate_beside(run)
 
-    def _next(self, nbytes: int, advance: bool) -> np.ndarray:
+    def _room(self, nbytes: int) -> int:
+        """Where ``nbytes`` start in the current chunk: a new chunk if it lacks them."""
         start = -(-self._used // _ALIGN) * _ALIGN
         if self._chunk is None or start + nbytes > self._chunk.size:
-            self._chunk, start = self._mapping(max(_CHUNK, nbytes)), 0
-            self._used = 0
-        if advance:
-            self._used = start + nbytes
-        return self._chunk[start : start + nbytes]
+            self._chunk, self._used, start = self._mapping(max(_CHUNK, nbytes)), 0, 0
+        return start
 
     @staticmethod
     def _mapping(nbytes: int) -> np.ndarray:
@@ -124,11 +131,16 @@ _arena = _Arena()
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, their contents unchanged
 
 
+def _populate_beside(region: np.ndarray) -> None:
+    threading.Thread(target=_populate, args=(region,), daemon=True).start()
+
+
 def _populate(region: np.ndarray) -> None:
     """Fault ``region``'s pages in (ctypes lets the GIL go for the call): a huge page's
-    first write zeroes 2 MiB and may wait for the kernel to compact memory, 45-1,000 ms
-    for 490 MB of experts here, which a thread of its own takes off the loading one. An
-    older kernel refuses the advice: the pages then fault as they are written."""
+    first write zeroes 2 MiB, and may wait for the kernel to compact memory or, in a
+    virtual machine, for the host to back it (0.05-1.1 s for 700 MiB here, one minute to
+    the next), which a thread of its own takes off the loading one. An older kernel
+    refuses the advice: the pages then fault as they are written."""
     madvise = _libc_function("madvise")
     if madvise is not None:
         at = region.__array_interface__["data"][0]
@@ -137,7 +149,7 @@ def _populate(region: np.ndarray) -> None:
 
 def reserve_weights(each: int, count: int) -> None:
     """``count`` weights of ``each`` bytes are about to be made one after another (a step's
-    newly routed experts): their memory is faulted in beside the making (``_Arena.reserve``)."""
+    newly routed experts): their memory is faulted in beside the making."""
     if huge_pages():
         _arena.reserve(each, count)
 
