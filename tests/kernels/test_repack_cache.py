@@ -6,13 +6,15 @@ costs the repack; the size cap evicts the least recently used files."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from test_matmul import K_QUANTS, TABLES, activations, weights
+from test_matmul import K_QUANTS, TABLES, VECTOR_BACKENDS, activations, runnable, weights
 
 from dynalm.core import memory
 from dynalm.core.matmul import QuantMatmul
@@ -193,3 +195,48 @@ def test_a_process_never_evicts_the_entries_it_uses(
     other = repack_cache.RepackCache(cache_dir)  # another model's process
     assert weight("e", other)
     assert len(entries(cache_dir)) == 2
+
+
+def lanes_oracle(payload: np.ndarray) -> np.ndarray:
+    """``CHECKSUM``'s lane states, in numpy: per line of 8 uint64 words, h = (h ^ w) * M."""
+    lines = payload.size // repack_cache.LINE
+    words = payload[: lines * repack_cache.LINE].view(np.uint64).reshape(lines, -1)
+    h = np.array(repack_cache.SEEDS, np.uint64)
+    with np.errstate(over="ignore"):
+        for row in words:
+            h = (h ^ row) * np.uint64(repack_cache.MULTIPLIER)
+    return h
+
+
+@pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
+def test_checksum_program_is_its_numpy_oracle_on_every_backend(backend):
+    """The payload checksum's program (64-bit integer arithmetic only) gives the lanes the
+    numpy oracle gives, on every backend and twin: a cache file checks the same whatever
+    kernel ISA the process reading it runs."""
+    backend = runnable(backend)
+    payload = np.random.default_rng(5).integers(0, 256, 64 * 301, dtype=np.uint8)
+    states = np.zeros(repack_cache.LANES, np.uint64)
+    args = np.array([payload.ctypes.data, states.ctypes.data], np.int64)
+    backend.lower(repack_cache.CHECKSUM, {}).cfunc(
+        "", ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64
+    )(args.ctypes.data, 0, 301)
+    assert np.array_equal(states, lanes_oracle(payload))
+
+
+def test_checksum_tells_every_single_change():
+    """Any one byte changed (in a whole line: one lane's word; in the partial last line:
+    its crc32), a length cut short, or two lines swapped: another checksum."""
+    payload = np.random.default_rng(6).integers(0, 256, 64 * 40 + 23, dtype=np.uint8)
+    want = repack_cache.checksum(payload)
+    assert want == int(np.bitwise_xor.reduce(lanes_oracle(payload))) ^ zlib.crc32(
+        payload[40 * 64 :]
+    )
+    for at in range(0, payload.size, 7):
+        for flip in (1, 0x80):
+            changed = payload.copy()
+            changed[at] ^= flip
+            assert repack_cache.checksum(changed) != want, (at, flip)
+    swapped = payload.copy()
+    swapped[:64], swapped[64:128] = payload[64:128], payload[:64]
+    assert repack_cache.checksum(swapped) != want
+    assert repack_cache.checksum(payload[:-1]) != want

@@ -21,21 +21,24 @@ cache is there to avoid. The stat identity cannot miss a change made through the
 system: any write or replacement of the file changes its ctime (or its inode), and ctime
 cannot be set back from user space; a copy of the file is a new inode, so a new key.
 
-Files. A header (magic, format, payload length, a crc32 of the payload, the key, a crc32
-of the header itself; 4 KiB, so the payload is page-aligned) and the payload. Written to
-a temporary file and renamed into place, so a reader sees a whole file or none; a file
+Files. A header (magic, format, payload length, a checksum of the payload, the key, a
+crc32 of the header itself; 4 KiB, so the payload is page-aligned) and the payload. Written
+to a temporary file and renamed into place, so a reader sees a whole file or none; a file
 that does not match (truncated, corrupted, another key or version) is repacked and
-replaced. The payload's crc32 is checked on every load (~70 ms per 100 MB; it also faults
-the pages in, which the first step would do anyway), so a file half-persisted by a crash
-(no fsync is done) is never trusted. A read-only or full cache directory costs only time.
-The cache is kept under ``$DYNALM_REPACK_CACHE_MAX`` bytes (default 8 GiB) by deleting the
-least recently used files (a hit refreshes a file's mtime), never those the deleting process
-uses (the cap yields to one model's weights).
+replaced. The payload's checksum is checked on every load, so a file half-persisted by a
+crash (no fsync is done) is never trusted: ``checksum``, a kernel program of 8 lanes of
+64-bit multiplicative hashing (35 GB/s from memory, 0.03 ms a 1.2 MB expert, where zlib's
+crc32 ran 4.3 GB/s and 0.28 ms on the Zen 4 host: most of an expert's load). A read-only
+or full cache directory costs only time. The cache is kept under
+``$DYNALM_REPACK_CACHE_MAX`` bytes (default 8 GiB) by deleting the least recently used
+files (a hit refreshes a file's mtime), never those the deleting process uses (the cap
+yields to one model's weights).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import mmap
@@ -48,13 +51,24 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
+import llvmlite.ir as ir
 import numpy as np
 
-FORMAT = 1  # of the file; bump it (or change the layout code) and old files are replaced
+from dynalm.kernel import backends, jit
+from dynalm.kernel.backends import Program
+from dynalm.kernel.lang import I64, PTR, Module, vec
+
+FORMAT = 2  # of the file; bump it (or change the layout code) and old files are replaced
 HEADER_BYTES = 4096
 _MAGIC = b"DLMREPK\x00"
-# magic, format, payload bytes, payload crc32, key (sha256), then the header's own crc32
-_FIXED = struct.Struct("<8sIQI32s")
+# magic, format, payload bytes, payload checksum, key (sha256), then the header's own crc32
+_FIXED = struct.Struct("<8sIQQ32s")
+# ``checksum``: lanes of 64-bit words, a line of them a step; each lane's state goes
+# h -> (h ^ word) * MULTIPLIER (odd: a bijection of h and of the word, so a change to any
+# one word changes its lane's end state, and the XOR of the lanes)
+LANES, LINE = 8, 64
+MULTIPLIER = 0x9E3779B97F4A7C15
+SEEDS = tuple(0x243F6A8885A308D3 * (i + 1) % 2**64 for i in range(LANES))
 _DEFAULT_MAX_BYTES = 8 << 30
 _STALE_TMP_SECONDS = 3600  # temporaries older than this were left by a crashed writer
 
@@ -87,8 +101,49 @@ def code_version() -> str:
     return h.hexdigest()
 
 
+def _signed(value: int) -> ir.Constant:
+    return ir.Constant(I64, value - 2**64 if value >= 2**63 else value)
+
+
+def _build_checksum(module: Module) -> None:
+    """``f(args, lo, hi)``, args = [buffer, out]: the lanes' states over the buffer's
+    lines ``[lo, hi)`` stored to ``out`` (``LANES`` uint64)."""
+    k = module.kernel(module.ir.name, (PTR, I64, I64))
+    buf, out = (k.pointer(w) for w in k.words(k.args[0], 2))
+    ty = vec(I64, LANES)
+    state = k.var(ir.Constant(ty, [_signed(s) for s in SEEDS]), ty)
+    multiplier = ir.Constant(ty, [_signed(MULTIPLIER)] * LANES)
+
+    def line(at: ir.Value) -> None:
+        state.set(k.b.mul(k.b.xor(state.get(), k.load(ty, buf, at, 8)), multiplier))
+
+    k.loop(k.mul(k.args[1], LINE), k.mul(k.args[2], LINE), LINE, line)
+    k.store(state.get(), out, 0, 8)
+    k.ret()
+
+
+CHECKSUM = Program("repack_checksum", _build_checksum)
+
+
+def checksum(payload: np.ndarray) -> int:
+    """A uint64 of ``payload`` (uint8, 8-byte aligned): its whole lines through the
+    ``CHECKSUM`` program (the host's best backend: integer arithmetic, the same on every
+    backend), their lanes' states XORed, then the crc32 of the last partial line."""
+    lines = payload.size // LINE
+    states = np.zeros(LANES, np.uint64)
+    if lines:
+        fn = backends.host_best().lower(CHECKSUM, {}).addresses[""]
+        args = np.array([payload.ctypes.data, states.ctypes.data], np.int64)
+        jit.cfunc(fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
+            args.ctypes.data, 0, lines
+        )
+    else:
+        states[:] = SEEDS
+    return int(np.bitwise_xor.reduce(states)) ^ zlib.crc32(payload[lines * LINE :])
+
+
 def _header(key: bytes, payload: np.ndarray, about: dict[str, str]) -> bytes:
-    fixed = _FIXED.pack(_MAGIC, FORMAT, payload.size, zlib.crc32(payload), key)
+    fixed = _FIXED.pack(_MAGIC, FORMAT, payload.size, checksum(payload), key)
     text = json.dumps(about, sort_keys=True).encode()[: HEADER_BYTES - _FIXED.size - 8]
     body = fixed + struct.pack("<I", len(text)) + text
     return (body + struct.pack("<I", zlib.crc32(body))).ljust(HEADER_BYTES, b"\0")
@@ -108,7 +163,7 @@ def _read(
             head = f.read(HEADER_BYTES)
             if len(head) < HEADER_BYTES or os.fstat(f.fileno()).st_size != HEADER_BYTES + nbytes:
                 return None
-            magic, fmt, size, crc, stored = _FIXED.unpack_from(head)
+            magic, fmt, size, check, stored = _FIXED.unpack_from(head)
             (n_text,) = struct.unpack_from("<I", head, _FIXED.size)
             end = _FIXED.size + 4 + n_text
             expected = (_MAGIC, FORMAT, nbytes, key)
@@ -131,7 +186,7 @@ def _read(
                     done += n
     except (OSError, ValueError, struct.error):
         return None
-    if verify and zlib.crc32(payload) != crc:
+    if verify and checksum(payload) != check:
         return None
     return payload
 
