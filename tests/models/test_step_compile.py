@@ -40,7 +40,9 @@ def test_each_step_lowers_its_kernels_together(smollm2_gguf: Path, monkeypatch):
     gen.forward(list(range(1, 25)))
     gen.forward([30])  # decode: T = 1
     gen.forward([31])  # the same shape again: nothing new
-    assert len(batches) == 2 and one_at_a_time == []
+    # (one at a time only the repack cache's checksum, once per JIT cache: loads need it)
+    alone = [a for a in one_at_a_time if "repack_checksum" not in a[0].splitlines()[0]]
+    assert len(batches) == 2 and alone == []
     prefill, decode = ({s.get("mr") for b, p, s in batch if p.name == "mm"} for batch in batches)
     # every tile a 24-row step uses is the GEMM tile of its bucket, the quantiser (no mr)
     # and the GEMVs of the output (one logit row); a decode step adds only GEMVs
