@@ -125,20 +125,23 @@ def _build_checksum(module: Module) -> None:
 CHECKSUM = Program("repack_checksum", _build_checksum)
 
 
+@cache
+def _checksum_lines() -> ctypes._CFuncPtr:
+    """The ``CHECKSUM`` program on the host's best backend (integer arithmetic: the same
+    lanes on every backend), lowered once per process."""
+    fn = backends.host_best().lower(CHECKSUM, {}).addresses[""]
+    return jit.cfunc(fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+
 def checksum(payload: np.ndarray) -> int:
     """A uint64 of ``payload`` (uint8, 8-byte aligned): its whole lines through the
-    ``CHECKSUM`` program (the host's best backend: integer arithmetic, the same on every
-    backend), their lanes' states XORed, then the crc32 of the last partial line."""
+    ``CHECKSUM`` program, their lanes' states XORed, then the crc32 of the last partial
+    line."""
     lines = payload.size // LINE
-    states = np.zeros(LANES, np.uint64)
+    states = np.array(SEEDS, np.uint64)
     if lines:
-        fn = backends.host_best().lower(CHECKSUM, {}).addresses[""]
         args = np.array([payload.ctypes.data, states.ctypes.data], np.int64)
-        jit.cfunc(fn, None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
-            args.ctypes.data, 0, lines
-        )
-    else:
-        states[:] = SEEDS
+        _checksum_lines()(args.ctypes.data, 0, lines)
     return int(np.bitwise_xor.reduce(states)) ^ zlib.crc32(payload[lines * LINE :])
 
 
