@@ -10,6 +10,7 @@ backend instance of their own, with an empty disk cache: each one is really comp
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def test_concurrent_compile_is_serial_compile(empty_cache, monkeypatch):
     # lowering again hands out the same executables (addresses), compiling nothing
     assert all(backend.lower(p, s) is e for (_, p, s), e in zip(wanted, done, strict=True))
     assert len(seen) == len(wanted)
-    serial = jit._new_target_machine()
+    serial = jit._new_target_machine(backend.host_off)
     objects = sorted(empty_cache.glob("*.o"))
     assert len(objects) == len(wanted)
     for obj in objects:
@@ -113,8 +114,29 @@ def test_compile_error_reaches_the_caller(empty_cache, monkeypatch):
     good = backend.module(program, spec)
     threads = threading.active_count()
     with pytest.raises(RuntimeError, match="expected"):
-        jit.compile_modules([(good.text(), []), ("define void @dynalm_test_jit_bad( {", [])])
+        jit.compile_modules(
+            [(good.text(), [], ""), ("define void @dynalm_test_jit_bad( {", [], "")]
+        )
     assert threading.active_count() == threads
+
+
+def test_avx2_code_is_what_an_avx2_cpu_runs(empty_cache):
+    """x86-avx2 compiles with the host's AVX-512 (and AVX-VNNI) off: on any x86 host
+    with AVX2 its object is what a TargetMachine without them makes, and its code names
+    no zmm register, no ymm past 15 and no mask register, which only EVEX encodes: an
+    AVX-512 host's x86-avx2 figures are an AVX2 CPU's, and its tests test that code."""
+    if backends.AVX2.missing():
+        pytest.skip(f"x86-avx2 cannot run here: lacks {', '.join(backends.AVX2.missing())}")
+    backend = dataclasses.replace(backends.AVX2, _lowered={})
+    mm = mm_programs.MatmulKernels(T.Q4_K, "auto", backend, 256)
+    (request,) = mm.pending(mm.tile_for(PREFILL))
+    backends.lower_all([request])
+    (obj,) = empty_cache.glob("*.o")
+    ir = backend.module(*request[1:]).text()
+    assert obj.read_bytes() == jit._emit_object(ir, jit._new_target_machine("-avx512f,-avxvnni"))[0]
+    assembly = jit.assembly(ir, backend.host_off)
+    assert "vpmaddubsw" in assembly
+    assert not re.search(r"%zmm|%ymm(1[6-9]|2\d|3[01])\b|%k[0-7]\b|\{1to", assembly)
 
 
 def test_kernels_lowered_when_a_step_first_needs_them(empty_cache):

@@ -8,7 +8,9 @@ LLVM context of its own, each thread with its own TargetMachine, around llvmlite
 process-wide lock); object code is added to the engine under one lock. Compiled object
 code is kept on disk under ``$DYNALM_CACHE/jit`` (default ``~/.cache/dynalm/jit``),
 keyed by the IR text, the CPU name, its features and the llvmlite version, so a second
-process skips LLVM entirely; the IR text is stored beside each object for debugging.
+process skips LLVM entirely; the IR text is stored beside each object for debugging. A
+module may turn host features off (``features``, e.g. "-avx512f": the x86-avx2 backend
+builds on an AVX-512 host the code an AVX2-only CPU runs, 16 registers and no EVEX).
 
 This module, the kernel bindings and ``core`` are the only places that deal in raw addresses.
 """
@@ -58,16 +60,22 @@ def _target_machine() -> llvm.TargetMachine:
     return _new_target_machine()
 
 
-def _new_target_machine() -> llvm.TargetMachine:
-    """A TargetMachine for the host (~1 ms). LLVM's code generation may change a
-    TargetMachine's options per function, so threads that compile at once each use
-    their own."""
+def _machine_features(features: str) -> str:
+    """The host's LLVM feature string with ``features`` ("-avx512f,...") applied after it
+    (LLVM turns off what depends on a feature turned off)."""
+    return ",".join(filter(None, [llvm.get_host_cpu_features().flatten(), features]))
+
+
+def _new_target_machine(features: str = "") -> llvm.TargetMachine:
+    """A TargetMachine for the host (~1 ms), ``features`` changed as ``_machine_features``
+    says. LLVM's code generation may change a TargetMachine's options per function, so
+    threads that compile at once each use their own."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     target = llvm.Target.from_triple(llvm.get_process_triple())
     return target.create_target_machine(
         cpu=llvm.get_host_cpu_name(),
-        features=llvm.get_host_cpu_features().flatten(),
+        features=_machine_features(features),
         opt=3,
         codemodel="jitdefault",
     )
@@ -102,7 +110,7 @@ def assembly(ir: str, features: str) -> str:
     target = llvm.Target.from_triple(triple())
     machine = target.create_target_machine(
         cpu=llvm.get_host_cpu_name(),
-        features=",".join(filter(None, [llvm.get_host_cpu_features().flatten(), features])),
+        features=_machine_features(features),
         opt=2,
     )
     return machine.emit_assembly(llvm.parse_assembly(ir))
@@ -219,6 +227,10 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
+# A module to compile: its IR text, the functions to export, the host features turned off.
+Source = tuple[str, Sequence[str], str]
+
+
 class _Engine:
     """One MCJIT engine for the process; modules are added as object code."""
 
@@ -227,53 +239,59 @@ class _Engine:
         self._ee = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self._tm)
         self._lock = threading.Lock()
         self._loaded: dict[str, dict[str, int]] = {}
-        self._spare_tms: list[llvm.TargetMachine] = []  # compile threads' TargetMachines
+        # compile threads' TargetMachines, one per feature change a thread has compiled for
+        self._spare_tms: list[dict[str, llvm.TargetMachine]] = []
 
-    def _key(self, ir: str) -> str:
+    def _key(self, ir: str, features: str) -> str:
         host = host_features()
         text = "\0".join(
             [
                 ir,
                 str(host["cpu"]),
-                llvm.get_host_cpu_features().flatten(),
+                _machine_features(features),
                 llvmlite.__version__,
                 f"O{_OPT_LEVEL}",
             ]
         )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def _compile_objects(self, todo: dict[str, str]) -> dict[str, tuple[bytes, float]]:
-        """Object code for modules (key -> IR) that neither the engine nor the disk cache
-        holds, compiled at once on up to one thread per CPU, largest first (so the last
-        to start are short); each module's own compile seconds beside it."""
-        keys = sorted(todo, key=lambda key: -len(todo[key]))
+    def _compile_objects(self, todo: dict[str, tuple[str, str]]) -> dict[str, tuple[bytes, float]]:
+        """Object code for modules (key -> IR, features) that neither the engine nor the
+        disk cache holds, compiled at once on up to one thread per CPU, largest first (so
+        the last to start are short); each module's own compile seconds beside it."""
+        keys = sorted(todo, key=lambda key: -len(todo[key][0]))
         n = min(len(keys), _cpus())
-        tms = [
-            self._spare_tms.pop() if self._spare_tms else _new_target_machine() for _ in range(n)
-        ]
+        tms = [self._spare_tms.pop() if self._spare_tms else {} for _ in range(n)]
+
+        def emit(key: str, machines: dict[str, llvm.TargetMachine]) -> tuple[bytes, float]:
+            ir, features = todo[key]
+            if features not in machines:
+                machines[features] = _new_target_machine(features)
+            return _emit_object(ir, machines[features])
+
         try:
-            done = _each(lambda key, tm: _emit_object(todo[key], tm), keys, tms)
+            done = _each(emit, keys, tms)
         finally:
             self._spare_tms += tms
         return dict(zip(keys, done, strict=True))
 
-    def compile_all(
-        self, modules: Sequence[tuple[str, Sequence[str]]]
-    ) -> list[tuple[dict[str, int], float]]:
-        keys = [self._key(ir) for ir, _ in modules]
+    def compile_all(self, modules: Sequence[Source]) -> list[tuple[dict[str, int], float]]:
+        keys = [self._key(ir, features) for ir, _, features in modules]
         with self._lock:
             cached: dict[str, bytes] = {}
-            todo: dict[str, str] = {}
-            for key, (ir, _) in zip(keys, modules, strict=True):
+            todo: dict[str, tuple[str, str]] = {}
+            for key, (ir, _, features) in zip(keys, modules, strict=True):
                 if key in self._loaded or key in cached or key in todo:
                     continue
                 try:
                     cached[key] = (cache_dir() / f"{key}.o").read_bytes()
                 except OSError:
-                    todo[key] = ir
+                    todo[key] = ir, features
             compiled = self._compile_objects(todo) if todo else {}
             for key, (obj, _) in compiled.items():
-                store_object(cache_dir() / f"{key}.o", obj, todo[key])
+                ir, features = todo[key]
+                note = f"; compiled with host features changed: {features}\n" if features else ""
+                store_object(cache_dir() / f"{key}.o", obj, note + ir)
             objects = {**cached, **{key: obj for key, (obj, _) in compiled.items()}}
             for key, obj in objects.items():
                 self._ee.add_object_file(llvm.ObjectFileRef.from_data(obj))
@@ -281,7 +299,7 @@ class _Engine:
             if objects:
                 self._ee.finalize_object()
             out = []
-            for key, (_, names) in zip(keys, modules, strict=True):
+            for key, (_, names, _) in zip(keys, modules, strict=True):
                 seconds = compiled.pop(key, (b"", 0.0))[1]  # a module given twice: once
                 out.append((self._addresses(key, names), seconds))
             return out
@@ -295,8 +313,10 @@ class _Engine:
                     raise LookupError(f"JIT module has no function {name!r}")
         return {name: addrs[name] for name in names}
 
-    def compile(self, ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
-        return self.compile_all([(ir, names)])[0]
+    def compile(
+        self, ir: str, names: Sequence[str], features: str = ""
+    ) -> tuple[dict[str, int], float]:
+        return self.compile_all([(ir, names, features)])[0]
 
 
 def store_object(path: Path, obj: bytes, ir: str) -> None:
@@ -318,9 +338,12 @@ def _engine() -> _Engine:
     return _Engine()
 
 
-def compile_module(ir: str, names: Sequence[str]) -> tuple[dict[str, int], float]:
-    """Compile (or load from the disk cache) an IR module: its functions' addresses, and
-    the seconds LLVM took (0.0 when the object code came from the cache or was loaded).
+def compile_module(
+    ir: str, names: Sequence[str], features: str = ""
+) -> tuple[dict[str, int], float]:
+    """Compile (or load from the disk cache) an IR module for the host, ``features``
+    ("-avx512f,...") turned off: its functions' addresses, and the seconds LLVM took (0.0
+    when the object code came from the cache or was loaded).
 
     Function names must be unique across all modules of the process (include a hash of the
     generating parameters in them).
@@ -328,10 +351,8 @@ def compile_module(ir: str, names: Sequence[str]) -> tuple[dict[str, int], float
     return _engine().compile(ir, names)
 
 
-def compile_modules(
-    modules: Sequence[tuple[str, Sequence[str]]],
-) -> list[tuple[dict[str, int], float]]:
-    """``compile_module`` for each ``(ir, names)``, the modules not loaded nor cached
+def compile_modules(modules: Sequence[Source]) -> list[tuple[dict[str, int], float]]:
+    """``compile_module`` for each ``(ir, names, features)``, the modules not loaded nor cached
     compiled concurrently: on the calling thread and a helper per further CPU, all
     joined before this returns (LLVM runs without the GIL). Each module's seconds are
     its own compile time; together they may exceed the wall time this call took."""
