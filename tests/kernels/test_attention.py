@@ -292,19 +292,28 @@ def test_result_of_a_token_does_not_depend_on_the_batch():
     assert np.array_equal(together[5:], alone)
 
 
-def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: int = 2):
+def run_chunks(
+    chunks: list[int],
+    kernel: bool,
+    recent_from: int = 0,
+    threads: int = 2,
+    geometry: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+):
     """One q8_0 sequence of ``sum(chunks)`` tokens (random q/k/v per position) run step by
     step in ``chunks``, the tokens before ``recent_from`` as a prefix-cache hit; returns
     every token's output, the pool, and the bound of the outputs (`attention_bound`)."""
     rng = np.random.default_rng(7)
-    n, pages = recent_from + sum(chunks), [4, 1, 6, 0, 3, 7]
-    q, k, v = (rng.standard_normal((n, w)).astype(np.float32) for w in (HEADS * HEAD_DIM, 192, 192))
-    pool = PagePool(1, KV_HEADS, HEAD_DIM, 8, PAGE, "q8_0", n_seqs=2)
-    cached = [x[:recent_from].reshape(-1, KV_HEADS, HEAD_DIM) for x in (k, v)]
+    heads, kv_heads, head_dim = geometry
+    n = recent_from + sum(chunks)
+    pages = [4, 1, 6, 0, 3, 7] + list(range(8, 8 + max(0, -(-n // PAGE) - 6)))
+    widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    q, k, v = (rng.standard_normal((n, w)).astype(np.float32) for w in widths)
+    pool = PagePool(1, kv_heads, head_dim, max(8, len(pages) + 2), PAGE, "q8_0", n_seqs=2)
+    cached = [x[:recent_from].reshape(-1, kv_heads, head_dim) for x in (k, v)]
     pool.storage.write(0, pool.slots(pages, 0, recent_from), *cached)
     recent = pool.open_recent() + pool.open_recent()  # buffer 1: not the first rows
     out, start = np.zeros_like(q), recent_from
-    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0)
+    geometry = (heads, kv_heads, head_dim, 0.125, 0)
     for size in chunks:
         rows = slice(start, start + size)
         batch = AttentionBatch(
@@ -323,7 +332,7 @@ def run_chunks(chunks: list[int], kernel: bool, recent_from: int = 0, threads: i
         else:
             cpu_ops.attention(out[rows], *qkv, positions, batch, 0, *geometry)
         start += size
-    bound = attention_bound(pool, [pages], [n], q[recent_from:], HEADS, HEAD_DIM, 0.125)
+    bound = attention_bound(pool, [pages], [n], q[recent_from:], heads, head_dim, 0.125)
     return out[recent_from:], pool, bound
 
 
@@ -341,6 +350,26 @@ def test_recent_window_result_does_not_depend_on_chunking():
     whole, *_ = run_chunks([64], kernel=True)
     for chunks in ([5, 40, 19], [1] * 64, [33, 31]):
         np.testing.assert_array_equal(run_chunks(chunks, kernel=True, threads=1)[0], whole)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 64), (8, 2, 32)])
+@pytest.mark.parametrize("recent_from", [0, 21])
+def test_q8_0_tiles_give_each_token_what_it_gets_alone(
+    heads: int, kv_heads: int, head_dim: int, recent_from: int
+):
+    """A q8_0 prefill's tiles, where each query reads its keys from the pages up to its
+    window of 32 f16 keys: the blocks of pages all a tile's queries read, walked together,
+    then each query's own rest, give each token bitwise what steps of 7 tokens (too few
+    for a tile: each token alone) give, over 270 positions (a chunk edge of the keys at
+    256), with a prefix-cache hit before them or not; MHA and groups of 3 (tiles of 8
+    tokens x 1 head) and of 4 (4 x 2). Within the numpy reference's budget."""
+    geometry, n = (heads, kv_heads, head_dim), 270 - recent_from
+    tiled, pool, bound = run_chunks([n], True, recent_from, 2, geometry)
+    alone, alone_pool, _ = run_chunks([7] * (n // 7) + [n % 7], True, recent_from, 2, geometry)
+    assert np.array_equal(tiled, alone)
+    assert_same_pages(pool, alone_pool)
+    ref, *_ = run_chunks([n], False, recent_from, 2, geometry)
+    assert_close(tiled, ref, bound)
 
 
 def test_binding_refuses_buffers_the_kernel_would_overrun():

@@ -213,6 +213,7 @@ class PagedAttention:
             a[at], a[stride] = _addr(x), row_stride(name, x, self._rows, heads * head_dim)
         a[A_OUT], a[A_WINDOW], a[A_STEP] = _addr(out), window, step.address
         a[A_SCALE] = struct.unpack("<q", struct.pack("<d", scale))[0]
+        a[A_TILED] = 1  # the steps' tiles run (where its positions allow: ``_rows``)
         self._sinks = sinks
         if sinks is not None:
             check("sinks", sinks, np.float32, (n_heads,))
@@ -264,9 +265,6 @@ class PagedAttention:
             rows = None if name.endswith("recent") else slots
             array = check(f"KV {name}[{layer}]", arrays[layer], dtype, (rows, *inner))
             self._args[at] = _addr(array)
-        # a tile's queries share their segments: no recent keys (and their keys' start: a
-        # window layer's step runs tiles where its positions all lie inside the window)
-        self._args[A_TILED] = not kv.recent
         self._kv = kv
 
     def _plan(self) -> list[tuple[int, int, int, int, int]]:
@@ -288,9 +286,7 @@ class PagedAttention:
         records = [(pool.PLAIN, fns["write"], ptr, 0, 0)]
         items = step.tokens * self._per_token
         if items >= 2 * threads:
-            work = [("items", items)]
-            if self._args[A_TILED]:
-                work.append(("tiles", step.tokens // TILE * self._per_tile))
+            work = [("items", items), ("tiles", step.tokens // TILE * self._per_tile)]
             for kind, n in work:
                 if n:
                     records.append((pool.SPLIT, fns[kind], ptr, n, max(1, n // (4 * threads))))

@@ -11,19 +11,21 @@ key. Items are independent, so the result of a token never depends on what else 
 batch, and the native pool splits items across threads.
 
 Tiles: in a prefill, an item of one token loads each key and value vector for its group's
-heads alone (one FMA a load for MHA). So, without q8_0's recent f16 keys (where each query
-has its own segments) and where every query's keys start at 0 (no window, or a step whose
-positions all lie inside the window: ``S_END``), a step's runs of consecutive tokens of a
-sequence within one ``CHUNK`` of positions form tiles of ``TILE`` tokens (``work_order``
-in ``core.attention``; the rest run alone), and an item (``tiles``) is ``tile_tokens``
-queries of a tile times a group of heads: it walks the keys to its last query's, in the
-same blocks from the same chunk starts, each key and value vector loaded once for all its
-(query, head) pairs, each query with its own softmax, sums and records, masking the keys
-past its own position. A block wholly past a query's keys is a bitwise no-op for it (its
-max stays, the rescale is exp(0) = 1, its weights are 0 times finite values), and the
-queries of a tile have as many chunks (a chunk without a key of a query would not be),
-so each query gets the bits it gets alone. An item of one token is the same walk with a
-tile of 1.
+heads alone (one FMA a load for MHA). So, where every query's keys start at 0 (no window,
+or a step whose positions all lie inside the window: ``S_END``), a step's runs of
+consecutive tokens of a sequence within one ``CHUNK`` of positions form tiles of ``TILE``
+tokens (``work_order`` in ``core.attention``; the rest run alone), and an item (``tiles``)
+is ``tile_tokens`` queries of a tile times a group of heads: it walks the keys to its last
+query's, in the same blocks from the same chunk starts, each key and value vector loaded
+once for all its (query, head) pairs, each query with its own softmax, sums and records,
+masking the keys past its own position. A block wholly past a query's keys is a bitwise
+no-op for it (its max stays, the rescale is exp(0) = 1, its weights are 0 times finite
+values), and the queries of a tile have as many chunks (a chunk without a key of a query
+would not be), so each query gets the bits it gets alone. An item of one token is the same
+walk with a tile of 1. With q8_0's recent f16 keys each query has its own segments (pages
+before its window of f16 keys, each run walked in blocks from its start): a tile walks
+together the blocks of pages that lie wholly before its first query's window, then each
+query its own rest (``_chunk``).
 
 Split-K (flash-decoding): an item's keys are walked in chunks of ``CHUNK`` keys from its
 window start, each chunk an online softmax of its own (its maximum, sum of exps and
@@ -67,9 +69,9 @@ A_K, A_V, A_KS, A_VS, A_KR, A_VR, A_WINDOW, A_SCALE, A_STEP, A_SLICES = range(7,
 A_SINKS, A_TILED, N_ARGS = range(17, 20)
 # ``A_SLICES``: the slices of an item ``parts`` runs (see split-K below); ``A_SINKS``: the
 # heads' sink logits (f32 [n_heads]), read by a program built with ``sinks``; ``A_TILED``:
-# whether the layer can run a step's tiles (``run`` and the host's plan), not each token
-# alone (see Tiles above): no recent keys; a layer with a window runs them in a step whose
-# positions all lie inside it (``S_END`` <= window).
+# whether the host runs a step's tiles (``run`` and the CPU's plan; a GPU runs each token
+# alone), not each token alone (see Tiles above); a layer with a window runs them in a step
+# whose positions all lie inside it (``S_END`` <= window).
 # The step's layout block: token count, page tables ``[S, MAX_PAGES]``, each token's
 # sequence, position and KV slot, per sequence its first row in the step, its recent
 # buffer's first row and the first position the buffer holds, the tokens in work order
@@ -352,7 +354,6 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
     heads = item_heads(group, tile)
     pairs = tile * heads  # the (query, head) pairs of an item, pair x = u * heads + g
     n_vec, halves = head_dim // LANES, BLOCK // LANES
-    assert tile == 1 or not recent, "a tile's queries share their keys' segments"
 
     def vec_at(array: ir.Value, i: ir.Value | int) -> ir.Value:
         return k.index(array, i, _VEC)
@@ -399,17 +400,26 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
             for c in range(n_vec):
                 put(zero, vec_at(acc, x * n_vec + c))
 
-        def segment(keys: _Segment, first: ir.Value, stop: ir.Value) -> None:
-            """Keys ``first..stop-1`` into the running softmaxes and value sums; query u
-            takes those up to its own position ``p - tile + 1 + u``."""
+        def segment(
+            keys: _Segment, first: ir.Value, stop: ir.Value, u0: ir.Value | None = None
+        ) -> None:
+            """Keys ``first..stop-1`` into the running softmaxes and value sums of the
+            item's queries (or query ``u0`` alone); query u takes those up to its own
+            position ``p - tile + 1 + u``."""
             last = k.sub(stop, 1)
+            queries = tile if u0 is None else 1
+            u0 = k.i64(0) if u0 is None else u0
+            pairs = queries * heads  # pair x here is pair u0 * heads + x of the item
+            x0 = k.mul(u0, heads)
             qv = [
                 [
                     k.load(_VEC, k.index(q, k.add(qrow, g * head_dim + c * LANES), F32), align=4)
                     for c in range(n_vec)
                 ]
-                for u in range(tile)
-                for qrow in [k.add(k.mul(k.add(t, u), a[A_Q_STRIDE]), k.mul(h0, head_dim))]
+                for u in range(queries)
+                for qrow in [
+                    k.add(k.mul(k.add(k.add(t, u0), u), a[A_Q_STRIDE]), k.mul(h0, head_dim))
+                ]
                 for g in range(heads)
             ]
             q_scale = scale
@@ -436,7 +446,7 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                 """Query ``u``'s heads through the block: their block weights ``exp(score -
                 new max)`` (``halves`` vectors each), rescale factors ``exp(old max - new
                 max)`` (in one vector) and sums of exps."""
-                last_u = k.splat(k.smin(last, k.add(k.sub(p, tile - 1), u)), LANES)
+                last_u = k.splat(k.smin(last, k.add(k.sub(p, tile - 1), k.add(u0, u))), LANES)
                 valid = [
                     b.icmp_signed("<=", k.add(k.splat(k.add(j0, h * LANES), LANES), lane), last_u)
                     for h in range(halves)
@@ -455,10 +465,11 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                     top = x[0]
                     for xh in x[1:]:
                         top = k.call("llvm.maxnum.v8f32", _VEC, top, xh)
-                    m_old = get(k.index(m, at, F32), F32)
+                    m_at = k.index(m, k.add(x0, at), F32)
+                    m_old = get(m_at, F32)
                     top = k.call("llvm.vector.reduce.fmax.v8f32", F32, top, flags=("nnan",))
                     m_new = k.call("llvm.maxnum.f32", F32, m_old, top)
-                    put(m_new, k.index(m, at, F32))
+                    put(m_new, m_at)
                     weights.append(
                         [
                             k.select(valid[h], k.exp(k.sub(x[h], k.splat(m_new, LANES))), zero)
@@ -471,14 +482,14 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                     at, r = k.add(pair, g), b.extract_element(rescale, const(I32, g))
                     put(r, k.index(rescales, at, F32))
                     block_sum = k.halving_sum(k.total(weights[g]))
-                    sum_at = k.index(total, at, F32)
+                    sum_at = k.index(total, k.add(x0, at), F32)
                     put(k.add(k.mul(get(sum_at, F32), r), block_sum), sum_at)
                     for h in range(halves):
                         put(weights[g][h], vec_at(block_weights, k.add(k.mul(at, halves), h)))
 
             def block(j0: ir.Value) -> None:
                 k.loop(0, BLOCK, 1, lambda i: score(j0, i))
-                k.loop(0, tile, 1, lambda u: softmax(j0, u))
+                k.loop(0, queries, 1, lambda u: softmax(j0, u))
                 r = [k.splat(get(k.index(rescales, x, F32), F32), LANES) for x in range(pairs)]
 
                 def weight(x: int, i: ir.Value) -> ir.Value:
@@ -495,7 +506,7 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                     # (unrolled over dims, LLVM would interleave and spill all the sums); each
                     # value vector is loaded once for all pairs.
                     col = k.mul(c, LANES)
-                    sums = [vec_at(acc, k.add(c, x * n_vec)) for x in range(pairs)]
+                    sums = [vec_at(acc, k.add(c, k.mul(k.add(x0, x), n_vec))) for x in range(pairs)]
                     ys = [k.var(k.mul(get(sums[x]), r[x])) for x in range(pairs)]
 
                     def keys_from(i0: ir.Value) -> None:
@@ -539,9 +550,13 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
             return _load_vec(k, dtype, vp, vs, k.add(row, col))
 
         in_pages = _Segment(page_key, page_rows, page_value, rotated=dtype == "q8_0")
-        end = it.end
-        segments = [(in_pages, jlo, end)]
-        if recent:
+        # this chunk's keys (its blocks start at the chunk's first key)
+        lo = k.add(jlo, k.mul(chunk, CHUNK))
+        hi = k.smin(k.add(lo, CHUNK), it.end)
+        p_first = k.sub(p, tile - 1)  # the first query's position
+        if not recent:
+            segment(in_pages, lo, hi)
+        else:
             start = _word(k, pos, _word(k, first_row, seq))  # the sequence's first this step
             base = _word(k, recent_row, seq)
 
@@ -557,7 +572,7 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                             put(x, vec_at(dst, c))
 
                 def ours() -> None:  # this step's: its f32 keys and values, rounded as stored
-                    r, col = k.sub(t, k.sub(p, j)), k.mul(kh, head_dim)
+                    r, col = k.add(t, k.sub(j, p_first)), k.mul(kh, head_dim)
                     for new, stride, dst in zip(
                         (k_new, v_new), (a[A_K_STRIDE], a[A_V_STRIDE]), staged, strict=True
                     ):
@@ -575,14 +590,27 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
             def near_value(row: ir.Value, col: ir.Value) -> ir.Value:
                 return k.load(_VEC, k.index(staged_v, k.add(row, col), F32), align=4)
 
-            near = k.smax(k.smax(jlo, k.sub(p, recent - 1)), _word(k, recent_from, seq))
             in_f16 = _Segment(near_key, near_rows, near_value, rotated=False)
-            segments = [(in_pages, jlo, near), (in_f16, near, end)]
-        # this chunk's keys of each segment (its blocks start at the chunk's first key)
-        lo = k.add(jlo, k.mul(chunk, CHUNK))
-        hi = k.smin(k.add(lo, CHUNK), end)
-        for keys, first, stop in segments:
-            segment(keys, k.smax(first, lo), k.smin(stop, hi))
+
+            def near(u: ir.Value) -> ir.Value:  # query u's first key read in f16
+                p_u = k.add(p_first, u)
+                return k.smax(k.smax(jlo, k.sub(p_u, recent - 1)), _word(k, recent_from, seq))
+
+            # Query u reads its keys before near(u) from the pages, the rest in f16, each
+            # run in blocks from its start: a tile's blocks wholly before its first query's
+            # near are every query's, walked together; then each query its own rest.
+            together = lo
+            if tile > 1:
+                whole = k.udiv(k.sub(k.smax(k.smin(near(0), hi), lo), lo), BLOCK)
+                together = k.add(lo, k.mul(whole, BLOCK))
+                segment(in_pages, lo, together)
+
+            def alone(u: ir.Value) -> None:
+                hi_u = k.smin(hi, k.add(k.add(p_first, u), 1))
+                segment(in_pages, together, k.smin(near(u), hi_u), u)
+                segment(in_f16, k.smax(near(u), lo), hi_u, u)
+
+            k.loop(0, tile, 1, alone)
         floats = record_floats(n_heads, n_kv_heads, head_dim, tile)
 
         def store(u: ir.Value) -> None:  # query u's record
@@ -781,7 +809,7 @@ def _build(
     sinks: bool = False,
 ) -> None:
     """``items(args, lo, hi)``: work items lo..hi-1 of the step's tokens alone, each chunk
-    after chunk; ``tiles(args, lo, hi)``: those of its tiles (none with ``recent``);
+    after chunk; ``tiles(args, lo, hi)``: those of its tiles;
     ``parts(args, lo, hi)``: rows lo..hi-1 of the split-K schedule (``A_SLICES`` rows an
     item), ``merge(args, lo, hi)``: items lo..hi-1's partials folded (both see
     ``_schedule``); ``write_rows(args, lo, hi)``: store
@@ -794,7 +822,7 @@ def _build(
     name = module.ir.name
     walks = {}  # the chunk function of items of one query and of a tile's
     tokens = tile_tokens(n_heads // n_kv_heads)
-    for tile in (1, tokens) if not recent else (1,):
+    for tile in (1, tokens):
         chunk = module.kernel(f"{name}_chunk{tile}", (PTR, I64, I64, PTR), private=True)
         chunk.fn.attributes.add("alwaysinline")
         _chunk(chunk, dtype, softcap, tile, n_heads, n_kv_heads, head_dim, page, recent)
@@ -803,9 +831,8 @@ def _build(
     fns = {}
     for kind in ("items", "tiles", "parts", "merge"):
         fn = fns[kind] = module.kernel(f"{name}_{kind}", (PTR, I64, I64))
-        if kind != "tiles" or not recent:
-            walk = walks[tokens if kind == "tiles" else 1]
-            _schedule(fn, walk, n_heads, n_kv_heads, head_dim, kind, sinks)
+        walk = walks[tokens if kind == "tiles" else 1]
+        _schedule(fn, walk, n_heads, n_kv_heads, head_dim, kind, sinks)
         fn.ret()
     write_rows = module.kernel(f"{name}_write_rows", (PTR, I64, I64))
     _write(write_rows, dtype, n_kv_heads, head_dim)
