@@ -62,10 +62,14 @@ class Runner(Protocol):
         """Seconds for ``len(ids)`` single-token steps after ``prompt``."""
 
 
-def bench_config(ctx: int, num_draft_tokens: int = 4) -> EngineConfig:
+def bench_config(ctx: int, num_draft_tokens: int = 4, kv_cache_dtype: str = "f16") -> EngineConfig:
     """The engine configuration of a bench run: one sequence, no prefix cache."""
     return EngineConfig(
-        ctx=ctx, max_num_seqs=1, enable_prefix_caching=False, num_draft_tokens=num_draft_tokens
+        ctx=ctx,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        num_draft_tokens=num_draft_tokens,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -124,14 +128,13 @@ class LlamaCppRunner:
 
     name = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int, ctx: int):
+    def __init__(self, path: Path, threads: int, ctx: int, kv_cache_dtype: str = "f16"):
         import multiprocessing
 
         mp = multiprocessing.get_context("spawn")
         self._conn, child = mp.Pipe()
-        self._proc = mp.Process(
-            target=_llama_cpp_worker, args=(child, str(path), threads, ctx), daemon=True
-        )
+        args = (child, str(path), threads, ctx, kv_cache_dtype)
+        self._proc = mp.Process(target=_llama_cpp_worker, args=args, daemon=True)
         self._proc.start()
         child.close()
         self._call("ready")
@@ -157,16 +160,28 @@ class LlamaCppRunner:
         self._proc.join(timeout=30)
 
 
-def _llama_cpp_worker(conn, path: str, threads: int, ctx: int) -> None:  # noqa: ANN001
+# The KV cache types llama.cpp takes for ours (``-ctk``/``-ctv``: GGML type ids).
+LLAMA_CPP_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+
+
+def _llama_cpp_worker(conn, path: str, threads: int, ctx: int, kv_cache_dtype: str) -> None:  # noqa: ANN001
     """``LlamaCppRunner``'s process: answers (what, *args) with ("ok", seconds)."""
     try:
         from llama_cpp import Llama
     except ImportError:
         conn.send(("error", INSTALL_HINT))
         return
+    kv = LLAMA_CPP_KV_TYPES[kv_cache_dtype]
     try:
         llm = Llama(
-            model_path=path, n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+            model_path=path,
+            n_ctx=ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            type_k=kv,
+            type_v=kv,
+            flash_attn=kv_cache_dtype == "q8_0",  # llama.cpp's quantised V needs it
+            verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -533,6 +548,7 @@ def bench_command(
     profile: bool,
     speculative: str | None = None,
     num_draft_tokens: int = 4,
+    kv_cache_dtype: str = "f16",
 ) -> str:
     """Everything ``dynalm bench`` prints to stdout."""
     import importlib.util
@@ -544,6 +560,9 @@ def bench_command(
         raise InvalidRequest(f"--vs: only 'llama.cpp' is supported, got {vs!r}")
     if repetitions < 1:
         raise InvalidRequest(f"-r must be at least 1, got {repetitions}")
+    if kv_cache_dtype not in LLAMA_CPP_KV_TYPES:
+        kinds = ", ".join(LLAMA_CPP_KV_TYPES)
+        raise InvalidRequest(f"--kv-cache-dtype: one of {kinds}, got {kv_cache_dtype!r}")
     if speculative and (vs or profile):
         raise InvalidRequest(
             "--speculative compares with the plain engine: not with --vs or --profile"
@@ -554,7 +573,8 @@ def bench_command(
     t0 = time.perf_counter()
     model = load_model(path)
     t1 = time.perf_counter()
-    ours = DynaLMRunner(build_engine(EngineSpec(model, bench_config(ctx), backend, mode, threads)))
+    config = bench_config(ctx, kv_cache_dtype=kv_cache_dtype)
+    ours = DynaLMRunner(build_engine(EngineSpec(model, config, backend, mode, threads)))
     device, n_vocab = ours.engine.device, model.hparams.n_vocab
     load = {  # binding repacks the weights, or reads them from the repack cache
         "file_s": round(t1 - t0, 3),
@@ -566,6 +586,7 @@ def bench_command(
         "peak_rss_bytes": peak_rss(),
     }
     summary = {"model": model.name, "file": str(path), "threads": device.threads, "mode": mode}
+    summary["kv_cache_dtype"] = kv_cache_dtype
     summary["load"] = load
     submitted = getattr(device, "submitted", None)  # the CUDA device's launches per step shape
     if profile:
@@ -574,20 +595,23 @@ def bench_command(
         profiles = [profile_test(ours, test, n_vocab) for test in tests]
         if as_json:
             return json.dumps({**summary, "profiles": [p.as_json() for p in profiles]})
-        head = f"model {model.name} · file {path} · threads {device.threads} · mode {mode}"
+        head = (
+            f"model {model.name} · file {path} · threads {device.threads} · mode {mode} · "
+            f"KV {kv_cache_dtype}"
+        )
         return "\n\n".join([head, *(p.table() for p in profiles)])
     work = Workload(tests, n_vocab)
     work.warm_up(ours)
     memory = Memory(peak_rss(), path.stat().st_size, ours.engine.memory_plan)
     runners: list[Runner] = [ours]
     if speculative:  # first, so that the ratio column is the speed-up
-        config = bench_config(ctx, num_draft_tokens)
+        config = bench_config(ctx, num_draft_tokens, kv_cache_dtype)
         spec = EngineSpec(model, config, speculative=speculative, device=device)
         runners.insert(0, DynaLMRunner(build_engine(spec)))
         work.warm_up(runners[0])
         runners[0].engine.spec_stats.__init__()  # count the timed runs only
     if vs:
-        runners.append(LlamaCppRunner(path, device.threads, ctx))
+        runners.append(LlamaCppRunner(path, device.threads, ctx, kv_cache_dtype))
         work.warm_up(runners[-1])
     results = work.rounds(runners, repetitions)
     for runner in runners[1:]:
@@ -631,8 +655,13 @@ def bench_command(
         )
     header = (
         f"model {model.name} · file {path} ({memory.file / 2**20:.1f} MiB) · "
-        f"threads {device.threads} · mode {mode} · {repetitions} runs"
+        f"threads {device.threads} · mode {mode} · KV {kv_cache_dtype} · {repetitions} runs"
         + (", engines alternating" if vs else "")
+        + (
+            " (llama.cpp: the same KV type, flash attention)"
+            if vs and kv_cache_dtype == "q8_0"
+            else ""
+        )
     )
     loaded = (
         f"load: file {load['file_s']:.2f} s, bind {load['bind_s']:.2f} s (weight repack "

@@ -927,6 +927,7 @@ def bench(
         typer.Option(help="Also run with this drafter (ngram | layer-skip): speed-up, acceptance."),
     ] = None,
     num_draft_tokens: NumDraftTokens = 4,
+    kv_cache_dtype: KVDtype = KVCacheDtype.f16,
     backend: BackendOption = Backend.auto,
     cpu: CpuFlag = False,
     gpu: GpuFlag = False,
@@ -952,6 +953,7 @@ def bench(
                 profile=profile,
                 speculative=speculative,
                 num_draft_tokens=num_draft_tokens,
+                kv_cache_dtype=kv_cache_dtype.value,
             )
         )
 

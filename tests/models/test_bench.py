@@ -68,6 +68,27 @@ def test_bench_vs_llama_cpp(smollm2_gguf: Path):
     assert memory["file_bytes"] < memory["peak_rss_bytes"] <= memory["budget_bytes"], memory
 
 
+def test_bench_kv_cache_dtype(smollm2_gguf: Path):
+    """``--kv-cache-dtype q8_0`` runs the engines on a q8_0 KV cache (llama.cpp, where
+    installed, on its ``-ctk``/``-ctv q8_0`` with the flash attention that needs): fewer
+    KV bytes than f16's, said in the report and in the table's header."""
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    vs = ["--vs", "llama.cpp"] if llama else []
+    # a context where q8_0's pages outweigh its 32 recent f16 rows a sequence
+    run = [str(smollm2_gguf), "-p", "16,256", "-n", "8", "-r", "1", "--json"]
+    f16 = json.loads(dynalm("bench", *run).stdout)
+    result = dynalm("bench", *run, "--kv-cache-dtype", "q8_0", *vs)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (f16["kv_cache_dtype"], report["kv_cache_dtype"]) == ("f16", "q8_0")
+    tests = {(r["engine"], r["test"]) for r in report["results"]}
+    engines = ("dynalm", "llama.cpp") if llama else ("dynalm",)
+    assert tests == {(e, t) for e in engines for t in ("pp16", "pp256", "tg8")}
+    assert report["memory"]["kv_bytes"] < 0.9 * f16["memory"]["kv_bytes"]
+    text = dynalm("bench", str(smollm2_gguf), *TINY, "--kv-cache-dtype", "q8_0").stdout
+    assert "· KV q8_0 ·" in text
+
+
 def test_bench_mixture_of_experts_reads_its_selected_experts(tmp_path: Path):
     """A decode step of one sequence routes each token to top_k distinct experts per layer:
     the expert matmuls' counters read exactly top_k / n_experts of every expert's bytes."""
