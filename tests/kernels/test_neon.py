@@ -7,9 +7,8 @@ has no dotprod: an ``sdot`` there would be an illegal instruction).
 Per backend: every matmul format x mode (exact and auto, the GEMV and the GEMM bucket's
 tile) against the numpy reference of test_matmul, and ``auto`` bitwise equal to every
 backend this host runs; the paged attention kernel (f32, f16, q8_0 pages) against the
-numpy reference of test_attention, pages bitwise the host's (outputs too for f32 and f16
-pages); the
-pool's worker loop (futex syscall 98, ``yield``) with two worker threads handing out a
+numpy reference of test_attention, pages and outputs bitwise the host's; the pool's worker
+loop (futex syscall 98, ``yield``) with two worker threads handing out a
 chain of matmul jobs 20 times over, each output bitwise the single-threaded one.
 
 Where qemu-aarch64 or the cross compiler is missing (``make test`` installs them as root:
@@ -58,12 +57,16 @@ QEMU_CPU = {"aarch64-neon-dotprod": "neoverse-n1", "aarch64-neon": "cortex-a72"}
 AARCH64 = [backends.NEON_DOTPROD, backends.NEON]
 ATTENTION_SEQS = [([3, 7, 1], 40, 5), ([5, 9], 17, 1), ([2], 1, 1)]
 GEOMETRY = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 5, 1)  # window 5, one thread
-# Per dtype its step and geometry: f16 pages without a window and with a prompt of 13
-# tokens, so a tile of 8 (``tiles``) besides 5 tokens alone.
+# Steps (KV dtype, sequences, geometry) by name: f32 pages with a window; f16 and q8_0
+# pages without one and with a prompt of 13 tokens, so a tile of 8 (``tiles``; with q8_0
+# its queries' recent f16 keys) besides 5 tokens alone; and those with MHA's heads (an item
+# of one head: its keys' values unrolled).
+TILED_SEQS = [([3, 7, 1], 40, 13), *ATTENTION_SEQS[1:]]
+MHA = (4, 4, HEAD_DIM, 0.125, 0, 1)
 ATTENTION_STEPS = {
-    "f32": (ATTENTION_SEQS, GEOMETRY),
-    "f16": ([([3, 7, 1], 40, 13), *ATTENTION_SEQS[1:]], (*GEOMETRY[:4], 0, 1)),
-    "q8_0": (ATTENTION_SEQS, GEOMETRY),
+    "f32": ("f32", ATTENTION_SEQS, GEOMETRY),
+    **{dtype: (dtype, TILED_SEQS, (*GEOMETRY[:4], 0, 1)) for dtype in ("f16", "q8_0")},
+    **{f"{dtype} MHA": (dtype, TILED_SEQS, MHA) for dtype in ("f16", "q8_0")},
 }
 POOL_REPEATS = 20
 
@@ -154,13 +157,14 @@ def _attention_calls(h: Harness, b: backends.Backend, run: Run) -> None:
     ``PagedAttention`` fills it (bound to the host's generic kernel), every address in it
     moved to the arena."""
     arena = h.arena
-    for dtype, (seqs, geometry) in ATTENTION_STEPS.items():
-        ref_pool, batch, positions, q, k, v = ragged_step(dtype, seqs)
+    for name, (dtype, seqs, geometry) in ATTENTION_STEPS.items():
+        heads, kv_heads, head_dim = geometry[:3]
+        ref_pool, batch, positions, q, k, v = ragged_step(dtype, seqs, 0, *geometry[:3])
         ref = np.zeros_like(q)
         cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry[:-1])
         host = attend(batch, positions, q, k, v, *geometry, backend=backends.GENERIC)
-        bound = attention_bound(ref_pool, *tables(batch), q, HEADS, HEAD_DIM, 0.125)
-        ours, batch, *_ = ragged_step(dtype, seqs)
+        bound = attention_bound(ref_pool, *tables(batch), q, heads, head_dim, 0.125)
+        ours, batch, *_ = ragged_step(dtype, seqs, 0, *geometry[:3])
         step = StepLayout()
         step.set(batch, positions)
         out = np.full_like(q, np.nan)
@@ -184,7 +188,7 @@ def _attention_calls(h: Harness, b: backends.Backend, run: Run) -> None:
         words[attention.A_STEP] = arena.words(step_words)
         spec = att._request(kv)[2]  # noqa: SLF001 - the same specialisation, for b
         h.call(h.add(b, attention.ATTENTION, spec)["run"], arena.words(words))
-        run.attention[dtype] = (out, ours, ref_pool, ref, bound, host)
+        run.attention[name] = (out, ours, ref_pool, ref, bound, host)
 
 
 def _pool_calls(h: Harness, b: backends.Backend, run: Run, reuse: dict) -> None:
@@ -272,15 +276,13 @@ def test_matmuls_match_reference_and_auto_is_bitwise_the_hosts(emulated) -> None
 
 def test_attention_matches_numpy_and_the_host(emulated) -> None:
     _, run = emulated
-    for dtype in ATTENTION_STEPS:
-        out, ours, ref_pool, ref, bound, host = run.attention[dtype]
+    for name in ATTENTION_STEPS:
+        out, ours, ref_pool, ref, bound, host = run.attention[name]
         assert_close(out, ref, bound)
         assert_same_pages(ours, ref_pool)  # the step's k/v stored as PagePool.write does
-        # The program's float order is the same on every target (``halving_sum``): f32 and
-        # f16 pages give the host's bits. q8_0 pages do not yet (up to 1e-3 of the budget
-        # apart; the rotated keys' scores round differently on AArch64, not traced yet).
-        if dtype != "q8_0":
-            assert np.array_equal(out, host), dtype
+        # The program's float order is the same on every target (``halving_sum``, explicit
+        # FMAs): every step gives the host's bits.
+        assert np.array_equal(out, host), name
 
 
 def test_pool_workers_hand_out_jobs(emulated) -> None:

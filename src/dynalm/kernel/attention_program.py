@@ -98,7 +98,6 @@ FUNCTIONS = ("items", "tiles", "parts", "merge", "write_rows", "write", "write_r
 _VEC = vec(F32, LANES)
 _STORE = {"f32": F32, "f16": F16, "q8_0": I8}
 _BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
-_FMA = ("contract",)  # let fmul + fadd fuse into FMA
 _VEC_ALIGN = 32  # the stack arrays of vectors
 
 
@@ -435,10 +434,7 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                 kc = keys.key(k.smin(k.add(j0, i), last), i)
                 dot = [zero] * pairs
                 for c in range(n_vec):  # each key vector is loaded once for all pairs
-                    dot = [
-                        b.fadd(dot[x], b.fmul(qv[x][c], kc[c], flags=_FMA), flags=_FMA)
-                        for x in range(pairs)
-                    ]
+                    dot = [k.fma(qv[x][c], kc[c], dot[x]) for x in range(pairs)]
                 for x in range(pairs):
                     put(dot[x], vec_at(dots, k.add(i, x * BLOCK)))
 
@@ -513,8 +509,10 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
                         for i in (k.add(i0, d) for d in range(unroll)):
                             vc = keys.value(keys.row(i), col)
                             for x, y in enumerate(ys):
-                                wv = b.fmul(weight(x, i), vc, flags=_FMA)
-                                y.set(b.fadd(y.get(), wv, flags=_FMA))
+                                # an explicit FMA: with fmul + fadd left to fuse, AArch64's
+                                # code generation fused the first key's add with the rescale
+                                # multiply instead (1 ulp from x86, where unrolled)
+                                y.set(k.fma(weight(x, i), vc, y.get()))
 
                     k.loop(0, BLOCK, unroll, keys_from)
                     for x in range(pairs):
