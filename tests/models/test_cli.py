@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -193,6 +194,33 @@ def test_prompt_longer_than_ctx(smollm2_gguf: Path):
 
 def test_gpu_says_why(smollm2_gguf: Path):
     assert_one_line_error(dynalm("run", str(smollm2_gguf), "hi", "--gpu"), "GPU")
+
+
+def test_weight_pages_flag_variable_and_default(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Where `dynalm run` puts the weights (--verbose says): mapped by default (a one-off
+    answer does not repay copying them), on huge pages with --weight-pages huge or
+    $DYNALM_WEIGHT_PAGES=huge (where the kernel has them), the flag over the variable; a
+    bad value of either is a one-line error naming it."""
+    from dynalm.core.memory import transparent_huge_pages
+
+    monkeypatch.delenv("DYNALM_WEIGHT_PAGES", raising=False)
+    huge = "on 2 MiB huge pages" if transparent_huge_pages() else "mapped"
+
+    def placed(*flags: str, env: dict | None = None) -> str:
+        result = dynalm("run", str(smollm2_gguf), "hi", "--max-tokens", "1", "-v", *flags, env=env)
+        assert result.returncode == 0, result.stderr
+        return re.search(r"weights (on 2 MiB huge pages|mapped)\)", result.stderr).group(1)
+
+    assert placed() == "mapped"
+    assert placed("--weight-pages", "huge") == huge
+    assert placed(env={"DYNALM_WEIGHT_PAGES": "huge"}) == huge
+    assert placed("--weight-pages", "mapped", env={"DYNALM_WEIGHT_PAGES": "huge"}) == "mapped"
+    bad = dynalm("run", str(smollm2_gguf), "hi", "--weight-pages", "big")
+    assert_one_line_error(bad, "--weight-pages")
+    bad = dynalm("run", str(smollm2_gguf), "hi", env={"DYNALM_WEIGHT_PAGES": "big"})
+    assert_one_line_error(bad, "DYNALM_WEIGHT_PAGES", "big")
 
 
 def test_verbose_error_shows_traceback(tmp_path: Path):

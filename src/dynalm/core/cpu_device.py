@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from dynalm.core import pool, quant
+from dynalm.core import memory, pool, quant
 from dynalm.core.device import MODES, Device, MatmulKernel
 from dynalm.core.matmul import AUTO_VALIDATED, ActivationScratch, QuantMatmul
 from dynalm.errors import InvalidRequest
@@ -108,7 +108,8 @@ class CpuDevice(Device):
 
     def describe(self) -> str:
         kernels = f", kernels {self.backend.name}" if self.backend else ""
-        return f"cpu ({self.threads} threads, mode {self.mode}{kernels})"
+        pages = "on 2 MiB huge pages" if memory.huge_pages() else "mapped"
+        return f"cpu ({self.threads} threads, mode {self.mode}{kernels}, weights {pages})"
 
     def vector(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
         """A small weight (norm scale, bias) as fp32."""
