@@ -527,6 +527,31 @@ def test_tiled_prefill_gives_each_token_what_it_gets_alone(
             assert np.array_equal(got, together[at]), t
 
 
+def test_values_past_the_f16_range_saturate():
+    """A value past f16's range is stored in f16 pages as +-65504, by the kernel as by
+    numpy, not as inf: the queries of its tile before it (which weigh it by 0: 0 x inf
+    would be NaN) stay finite and get what they get alone, and all within the numpy
+    reference's budget."""
+    seqs = [([0, 1], 24, 16)]  # 8 earlier keys, then two tiles of 8 at positions 8..23
+    geometry = (4, 4, 64, 0.125, 0)
+    pool, batch, positions, q, k, v = ragged_step("f16", seqs, 5, *geometry[:3], n_pages=4)
+    v[7, :64], v[7, 64:] = 1e5, -1e6  # the first tile's last token (position 15)
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry)
+    stored = pool.storage.v[0][batch.slots[7]].copy()
+    together = attend(batch, positions, q, k, v, *geometry, 2)
+    assert np.array_equal(pool.storage.v[0][batch.slots[7]], stored)
+    assert set(np.abs(stored.astype(np.float32)).ravel()) == {65504.0}
+    assert np.isfinite(together).all()
+    assert_close(together, ref, attention_bound(pool, *tables(batch), q, 4, 64, 0.125))
+    for t in range(7):
+        table, slot = [np.array([0, 1])], batch.slots[t : t + 1]
+        alone = AttentionBatch(batch.kv, np.array([0, 1]), np.array([9 + t]), table, slot)
+        at = slice(t, t + 1)
+        got = attend(alone, positions[at].copy(), q[at], k[at], v[at], *geometry, 2)
+        assert np.array_equal(got, together[at]), t
+
+
 @pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
 def test_tiles_on_every_backend_compute_the_same(backend: backends.Backend):
     """The tiles' walk, like the rest of the program, lowers to the same float order on

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dynalm.core.kv_storage import saturated_f16
 from dynalm.kernel.elementwise_programs import MIN_WEIGHT_SUM
 
 if TYPE_CHECKING:
@@ -268,8 +269,8 @@ def attention(
             start, base = n_ctx - (b - a), int(batch.recent[s]) * recent
             lo = max(int(batch.recent_from[s]), start - recent + 1, 0)
             near_k, near_v = kv.read_recent(layer, base + np.arange(lo, start) % recent)
-            near_k = np.concatenate([near_k, k[a:b].astype(np.float16).astype(np.float32)])
-            near_v = np.concatenate([near_v, v[a:b].astype(np.float16).astype(np.float32)])
+            near_k = np.concatenate([near_k, saturated_f16(k[a:b]).astype(np.float32)])
+            near_v = np.concatenate([near_v, saturated_f16(v[a:b]).astype(np.float32)])
             near = (kpos[:, lo:] > qpos - recent) & (kpos[:, lo:] >= batch.recent_from[s])
             near_scores = np.einsum("tkgd,lkd->kgtl", queries, near_k)
             scores[..., lo:] = np.where(near, near_scores, scores[..., lo:])

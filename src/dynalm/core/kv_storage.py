@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from dynalm.core.kv_formats import KV_FORMATS, KVFormat
+from dynalm.kernel.attention_program import F16_MAX
 
 
 def hadamard(x: np.ndarray) -> np.ndarray:
@@ -88,6 +89,12 @@ class KVGeometry:
 
 
 PAGE_ARRAYS = ("k", "v", "k_scale", "v_scale")  # copied with their page (copy-on-write)
+
+
+def saturated_f16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to f16 as the attention kernels store it: saturating at +-65504 (not
+    overflowing to inf; see ``attention_program.F16_MAX``), NaN staying NaN."""
+    return np.clip(x, -F16_MAX, F16_MAX).astype(np.float16)
 
 
 class KVStorage(Protocol):
@@ -194,15 +201,16 @@ class HostKVStorage:
         """Store ``k``/``v`` ``[T, n_kv_heads, head_dim]`` (fp32) at ``slots``."""
         n = self._block
         if not n:
-            self.k[layer][slots] = k
-            self.v[layer][slots] = v
+            rounded = saturated_f16 if self.geometry.store == np.float16 else np.asarray
+            self.k[layer][slots] = rounded(k)
+            self.v[layer][slots] = rounded(v)
             return
         for x, store, scales in ((hadamard(k), self.k, self.k_scale), (v, self.v, self.v_scale)):
             blocks = x.reshape(*x.shape[:2], x.shape[2] // n, n)
             d = np.abs(blocks).max(axis=-1) / 127.0
             inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
             store[layer][slots] = np.rint(blocks * inv[..., None]).reshape(x.shape)
-            scales[layer][slots] = d
+            scales[layer][slots] = saturated_f16(d)
 
     def read(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values at ``slots`` as fp32 ``[L, n_kv_heads, head_dim]``."""
@@ -221,8 +229,8 @@ class HostKVStorage:
     def write_recent(self, layer: int, rows: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store f32 ``k``/``v`` ``[T, n_kv_heads, head_dim]`` at recent-buffer ``rows``
         (distinct), rounded to f16."""
-        self.k_recent[layer][rows] = k
-        self.v_recent[layer][rows] = v
+        self.k_recent[layer][rows] = saturated_f16(k)
+        self.v_recent[layer][rows] = saturated_f16(v)
 
     def save_recent(self, rows: np.ndarray) -> list[np.ndarray]:
         """Copies of recent-buffer ``rows`` ``[layers, 2, len(rows), ...]``, keys and values

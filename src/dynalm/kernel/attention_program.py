@@ -97,6 +97,10 @@ FUNCTIONS = ("items", "tiles", "parts", "merge", "write_rows", "write", "write_r
 
 _VEC = vec(F32, LANES)
 _STORE = {"f32": F32, "f16": F16, "q8_0": I8}
+# Stored f16 values saturate at the largest finite f16: an overflow would store inf, and a
+# tile's weight 0 for a key past a query's position times an inf value is NaN, where the
+# query alone never reads that key. NaN stays NaN. (``kv_storage.saturated_f16``: numpy's.)
+F16_MAX = 65504.0
 _BYTES = {"f32": 4, "f16": 2, "q8_0": 1}
 _VEC_ALIGN = 32  # the stack arrays of vectors
 
@@ -161,6 +165,15 @@ def _row_sums(k: Kernel, rows: list[ir.Value]) -> ir.Value:
     )
 
 
+def _f16(k: Kernel, x: ir.Value) -> ir.Value:
+    """f32 lanes (or one f32) rounded to f16, saturating at +-``F16_MAX``."""
+    ty = x.type
+    high, low = const(ty, F16_MAX), const(ty, -F16_MAX)
+    x = k.select(k.b.fcmp_ordered(">", x, high), high, x)
+    x = k.select(k.b.fcmp_ordered("<", x, low), low, x)
+    return k.convert(x, F16)
+
+
 def _load_vec(
     k: Kernel, dtype: str, store: ir.Value, scales: ir.Value | None, at: ir.Value
 ) -> ir.Value:
@@ -171,7 +184,7 @@ def _load_vec(
     if dtype == "f32":
         return raw
     if dtype == "f32>f16":
-        return k.convert(k.convert(raw, F16), F32)
+        return k.convert(_f16(k, raw), F32)
     if dtype == "f16":
         return k.convert(raw, F32)
     # q8_0: int8 values times the f16 scale of their 32-value block
@@ -218,7 +231,7 @@ def _quantise(k: Kernel, xs: list[ir.Value], scales: ir.Value, at: ir.Value) -> 
     d = k.b.fdiv(amax, const(F32, 127.0))
     positive = k.b.fcmp_ordered(">", d, const(F32, 0.0))
     inv = k.splat(k.select(positive, k.b.fdiv(const(F32, 1.0), d), 0.0), LANES)
-    k.store(k.convert(d, F16), k.index(scales, k.udiv(at, Q8_BLOCK), F16), align=2)
+    k.store(_f16(k, d), k.index(scales, k.udiv(at, Q8_BLOCK), F16), align=2)
     return [k.convert(k.call("llvm.rint.v8f32", _VEC, k.mul(x, inv)), I8) for x in xs]
 
 
@@ -254,7 +267,7 @@ def _write(k: Kernel, dtype: str, n_kv_heads: int, head_dim: int) -> None:
                 if dtype == "q8_0":
                     xs = _quantise(k, _hadamard(k, xs) if rotate else xs, scales, k.add(dst, c))
                 elif dtype == "f16":
-                    xs = [k.convert(x, F16) for x in xs]
+                    xs = [_f16(k, x) for x in xs]
                 for i, x in enumerate(xs):
                     k.store(x, k.index(store, k.add(dst, c + i * LANES), ty))
 
@@ -790,7 +803,7 @@ def _write_recent(k: Kernel, n_kv_heads: int, head_dim: int, recent: int) -> Non
             src, dst = k.mul(t, stride), k.mul(row, width)
             for c in range(0, width, LANES):
                 x = k.load(_VEC, k.index(new, k.add(src, c), F32), align=4)
-                k.store(k.convert(x, F16), k.index(store, k.add(dst, c), F16), align=2)
+                k.store(_f16(k, x), k.index(store, k.add(dst, c), F16), align=2)
 
     k.loop(0, s[S_TOKENS], 1, token)
 
