@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from dynalm.core import weight_pages
 from dynalm.core.kv_formats import KV_FORMATS
 from dynalm.flags import MAX_TOKENS, Duration, Float, Int, Size
 from dynalm.runtime.engine.config import MAX_DRAFT_TOKENS
@@ -144,9 +145,9 @@ def _configure(
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(min(threads, os.cpu_count() or 1))
     if pages is not None:
-        os.environ[WEIGHT_PAGES_VARIABLE] = pages.value
+        os.environ[weight_pages.VARIABLE] = pages.value
     elif default_pages is not None:
-        os.environ.setdefault(WEIGHT_PAGES_VARIABLE, default_pages)
+        os.environ.setdefault(weight_pages.VARIABLE, default_pages)
 
 
 def _utf8(text: str, what: str) -> str:
@@ -222,8 +223,7 @@ def _pooling(pooling: Pooling | None) -> int | None:
 KVCacheDtype = Enum("KVCacheDtype", {name: name for name in KV_FORMATS}, type=str)  # type: ignore[misc]
 
 
-WEIGHT_PAGES_VARIABLE = "DYNALM_WEIGHT_PAGES"  # (read by core.memory.huge_pages)
-WeightPagesChoice = Enum("WeightPagesChoice", {n: n for n in ("huge", "mapped")}, type=str)  # type: ignore[misc]
+WeightPagesChoice = Enum("WeightPagesChoice", {n: n for n in weight_pages.CHOICES}, type=str)  # type: ignore[misc]
 
 
 def _weight_pages(default: str) -> Any:

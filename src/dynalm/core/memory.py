@@ -17,14 +17,13 @@ import ctypes
 import ctypes.util
 import gc
 import mmap
-import os
 import threading
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 
-from dynalm.errors import InvalidRequest
+from dynalm.core import weight_pages
 
 
 @cache
@@ -53,14 +52,10 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def huge_pages() -> bool:
     """Whether weights go to anonymous memory on transparent huge pages: unless
-    ``$DYNALM_WEIGHT_PAGES=mapped`` (weights stay file-backed maps of the repack cache), when
-    the kernel has transparent huge pages and does not say ``never``."""
-    choice = os.environ.get("DYNALM_WEIGHT_PAGES", "huge")
-    if choice not in ("huge", "mapped"):
-        raise InvalidRequest(
-            f"$DYNALM_WEIGHT_PAGES: unknown value {choice!r} (choose huge or mapped)"
-        )
-    return choice == "huge" and transparent_huge_pages()
+    ``$DYNALM_WEIGHT_PAGES=mapped`` (weights stay file-backed maps of the repack cache,
+    ``core.weight_pages``), when the kernel has transparent huge pages and does not say
+    ``never``."""
+    return weight_pages.chosen() == "huge" and transparent_huge_pages()
 
 
 @cache

@@ -611,7 +611,7 @@ def _chunk(k: Kernel, dtype: str, softcap: float, tile: int, *geometry: int) -> 
             # run in blocks from its start: a tile's blocks wholly before its first query's
             # near are every query's, walked together; then each query its own rest.
             together = lo
-            if tile > 1:
+            if tile > 1:  # (an item of one token walks them as its own: one walk less to compile)
                 whole = k.udiv(k.sub(k.smax(k.smin(near(0), hi), lo), lo), BLOCK)
                 together = k.add(lo, k.mul(whole, BLOCK))
                 segment(in_pages, lo, together)
