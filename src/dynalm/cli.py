@@ -239,8 +239,11 @@ def _weight_pages(default: str) -> Any:
 
 
 # A one-off answer does not repay copying the weights (1B: 40 tokens 2.6 s mapped against
-# 2.9-4.0 huge, 400 tokens 12.1-12.3 against 12.0); a server and a benchmark run long.
-RunWeightPages, LongWeightPages = _weight_pages("mapped"), _weight_pages("huge")
+# 2.9-4.0 huge, 400 tokens 12.1-12.3 against 12.0); a server and a benchmark run long. A
+# server's replicas are processes of their own: on huge pages each would hold a copy of the
+# weights, where mapped ones share the page cache's.
+RunWeightPages, BenchWeightPages = _weight_pages("mapped"), _weight_pages("huge")
+ServeWeightPages = _weight_pages("huge (with --replicas: mapped, shared by the replicas)")
 
 
 KVDtype = Annotated[
@@ -770,14 +773,14 @@ def serve(
             "less loaded of two at random; round-robin: each in turn."
         ),
     ] = Router.prefix,  # type: ignore[attr-defined]
-    weight_pages: LongWeightPages = None,
+    weight_pages: ServeWeightPages = None,
     verbose: Verbose = False,
 ) -> None:
     """Serve models over an OpenAI-compatible HTTP API until SIGTERM / Ctrl-C: loaded on
     demand, unloaded when idle, as Ollama's server."""
     if replicas is not None and threads is None:
         threads = 1  # a replica's engine threads = its actor's CPUs
-    _configure(verbose, threads, weight_pages, "huge")
+    _configure(verbose, threads, weight_pages, "huge" if replicas is None else "mapped")
     with user_errors(verbose):
         from dynalm.models.loader import load_model
         from dynalm.runtime.embed import (
@@ -966,7 +969,7 @@ def bench(
     backend: BackendOption = Backend.auto,
     cpu: CpuFlag = False,
     gpu: GpuFlag = False,
-    weight_pages: LongWeightPages = None,
+    weight_pages: BenchWeightPages = None,
     verbose: Verbose = False,
 ) -> None:
     """Measure prefill (pp) and decode (tg) speed, llama-bench style."""

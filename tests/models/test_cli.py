@@ -223,6 +223,39 @@ def test_weight_pages_flag_variable_and_default(
     assert_one_line_error(bad, "DYNALM_WEIGHT_PAGES", "big")
 
 
+def test_serve_weight_pages_huge_alone_mapped_with_replicas(monkeypatch: pytest.MonkeyPatch):
+    """`serve` puts the weights on huge pages, but with --replicas (processes of their own,
+    each of which would hold a copy there) maps them, which the replicas then share; the
+    flag and the variable over either default. (The server and the cluster stubbed: what is
+    checked is the setting they would start with.)"""
+    from contextlib import contextmanager
+
+    from typer.testing import CliRunner
+
+    from dynalm import cli
+    from dynalm.core import weight_pages
+    from dynalm.runtime.serve import server
+
+    seen = []
+    placed = lambda *a, **k: seen.append(os.environ[weight_pages.VARIABLE])  # noqa: E731
+    monkeypatch.setattr(server, "serve", placed)
+    monkeypatch.setattr(cli, "_cluster", contextmanager(lambda *a: (yield None)))
+    cases = {
+        (): "huge",
+        ("--replicas", "2"): "mapped",
+        ("--replicas", "2", "--weight-pages", "huge"): "huge",
+        ("--weight-pages", "mapped"): "mapped",
+    }
+    for args in cases:
+        monkeypatch.setenv(weight_pages.VARIABLE, "unset below; restored after the test")
+        monkeypatch.delenv(weight_pages.VARIABLE)
+        result = CliRunner().invoke(cli.app, ["serve", *args])
+        assert result.exit_code == 0, result.output
+    monkeypatch.setenv(weight_pages.VARIABLE, "huge")
+    assert CliRunner().invoke(cli.app, ["serve", "--replicas", "2"]).exit_code == 0
+    assert seen == [*cases.values(), "huge"]
+
+
 def test_verbose_error_shows_traceback(tmp_path: Path):
     result = dynalm("run", str(tmp_path / "nope.gguf"), "hi", "--verbose")
     assert result.returncode != 0 and "Traceback" in result.stderr

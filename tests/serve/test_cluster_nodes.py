@@ -4,10 +4,13 @@ both on 127.0.0.1), joined as ``--ray-address`` joins a cluster. 4 replicas of o
 2 on each node; each node has its own store (a directory per node id: a node's own disk),
 and the model is named by its Hub reference (a fake Hub on 127.0.0.1), so each node pulls
 it on first use: once per node, not once per replica (the replicas of a node start together
-and take turns at its store). Greedy answers from every replica equal the single process's."""
+and take turns at its store). Greedy answers from every replica equal the single process's,
+and the replicas place their weights as the driver's settings say (`--weight-pages`, set
+after the nodes started)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 from serving import MODEL, LiveServer, live_cluster, live_server
 
+from dynalm.core import weight_pages
 from dynalm.models.loader import LoadedModel, load_model
 from dynalm.runtime.engine.config import EngineConfig
 from dynalm.runtime.serve.models import ModelService
@@ -57,7 +61,10 @@ class _OnNode:
         node = ray.get_runtime_context().get_node_id()
         store = ModelStore(Path(self.root) / node, catalog={})
         path = store.resolve(REF)
-        (store.root / f"loaded-by-{ray.get_runtime_context().get_actor_id()}").touch()
+        pages = os.environ.get(weight_pages.VARIABLE)
+        (store.root / f"loaded-by-{ray.get_runtime_context().get_actor_id()}").write_text(
+            f"{pages}"
+        )
         model = load_model(path)
         engine = Engine(model, CpuDevice(threads=1), EngineConfig(**CONFIG))
         return ModelService(engine, model, [MODEL])
@@ -98,9 +105,11 @@ def test_replicas_on_two_nodes_pull_once_per_node_and_answer_as_one_process(
     hub: Hub,  # noqa: F811
     tmp_path: Path,
     smollm2: LoadedModel,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     t0 = time.monotonic()
     publish(hub, "acme/smol-GGUF", {"README.md": b"# smol\n", FILE: smollm2.path.read_bytes()})
+    monkeypatch.setenv(weight_pages.VARIABLE, "mapped")  # `serve --weight-pages mapped`
     cluster.connect(two_nodes.address, 1)  # as --ray-address does; HF_* go to the replicas
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     # the ingress tokenizes: `serve` resolves the model in this (the head) node's store first
@@ -122,6 +131,9 @@ def test_replicas_on_two_nodes_pull_once_per_node_and_answer_as_one_process(
     loads = {d.name: len(list(d.glob("loaded-by-*"))) for d in tmp_path.iterdir() if d.is_dir()}
     assert len(nodes) == NODES and set(loads) == nodes, (nodes, loads)
     assert list(loads.values()) == [CPUS_PER_NODE] * NODES, loads
+    # each placed its weights as this process says, though its node started without that
+    pages = [p.read_text() for p in tmp_path.glob("*/loaded-by-*")]
+    assert pages == ["mapped"] * REPLICAS, pages
     # the model's file came from the Hub once per node: the head's (the ingress) and the other's
     cdn = [p for p in hub.paths() if p.startswith("/cdn/")]
     assert len(cdn) == NODES, hub.paths()

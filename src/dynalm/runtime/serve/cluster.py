@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dynalm.core import weight_pages
 from dynalm.errors import ClusterUnavailable, InvalidRequest, QueueFull, ReplicaLost
 from dynalm.models.loader import LoadedModel
 from dynalm.runtime.engine.config import EngineConfig
@@ -45,10 +46,13 @@ OBJECT_STORE_BYTES = 200 * 1024 * 1024  # a local cluster's: outputs are small, 
 CONNECT_TIMEOUT_S = 5.0  # a TCP connection to --ray-address
 JOIN_TIMEOUT_S = 30.0  # ray.init on it: joining a live cluster takes seconds, ray:// included
 # what a replica inherits: dynalm as this process imports it (a source checkout included),
-# the store, the Hub it pulls from and its token (on a node whose store lacks the model),
-# and the BLAS threads `serve --threads` set
-ENV = ("PYTHONPATH", "DYNALM_HOME", "HF_ENDPOINT", "HF_TOKEN", "OPENBLAS_NUM_THREADS",
-       "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # fmt: skip
+# the store, the Hub it pulls from, its token and timeout (on a node whose store lacks the
+# model), the BLAS threads `serve --threads` set, where the weights lie (`--weight-pages`),
+# the kernels' ISA and the JIT and repack caches. (A local cluster's workers inherit this
+# process's whole environment anyway; a joined cluster's nodes were started without it.)
+ENV = ("PYTHONPATH", "DYNALM_HOME", "HF_ENDPOINT", "HF_TOKEN", "DYNALM_PULL_TIMEOUT",
+       "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", weight_pages.VARIABLE,
+       "DYNALM_ISA", "DYNALM_CACHE", "DYNALM_REPACK_CACHE", "DYNALM_REPACK_CACHE_MAX")  # fmt: skip
 RETRIES = 4  # attempts on other replicas for a request that had not started
 STATS_PERIOD_S = 1.0  # how often Ray Serve polls each replica's engine stats
 _NOT_SUMMED = ("kv_usage", "spec")  # EngineStats fields a cluster's sum leaves out
