@@ -926,6 +926,18 @@ def _auto_mma(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
     _walk(k, s, a.t_rows, tile)
 
 
+def _group_maxima(k: Kernel, mag: ir.Value) -> ir.Value:
+    """The largest of each ``X_GROUPS`` group of a block's 32 magnitudes, as 2 lanes: a
+    tree of lane-wise maxima whose every step keeps 4-value chunk j in group j % 2 (lanes
+    i and i + 16, then i and i + 8, hold chunks of one group). The largest is the same in
+    any order, NaN ignored as ``maxnum`` does; a vector reduction of each group was a
+    chain of 30 scalar maxima and NaN tests a block on x86."""
+    v = k.fmax(k.part(mag, 0, 16), k.part(mag, 16, 16))
+    v = k.fmax(k.part(v, 0, 8), k.part(v, 8, 8))  # lanes 0-3: group 0, lanes 4-7: group 1
+    v = k.fmax(k.shuffle(v, [0, 1, 4, 5]), k.shuffle(v, [2, 3, 6, 7]))
+    return k.fmax(k.shuffle(v, [0, 2]), k.shuffle(v, [1, 3]))
+
+
 def _quantize(k: Kernel, k_blocks: int) -> None:
     """Activation rows [lo, hi) of fp32 [T, K] -> int8 [T, K], per-block scales dx
     [T, nb, 2] (one per ``X_GROUPS`` group), sum(dx * q) [T, nb] and the negated integer
@@ -936,22 +948,15 @@ def _quantize(k: Kernel, k_blocks: int) -> None:
 
     def block(b: ir.Value) -> None:
         v = k.load(f32x32, x_in, k.mul(b, QK * 4), 4)
-        mag = k.call("llvm.fabs.v32f32", f32x32, v)
-        amax = [k.reduce("fmax", k.shuffle(mag, g)) for g in X_GROUPS]
-        d = [k.b.fdiv(m, ir.Constant(F32, 127.0)) for m in amax]
-        inv = [
-            k.select(
-                k.b.fcmp_ordered(">", m, ir.Constant(F32, 0.0)),
-                k.b.fdiv(ir.Constant(F32, 127.0), m),
-                0.0,
-            )
-            for m in amax
-        ]
-        pair = k.b.insert_element(ir.Constant(vec(F32, 2), None), inv[0], ir.Constant(I32, 0))
-        pair = k.b.insert_element(pair, inv[1], ir.Constant(I32, 1))
-        scaled = k.mul(v, k.shuffle(pair, [i // 4 % 2 for i in range(QK)]))
+        amax = _group_maxima(k, k.call("llvm.fabs.v32f32", f32x32, v))
+        pair = vec(F32, 2)
+        d = k.b.fdiv(amax, const(pair, 127.0))
+        positive = k.b.fcmp_ordered(">", amax, const(pair, 0.0))
+        inv = k.select(positive, k.b.fdiv(const(pair, 127.0), amax), const(pair, 0.0))
+        scaled = k.mul(v, k.shuffle(inv, [i // 4 % 2 for i in range(QK)]))
         q = k.convert(k.call("llvm.nearbyint.v32f32", f32x32, scaled), I8)
         k.store(q, a.x, k.mul(b, QK))
+        k.store(d, a.xd, k.mul(b, 8), 4)
         wide = k.convert(q, I32)
         total = ir.Constant(F32, 0.0)
         sums_at = k.mul(b, 4 * KEY_SUMS)
@@ -966,8 +971,8 @@ def _quantize(k: Kernel, k_blocks: int) -> None:
             for n, half in enumerate(halves):
                 store_sum(half, key_slot(n, g, 2))
             store_sum(whole, key_slot(0, g, 1))
-            total = k.fma(d[g], k.convert(whole, F32), total)
-            k.store(d[g], a.xd, k.add(k.mul(b, 8), 4 * g), 4)
+            d_g = k.b.extract_element(d, ir.Constant(I32, g))
+            total = k.fma(d_g, k.convert(whole, F32), total)
         k.store(total, a.xs, k.mul(b, 4), 4)
 
     k.loop(k.mul(k.args[1], a.nb), k.mul(k.args[2], a.nb), 1, block)
