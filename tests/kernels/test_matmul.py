@@ -235,6 +235,27 @@ def test_rows_do_not_depend_on_the_batch(
         assert np.array_equal(mm(x[t : t + size].copy())[0], batched[t])
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=lambda b: b.name)
+def test_auto_products_of_a_nan_or_inf_activation_are_not_finite(
+    backend: backends.Backend, ggml_type: T
+) -> None:
+    """As in exact, a NaN or an inf in a row's activations makes that row's products not
+    finite (its scale group's int8 scale is NaN or inf), so the engine's check of the logits
+    sees it; the quantiser once dropped a NaN (products finite). The other rows are the
+    bits they are without them, in the GEMV and in each tile."""
+    raw = weights(ggml_type, N, 512)
+    mm = QuantMatmul(raw, ggml_type, 512, mode="auto", backend=runnable(backend))
+    for t_rows in (1, 5, 21):
+        x = activations(t_rows, 512)
+        clean = mm(x)
+        x[0, 37], x[-1, 300] = np.nan, np.inf
+        y = mm(x)
+        assert np.isnan(y[0]).all()
+        assert not np.isfinite(y[-1]).any()
+        assert np.array_equal(y[1:-1], clean[1:-1])
+
+
 def test_a_ragged_batch_runs_its_rest_on_the_rest_s_own_tile() -> None:
     """A partial group of a tile costs a whole one: 9 rows are a tile of 8 and a GEMV of 1,
     12 a tile of 8 and one of 4, 20 on AMX a tile product of 16 and a vector tile of 4; a
