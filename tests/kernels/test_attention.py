@@ -552,6 +552,38 @@ def test_values_past_the_f16_range_saturate():
         assert np.array_equal(got, together[at]), t
 
 
+def test_a_nan_key_or_value_reaches_the_queries_that_attend_it():
+    """A NaN in a step's key and in a later token's value (q8_0 pages): the kernel stores
+    them as numpy's ``PagePool.write`` does (the block's scale NaN), and the queries that
+    attend them get NaN, as the reference's do, where the kernel's block maximum and its
+    exp's clamp once dropped a NaN (finite answers, so the engine's check of the logits
+    never saw it); a query before both, and the other sequence, get the bits they get
+    without them. (The reference also turns the first query's heads of the
+    value's group NaN: it weighs a key past a query by 0, and 0 x NaN is NaN.)"""
+    seqs = [([3, 7, 1], 40, 5), ([5, 9], 17, 1)]  # seq 0's step: positions 35..39
+    geometry = (HEADS, KV_HEADS, HEAD_DIM, 0.125, 0)
+    group = HEADS // KV_HEADS
+    _, batch, positions, q, k, v = ragged_step("q8_0", seqs)
+    clean = attend(batch, positions, q, k, v, *geometry, 2)
+    pool, batch, positions, q, k, v = ragged_step("q8_0", seqs)
+    k[1, 3], v[4, HEAD_DIM + 10] = np.nan, np.nan  # position 36's kv head 0; 39's head 1
+    ref = np.zeros_like(q)
+    cpu_ops.attention(ref, q, k, v, positions, batch, 0, *geometry)
+    ours, batch, *_ = ragged_step("q8_0", seqs)
+    batch.kv = ours.storage
+    out = attend(batch, positions, q, k, v, *geometry, 2)
+    for a, b in zip(*[(*p.storage.k, *p.storage.v, *p.storage.k_scale, *p.storage.v_scale)
+                      for p in (ours, pool)], strict=True):  # fmt: skip
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    heads = out.reshape(len(out), HEADS, HEAD_DIM)
+    key_group, value_group = slice(0, group), slice(group, 2 * group)
+    assert np.isnan(heads[1:5, key_group]).all()  # positions 36..39 attend the NaN key
+    assert np.isnan(ref.reshape(heads.shape)[1:5, key_group]).all()
+    assert np.isnan(heads[4, value_group]).any(axis=-1).all()  # 39 weighs the NaN value
+    assert np.array_equal(out[0], clean[0])  # position 35 attends neither
+    assert np.array_equal(out[5], clean[5])  # nor does the other sequence
+
+
 @pytest.mark.parametrize("backend", VECTOR_BACKENDS, ids=lambda b: b.name)
 def test_tiles_on_every_backend_compute_the_same(backend: backends.Backend):
     """The tiles' walk, like the rest of the program, lowers to the same float order on

@@ -425,10 +425,13 @@ class Kernel:
     # -- numeric building blocks --------------------------------------------------------
     def exp(self, x: ir.Value) -> ir.Value:
         """e**x of f32 lanes (a scalar or a vector): x = n ln2 + r, |r| <= ln2/2, a degree-6
-        polynomial of r times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range)."""
+        polynomial of r times 2**n (Cephes; about 1 ulp; inputs clamped to the normal range).
+        NaN stays NaN, as numpy's: the clamps compare (``maxnum`` would have made it
+        e**-87.3), and its 2**n is built from n = 0 (converting NaN is undefined)."""
         ty = x.type
-        x = self.call(f"llvm.maxnum.{_suffix(ty)}", ty, x, const(ty, -87.33654))
-        x = self.call(f"llvm.minnum.{_suffix(ty)}", ty, x, const(ty, 88.37626))
+        lo, hi = const(ty, -87.33654), const(ty, 88.37626)
+        x = self.b.select(self.b.fcmp_ordered("<", x, lo), lo, x)
+        x = self.b.select(self.b.fcmp_ordered(">", x, hi), hi, x)
         n = self.call(f"llvm.rint.{_suffix(ty)}", ty, self.mul(x, 1.4426950408889634))
         r = self.sub(x, self.mul(n, 0.693359375))
         r = self.sub(r, self.mul(n, -2.12194440e-4))
@@ -436,6 +439,7 @@ class Kernel:
         for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5):
             p = self.add(self.mul(p, r), c)
         p = self.add(self.add(self.mul(p, self.mul(r, r)), r), 1.0)
+        n = self.b.select(self.b.fcmp_ordered("ord", n, n), n, const(ty, 0.0))
         bits = self.shl(self.add(self.convert(n, I32), 127), 23)
         return self.mul(p, self.bitcast(bits, ty))
 
