@@ -395,6 +395,27 @@ def test_serve_checks_kv_cache_memory_against_the_memory_plan(smollm2_gguf: Path
 
 
 @pytest.mark.parametrize("mode", ["auto", "exact"])
+def test_a_nan_activation_is_refused_in_auto_as_in_exact(
+    mode: str, smollm2_gguf: Path, tmp_path: Path
+) -> None:
+    """One value of an F32 norm weight set to NaN: its layer's activations hold a NaN,
+    which auto's int8 quantiser used to drop (the answer came out as fluent-looking
+    nonsense); now the logits are not finite in auto as in exact, and the run says so."""
+    path = tmp_path / "nan-norm.gguf"
+    path.write_bytes(smollm2_gguf.read_bytes())
+    info = next(
+        t for t in gguf.GGUFReader(smollm2_gguf).tensors if t.name == "blk.3.attn_norm.weight"
+    )
+    assert info.tensor_type == gguf.GGMLQuantizationType.F32
+    data = np.memmap(path, np.float32, "r+", offset=info.data_offset, shape=(info.n_elements,))
+    data[5] = np.nan
+    data.flush()
+    del data
+    result = dynalm("run", str(path), "hi", "--mode", mode, *GREEDY)
+    assert_one_line_error(result, "logits that are not finite")
+
+
+@pytest.mark.parametrize("mode", ["auto", "exact"])
 def test_nan_block_scales_are_refused_naming_the_tensor(
     mode: str, smollm2_gguf: Path, tmp_path: Path
 ) -> None:
