@@ -222,28 +222,24 @@ def _hadamard(k: Kernel, xs: list[ir.Value]) -> list[ir.Value]:
 
 def _quantise(k: Kernel, xs: list[ir.Value], scales: ir.Value, at: ir.Value) -> list[ir.Value]:
     """One q8_0 block (four vectors): its int8 vectors; its f16 scale stored at
-    ``scales[at / 32]`` (numpy's f32 operations in numpy's order, so bitwise equal). The
-    largest magnitude is the integer maximum of the magnitudes' bit patterns (non-negative
-    floats order as their values, inf and then NaN above them): as numpy's ``max``, a NaN
-    gives the block a NaN scale, so it reads back NaN (``maxnum`` dropped it). A value
-    that scales to NaN (a NaN, or an inf in a block scaled by 0) stores 0, as numpy's cast
-    does on x86 (converting NaN to an integer is undefined)."""
-    bits = [k.b.bitcast(k.call("llvm.fabs.v8f32", _VEC, x), vec(I32, LANES)) for x in xs]
+    ``scales[at / 32]`` (numpy's f32 operations in numpy's order, so bitwise equal). As
+    numpy's ``max``, the largest magnitude keeps a NaN (``Kernel.magnitude_bits``): the
+    block's scale is NaN and it reads back NaN. A value that scales to NaN (a NaN, or an
+    inf in a block scaled by 0) stores 0, as numpy's cast does on x86 (converting NaN to an
+    integer is undefined)."""
+    bits = [k.magnitude_bits(x) for x in xs]
     top = bits[0]
     for b in bits[1:]:
         top = k.smax(top, b)
-    amax = k.b.bitcast(k.reduce("smax", top), F32)
+    amax = k.bitcast(k.reduce("smax", top), F32)
     d = k.b.fdiv(amax, const(F32, 127.0))
     positive = k.b.fcmp_ordered(">", d, const(F32, 0.0))
     inv = k.splat(k.select(positive, k.b.fdiv(const(F32, 1.0), d), 0.0), LANES)
     k.store(_f16(k, d), k.index(scales, k.udiv(at, Q8_BLOCK), F16), align=2)
 
-    def rounded(x: ir.Value) -> ir.Value:
-        scaled = k.mul(x, inv)
-        scaled = k.select(k.b.fcmp_ordered("ord", scaled, scaled), scaled, const(_VEC, 0.0))
-        return k.convert(k.call("llvm.rint.v8f32", _VEC, scaled), I8)
-
-    return [rounded(x) for x in xs]
+    return [
+        k.convert(k.call("llvm.rint.v8f32", _VEC, k.nan_to_zero(k.mul(x, inv))), I8) for x in xs
+    ]
 
 
 def _write(k: Kernel, dtype: str, n_kv_heads: int, head_dim: int) -> None:

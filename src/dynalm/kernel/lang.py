@@ -265,6 +265,20 @@ class Kernel:
     def bitcast(self, v: ir.Value, ty: ir.Type) -> ir.Value:
         return self.b.bitcast(v, ty)
 
+    def nan_to_zero(self, x: ir.Value) -> ir.Value:
+        """``x`` with NaN lanes 0: before a conversion to an integer, which is undefined
+        for NaN."""
+        return self.b.select(self.b.fcmp_ordered("ord", x, x), x, const(x.type, 0.0))
+
+    def magnitude_bits(self, v: ir.Value) -> ir.Value:
+        """``|v|``'s bit patterns as int32 lanes. They order non-negative floats as their
+        values do and put inf, then NaN, above every finite one: their integer maximum
+        (``smax``, exact in any order; ``bitcast`` back to f32) is the largest magnitude,
+        a NaN kept (``maxnum`` drops one, and a vector ``fmax`` reduction lowers to a chain
+        of scalar maxima and NaN tests on x86)."""
+        ints = vec(I32, v.type.count) if isinstance(v.type, ir.VectorType) else I32
+        return self.bitcast(self.call(f"llvm.fabs.{_suffix(v.type)}", v.type, v), ints)
+
     def call(self, name: str, ret: ir.Type, *args: ir.Value, flags: Sequence[str] = ()) -> ir.Value:
         """Call the intrinsic or function ``name`` (declared on first use)."""
         fn = self.module.ir.globals.get(name)
@@ -439,8 +453,7 @@ class Kernel:
         for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5):
             p = self.add(self.mul(p, r), c)
         p = self.add(self.add(self.mul(p, self.mul(r, r)), r), 1.0)
-        n = self.b.select(self.b.fcmp_ordered("ord", n, n), n, const(ty, 0.0))
-        bits = self.shl(self.add(self.convert(n, I32), 127), 23)
+        bits = self.shl(self.add(self.convert(self.nan_to_zero(n), I32), 127), 23)
         return self.mul(p, self.bitcast(bits, ty))
 
     def tanh(self, x: ir.Value) -> ir.Value:

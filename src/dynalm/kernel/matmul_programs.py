@@ -927,19 +927,16 @@ def _auto_mma(k: Kernel, u: Unpack, s: Shape, k_blocks: int) -> None:
 
 
 def _group_maxima(k: Kernel, v: ir.Value) -> ir.Value:
-    """The largest magnitude of each ``X_GROUPS`` group of a block's 32 values, as 2 lanes:
-    a tree of lane-wise maxima whose every step keeps 4-value chunk j in group j % 2 (lanes
-    i and i + 16, then i and i + 8, hold chunks of one group), taken on the magnitudes'
-    bit patterns as integers. Those order non-negative floats as their values do and put
-    inf, then NaN, above every finite one: exact in any order, and a group holding a NaN
-    (an inf) gets a NaN (inf) scale, so its products are not finite, as in exact. (A vector
-    ``fmax`` reduction was a chain of 30 scalar maxima and NaN tests a block on x86, and
-    ``maxnum`` drops a NaN.)"""
-    bits = k.b.bitcast(k.call("llvm.fabs.v32f32", v.type, v), vec(I32, QK))
+    """The largest magnitude of each ``X_GROUPS`` group of a block's 32 values, as 2 lanes
+    (``Kernel.magnitude_bits``: a group holding a NaN gets a NaN scale, so its products are
+    not finite, as in exact): a tree of lane-wise maxima whose every step keeps 4-value
+    chunk j in group j % 2 (lanes i and i + 16, then i and i + 8, hold chunks of one
+    group)."""
+    bits = k.magnitude_bits(v)
     m = k.smax(k.part(bits, 0, 16), k.part(bits, 16, 16))
     m = k.smax(k.part(m, 0, 8), k.part(m, 8, 8))  # lanes 0-3: group 0, lanes 4-7: group 1
     m = k.smax(k.shuffle(m, [0, 1, 4, 5]), k.shuffle(m, [2, 3, 6, 7]))
-    return k.b.bitcast(k.smax(k.shuffle(m, [0, 2]), k.shuffle(m, [1, 3])), vec(F32, 2))
+    return k.bitcast(k.smax(k.shuffle(m, [0, 2]), k.shuffle(m, [1, 3])), vec(F32, 2))
 
 
 def _quantize(k: Kernel, k_blocks: int) -> None:
@@ -958,10 +955,8 @@ def _quantize(k: Kernel, k_blocks: int) -> None:
         positive = k.b.fcmp_ordered(">", amax, const(pair, 0.0))
         inv = k.select(positive, k.b.fdiv(const(pair, 127.0), amax), const(pair, 0.0))
         scaled = k.mul(v, k.shuffle(inv, [i // 4 % 2 for i in range(QK)]))
-        # a NaN or an inf scales to NaN (its group's scale is not finite): 0 instead, as
-        # converting NaN to an integer is undefined
-        scaled = k.select(k.b.fcmp_ordered("ord", scaled, scaled), scaled, const(f32x32, 0.0))
-        q = k.convert(k.call("llvm.nearbyint.v32f32", f32x32, scaled), I8)
+        # a NaN or an inf scales to NaN (its group's scale is not finite): stored as 0
+        q = k.convert(k.call("llvm.nearbyint.v32f32", f32x32, k.nan_to_zero(scaled)), I8)
         k.store(q, a.x, k.mul(b, QK))
         k.store(d, a.xd, k.mul(b, 8), 4)
         wide = k.convert(q, I32)
