@@ -348,7 +348,7 @@ def compile_module(
     Function names must be unique across all modules of the process (include a hash of the
     generating parameters in them).
     """
-    return _engine().compile(ir, names)
+    return _engine().compile(ir, names, features)
 
 
 def compile_modules(modules: Sequence[Source]) -> list[tuple[dict[str, int], float]]:
